@@ -135,6 +135,11 @@ class ModelConfig:
         if self.count("moe"):
             _positive("model.num_moe_experts", self.num_moe_experts)
             _positive("model.moe_ffn_hidden_size", self.moe_ffn_hidden_size)
+            if self.moe_shared_expert_intermediate_size and self.add_bias_linear:
+                raise ConfigError(
+                    "model.moe_shared_expert_intermediate_size>0 needs model.add_bias_linear=false "
+                    "(Megatron-Core's shared expert has no biases)"
+                )
             if not 1 <= self.moe_router_topk <= self.num_moe_experts:
                 raise ConfigError(
                     f"model.moe_router_topk={self.moe_router_topk} must be in "

@@ -1,0 +1,67 @@
+"""Side-by-side timing: interleaved repetitions and medians, because the machine is noisy.
+
+Timing candidates one after another lets a burst of load from a neighbour land on one of
+them only; interleaving (with a rotating order) spreads it over all, and medians drop it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """A no-op on CPU; waits for queued kernels on an accelerator."""
+    if device.type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def interleaved_medians(
+    candidates: dict[str, Callable[[], object]],
+    *,
+    reps: int = 15,
+    warmup: int = 2,
+    sync: Callable[[], None] = lambda: None,
+) -> dict[str, float]:
+    """Median seconds per call of each candidate, measured round-robin ``reps`` times."""
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    items = list(candidates.items())
+    for _ in range(warmup):
+        for _, fn in items:
+            fn()
+    sync()
+    samples: dict[str, list[float]] = {name: [] for name, _ in items}
+    for rep in range(reps):
+        shift = rep % len(items)
+        for name, fn in items[shift:] + items[:shift]:
+            start = time.perf_counter()
+            fn()
+            sync()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to reuse freed heap memory instead of returning it to the OS.
+
+    Big outputs (> the malloc mmap threshold) otherwise come fresh from the kernel on every
+    call, and the page faults (several ms per 32 MB, varying with allocation history) swamp
+    the copy being measured.  Returns False where glibc's mallopt is unavailable.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 1 << 40))
+    except (OSError, AttributeError):
+        return False

@@ -1,0 +1,228 @@
+"""Run Megatron-Core 0.19.2 on CPU with the gloo backend.
+
+Megatron-Core assumes CUDA in a few narrow places: its RNG tracker, default devices of buffers,
+CUDA streams/events in the MoE dispatcher, type-string checks in the optimizer, and collectives
+gloo does not implement (uneven all-gather, list reduce-scatter). Each patch below targets one
+such place, is applied once, and is recorded in ``applied_patches()`` so ``elastic-plugin info``
+can say what was changed. Nothing is patched when CUDA is available.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Any, Callable
+
+import torch
+
+_APPLIED: list[str] = []
+ENV_FLAG = "ELASTIC_PLUGIN_CPU"
+
+
+def applied_patches() -> list[str]:
+    """Names of the patches applied in this process, in order."""
+    return list(_APPLIED)
+
+
+def _patch(obj: Any, name: str, value: Any, label: str | None = None) -> None:
+    setattr(obj, name, value)
+    _APPLIED.append(label or f"{getattr(obj, '__name__', type(obj).__name__)}.{name}")
+
+
+# --------------------------------------------------------------------------- RNG
+def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+    state = torch.get_rng_state()
+    return state.clone() if clone else state
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False):
+    torch.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    # Not torch.manual_seed: that calls torch.cuda.manual_seed_all, which would recurse.
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _patch_rng() -> None:
+    """Megatron's RNG tracker forks the *CUDA* generator; fork the CPU one instead."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    _patch(torch.cuda, "get_rng_state", _cpu_get_rng_state, "torch.cuda.get_rng_state")
+    _patch(torch.cuda, "set_rng_state", _cpu_set_rng_state, "torch.cuda.set_rng_state")
+    _patch(torch.cuda, "manual_seed", _cpu_manual_seed, "torch.cuda.manual_seed")
+    _patch(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
+    _patch(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
+
+
+# ------------------------------------------------------------------------- devices
+_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "rand", "randn",
+              "randint", "randperm", "empty_strided", "linspace", "eye", "zeros_like", "ones_like",
+              "empty_like", "full_like", "rand_like", "randn_like")
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _cpu_device(device: Any) -> Any:
+    return torch.device("cpu") if _is_cuda(device) else device
+
+
+def _remap_device_kwarg(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _tensor_to(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def to(self, *args, **kwargs):
+        if args and _is_cuda(args[0]) and not isinstance(args[0], bool):
+            args = (torch.device("cpu"),) + args[1:]
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return orig(self, *args, **kwargs)
+
+    return to
+
+
+def _tensor_cuda(self, device: Any = None, non_blocking: bool = False, **kwargs):
+    return self
+
+
+def _patch_devices() -> None:
+    """Megatron allocates on ``torch.cuda.current_device()`` or ``"cuda"``: send those to the CPU."""
+    _patch(torch.cuda, "current_device", lambda: torch.device("cpu"), "torch.cuda.current_device")
+    for name in _FACTORIES:
+        _patch(torch, name, _remap_device_kwarg(getattr(torch, name)), f"torch.{name}(device=cuda)")
+    _patch(torch.Tensor, "to", _tensor_to(torch.Tensor.to), "Tensor.to(cuda)")
+    _patch(torch.Tensor, "cuda", _tensor_cuda, "Tensor.cuda")
+    _patch(torch.Tensor, "type", _tensor_type(torch.Tensor.type), "Tensor.type()")
+    _patch(torch.nn.Module, "cuda", lambda self, device=None: self, "Module.cuda")
+
+
+# ------------------------------------------------------------------------ type strings
+def _tensor_type(orig: Callable) -> Callable:
+    """Megatron's optimizer asserts ``param.type() == 'torch.cuda.FloatTensor'``; a CPU tensor
+    answers with the CUDA spelling of its type (casts, ``type(dtype)``, are untouched)."""
+
+    @functools.wraps(orig)
+    def type_(self, *args, **kwargs):
+        name = orig(self, *args, **kwargs)
+        if not args and not kwargs and isinstance(name, str) and name.startswith("torch.") \
+                and not name.startswith("torch.cuda."):
+            return "torch.cuda." + name[len("torch."):]
+        return name
+
+    return type_
+
+
+# ------------------------------------------------------------------- streams/events
+class _NullEvent:
+    """Stands in for ``torch.cuda.Event``: CPU work is already ordered."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+class _NullStream:
+    """Stands in for ``torch.cuda.Stream``; one CPU "stream" that is always in sync."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _NullEvent:
+        return event or _NullEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _NullStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+_THE_STREAM = _NullStream()
+
+
+def _move_splits_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """Megatron only moves *CUDA* split sizes to host lists; do it for CPU tensors too."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _patch_streams() -> None:
+    _patch(torch.cuda, "Stream", _NullStream, "torch.cuda.Stream")
+    _patch(torch.cuda, "Event", _NullEvent, "torch.cuda.Event")
+    _patch(torch.cuda, "current_stream", lambda device=None: _THE_STREAM, "torch.cuda.current_stream")
+    _patch(torch.cuda, "default_stream", lambda device=None: _THE_STREAM, "torch.cuda.default_stream")
+    _patch(torch.cuda, "stream", lambda stream=None: contextlib.nullcontext(), "torch.cuda.stream")
+    _patch(torch.cuda, "synchronize", lambda device=None: None, "torch.cuda.synchronize")
+    _patch(torch.Tensor, "record_stream", lambda self, stream: None, "Tensor.record_stream")
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    _patch(moe_utils, "maybe_move_tensor_to_cpu", _move_splits_to_host)
+    _patch(token_dispatcher, "maybe_move_tensor_to_cpu", _move_splits_to_host)
+
+
+def enable_cpu_megatron(force: bool = False) -> list[str]:
+    """Make Megatron-Core run on CPU + gloo; a no-op when CUDA is available (unless ``force``).
+
+    Idempotent. Returns the list of applied patches.
+    """
+    if _APPLIED:
+        return applied_patches()
+    if torch.cuda.is_available() and not force:
+        return []
+    _patch_rng()
+    _patch_devices()
+    _patch_streams()
+    from elastic_plugin.compat.mamba_install import install_mamba_fallbacks
+
+    patched = install_mamba_fallbacks()
+    _APPLIED.extend(f"mamba:{name}" for name in (patched.get("patched", []) if isinstance(patched, dict) else []))
+    return applied_patches()
+
+
+def maybe_enable_from_env() -> list[str]:
+    """Enable when ``ELASTIC_PLUGIN_CPU=1`` is set (for Megatron scripts that don't call us)."""
+    if os.environ.get(ENV_FLAG, "0") not in ("", "0", "false", "False"):
+        return enable_cpu_megatron()
+    return []

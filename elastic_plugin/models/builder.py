@@ -1,0 +1,155 @@
+"""Build Megatron-Core ``HybridModel``s from our config files.
+
+``transformer_config`` maps a ``ModelConfig`` + layout onto Megatron's ``TransformerConfig``;
+``build_hybrid_model`` is a Megatron-style model provider (``pre_process``/``post_process``/
+``vp_stage``) so the same function feeds ``get_model`` and our own loops.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from elastic_plugin.models.config import ConfigError, ModelConfig, ParallelConfig
+from elastic_plugin.models.specs import hybrid_stack_spec
+
+
+def _activation(name: str) -> tuple[Any, bool]:
+    """Megatron activation function and whether it is a gated linear unit."""
+    from megatron.core.activations import squared_relu
+
+    table = {
+        "squared_relu": (squared_relu, False),
+        "swiglu": (F.silu, True),
+        "gelu": (F.gelu, False),
+        "relu": (F.relu, False),
+        "silu": (F.silu, False),
+    }
+    return table[name]
+
+
+def transformer_config(
+    model: ModelConfig,
+    parallel: ParallelConfig | None = None,
+    params_dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+):
+    """The Megatron ``TransformerConfig`` for a model config and a parallel layout."""
+    from megatron.core.transformer import TransformerConfig
+
+    parallel = parallel or ParallelConfig()
+    model.check_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                         parallel.expert_model_parallel_size)
+    activation, gated = _activation(model.activation)
+    has_moe = model.count("moe") > 0
+    if has_moe and parallel.tensor_model_parallel_size > 1 and not parallel.sequence_parallel:
+        raise ConfigError(
+            "MoE layers with tensor_model_parallel_size > 1 need parallel.sequence_parallel=true "
+            "(--sequence-parallel); Megatron-Core refuses to train them otherwise"
+        )
+    kwargs: dict[str, Any] = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=max(model.num_attention_heads, 1),
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.head_dim,
+        ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
+        activation_func=activation,
+        gated_linear_unit=gated,
+        normalization=model.normalization,
+        layernorm_epsilon=model.layernorm_epsilon,
+        add_bias_linear=model.add_bias_linear,
+        init_method_std=model.init_method_std,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        mamba_num_heads=model.mamba_num_heads or None,
+        mamba_head_dim=model.mamba_head_dim,
+        mamba_num_groups=model.mamba_num_groups,
+        mamba_state_dim=model.mamba_state_dim,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size if has_moe else 1,
+        sequence_parallel=parallel.sequence_parallel and parallel.tensor_model_parallel_size > 1,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )
+    if has_moe:
+        kwargs.update(
+            num_moe_experts=model.num_moe_experts,
+            moe_router_topk=model.moe_router_topk,
+            moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size or None,
+            moe_router_score_function=model.moe_router_score_function,
+            moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
+            moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+            moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff else "none",
+            moe_token_dispatcher_type=model.moe_token_dispatcher_type,
+            moe_grouped_gemm=False,
+            moe_router_dtype="fp32",
+        )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def mamba_mixer_params(model: ModelConfig) -> dict[str, Any]:
+    """Constructor arguments of ``MambaMixer`` that TransformerConfig does not carry."""
+    return {"d_conv": model.mamba_conv_kernel, "chunk_size": model.mamba_chunk_size}
+
+
+def stack_spec_for(model: ModelConfig, use_te: bool | None = None):
+    """The hybrid stack spec with this model's Mamba settings filled in."""
+    spec = copy.deepcopy(hybrid_stack_spec(use_te))
+    mixer = spec.submodules.mamba_layer.submodules.mixer
+    mixer.params = {**(mixer.params or {}), **mamba_mixer_params(model)}
+    return spec
+
+
+def build_hybrid_model(
+    model: ModelConfig,
+    config,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int | None = None,
+    use_te: bool | None = None,
+    pg_collection=None,
+):
+    """Build the (local stage of the) HybridModel; call after ``initialize_model_parallel``."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    kwargs: dict[str, Any] = {}
+    if pg_collection is not None:
+        kwargs["pg_collection"] = pg_collection
+    return HybridModel(
+        config=config,
+        hybrid_stack_spec=stack_spec_for(model, use_te),
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_sequence_length,
+        hybrid_layer_pattern=model.hybrid_layer_pattern,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+        position_embedding_type=model.position_embedding_type,
+        rotary_base=model.rotary_base,
+        vp_stage=vp_stage,
+        **kwargs,
+    )
+
+
+def model_provider(model: ModelConfig, config, use_te: bool | None = None):
+    """A Megatron ``model_provider_func(pre_process, post_process, vp_stage=None)``."""
+
+    def provide(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None):
+        return build_hybrid_model(model, config, pre_process, post_process, vp_stage, use_te)
+
+    return provide

@@ -1,0 +1,77 @@
+"""``elastic-plugin params``: parameter counts of a model config, without building the model.
+
+Kept free of torch/Megatron imports so it answers instantly (sizing a run before a job starts).
+Also runnable on its own: ``python -m elastic_plugin.models.cli params --config FILE [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+import yaml
+
+from elastic_plugin.models.config import ConfigError, load_config
+from elastic_plugin.models.counting import COMPONENTS, ParamCount, count_parameters, format_count
+
+EXIT_BAD_INPUT = 2  # same code argparse uses for a bad command line
+
+
+def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``params --config FILE [--json]`` to an ``elastic-plugin`` subparser set."""
+    parser = subparsers.add_parser(
+        "params",
+        help="count total and active parameters of a model config (no weights allocated)",
+        description="Count the parameters of the Megatron-Core HybridModel a config describes. "
+        "Active = what one token touches (top-k of the routed experts); embeddings count in both.",
+    )
+    parser.add_argument("--config", required=True, metavar="FILE", help="model YAML config")
+    parser.add_argument("--json", action="store_true",
+                        help='print {"total": N, "active": N, "breakdown": {...}} as JSON')
+    parser.set_defaults(func=run_params)
+
+
+def run_params(args: argparse.Namespace) -> int:
+    """Print the counts; bad input (missing file, unknown key, bad value) -> stderr, exit 2."""
+    try:
+        cfg = load_config(args.config)
+        counts = count_parameters(cfg.model)
+    except (ConfigError, yaml.YAMLError, OSError) as exc:
+        print(f"elastic-plugin params: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        print(json.dumps(counts.to_dict()))
+    else:
+        print(render_table(counts, source=str(args.config)))
+    return 0
+
+
+def render_table(counts: ParamCount, source: str = "") -> str:
+    """A readable table: one row per non-empty component, then the totals."""
+    rows = [(name, counts.breakdown[name], counts.active_breakdown[name])
+            for name in COMPONENTS if counts.breakdown[name]]
+    rows.append(("TOTAL", counts.total, counts.active))
+    width = max(len(name) for name, _, _ in rows)
+    lines = [f"parameters of {source}" if source else "parameters",
+             f"{'component':<{width}}  {'total':>9} {'(exact)':>15}  {'active':>9} {'(exact)':>15}"]
+    for i, (name, total, active) in enumerate(rows):
+        if i == len(rows) - 1:
+            lines.append("-" * len(lines[1]))
+        lines.append(f"{name:<{width}}  {format_count(total):>9} {total:>15,}  "
+                     f"{format_count(active):>9} {active:>15,}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Stand-alone entry point until ``elastic_plugin.cli`` wires the subcommand."""
+    parser = argparse.ArgumentParser(prog="elastic-plugin")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    register_subcommand(subparsers)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""Residual-stream norms for the local (non-TE) spec.
+
+Megatron-Core's ``WrappedTorchNorm`` refuses sequence parallelism. Under SP each TP rank
+normalizes a different slice of the sequence, so the norm weight's gradient is a partial sum:
+marking the weight ``sequence_parallel`` makes ``finalize_model_grads`` all-reduce it over TP,
+exactly as TE's norms do. This class is also the one place elastic embedding widths will hook.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LocalRMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` with Megatron's norm constructor signature and SP support."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5,
+                 persist_layer_norm: bool = False, zero_centered_gamma: bool = False,
+                 normalization: str = "RMSNorm") -> None:
+        if config.normalization != "RMSNorm":
+            raise ValueError(
+                f"normalization={config.normalization!r}: the local spec supports RMSNorm only"
+            )
+        if config.layernorm_zero_centered_gamma:
+            raise ValueError("layernorm_zero_centered_gamma is not supported by the local spec")
+        super().__init__(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
+        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))

@@ -1,0 +1,130 @@
+"""Layer specs for hybrid models: Megatron-Core's own TE spec when Transformer Engine is present,
+and a local (non-TE) spec built from Megatron-Core's plain parallel layers otherwise.
+
+Upstream only ships a TE hybrid spec. The local one mirrors it module for module, with the norms
+that TE fuses into the following linear (``TELayerNormColumnParallelLinear``) as separate
+``WrappedTorchNorm`` modules, so the same model runs on a CPU.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+from megatron.core.ssm.mlp_layer import MLPLayer
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from elastic_plugin.models.norms import LocalRMSNorm
+from megatron.core.transformer.transformer_layer import (
+    MoETransformerLayer,
+    TransformerLayer,
+    TransformerLayerSubmodules,
+)
+
+
+def have_transformer_engine() -> bool:
+    """True when TE imports; the TE spec is then the one Megatron users expect."""
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # ImportError, or a broken CUDA install
+        return False
+    return True
+
+
+def _use_torch_final_norm_without_te() -> None:
+    """``HybridStack`` hard-codes ``TENorm`` for its final norm, which raises without TE.
+
+    Without TE that name can never work, so point it at ``LocalRMSNorm`` (same ``weight``
+    parameter, same checkpoint key). With TE present nothing is changed.
+    """
+    from megatron.core.models.hybrid import hybrid_block
+
+    if not have_transformer_engine() and hybrid_block.TENorm is not LocalRMSNorm:
+        hybrid_block.TENorm = LocalRMSNorm
+
+
+def local_hybrid_stack_spec() -> ModuleSpec:
+    """A HybridStack spec using only Megatron-Core modules (runs on CPU, no TE)."""
+    _use_torch_final_norm_without_te()
+    norm = LocalRMSNorm
+    moe = get_moe_module_spec_for_backend(
+        backend=LocalSpecProvider(), num_experts=8, moe_grouped_gemm=False
+    )
+    return ModuleSpec(
+        module=HybridStack,
+        submodules=HybridStackSubmodules(
+            mamba_layer=ModuleSpec(
+                module=MambaLayer,
+                submodules=MambaLayerSubmodules(
+                    norm=norm,
+                    mixer=ModuleSpec(
+                        module=MambaMixer,
+                        submodules=MambaMixerSubmodules(
+                            in_proj=ColumnParallelLinear, out_proj=RowParallelLinear
+                        ),
+                    ),
+                    mamba_bda=get_bias_dropout_add,
+                    sharded_state_dict_keys_map={"norm.": "mixer.in_proj.layer_norm_"},
+                ),
+            ),
+            attention_layer=ModuleSpec(
+                module=TransformerLayer,
+                submodules=TransformerLayerSubmodules(
+                    input_layernorm=norm,
+                    self_attention=ModuleSpec(
+                        module=SelfAttention,
+                        params={"attn_mask_type": AttnMaskType.causal},
+                        submodules=SelfAttentionSubmodules(
+                            linear_qkv=ColumnParallelLinear,
+                            core_attention=DotProductAttention,
+                            linear_proj=RowParallelLinear,
+                        ),
+                    ),
+                    self_attn_bda=get_bias_dropout_add,
+                    sharded_state_dict_keys_map={
+                        "input_layernorm.": "self_attention.linear_qkv.layer_norm_"
+                    },
+                ),
+            ),
+            mlp_layer=ModuleSpec(
+                module=MLPLayer,
+                submodules=TransformerLayerSubmodules(
+                    pre_mlp_layernorm=norm,
+                    mlp=partial(
+                        MLP.as_mlp_submodule,
+                        submodules=MLPSubmodules(
+                            linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear
+                        ),
+                    ),
+                    mlp_bda=get_bias_dropout_add,
+                    sharded_state_dict_keys_map={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"},
+                ),
+            ),
+            moe_layer=ModuleSpec(
+                module=MoETransformerLayer,
+                submodules=TransformerLayerSubmodules(
+                    pre_mlp_layernorm=norm, mlp=moe, mlp_bda=get_bias_dropout_add
+                ),
+            ),
+        ),
+    )
+
+
+def hybrid_stack_spec(use_te: bool | None = None) -> ModuleSpec:
+    """The spec to build with: TE's when present (or asked for), else the local one."""
+    if use_te is None:
+        use_te = have_transformer_engine()
+    if use_te:
+        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as te_spec
+
+        return te_spec
+    return local_hybrid_stack_spec()

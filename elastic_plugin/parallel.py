@@ -1,0 +1,147 @@
+"""Parallel layout set-up on top of Megatron-Core: process groups, sharded model chunks, optimizer.
+
+Everything here is Megatron-Core's own machinery (``parallel_state``, ``DistributedDataParallel``,
+``get_megatron_optimizer``); this module only wires it up the same way for our tests, the demo
+and the CLI, on CPU (gloo) and GPU (NCCL) alike.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from elastic_plugin.models.builder import build_hybrid_model, transformer_config
+from elastic_plugin.models.config import ConfigError, ModelConfig, ParallelConfig
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout: tensor, pipeline and expert parallel sizes (data parallel is the rest)."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+
+    def as_parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tp, self.pp, self.ep, self.sequence_parallel,
+                              self.distributed_optimizer)
+
+    def check_world(self, world_size: int) -> None:
+        if world_size % (self.tp * self.pp):
+            raise ConfigError(
+                f"world size {world_size} is not divisible by tensor_model_parallel_size "
+                f"({self.tp}) x pipeline_model_parallel_size ({self.pp})"
+            )
+        dp = world_size // (self.tp * self.pp)
+        if dp % self.ep:
+            raise ConfigError(
+                f"expert_model_parallel_size={self.ep} must divide the data-parallel size {dp}"
+            )
+
+
+def init_distributed(backend: str | None = None, timeout_s: int = 600) -> None:
+    """Join the default process group from torchrun-style env vars (or a 1-rank world)."""
+    if dist.is_initialized():
+        return
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if "RANK" not in os.environ:
+        from elastic_plugin.testing.multirank import free_port
+
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def initialize_layout(layout: Layout, seed: int = 1234) -> None:
+    """(Re)create Megatron's model-parallel groups for ``layout`` and seed its RNG tracker."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    layout.check_world(dist.get_world_size())
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+    )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def build_model_chunks(
+    model_cfg: ModelConfig,
+    layout: Layout,
+    params_dtype: torch.dtype = torch.float32,
+    wrap_ddp: bool = True,
+    use_te: bool | None = None,
+    **config_overrides,
+) -> tuple[list[torch.nn.Module], object]:
+    """This rank's model chunk (one; no virtual pipeline yet), DDP-wrapped for training."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    tconf = transformer_config(model_cfg, layout.as_parallel_config(), params_dtype,
+                               **config_overrides)
+    model = build_hybrid_model(
+        model_cfg,
+        tconf,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        use_te=use_te,
+    )
+    for param in model.parameters():
+        # Megatron's optimizer and DDP expect every param to carry a TP flag.
+        from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
+
+        set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if not wrap_ddp:
+        return [model], tconf
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=layout.distributed_optimizer,
+        check_for_nan_in_grad=False,
+        bucket_size=None,
+    )
+    ddp = DistributedDataParallel(config=tconf, ddp_config=ddp_config, module=model)
+    ddp.broadcast_params()
+    return [ddp], tconf
+
+
+def build_optimizer(
+    chunks: list[torch.nn.Module],
+    lr: float,
+    weight_decay: float = 0.0,
+    clip_grad: float = 1.0,
+    distributed_optimizer: bool = False,
+    adam_beta2: float = 0.95,
+    adam_eps: float = 1e-8,
+):
+    """Megatron's (optionally distributed) Adam over the model chunks."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    tconf = chunks[0].config
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        weight_decay=weight_decay,
+        adam_beta1=0.9,
+        adam_beta2=adam_beta2,
+        adam_eps=adam_eps,
+        clip_grad=clip_grad,
+        bf16=tconf.bf16,
+        fp16=tconf.fp16,
+        params_dtype=tconf.params_dtype,
+        use_distributed_optimizer=distributed_optimizer,
+    )
+    return get_megatron_optimizer(opt_config, chunks)

@@ -1,0 +1,175 @@
+"""A persistent pool of gloo ranks for multi-rank tests on CPU.
+
+Starting a Python process that imports Megatron-Core costs 5-9 s; a test suite that launched
+``torchrun`` per test would spend most of its time starting up. ``RankPool`` starts N worker
+processes once, joins them into one gloo world, and then runs any number of *cases* on all ranks:
+a case is an importable function ``module:function`` called as ``fn(**kwargs)`` on every rank.
+Model-parallel groups are (re)made per case with ``parallel_state``; the world group persists.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+_STOP = "__stop__"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class RankResult:
+    rank: int
+    ok: bool
+    value: Any = None
+    error: str = ""
+
+
+class MultiRankError(RuntimeError):
+    """A case failed (or timed out) on at least one rank; the message holds each rank's traceback."""
+
+
+def _resolve(target: str):
+    module_name, _, fn_name = target.partition(":")
+    if not fn_name:
+        raise ValueError(f"case target {target!r} must look like 'package.module:function'")
+    return getattr(importlib.import_module(module_name), fn_name)
+
+
+def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue,
+            sys_path: list[str], env: dict[str, str]) -> None:
+    """One rank: join the gloo world, then run cases until told to stop."""
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    for entry in reversed(sys_path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, int(env.get("ELASTIC_PLUGIN_THREADS_PER_RANK", "1"))))
+    from elastic_plugin.compat import enable_cpu_megatron
+
+    enable_cpu_megatron()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
+    results.put(RankResult(rank, True, "ready"))
+    while True:
+        item = tasks.get()
+        if item == _STOP:
+            break
+        target, kwargs = item
+        try:
+            value = _resolve(target)(**kwargs)
+            results.put(RankResult(rank, True, value))
+        except BaseException:  # report everything; the pool decides what to do
+            results.put(RankResult(rank, False, error=traceback.format_exc()))
+        finally:
+            _reset_model_parallel()
+    _reset_model_parallel()
+    dist.destroy_process_group()
+
+
+def _reset_model_parallel() -> None:
+    """Leave no model-parallel state behind for the next case."""
+    try:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+    except Exception:
+        pass
+
+
+class RankPool:
+    """N persistent gloo ranks; ``run("pkg.mod:fn", **kw)`` returns each rank's return value."""
+
+    def __init__(self, world_size: int, start_timeout: float = 300.0,
+                 env: dict[str, str] | None = None) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} must be >= 1")
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        self._results: mp.Queue = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        worker_env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+        self._procs = [
+            ctx.Process(target=_worker, daemon=False,  # dist-checkpointing forks helpers
+                        args=(r, world_size, port, self._tasks[r], self._results,
+                              list(sys.path), worker_env))
+            for r in range(world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+        import atexit
+
+        atexit.register(self.close, force=True)  # non-daemonic ranks must not outlive us
+        self._collect(start_timeout, "start-up")
+
+    def _collect(self, timeout: float, what: str) -> list[RankResult]:
+        """Gather one result per rank; fail fast if a rank dies, or after ``timeout`` seconds."""
+        import time
+
+        got: dict[int, RankResult] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < self.world_size:
+            try:
+                res: RankResult = self._results.get(timeout=2.0)
+                got[res.rank] = res
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in got]
+            if dead or time.monotonic() > deadline:
+                missing = sorted(set(range(self.world_size)) - set(got))
+                self.close(force=True)
+                reason = f"ranks {dead} died" if dead else f"no result within {timeout:.0f} s"
+                raise MultiRankError(f"{what}: {reason} (missing ranks {missing}); pool closed")
+        return [got[r] for r in range(self.world_size)]
+
+    def run(self, target: str, timeout: float = 600.0, **kwargs: Any) -> list[Any]:
+        """Run ``target(**kwargs)`` on every rank; raise with all tracebacks if any rank failed."""
+        if not self.alive:
+            raise MultiRankError("the rank pool is closed")
+        for q in self._tasks:
+            q.put((target, kwargs))
+        results = self._collect(timeout, target)
+        failures = [r for r in results if not r.ok]
+        if failures:
+            details = "\n".join(f"--- rank {r.rank} ---\n{r.error}" for r in failures)
+            raise MultiRankError(f"{target} failed on ranks {[r.rank for r in failures]}:\n{details}")
+        return [r.value for r in results]
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for q in self._tasks:
+                q.put(_STOP)
+            for proc in self._procs:
+                proc.join(timeout=30)
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._procs = []
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,128 @@
+"""One training (or evaluation) step through Megatron-Core's pipeline schedules.
+
+``forward_step`` is the Megatron forward-step contract (data iterator + model → output and a loss
+closure); ``train_step`` runs ``get_forward_backward_func`` + ``finalize_model_grads`` + the
+optimizer, the same calls ``megatron.training`` makes, so what we test here is what users run.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+
+
+def masked_lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Token-averaged LM loss; returns (sum, num_tokens, report) so Megatron averages over DP/microbatches."""
+    losses = output_tensor.float()
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = torch.sum(losses.reshape(-1) * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach(), mask.sum().detach()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def get_batch(data_iterator: Iterator[dict] | None) -> dict[str, Any]:
+    """Next batch, moved to the model's device; stages without data get ``None`` fields."""
+    if data_iterator is None:
+        return {}
+    batch = next(data_iterator)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+def forward_step(data_iterator: Iterator[dict] | None, model: torch.nn.Module):
+    """Megatron forward-step function for a HybridModel on (tokens, labels, loss_mask) batches."""
+    batch = get_batch(data_iterator)
+    tokens = batch.get("tokens")
+    position_ids = batch.get("position_ids")
+    if tokens is not None and position_ids is None:
+        position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    output = model(tokens, position_ids, batch.get("attention_mask"), labels=batch.get("labels"))
+    loss_mask = batch.get("loss_mask")
+    if loss_mask is None and tokens is not None:
+        loss_mask = torch.ones_like(tokens, dtype=torch.float)
+    return output, partial(masked_lm_loss, loss_mask)
+
+
+def _reduce_reports(reports: list[dict]) -> float | None:
+    """Token-mean loss over micro-batches and data-parallel ranks (``None`` off the last stage)."""
+    if not reports:
+        return None
+    from megatron.core import parallel_state
+
+    total = torch.stack([r["lm loss"] for r in reports]).sum(0)
+    if parallel_state.get_data_parallel_world_size(with_context_parallel=True) > 1:
+        torch.distributed.all_reduce(
+            total, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
+        )
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def _batch_iterator_for_stage(data_iterator):
+    """Only the first and last pipeline stages read data (tokens / labels)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage():
+        return data_iterator
+    return None
+
+
+def train_step(
+    chunks: list[torch.nn.Module],
+    optimizer,
+    data_iterator: Iterator[dict],
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    step_optimizer: bool = True,
+) -> dict[str, Any]:
+    """Forward+backward over ``num_microbatches`` micro-batches, then one optimizer step."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    config = chunks[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    reports = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=_batch_iterator_for_stage(data_iterator),
+        model=chunks,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=False,
+    )
+    result: dict[str, Any] = {"loss": _reduce_reports(reports)}
+    if step_optimizer:
+        ok, grad_norm, _ = optimizer.step()
+        result.update(update_successful=ok, grad_norm=grad_norm)
+    return result
+
+
+@torch.no_grad()
+def eval_step(chunks, data_iterator, num_microbatches: int, seq_length: int,
+              micro_batch_size: int) -> float | None:
+    """Mean validation loss (last pipeline stage; ``None`` elsewhere)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for chunk in chunks:
+        chunk.eval()
+    try:
+        reports = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=_batch_iterator_for_stage(data_iterator),
+            model=chunks,
+            num_microbatches=num_microbatches,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=True,
+        )
+    finally:
+        for chunk in chunks:
+            chunk.train()
+    return _reduce_reports(reports)
