@@ -86,10 +86,32 @@ def _find_cuda_home() -> str | None:
     return None
 
 
+def _nvcc_release(cuda_home: str) -> str | None:
+    """'13.0' from `nvcc --version`, or None if it cannot be run."""
+    import subprocess
+
+    try:
+        text = subprocess.run(
+            [str(Path(cuda_home) / "bin" / "nvcc"), "--version"], capture_output=True, text=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    match = re.search(r"release (\d+\.\d+)", text)
+    return match.group(1) if match else None
+
+
+def _remove_stale_extension() -> None:
+    """Delete in-place builds of _C (editable installs), which would otherwise keep loading."""
+    for path in (ROOT / "elastic_plugin").glob("_C*.so"):
+        path.unlink()
+        _loud(f"removed the stale extension {path.relative_to(ROOT)}")
+
+
 def _extension_setup() -> tuple[list, dict]:
     """(ext_modules, cmdclass) for elastic_plugin._C, or ([], {}) when it is skipped."""
     if _truthy("ELASTIC_PLUGIN_NO_EXT"):
         _loud("ELASTIC_PLUGIN_NO_EXT=1: installing without the C++/CUDA extension (PyTorch fallbacks).")
+        _remove_stale_extension()
         return [], {}
     try:
         import torch
@@ -109,6 +131,16 @@ def _extension_setup() -> tuple[list, dict]:
         cuda_home = _find_cuda_home()
         if cuda_home is None:
             _loud("nvcc not found (CUDA_HOME, CUDA_PATH, /usr/local/cuda, PATH): C++ (CPU) kernels only.")
+        else:
+            release = _nvcc_release(cuda_home)
+            if release is None or release.split(".")[0] != torch.version.cuda.split(".")[0]:
+                # torch refuses to build across CUDA major versions; the CPU part still helps.
+                _loud(
+                    f"nvcc in {cuda_home} is CUDA {release}, torch was built with CUDA {torch.version.cuda}: "
+                    "major versions differ, so building the C++ (CPU) kernels only. Point CUDA_HOME at a "
+                    f"CUDA {torch.version.cuda.split('.')[0]}.x toolkit to build the CUDA kernels."
+                )
+                cuda_home = None
     if cuda_home is not None:
         os.environ["CUDA_HOME"] = cuda_home
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
@@ -132,7 +164,7 @@ def _extension_setup() -> tuple[list, dict]:
         name="elastic_plugin._C",
         sources=sources,
         include_dirs=[str(ROOT / "csrc")],
-        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo"]},
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo", "--threads", "2"]},  # 2 GPU archs in parallel
         extra_link_args=["-fopenmp"],  # resolves to the libgomp torch already loaded
     )
     extension = CUDAExtension(**kwargs) if with_cuda else CppExtension(**kwargs)
@@ -154,6 +186,7 @@ def _extension_setup() -> tuple[list, dict]:
                         f"BUILDING THE EXTENSION FAILED ({type(exc).__name__}: {exc}). "
                         "ELASTIC_PLUGIN_EXT_OPTIONAL=1: installing the pure-PyTorch package instead."
                     )
+                    _remove_stale_extension()
                     return
                 _loud(
                     f"BUILDING THE EXTENSION FAILED ({type(exc).__name__}: {exc}). Set "

@@ -77,6 +77,8 @@ def run(device: str | None = None, reps: int = 15) -> list[dict]:
 
 
 if __name__ == "__main__":
+    from _timing import keep_freed_memory
     from run_all import print_table
 
+    keep_freed_memory()
     print_table(run())

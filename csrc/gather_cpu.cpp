@@ -5,12 +5,16 @@
 // works (bool, int*, fp8, fp16, bf16, fp32, fp64, complex) without a dtype switch.
 #include "ordered_gather.h"
 
+#include "cpu_simd.h"
+
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 namespace elastic_plugin {
 namespace {
@@ -25,19 +29,25 @@ constexpr int64_t kGrainBytes = 64 * 1024;
 // Bytes of one kept row copied at a time on the strided-row path.
 constexpr int64_t kStridedTileBytes = 128;
 
-// dst[j] = src[idx[j]] for j < count: the inner loop of a last-dim gather.  Unrolled so
-// several independent loads are in flight (the reads hit cache; latency is the limit).
+// Rows ahead to prefetch on the last-dim path.  Its reads are random within a row, so
+// the hardware prefetcher cannot help; fetching the next rows' lines early halves the
+// time (4096x4096 fp32, 50% of columns: 13 ms -> 6.5 ms single-threaded).
+constexpr int64_t kPrefetchRows = 2;
+
+// dst[j] = src[idx[j]] for j < count, while prefetching prefetch_bytes at `prefetch`.
 template <typename T>
-inline void gather_elements(T* __restrict__ dst, const T* __restrict__ src, const int64_t* __restrict__ idx,
-                            int64_t count) {
+void gather_segment(T* __restrict__ dst, const T* __restrict__ src, const int64_t* __restrict__ idx, int64_t count,
+                    const char* prefetch, int64_t prefetch_bytes) {
+  const int64_t lines = prefetch ? (prefetch_bytes + 63) / 64 : 0;
+  const int64_t step = lines > 0 ? std::max<int64_t>(1, count / lines) : std::max<int64_t>(count, 1);
   int64_t j = 0;
-  for (; j + 8 <= count; j += 8) {
-    const T v0 = src[idx[j]], v1 = src[idx[j + 1]], v2 = src[idx[j + 2]], v3 = src[idx[j + 3]];
-    const T v4 = src[idx[j + 4]], v5 = src[idx[j + 5]], v6 = src[idx[j + 6]], v7 = src[idx[j + 7]];
-    dst[j] = v0, dst[j + 1] = v1, dst[j + 2] = v2, dst[j + 3] = v3;
-    dst[j + 4] = v4, dst[j + 5] = v5, dst[j + 6] = v6, dst[j + 7] = v7;
+  int64_t line = 0;
+  while (j < count) {
+    if (line < lines) __builtin_prefetch(prefetch + 64 * line++);
+    const int64_t stop = std::min(count, j + step);
+    for (; j < stop; ++j) dst[j] = src[idx[j]];
   }
-  for (; j < count; ++j) dst[j] = src[idx[j]];
+  for (; line < lines; ++line) __builtin_prefetch(prefetch + 64 * line);
 }
 
 // Copies the kept rows of src into out.  T is an unsigned type of the element size.
@@ -50,6 +60,16 @@ void gather_rows(const GatherPlan& p, const T* src, T* out, const int64_t* perm)
   const int64_t row_bytes = inner * static_cast<int64_t>(sizeof(T));
   const int64_t grain = std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(row_bytes, 1));
 
+  const auto outer_offset = [&](int64_t o) { return outer_tab ? outer_tab[o] : o * p.outer_stride; };
+
+  // Last-dim gathers of dense rows may use hardware gathers with int32 indices.
+  simd::GatherSegmentFn simd_fn = nullptr;
+  std::vector<int32_t> idx32;
+  if (inner == 1 && p.dim_stride == 1 && p.n <= std::numeric_limits<int32_t>::max()) {
+    simd_fn = simd::pick_gather_segment(sizeof(T));
+    if (simd_fn != nullptr) idx32.assign(perm, perm + p.k);
+  }
+
   // One output row per (outer index o, kept position j); rows are r = o * k + j.
   at::parallel_for(0, p.outer * p.k, grain, [&](int64_t begin, int64_t end) {
     int64_t o = begin / p.k;
@@ -57,14 +77,23 @@ void gather_rows(const GatherPlan& p, const T* src, T* out, const int64_t* perm)
     int64_t r = begin;
     while (r < end) {
       const int64_t j_end = std::min(p.k, j + (end - r));
-      const T* base = src + (outer_tab ? outer_tab[o] : o * p.outer_stride);
+      const T* base = src + outer_offset(o);
       T* dst = out + r * inner;
       if (inner == 1) {
         // Gathering along the last (collapsed) dim: one element per kept entry.
-        if (p.dim_stride == 1) {
-          gather_elements(dst, base, perm + j, j_end - j);
+        const int64_t sd = p.dim_stride;
+        if (sd == 1) {
+          const char* next = nullptr;
+          if (o + kPrefetchRows < p.outer) {
+            next = reinterpret_cast<const char*>(src + outer_offset(o + kPrefetchRows));
+          }
+          const int64_t next_bytes = p.n * static_cast<int64_t>(sizeof(T));
+          if (simd_fn != nullptr) {
+            simd_fn(dst, base, idx32.data() + j, j_end - j, p.n, next, next_bytes);
+          } else {
+            gather_segment(dst, base, perm + j, j_end - j, next, next_bytes);
+          }
         } else {
-          const int64_t sd = p.dim_stride;
           for (int64_t jj = j; jj < j_end; ++jj) dst[jj - j] = base[perm[jj] * sd];
         }
       } else if (contiguous_rows) {

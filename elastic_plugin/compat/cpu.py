@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from typing import Any, Callable
 
@@ -54,6 +55,9 @@ def _patch_rng() -> None:
     _patch(torch.cuda, "manual_seed", _cpu_manual_seed, "torch.cuda.manual_seed")
     _patch(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
     _patch(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
+    # The tracker warns when the CPU generator changes inside a fork; here the "CUDA" generator
+    # *is* the CPU one, so that warning would fire on every forked region and mean nothing.
+    logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
 
 
 # ------------------------------------------------------------------------- devices
@@ -202,6 +206,64 @@ def _patch_streams() -> None:
     _patch(token_dispatcher, "maybe_move_tensor_to_cpu", _move_splits_to_host)
 
 
+# ------------------------------------------------------------------- gloo collectives
+def _is_gloo(group: Any) -> bool:
+    import torch.distributed as dist
+
+    return dist.get_backend(group) == "gloo"
+
+
+def _uneven_all_gather(orig: Callable) -> Callable:
+    """gloo's ``all_gather`` needs equal shapes; MoE with EP x TP gathers uneven token counts.
+    Pad every piece to the largest first dim, gather, and copy the valid rows out."""
+
+    @functools.wraps(orig)
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        import torch.distributed as dist
+
+        shapes = {tuple(t.shape) for t in tensor_list} | {tuple(tensor.shape)}
+        if len(shapes) == 1 or not _is_gloo(group) or async_op or tensor.dim() == 0:
+            return orig(tensor_list, tensor, group=group, async_op=async_op)
+        longest = max(t.shape[0] for t in tensor_list)
+        padded = tensor.new_zeros((longest,) + tuple(tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        gathered = [torch.empty_like(padded) for _ in tensor_list]
+        orig(gathered, padded, group=group)
+        for out, full in zip(tensor_list, gathered):
+            out.copy_(full[: out.shape[0]])
+        return None
+
+    return all_gather
+
+
+def _list_reduce_scatter(orig: Callable) -> Callable:
+    """gloo has no list ``reduce_scatter``: all-reduce the concatenation, keep our slice."""
+
+    @functools.wraps(orig)
+    def reduce_scatter(output, input_list, op=None, group=None, async_op=False):
+        import torch.distributed as dist
+
+        if not _is_gloo(group) or async_op:
+            kwargs = {} if op is None else {"op": op}
+            return orig(output, input_list, group=group, async_op=async_op, **kwargs)
+        flat = torch.cat([t.reshape(-1) for t in input_list])
+        dist.all_reduce(flat, op=op or dist.ReduceOp.SUM, group=group)
+        rank = dist.get_rank(group)
+        start = sum(t.numel() for t in input_list[:rank])
+        output.copy_(flat[start:start + input_list[rank].numel()].view_as(output))
+        return None
+
+    return reduce_scatter
+
+
+def _patch_collectives() -> None:
+    import torch.distributed as dist
+
+    _patch(dist, "all_gather", _uneven_all_gather(dist.all_gather), "dist.all_gather(uneven, gloo)")
+    _patch(dist, "reduce_scatter", _list_reduce_scatter(dist.reduce_scatter),
+           "dist.reduce_scatter(list, gloo)")
+
+
 def enable_cpu_megatron(force: bool = False) -> list[str]:
     """Make Megatron-Core run on CPU + gloo; a no-op when CUDA is available (unless ``force``).
 
@@ -214,6 +276,7 @@ def enable_cpu_megatron(force: bool = False) -> list[str]:
     _patch_rng()
     _patch_devices()
     _patch_streams()
+    _patch_collectives()
     from elastic_plugin.compat.mamba_install import install_mamba_fallbacks
 
     patched = install_mamba_fallbacks()

@@ -195,10 +195,18 @@ def _pybind11_include() -> str:
 
 
 def _load_module(path: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(_HELPERS_MODULE, path)
+    """Load the compiled module and register it where Megatron imports it from.
+
+    Loaded under a private name first: CPython hands back an already-loaded extension module
+    of the same name instead of initialising the new file.
+    """
+    import megatron.core.datasets as mds
+
+    spec = importlib.util.spec_from_file_location("_elastic_plugin_megatron_helpers.helpers_cpp", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     sys.modules[_HELPERS_MODULE] = module
+    mds.helpers_cpp = module
     return module
 
 
@@ -338,7 +346,9 @@ class MicroBatchSampler(torch.utils.data.Sampler):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if data_parallel_rank >= data_parallel_size:
-            raise ValueError(f"data_parallel_rank {data_parallel_rank} must be < data_parallel_size {data_parallel_size}")
+            raise ValueError(
+                f"data_parallel_rank {data_parallel_rank} must be < data_parallel_size {data_parallel_size}"
+            )
         self.global_batch = micro_batch_size * data_parallel_size
         self.per_epoch = (num_samples // self.global_batch) * self.global_batch
         if self.per_epoch == 0:

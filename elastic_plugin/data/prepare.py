@@ -150,10 +150,11 @@ def prepare_dataset(
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        error = [None]
+        error: list[str | None] = [None]
+        local = None
         if dist.get_rank() == 0:
             try:
-                _prepare_on_this_rank(out_dir, settings, force, progress)
+                local = _prepare_on_this_rank(out_dir, settings, force, progress)
             except Exception as err:  # shared with the other ranks, then re-raised
                 error = [f"{type(err).__name__}: {err}"]
                 dist.broadcast_object_list(error, src=0)
@@ -161,8 +162,7 @@ def prepare_dataset(
         dist.broadcast_object_list(error, src=0)
         if error[0] is not None:
             raise RuntimeError(f"prepare_dataset failed on rank 0: {error[0]}")
-        result = PreparedData.load(out_dir)
-        return PreparedData(out_dir, result.meta, reused=dist.get_rank() != 0 or result.reused)
+        return local if local is not None else PreparedData.load(out_dir)
     return _prepare_on_this_rank(out_dir, settings, force, progress)
 
 

@@ -155,7 +155,8 @@ class JsonTokenizer(MegatronTokenizerBase):
         out = {"eod_token": self._eod}
         if self._pad >= 0:
             out["pad_token"] = self._pad
-        for key, token in (("unk_token", UNK_TOKEN), ("think_open_token", THINK_OPEN), ("think_close_token", THINK_CLOSE)):
+        named = (("unk_token", UNK_TOKEN), ("think_open_token", THINK_OPEN), ("think_close_token", THINK_CLOSE))
+        for key, token in named:
             idx = self._tok.token_to_id(token)
             if idx is not None:
                 out[key] = idx

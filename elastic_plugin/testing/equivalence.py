@@ -34,9 +34,14 @@ LR = 1e-2
 ADAM_EPS = 1e-4
 
 
-def tiny_model(config_path: str, pattern: str | None = None) -> ModelConfig:
+def tiny_model(config_path: str, pattern: str | None = None,
+               overrides: dict[str, Any] | None = None) -> ModelConfig:
+    """The config's model, optionally with another layer pattern or field values."""
     model = load_config(config_path).model
-    return replace(model, hybrid_layer_pattern=pattern) if pattern else model
+    changes = dict(overrides or {})
+    if pattern:
+        changes["hybrid_layer_pattern"] = pattern
+    return replace(model, **changes).validate() if changes else model
 
 
 def reference_batches(model: ModelConfig, seed: int = 7) -> list[dict[str, torch.Tensor]]:
@@ -96,10 +101,10 @@ def load_dist(model: torch.nn.Module, path: Path) -> None:
 
 
 def make_reference(config_path: str, workdir: str, pattern: str | None = None,
-                   seed: int = 1234) -> dict[str, Any]:
+                   overrides: dict[str, Any] | None = None, seed: int = 1234) -> dict[str, Any]:
     """Single-rank reference: init checkpoint, loss, grads and post-step params."""
     work = Path(workdir)
-    model_cfg = tiny_model(config_path, pattern)
+    model_cfg = tiny_model(config_path, pattern, overrides)
     initialize_layout(Layout(), seed=seed)
     chunks, _ = build_model_chunks(model_cfg, Layout())
     model = _unwrap(chunks[0])
@@ -133,11 +138,12 @@ def _reference_in_layout(model_cfg: ModelConfig, layout: Layout, path: Path) -> 
 
 def check_layout(config_path: str, workdir: str, tp: int = 1, pp: int = 1, ep: int = 1,
                  sequence_parallel: bool = False, distributed_optimizer: bool = False,
-                 pattern: str | None = None, seed: int = 1234) -> dict[str, Any]:
+                 pattern: str | None = None, overrides: dict[str, Any] | None = None,
+                 seed: int = 1234) -> dict[str, Any]:
     """Run the reference step under a layout; return loss and max grad/param differences."""
     work = Path(workdir)
     layout = Layout(tp, pp, ep, sequence_parallel, distributed_optimizer)
-    model_cfg = tiny_model(config_path, pattern)
+    model_cfg = tiny_model(config_path, pattern, overrides)
     initialize_layout(layout, seed=seed + 17)  # a different seed: weights must come from disk
     chunks, _ = build_model_chunks(model_cfg, layout)
     model = _unwrap(chunks[0])
@@ -148,6 +154,8 @@ def check_layout(config_path: str, workdir: str, tp: int = 1, pp: int = 1, ep: i
                                 distributed_optimizer=distributed_optimizer)
     out = train_step(chunks, optimizer, dp_shard(reference_batches(model_cfg)), NUM_MICROBATCHES,
                      SEQ_LEN, REF_MICRO_BATCH // _dp_size(), step_optimizer=False)
+    if distributed_optimizer:
+        gather_sharded_grads(chunks[0])
     grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
     ref_grads = _reference_in_layout(model_cfg, layout, work / "grads")
     grad_diff, grad_where = _max_diff(grads, ref_grads)
@@ -168,6 +176,20 @@ def check_layout(config_path: str, workdir: str, tp: int = 1, pp: int = 1, ep: i
         "param_worst": param_where,
         "num_local_params": len(params),
     }
+
+
+def gather_sharded_grads(chunk: torch.nn.Module) -> None:
+    """With the distributed optimizer each DP rank holds only its reduce-scattered shard of the
+    grad buffer; all-gather the shards so every ``main_grad`` is the full reduced gradient."""
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    for group in list(chunk.bucket_groups) + list(chunk.expert_parallel_bucket_groups):
+        comm = group.intra_distributed_optimizer_instance_group
+        size = group.intra_distributed_optimizer_instance_size
+        rank = group.intra_distributed_optimizer_instance_rank
+        for bucket in group.buckets:
+            local = shard_buffer(bucket.grad_data, size)[rank].clone()
+            dist.all_gather_into_tensor(bucket.grad_data, local, group=comm)
 
 
 def _dp_size() -> int:

@@ -56,6 +56,10 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
     for entry in reversed(sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks
     import torch
     import torch.distributed as dist
 
@@ -118,8 +122,13 @@ class RankPool:
         atexit.register(self.close, force=True)  # non-daemonic ranks must not outlive us
         self._collect(start_timeout, "start-up")
 
-    def _collect(self, timeout: float, what: str) -> list[RankResult]:
-        """Gather one result per rank; fail fast if a rank dies, or after ``timeout`` seconds."""
+    def _collect(self, timeout: float, what: str, grace_after_failure: float = 20.0) -> list[RankResult]:
+        """Gather one result per rank; fail fast if a rank dies, or after ``timeout`` seconds.
+
+        When one rank fails, the others are usually stuck in a collective waiting for it:
+        they get ``grace_after_failure`` seconds, then the pool is torn down and the failing
+        rank's traceback is reported.
+        """
         import time
 
         got: dict[int, RankResult] = {}
@@ -128,6 +137,8 @@ class RankPool:
             try:
                 res: RankResult = self._results.get(timeout=2.0)
                 got[res.rank] = res
+                if not res.ok:
+                    deadline = min(deadline, time.monotonic() + grace_after_failure)
                 continue
             except queue.Empty:
                 pass
@@ -135,8 +146,12 @@ class RankPool:
             if dead or time.monotonic() > deadline:
                 missing = sorted(set(range(self.world_size)) - set(got))
                 self.close(force=True)
+                failed = [r for r in got.values() if not r.ok]
                 reason = f"ranks {dead} died" if dead else f"no result within {timeout:.0f} s"
-                raise MultiRankError(f"{what}: {reason} (missing ranks {missing}); pool closed")
+                if failed:
+                    reason = f"ranks {[r.rank for r in failed]} failed, others hung"
+                details = "".join(f"\n--- rank {r.rank} ---\n{r.error}" for r in failed)
+                raise MultiRankError(f"{what}: {reason} (missing ranks {missing}); pool closed{details}")
         return [got[r] for r in range(self.world_size)]
 
     def run(self, target: str, timeout: float = 600.0, **kwargs: Any) -> list[Any]:

@@ -1,0 +1,75 @@
+"""``elastic-plugin info``: what this installation runs on and which implementations it uses."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import platform
+from typing import Any
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _importable(module: str) -> bool:
+    try:
+        __import__(module)
+    except Exception:
+        return False
+    return True
+
+
+def collect_info() -> dict[str, Any]:
+    """Versions, device, Mamba implementation, extension backend and applied CPU patches."""
+    import torch
+
+    import elastic_plugin
+    from elastic_plugin import ops
+    from elastic_plugin.compat import enable_cpu_megatron
+    from elastic_plugin.compat.mamba_install import install_mamba_fallbacks
+    from elastic_plugin.models.specs import have_transformer_engine
+
+    patches = enable_cpu_megatron()  # a no-op with CUDA; otherwise what a CPU run would use
+    mamba = install_mamba_fallbacks()
+    cuda = torch.cuda.is_available()
+    return {
+        "elastic_plugin": elastic_plugin.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda_build": torch.version.cuda,
+        "megatron_core": _version("megatron-core"),
+        "transformer_engine": _version("transformer-engine") if have_transformer_engine() else None,
+        "mamba_ssm": _version("mamba-ssm") if _importable("mamba_ssm") else None,
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "cuda_available": cuda,
+        "distributed_backend": "nccl" if cuda else "gloo",
+        "layer_spec": "transformer_engine" if have_transformer_engine() else "local",
+        "mamba_ops": "mamba_ssm" if not mamba.get("installed") and mamba.get("mamba_ssm_available")
+        else "pytorch (elastic_plugin.compat.mamba_ops)",
+        "extension": ops.backend_info(),
+        "cpu_patches": len(patches),
+    }
+
+
+def run_info(args: argparse.Namespace) -> int:
+    info = collect_info()
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    width = max(len(k) for k in info)
+    for key, value in info.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items())
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("info", help="versions, device, Mamba ops and extension backend")
+    parser.add_argument("--json", action="store_true", help="print as JSON")
+    parser.set_defaults(func=run_info)

@@ -1,0 +1,235 @@
+"""Train the teacher: the full-size model every nested model is later distilled from.
+
+A Megatron-Core training loop (``get_forward_backward_func``, Megatron's optimizer and LR
+schedule, dist checkpointing) over Megatron indexed datasets, under any TP/PP/EP/DP layout.
+It writes, into ``out_dir``: ``checkpoints/teacher/`` (a Megatron dist checkpoint plus
+``elastic_meta.json``), ``teacher_metrics.jsonl`` and ``teacher_loss.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_plugin.models.config import ConfigError, ExperimentConfig
+from elastic_plugin.parallel import Layout, build_model_chunks, build_optimizer, initialize_layout
+from elastic_plugin.training.step import eval_step, train_step
+
+CHECKPOINT_META = "elastic_meta.json"
+
+
+@dataclass
+class TeacherRun:
+    """Result of a teacher training run (rank 0 has all fields)."""
+
+    checkpoint_dir: str
+    iterations: int
+    final_train_loss: float | None
+    final_valid_loss: float | None
+    metrics_path: str
+    plot_path: str | None
+    seconds: float
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _share_from_last_stage(value: float | None) -> float | None:
+    """Losses exist on the last pipeline stage only; give every rank the same number."""
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    packed = torch.tensor([value if value is not None else 0.0, 1.0 if value is not None else 0.0],
+                          dtype=torch.float64)
+    dist.all_reduce(packed, group=parallel_state.get_pipeline_model_parallel_group())
+    # every TP/DP replica of the last stage reported the same value: average them
+    dist.all_reduce(packed)
+    return float(packed[0] / packed[1]) if packed[1] > 0 else None
+
+
+def _lr_scheduler(optimizer, cfg: ExperimentConfig):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    t = cfg.training
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=t.lr,
+        min_lr=t.min_lr,
+        lr_warmup_steps=min(t.lr_warmup_iters, max(t.train_iters - 1, 0)),
+        lr_decay_steps=t.train_iters,
+        lr_decay_style="cosine",
+        start_wd=t.weight_decay,
+        end_wd=t.weight_decay,
+        wd_incr_steps=t.train_iters,
+        wd_incr_style="constant",
+    )
+
+
+def save_checkpoint(chunks, out_dir: Path, meta: dict[str, Any]) -> Path:
+    """Write a Megatron dist checkpoint atomically: into ``<dir>.tmp``, then rename."""
+    from megatron.core import dist_checkpointing
+
+    final = out_dir
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if _is_rank0():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if dist.is_initialized():
+        dist.barrier()
+    model = getattr(chunks[0], "module", chunks[0])
+    dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
+    if dist.is_initialized():
+        dist.barrier()
+    if _is_rank0():
+        (tmp / CHECKPOINT_META).write_text(json.dumps(meta, indent=2, default=str))
+        old = out_dir.with_name(out_dir.name + ".old")
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return final
+
+
+def load_checkpoint(chunks, ckpt_dir: str | Path) -> dict[str, Any]:
+    """Load a dist checkpoint into model chunks of any layout; returns its metadata."""
+    from megatron.core import dist_checkpointing
+
+    ckpt_dir = Path(ckpt_dir)
+    meta_path = ckpt_dir / CHECKPOINT_META
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"--ckpt {ckpt_dir}: not a complete checkpoint (no {CHECKPOINT_META})")
+    model = getattr(chunks[0], "module", chunks[0])
+    state = dist_checkpointing.load(model.sharded_state_dict(), str(ckpt_dir))
+    model.load_state_dict(state, strict=False)
+    return json.loads(meta_path.read_text())
+
+
+def plot_losses(history: list[dict[str, Any]], path: Path, title: str) -> Path | None:
+    """Training and validation loss over iterations, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(h["iteration"], h["train_loss"]) for h in history if h.get("train_loss") is not None]
+    valid = [(h["iteration"], h["valid_loss"]) for h in history if h.get("valid_loss") is not None]
+    if not train:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    ax.plot(*zip(*train), label="train (lm loss)", lw=1.2)
+    if valid:
+        ax.plot(*zip(*valid), "o-", label="validation", lw=1.5)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def train_teacher(cfg: ExperimentConfig, layout: Layout, out_dir: str | Path,
+                  train_iterator, valid_dataset_factory, vocab_size: int | None = None,
+                  progress: bool = True, extra_meta: dict[str, Any] | None = None) -> TeacherRun:
+    """Train ``cfg.model`` for ``cfg.training.train_iters`` steps and checkpoint it.
+
+    ``train_iterator``: Megatron-format micro-batches for this DP rank (None on middle PP
+    stages); ``valid_dataset_factory()``: a fresh validation iterator (or None).
+    """
+    t = cfg.training
+    out_dir = Path(out_dir)
+    model_cfg = cfg.model if vocab_size is None else replace(cfg.model, vocab_size=vocab_size)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dp = world // (layout.tp * layout.pp)
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(
+            f"training.global_batch_size={t.global_batch_size} must be a multiple of "
+            f"training.micro_batch_size={t.micro_batch_size} x data-parallel size {dp}"
+        )
+    num_microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    initialize_layout(layout, seed=t.seed)
+    chunks, _ = build_model_chunks(model_cfg, layout)
+    optimizer = build_optimizer(chunks, lr=t.lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad,
+                                distributed_optimizer=layout.distributed_optimizer)
+    scheduler = _lr_scheduler(optimizer, cfg)
+    metrics_path = out_dir / "teacher_metrics.jsonl"
+    history: list[dict[str, Any]] = []
+    if _is_rank0():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        metrics_path.write_text("")
+    bar = None
+    if progress and _is_rank0():
+        from tqdm import tqdm
+
+        bar = tqdm(total=t.train_iters, desc="teacher", unit="it", dynamic_ncols=True)
+    start = time.time()
+    train_loss = valid_loss = None
+    window: list[float] = []
+    for iteration in range(1, t.train_iters + 1):
+        result = train_step(chunks, optimizer, train_iterator, num_microbatches, t.seq_length,
+                            t.micro_batch_size)
+        scheduler.step(increment=1)
+        loss = _share_from_last_stage(result["loss"])
+        if loss is not None and not math.isfinite(loss):
+            raise FloatingPointError(f"teacher training diverged at iteration {iteration}: loss={loss}")
+        window.append(loss if loss is not None else float("nan"))
+        record: dict[str, Any] = {}
+        if iteration % t.log_interval == 0 or iteration == t.train_iters:
+            train_loss = sum(window) / len(window)
+            window.clear()
+            record = {"iteration": iteration, "train_loss": train_loss,
+                      "lr": optimizer.param_groups[0]["lr"],
+                      "grad_norm": float(result.get("grad_norm") or 0.0),
+                      "elapsed_s": round(time.time() - start, 2)}
+        if valid_dataset_factory is not None and (iteration % t.eval_interval == 0
+                                                  or iteration == t.train_iters):
+            valid_loss = _share_from_last_stage(
+                eval_step(chunks, valid_dataset_factory(), t.eval_iters, t.seq_length,
+                          t.micro_batch_size))
+            record = {**record, "iteration": iteration, "valid_loss": valid_loss}
+        if record:
+            history.append(record)
+            if _is_rank0():
+                with metrics_path.open("a") as fh:
+                    fh.write(json.dumps(record) + "\n")
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{train_loss:.3f}" if train_loss is not None else "-",
+                            val=f"{valid_loss:.3f}" if valid_loss is not None else "-")
+    if bar is not None:
+        bar.close()
+    meta = {
+        "kind": "teacher",
+        "iteration": t.train_iters,
+        "layout": asdict(layout),
+        "config": cfg.to_dict() | {"model": asdict(model_cfg)},
+        "final_train_loss": train_loss,
+        "final_valid_loss": valid_loss,
+        **(extra_meta or {}),
+    }
+    ckpt = save_checkpoint(chunks, out_dir / "checkpoints" / "teacher", meta)
+    plot = None
+    if _is_rank0():
+        plot = plot_losses(history, out_dir / "teacher_loss.png",
+                           f"teacher training ({model_cfg.hybrid_layer_pattern}, "
+                           f"TP{layout.tp} PP{layout.pp} EP{layout.ep} DP{dp})")
+    return TeacherRun(str(ckpt), t.train_iters, train_loss, valid_loss, str(metrics_path),
+                      str(plot) if plot else None, time.time() - start, history)
