@@ -126,6 +126,7 @@ def build_optimizer(
     distributed_optimizer: bool = False,
     adam_beta2: float = 0.95,
     adam_eps: float = 1e-8,
+    min_lr: float | None = None,
 ):
     """Megatron's (optionally distributed) Adam over the model chunks."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -134,6 +135,7 @@ def build_optimizer(
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=lr,
+        min_lr=lr if min_lr is None else min_lr,
         weight_decay=weight_decay,
         adam_beta1=0.9,
         adam_beta2=adam_beta2,

@@ -168,7 +168,7 @@ def train_teacher(cfg: ExperimentConfig, layout: Layout, out_dir: str | Path,
     initialize_layout(layout, seed=t.seed)
     chunks, _ = build_model_chunks(model_cfg, layout)
     optimizer = build_optimizer(chunks, lr=t.lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad,
-                                distributed_optimizer=layout.distributed_optimizer)
+                                min_lr=t.min_lr, distributed_optimizer=layout.distributed_optimizer)
     scheduler = _lr_scheduler(optimizer, cfg)
     metrics_path = out_dir / "teacher_metrics.jsonl"
     history: list[dict[str, Any]] = []

@@ -1,0 +1,47 @@
+# Two commands for a new user on a fresh machine:
+#   make demo   - the main job on the built-in tiny default (train the teacher)
+#   make test   - the test suite
+# Both create .venv (Python 3.12, pinned requirements) and build the extension when missing or stale.
+
+SHELL := /bin/bash
+VENV  ?= .venv
+PY    := $(VENV)/bin/python
+OUT   ?= demo_out
+QUICK ?=
+CONFIG ?= examples/configs/tiny.yaml
+PYTEST_ARGS ?=
+STAMPS := $(VENV)/.stamps
+
+.PHONY: demo test test-fast bench venv install clean help
+
+help:
+	@echo "make demo [QUICK=1] [OUT=dir]  - train the tiny teacher (the main job so far)"
+	@echo "make test                      - run the test suite"
+	@echo "make bench                     - run the benchmarks (ratios, side by side)"
+
+$(STAMPS)/venv: requirements.txt scripts/bootstrap_venv.sh
+	@bash scripts/bootstrap_venv.sh $(VENV)
+	@mkdir -p $(STAMPS) && touch $@
+
+$(STAMPS)/install: $(STAMPS)/venv setup.py $(wildcard csrc/*.cpp csrc/*.cu csrc/*.h)
+	@echo "==> building the elastic_plugin extension (C++ always, CUDA when nvcc + a CUDA torch exist)"
+	MAX_JOBS=$${MAX_JOBS:-2} $(PY) -m pip install --no-build-isolation --no-deps -q -e .
+	@mkdir -p $(STAMPS) && touch $@
+
+venv: $(STAMPS)/venv
+install: $(STAMPS)/install
+
+demo: $(STAMPS)/install
+	$(VENV)/bin/elastic-plugin train --config $(CONFIG) --out $(OUT) $(if $(QUICK),--quick,)
+
+test: $(STAMPS)/install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMPS)/install
+	$(PY) -m pytest -m "not slow and not multirank" $(PYTEST_ARGS)
+
+bench: $(STAMPS)/install
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(STAMPS) build *.egg-info elastic_plugin/_C*.so
