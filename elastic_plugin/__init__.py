@@ -5,3 +5,17 @@ this package ranks, reorders, trains and extracts them on top of Megatron-Core.
 """
 
 __version__ = "0.1.0"
+
+
+def _maybe_enable_cpu_compat() -> None:
+    """``ELASTIC_PLUGIN_CPU=1``: patch Megatron-Core for CPU/gloo on import, for scripts that
+    import the plugin but never call :func:`elastic_plugin.compat.enable_cpu_megatron`."""
+    import os
+
+    if os.environ.get("ELASTIC_PLUGIN_CPU", "0") not in ("", "0", "false", "False"):
+        from elastic_plugin.compat import maybe_enable_from_env
+
+        maybe_enable_from_env()
+
+
+_maybe_enable_cpu_compat()

@@ -1,0 +1,134 @@
+"""The ``elastic-plugin`` entry point and the main job's first stage (teacher training):
+bad input fails before any work; a short run trains, plots and checkpoints; the checkpoint
+gives the same validation loss when loaded under another parallel layout; torchrun works."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic_plugin.testing.multirank import RankPool, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "configs" / "tiny.yaml"
+NANO = ROOT / "examples" / "configs" / "nemotron_nano_v3.yaml"
+CLI = [sys.executable, "-m", "elastic_plugin.cli"]
+
+
+def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.models
+def test_params_json_for_nemotron_nano_v3():
+    proc = run_cli("params", "--config", str(NANO), "--json")
+    assert proc.returncode == 0, proc.stderr
+    counts = json.loads(proc.stdout)
+    assert counts["total"] == pytest.approx(31.6e9, rel=0.015)
+    assert counts["active"] == pytest.approx(3.6e9, rel=0.015)
+
+
+@pytest.mark.models
+def test_info_json_reports_backends():
+    proc = run_cli("info", "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["megatron_core"] == "0.19.2"
+    assert info["device"] == "cpu" and info["distributed_backend"] == "gloo"
+    assert info["mamba_ops"].startswith("pytorch")
+    assert info["extension"]["backend"] in ("cpp", "cpp+cuda", "pytorch")
+    assert info["layer_spec"] == "local"
+
+
+@pytest.mark.demo
+@pytest.mark.parametrize("args,needle", [
+    (["--tensor-model-parallel-size", "3"], "num_attention_heads=4 is not divisible"),
+    (["--train-iters", "0"], "--train-iters=0"),
+    (["--data-path", "/nonexistent/prefix", "--tokenizer", "x.json"], "--data-path /nonexistent/prefix"),
+    (["--tensor-model-parallel-size", "2"], "world size 1 is not divisible"),
+])
+def test_train_rejects_bad_input_before_work(tmp_path, args, needle):
+    out = tmp_path / "out"
+    proc = run_cli("train", "--config", str(TINY), "--out", str(out), *args, timeout=120)
+    assert proc.returncode == 2
+    assert needle in proc.stderr
+    assert not out.exists(), "nothing may be written for bad input"
+
+
+@pytest.mark.demo
+def test_train_rejects_unknown_config_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(TINY.read_text().replace("hidden_size: 128", "hidden_size: 128\n  hiden_size: 3"))
+    proc = run_cli("train", "--config", str(bad), "--out", str(tmp_path / "o"), timeout=120)
+    assert proc.returncode == 2 and "hiden_size" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A short teacher run of the tiny model (single process, as `make demo QUICK=1`)."""
+    out = tmp_path_factory.mktemp("demo")
+    proc = run_cli("train", "--config", str(TINY), "--out", str(out), "--quick",
+                   "--train-iters", "40", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out, json.loads(proc.stdout[proc.stdout.index("{"):])
+
+
+@pytest.mark.demo
+def test_short_teacher_run_trains_plots_and_checkpoints(trained):
+    out, summary = trained
+    metrics = [json.loads(line) for line in (out / "teacher_metrics.jsonl").read_text().splitlines()]
+    losses = [m["train_loss"] for m in metrics if "train_loss" in m]
+    assert len(losses) >= 3 and losses[-1] < 0.6 * losses[0], losses
+    assert summary["valid_loss"] is not None and summary["valid_loss"] < 3.0
+    assert (out / "teacher_loss.png").stat().st_size > 10_000
+    ckpt = out / "checkpoints" / "teacher"
+    meta = json.loads((ckpt / "elastic_meta.json").read_text())
+    assert meta["iteration"] == 40 and meta["kind"] == "teacher"
+    assert not (out / "checkpoints" / "teacher.tmp").exists()
+    assert (out / "data" / "train_text_document.bin").is_file()
+
+
+@pytest.mark.demo
+@pytest.mark.multirank
+def test_checkpoint_gives_same_loss_under_other_layouts(trained):
+    out, _ = trained
+    kwargs = dict(ckpt_dir=str(out / "checkpoints" / "teacher"), data_dir=str(out / "data"))
+    with RankPool(1) as pool:
+        (reference,) = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", **kwargs)
+    with RankPool(2) as pool:
+        tp = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", tp=2,
+                      sequence_parallel=True, **kwargs)
+        pp = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", pp=2, **kwargs)
+        ep = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", ep=2, **kwargs)
+    assert reference is not None and reference < 3.0
+    for losses in (tp, pp, ep):
+        assert losses == [pytest.approx(reference, rel=1e-5)] * 2
+
+
+@pytest.mark.demo
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_train_under_torchrun_with_tensor_parallel(tmp_path, trained):
+    """The user path: torchrun + the CLI, TP=2 with SP on 2 ranks, reusing the data."""
+    out_seed, _ = trained
+    out = tmp_path / "tr"
+    out.mkdir()
+    shutil.copytree(out_seed / "data", out / "data")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), "-m", "elastic_plugin.cli", "train",
+           "--config", str(TINY), "--out", str(out), "--quick", "--train-iters", "12",
+           "--no-progress", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout[proc.stdout.index("{"):])
+    meta = json.loads((out / "checkpoints" / "teacher" / "elastic_meta.json").read_text())
+    assert meta["layout"]["tp"] == 2 and summary["iterations"] == 12
+    assert summary["train_loss"] < 4.0

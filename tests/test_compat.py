@@ -1,0 +1,91 @@
+"""elastic_plugin.compat: each CPU/gloo patch does what Megatron needs, and only when asked."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from elastic_plugin.testing.multirank import RankPool
+
+pytestmark = [pytest.mark.compat]
+
+
+def _run_python(code: str, env: dict[str, str] | None = None) -> str:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_patches_make_cuda_assumptions_work_on_cpu():
+    out = _run_python("""
+        import json, torch
+        from elastic_plugin.compat import enable_cpu_megatron, applied_patches
+        patches = enable_cpu_megatron()
+        assert enable_cpu_megatron() == patches  # idempotent
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+        # RNG tracker: forks are reproducible and differ from the default stream
+        import megatron.core.parallel_state as ps
+        import torch.distributed as dist
+        from elastic_plugin.parallel import init_distributed
+        init_distributed()
+        ps.initialize_model_parallel(1, 1)
+        model_parallel_cuda_manual_seed(5)
+        with get_cuda_rng_tracker().fork():
+            a = torch.rand(4)
+        model_parallel_cuda_manual_seed(5)
+        with get_cuda_rng_tracker().fork():
+            b = torch.rand(4)
+        t = torch.empty(3, device="cuda")
+        u = torch.ones(2).to("cuda:0")
+        s = torch.cuda.Stream(); e = s.record_event(); e.synchronize()
+        print(json.dumps({
+            "n": len(patches), "same_fork": bool(torch.equal(a, b)),
+            "empty_device": str(t.device), "to_device": str(u.device),
+            "type": torch.zeros(1).type(), "cast": torch.zeros(1).type(torch.float64).dtype.__repr__(),
+            "mamba": any(p.startswith("mamba:") for p in patches),
+        }))
+    """)
+    info = json.loads(out)
+    assert info["n"] > 10 and info["mamba"]
+    assert info["same_fork"]
+    assert info["empty_device"] == "cpu" and info["to_device"] == "cpu"
+    assert info["type"] == "torch.cuda.FloatTensor"
+    assert info["cast"] == "torch.float64"  # casts through .type(dtype) still work
+
+
+def test_no_patches_when_cuda_is_available():
+    out = _run_python("""
+        import torch
+        torch.cuda.is_available = lambda: True
+        orig = torch.cuda.get_rng_state
+        from elastic_plugin.compat import enable_cpu_megatron
+        print(len(enable_cpu_megatron()), torch.cuda.get_rng_state is orig)
+    """)
+    assert out == "0 True"
+
+
+def test_environment_variable_opt_in():
+    code = """
+        import elastic_plugin
+        from elastic_plugin.compat import applied_patches
+        print(len(applied_patches()))
+    """
+    assert int(_run_python(code, {"ELASTIC_PLUGIN_CPU": "1"})) > 10
+    assert int(_run_python(code, {"ELASTIC_PLUGIN_CPU": "0"})) == 0
+
+
+@pytest.mark.multirank
+def test_gloo_uneven_all_gather_and_list_reduce_scatter():
+    with RankPool(3) as pool:
+        gathered = pool.run("elastic_plugin.testing.cases:uneven_all_gather")
+        scattered = pool.run("elastic_plugin.testing.cases:list_reduce_scatter")
+    expected = [[0.0], [1.0, 1.0], [2.0, 2.0, 2.0]]
+    assert all(g == expected for g in gathered)
+    # piece r summed over senders: (1+2+3) * (r+1)
+    assert scattered == [[6.0], [12.0, 12.0], [18.0, 18.0, 18.0]]
