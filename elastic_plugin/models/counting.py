@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from elastic_plugin.models.config import ConfigError, ModelConfig
+from elastic_plugin.models.config import ModelConfig
 
 COMPONENTS: tuple[str, ...] = (
     "embedding",
@@ -121,13 +121,7 @@ def _check_buildable(model: ModelConfig) -> None:
     """Reject what Megatron-Core would refuse to build, so no count is given for a non-model."""
     if not isinstance(model, ModelConfig):
         raise TypeError(f"model must be a ModelConfig, got {type(model).__name__}")
-    model.validate()
-    if model.count("moe") and model.moe_shared_expert_intermediate_size and model.add_bias_linear:
-        raise ConfigError(
-            "model.add_bias_linear=true is not supported with a shared expert "
-            f"(model.moe_shared_expert_intermediate_size={model.moe_shared_expert_intermediate_size}):"
-            " Megatron-Core's SharedExpertMLP asserts add_bias_linear=False; set one of them to 0/false"
-        )
+    model.validate()  # also rejects a shared expert with biases (Megatron can't build it)
 
 
 def _layer(model: ModelConfig, kind: str) -> tuple[dict[str, int], dict[str, int]]:

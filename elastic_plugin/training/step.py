@@ -69,6 +69,22 @@ def _batch_iterator_for_stage(data_iterator):
     return None
 
 
+def _run_schedule(chunks, data_iterator, num_microbatches: int, seq_length: int,
+                  micro_batch_size: int, forward_only: bool) -> list[dict]:
+    """Megatron's schedule for this layout (1F1B under PP) over ``num_microbatches``."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=_batch_iterator_for_stage(data_iterator),
+        model=chunks,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
 def train_step(
     chunks: list[torch.nn.Module],
     optimizer,
@@ -80,7 +96,6 @@ def train_step(
 ) -> dict[str, Any]:
     """Forward+backward over ``num_microbatches`` micro-batches, then one optimizer step."""
     from megatron.core.distributed import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     for chunk in chunks:
         chunk.zero_grad_buffer()
@@ -88,15 +103,8 @@ def train_step(
     config = chunks[0].config
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
-    reports = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=_batch_iterator_for_stage(data_iterator),
-        model=chunks,
-        num_microbatches=num_microbatches,
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=False,
-    )
+    reports = _run_schedule(chunks, data_iterator, num_microbatches, seq_length,
+                            micro_batch_size, forward_only=False)
     result: dict[str, Any] = {"loss": _reduce_reports(reports)}
     if step_optimizer:
         ok, grad_norm, _ = optimizer.step()
@@ -108,20 +116,11 @@ def train_step(
 def eval_step(chunks, data_iterator, num_microbatches: int, seq_length: int,
               micro_batch_size: int) -> float | None:
     """Mean validation loss (last pipeline stage; ``None`` elsewhere)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     for chunk in chunks:
         chunk.eval()
     try:
-        reports = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=_batch_iterator_for_stage(data_iterator),
-            model=chunks,
-            num_microbatches=num_microbatches,
-            seq_length=seq_length,
-            micro_batch_size=micro_batch_size,
-            forward_only=True,
-        )
+        reports = _run_schedule(chunks, data_iterator, num_microbatches, seq_length,
+                                micro_batch_size, forward_only=True)
     finally:
         for chunk in chunks:
             chunk.train()
