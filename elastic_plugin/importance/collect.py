@@ -1,0 +1,154 @@
+"""Collect importance scores: forward passes over calibration data with hooks installed.
+
+Forward-only through Megatron's own schedule (so PP stages pass activations as in training),
+progress on rank 0, hooks removed afterwards (also on error), partial statistics saved every
+``save_every`` batches so an interrupted collection resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from elastic_plugin.importance.hooks import AXES, ImportanceHooks, LocalStats
+from elastic_plugin.importance.scores import ImportanceScores, reduce_local_stats
+
+
+class CalibrationError(ValueError):
+    """The calibration data cannot provide what was asked for."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _partial_path(resume_dir: Path) -> Path:
+    return resume_dir / f"partial_rank{_rank():05d}.pt"
+
+
+def check_calibration(num_available: int | None, num_samples: int, micro_batch_size: int) -> int:
+    """Number of micro-batches to run; errors for an empty or too-short calibration set."""
+    if num_samples <= 0:
+        raise CalibrationError(f"num_samples={num_samples} must be > 0")
+    if micro_batch_size <= 0:
+        raise CalibrationError(f"micro_batch_size={micro_batch_size} must be > 0")
+    if num_available is not None:
+        if num_available == 0:
+            raise CalibrationError("the calibration set is empty")
+        if num_available < num_samples:
+            raise CalibrationError(
+                f"the calibration set has {num_available} samples, fewer than num_samples={num_samples}"
+            )
+    if num_samples % micro_batch_size:
+        raise CalibrationError(
+            f"num_samples={num_samples} must be a multiple of micro_batch_size={micro_batch_size}"
+        )
+    return num_samples // micro_batch_size
+
+
+def _counted(iterator: Iterator[dict], limit: int, samples_per_batch: int) -> Iterator[dict]:
+    """Yield ``limit`` batches, failing clearly if the iterator runs out first."""
+    for index in range(limit):
+        try:
+            yield next(iterator)
+        except StopIteration:
+            raise CalibrationError(
+                f"calibration data ran out after {index * samples_per_batch} samples; "
+                f"asked for {limit * samples_per_batch}"
+            ) from None
+
+
+def collect_importance(
+    chunks: list[torch.nn.Module],
+    data_iterator: Iterator[dict] | None,
+    num_samples: int,
+    seq_length: int,
+    micro_batch_size: int,
+    axes: Iterable[str] | None = None,
+    resume_dir: str | Path | None = None,
+    save_every: int = 50,
+    progress: bool = True,
+    num_available: int | None = None,
+    meta: dict[str, Any] | None = None,
+) -> ImportanceScores:
+    """Run ``num_samples`` (per data-parallel rank) through the model and reduce the scores.
+
+    ``axes``: which to require (default: every axis the model has); one the model lacks is an
+    error before any forward pass. With ``resume_dir``, partial per-rank statistics are kept
+    there and picked up by a later call with the same arguments.
+    """
+    from elastic_plugin.training.step import _run_schedule
+
+    num_batches = check_calibration(num_available, num_samples, micro_batch_size)
+    model = getattr(chunks[0], "module", chunks[0])
+    stats, done = LocalStats(), 0
+    partial = _partial_path(Path(resume_dir)) if resume_dir is not None else None
+    if partial is not None and partial.is_file():
+        saved = torch.load(partial, weights_only=False)
+        if saved["num_batches"] != num_batches or saved["micro_batch_size"] != micro_batch_size:
+            raise CalibrationError(
+                f"{partial} was collected with a different num_samples/micro_batch_size; "
+                "delete the resume directory or use the same settings")
+        stats, done = LocalStats.from_state_dict(saved["stats"]), int(saved["batches_done"])
+    hooks = ImportanceHooks(model, stats)
+    try:
+        _check_axes(axes, hooks.axes_present)
+        if data_iterator is not None:
+            for _ in range(done):  # skip what a previous run already saw
+                next(data_iterator)
+        bar = _progress(num_batches, done) if progress and _rank() == 0 else None
+        batches = _counted(data_iterator, num_batches - done, micro_batch_size) \
+            if data_iterator is not None else None
+        with torch.no_grad():
+            for chunk in chunks:
+                chunk.eval()
+            for index in range(done, num_batches):
+                _run_schedule(chunks, batches, 1, seq_length, micro_batch_size, forward_only=True)
+                stats.tokens_seen += micro_batch_size * seq_length
+                if bar is not None:
+                    bar.update(1)
+                if partial is not None and ((index + 1) % save_every == 0):
+                    _save_partial(partial, stats, index + 1, num_batches, micro_batch_size)
+        if bar is not None:
+            bar.close()
+    finally:
+        hooks.remove()
+        for chunk in chunks:
+            chunk.train()
+    config = model.config
+    scores = reduce_local_stats(stats, config.hidden_size, bool(config.sequence_parallel),
+                                meta={"num_samples_per_dp_rank": num_samples,
+                                      "seq_length": seq_length, **(meta or {})})
+    if partial is not None and partial.exists():
+        partial.unlink()
+    return scores
+
+
+def _check_axes(axes: Iterable[str] | None, present: set[str]) -> None:
+    if axes is None:
+        return
+    for axis in axes:
+        if axis not in AXES and axis != "shared_ffn":
+            raise ValueError(f"axis {axis!r} is unknown; allowed: {', '.join(AXES)}, shared_ffn")
+        if axis not in present:
+            raise ValueError(
+                f"axis {axis!r} is not in this model (it has: {', '.join(sorted(present))})"
+            )
+
+
+def _save_partial(path: Path, stats: LocalStats, done: int, num_batches: int,
+                  micro_batch_size: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"stats": stats.state_dict(), "batches_done": done, "num_batches": num_batches,
+                "micro_batch_size": micro_batch_size}, tmp)
+    tmp.replace(path)
+
+
+def _progress(total: int, initial: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="importance", unit="batch", dynamic_ncols=True)

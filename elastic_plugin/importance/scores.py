@@ -1,0 +1,151 @@
+"""Global importance scores: reduction of every rank's local statistics, saving, rankings.
+
+Reduction (so the ranking is the same whatever the layout):
+- summed over data-parallel ranks (experts: over the expert-data-parallel group);
+- sharded units (heads, FFN neurons, Mamba heads) gathered over TP into one global vector in
+  Megatron's canonical (contiguous-shard) order; experts gathered over EP the same way;
+- embedding channels summed over every norm, TP ranks (under sequence parallel each saw a
+  different part of the sequence) and PP stages; per-layer tables gathered over PP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_plugin.importance.hooks import LocalStats
+
+SHARDED_OVER_TP = ("ffn", "shared_ffn", "attention_heads", "mamba")
+FORMAT_VERSION = 1
+
+
+@dataclass
+class ImportanceScores:
+    """Per-axis scores in canonical order; per-layer axes keyed by global layer number (1-based)."""
+
+    embedding: torch.Tensor | None = None
+    ffn: dict[int, torch.Tensor] = field(default_factory=dict)
+    shared_ffn: dict[int, torch.Tensor] = field(default_factory=dict)
+    attention_heads: dict[int, torch.Tensor] = field(default_factory=dict)
+    mamba: dict[int, torch.Tensor] = field(default_factory=dict)  # [heads, head_dim] sum of s^2
+    experts: dict[int, torch.Tensor] = field(default_factory=dict)  # REAP
+    expert_tokens: dict[int, torch.Tensor] = field(default_factory=dict)
+    tokens: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ derived views
+    def mamba_channel_scores(self, layer: int) -> torch.Tensor:
+        """``||s_{:,d}||_2`` per head channel d (over tokens and heads)."""
+        return self.mamba[layer].sum(0).sqrt()
+
+    def mamba_head_scores(self, layer: int, top_channels: int | None = None) -> torch.Tensor:
+        """Head norms over the ``top_channels`` most important channels (all by default)."""
+        acc = self.mamba[layer]
+        if top_channels is not None:
+            keep = torch.argsort(self.mamba_channel_scores(layer), descending=True)[:top_channels]
+            acc = acc[:, keep]
+        return acc.sum(1).sqrt()
+
+    def axes(self) -> list[str]:
+        present = [name for name in ("ffn", "shared_ffn", "attention_heads", "mamba", "experts")
+                   if getattr(self, name)]
+        return (["embedding"] if self.embedding is not None else []) + present
+
+    # ----------------------------------------------------------------------- storage
+    def to_dict(self) -> dict[str, Any]:
+        return {"format_version": FORMAT_VERSION, "embedding": self.embedding, "ffn": self.ffn,
+                "shared_ffn": self.shared_ffn, "attention_heads": self.attention_heads,
+                "mamba": self.mamba, "experts": self.experts, "expert_tokens": self.expert_tokens,
+                "tokens": self.tokens, "meta": self.meta}
+
+    def save(self, path: str | Path) -> Path:
+        """Atomic write (temp file + rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(self.to_dict(), tmp)
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ImportanceScores":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"importance scores {path}: no such file")
+        raw = torch.load(path, weights_only=False)
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{path}: unsupported importance format {raw.get('format_version')}")
+        raw.pop("format_version")
+        return cls(**raw)
+
+
+# ----------------------------------------------------------------------- reduction
+def _sum_over(tensor: torch.Tensor, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def _concat_over(tensor: torch.Tensor, group) -> torch.Tensor:
+    if group is None or dist.get_world_size(group) == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
+def reduce_local_stats(stats: LocalStats, hidden_size: int, sequence_parallel: bool,
+                       meta: dict[str, Any] | None = None) -> ImportanceScores:
+    """Collective: every rank of the job calls it and gets the same global scores."""
+    from megatron.core import parallel_state as ps
+
+    initialized = dist.is_initialized() and ps.model_parallel_is_initialized()
+    dp = ps.get_data_parallel_group(with_context_parallel=True) if initialized else None
+    tp = ps.get_tensor_model_parallel_group() if initialized else None
+    pp = ps.get_pipeline_model_parallel_group() if initialized else None
+    ep = ps.get_expert_model_parallel_group() if initialized else None
+    edp = ps.get_expert_data_parallel_group() if initialized else None
+
+    scores = ImportanceScores(meta=dict(meta or {}))
+    embedding = stats.sums.get("embedding", {}).get(0, torch.zeros(hidden_size, dtype=torch.float64))
+    embedding = _sum_over(embedding, dp)
+    if sequence_parallel:
+        embedding = _sum_over(embedding, tp)
+    scores.embedding = _sum_over(embedding, pp)
+
+    local: dict[str, dict[int, torch.Tensor]] = {}
+    for axis in SHARDED_OVER_TP:
+        local[axis] = {layer: _concat_over(_sum_over(value, dp), tp)
+                       for layer, value in sorted(stats.sums.get(axis, {}).items())}
+    for layer, value in sorted(stats.sums.get("experts", {}).items()):
+        numerator = _concat_over(_sum_over(value, edp), ep)
+        count = _concat_over(_sum_over(stats.expert_tokens[layer], edp), ep)
+        local.setdefault("experts", {})[layer] = numerator / count.clamp(min=1)
+        local.setdefault("expert_tokens", {})[layer] = count
+    tokens = _sum_over(torch.tensor([float(stats.tokens_seen)], dtype=torch.float64), dp)
+
+    gathered = [local]
+    if pp is not None and dist.get_world_size(pp) > 1:
+        gathered = [None] * dist.get_world_size(pp)
+        dist.all_gather_object(gathered, local, group=pp)
+    for part in gathered:
+        for axis, layers in part.items():
+            getattr(scores, axis).update(layers)
+    scores.tokens = int(tokens.item())
+    return scores
+
+
+def rankings_agree(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5) -> bool:
+    """Same descending order, allowing swaps only between scores equal within ``rtol``."""
+    order_a = torch.argsort(a, descending=True, stable=True)
+    order_b = torch.argsort(b, descending=True, stable=True)
+    if torch.equal(order_a, order_b):
+        return True
+    differ = order_a != order_b
+    sa, sb = a[order_a][differ], a[order_b][differ]
+    return bool(torch.allclose(sa, sb, rtol=rtol, atol=0.0))

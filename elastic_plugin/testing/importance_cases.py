@@ -1,0 +1,128 @@
+"""Rank-pool cases for importance tests: single-rank reference, REAP by direct computation,
+and the same collection under TP/PP/EP layouts from the same weights and data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastic_plugin.importance import ImportanceScores, collect_importance
+from elastic_plugin.parallel import Layout, build_model_chunks, initialize_layout
+from elastic_plugin.testing.equivalence import (
+    NUM_MICROBATCHES,
+    REF_MICRO_BATCH,
+    SEQ_LEN,
+    dp_shard,
+    load_dist,
+    reference_batches,
+    save_dist,
+    tiny_model,
+)
+
+NUM_SAMPLES = REF_MICRO_BATCH * NUM_MICROBATCHES
+
+
+def _dp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_world_size()
+
+
+def reference_importance(config_path: str, workdir: str, seed: int = 1234) -> dict[str, Any]:
+    """One rank: save the initial weights, collect scores, and compute REAP directly."""
+    work = Path(workdir)
+    model_cfg = tiny_model(config_path)
+    initialize_layout(Layout(), seed=seed)
+    (model,), _ = build_model_chunks(model_cfg, Layout(), wrap_ddp=False)
+    save_dist(model, work / "init")
+    captured = _capture_router_io(model)
+    scores = collect_importance([model], dp_shard(reference_batches(model_cfg)), NUM_SAMPLES,
+                                SEQ_LEN, REF_MICRO_BATCH, progress=False)
+    for handle in captured.pop("_handles"):
+        handle.remove()
+    scores.save(work / "scores_ref.pt")
+    direct = _reap_direct(model, captured)
+    return {"direct_reap": direct, "collected_reap": {k: v.tolist() for k, v in scores.experts.items()},
+            "axes": scores.axes(), "tokens": scores.tokens}
+
+
+def _capture_router_io(model: torch.nn.Module) -> dict[str, Any]:
+    """Record every MoE router's input tokens and its (probs, routing_map)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    captured: dict[str, Any] = {"_handles": []}
+    for layer in model.decoder.layers:
+        moe = getattr(layer, "mlp", None)
+        if not isinstance(moe, MoELayer):
+            continue
+        number = int(layer.layer_number)
+        captured[number] = []
+
+        def hook(_m, args, out, number=number):
+            probs, routing_map = out
+            tokens = args[0].reshape(-1, args[0].shape[-1])
+            captured[number].append((tokens.detach().clone(), probs.detach().clone(),
+                                     routing_map.detach().clone()))
+
+        captured["_handles"].append(moe.router.register_forward_hook(hook))
+    return captured
+
+
+@torch.no_grad()
+def _reap_direct(model: torch.nn.Module, captured: dict[str, Any]) -> dict[int, list[float]]:
+    """REAP from the formula: mean over routed tokens of g_j(x) * ||f_j(x)||_2, f_j un-weighted."""
+    out: dict[int, list[float]] = {}
+    for layer in model.decoder.layers:
+        number = int(layer.layer_number)
+        if number not in captured:
+            continue
+        experts = layer.mlp.experts.local_experts
+        total = torch.zeros(len(experts), dtype=torch.float64)
+        count = torch.zeros(len(experts), dtype=torch.float64)
+        for tokens, probs, routing_map in captured[number]:
+            for j, expert in enumerate(experts):
+                rows = routing_map[:, j].nonzero().squeeze(-1)
+                if rows.numel() == 0:
+                    continue
+                x = tokens[rows]
+                f, _ = expert(x, torch.ones(x.shape[0], dtype=x.dtype))
+                total[j] += (probs[rows, j].double() * f.double().norm(dim=-1)).sum()
+                count[j] += rows.numel()
+        out[number] = (total / count.clamp(min=1)).tolist()
+    return out
+
+
+def layout_importance(config_path: str, workdir: str, tp: int = 1, pp: int = 1, ep: int = 1,
+                      sequence_parallel: bool = False, seed: int = 1234) -> dict[str, Any]:
+    """Collect under a layout from the reference's weights; compare with the reference file."""
+    from elastic_plugin.importance import rankings_agree
+
+    work = Path(workdir)
+    model_cfg = tiny_model(config_path)
+    layout = Layout(tp, pp, ep, sequence_parallel)
+    initialize_layout(layout, seed=seed + 3)
+    (model,), _ = build_model_chunks(model_cfg, layout, wrap_ddp=False)
+    load_dist(model, work / "init")
+    dp = _dp_size()
+    scores = collect_importance([model], dp_shard(reference_batches(model_cfg)), NUM_SAMPLES // dp,
+                                SEQ_LEN, REF_MICRO_BATCH // dp, progress=False)
+    reference = ImportanceScores.load(work / "scores_ref.pt")
+    report: dict[str, Any] = {"axes": scores.axes(), "tokens": scores.tokens,
+                              "max_rel_diff": {}, "rankings_agree": {}}
+    for axis in reference.axes():
+        ours, ref = getattr(scores, axis), getattr(reference, axis)
+        pairs = [(0, ours, ref)] if axis == "embedding" else \
+            [(layer, ours[layer], ref[layer]) for layer in ref]
+        worst, agree = 0.0, True
+        for _, a, b in pairs:
+            scale = b.abs().max().clamp(min=1e-30)
+            worst = max(worst, float(((a - b).abs().max() / scale)))
+            flat_a, flat_b = (a.sum(1), b.sum(1)) if axis == "mamba" else (a, b)
+            agree &= rankings_agree(flat_a, flat_b)
+            if axis == "mamba":
+                agree &= rankings_agree(a.sum(0), b.sum(0))
+        report["max_rel_diff"][axis] = worst
+        report["rankings_agree"][axis] = agree
+    return report

@@ -1,0 +1,55 @@
+"""Importance scores: REAP equals its formula, every axis is collected, and the scores (hence
+rankings) under TP=2 (+SP), PP=2 and EP=2 equal the single-rank ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from elastic_plugin.testing.multirank import RankPool
+
+pytestmark = [pytest.mark.importance]
+
+CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
+CASES = "elastic_plugin.testing.importance_cases"
+ALL_AXES = ["embedding", "ffn", "shared_ffn", "attention_heads", "mamba", "experts"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    work = tmp_path_factory.mktemp("importance")
+    with RankPool(1) as pool:
+        (info,) = pool.run(f"{CASES}:reference_importance", config_path=CONFIG, workdir=str(work))
+    return str(work), info
+
+
+def test_every_axis_is_collected(reference):
+    _, info = reference
+    assert info["axes"] == ALL_AXES
+    assert info["tokens"] > 0
+
+
+def test_reap_matches_direct_formula(reference):
+    _, info = reference
+    assert set(info["direct_reap"]) == set(info["collected_reap"])
+    for layer, direct in info["direct_reap"].items():
+        assert info["collected_reap"][layer] == pytest.approx(direct, rel=1e-6, abs=1e-9)
+        assert max(direct) > 0
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", [
+    {"tp": 2, "sequence_parallel": True},
+    {"pp": 2},
+    {"ep": 2},
+], ids=["tp2-sp", "pp2", "ep2"])
+def test_scores_and_rankings_independent_of_layout(reference, layout):
+    workdir, _ = reference
+    with RankPool(2) as pool:
+        reports = pool.run(f"{CASES}:layout_importance", config_path=CONFIG, workdir=workdir, **layout)
+    for report in reports:
+        assert report["axes"] == ALL_AXES
+        for axis, diff in report["max_rel_diff"].items():
+            assert diff < 1e-5, (axis, diff, layout)
+        assert all(report["rankings_agree"].values()), report["rankings_agree"]
