@@ -14,14 +14,19 @@
 #include <ATen/core/enum_tag.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/mm.h>
+#include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace elastic_plugin {
 namespace {
+
+// "torch.int64", as Python spells it (c10 alone prints "Long").
+std::string dtype_name(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
 
 bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf || t == at::kDouble;
@@ -34,9 +39,11 @@ void check_prefix_linear_args(const at::Tensor& x, const at::Tensor& weight, con
                    "prefix_linear: x and weight must be strided (dense) tensors, got layouts ", x.layout(), " and ",
                    weight.layout());
   TORCH_CHECK_TYPE(is_supported_float(x.scalar_type()),
-                   "prefix_linear: x must be float16, bfloat16, float32 or float64, got dtype ", x.scalar_type());
-  TORCH_CHECK_TYPE(weight.scalar_type() == x.scalar_type(), "prefix_linear: weight dtype ", weight.scalar_type(),
-                   " differs from x dtype ", x.scalar_type(), "; they must match");
+                   "prefix_linear: x must be float16, bfloat16, float32 or float64, got dtype ",
+                   dtype_name(x.scalar_type()));
+  TORCH_CHECK_TYPE(weight.scalar_type() == x.scalar_type(), "prefix_linear: weight dtype ",
+                   dtype_name(weight.scalar_type()), " differs from x dtype ", dtype_name(x.scalar_type()),
+                   "; they must match");
   TORCH_CHECK_VALUE(weight.device() == x.device(), "prefix_linear: weight is on ", weight.device(), " but x is on ",
                     x.device(), "; they must be on the same device");
   TORCH_CHECK_VALUE(weight.dim() == 2, "prefix_linear: weight must be 2-D [N, K], got a ", weight.dim(),
@@ -44,8 +51,9 @@ void check_prefix_linear_args(const at::Tensor& x, const at::Tensor& weight, con
   TORCH_CHECK_VALUE(x.dim() >= 1, "prefix_linear: x must have at least 1 dimension, got a 0-d tensor");
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK_TYPE(bias->layout() == at::kStrided, "prefix_linear: bias must be a strided (dense) tensor");
-    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "prefix_linear: bias dtype ", bias->scalar_type(),
-                     " differs from x dtype ", x.scalar_type(), "; they must match");
+    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "prefix_linear: bias dtype ",
+                     dtype_name(bias->scalar_type()), " differs from x dtype ", dtype_name(x.scalar_type()),
+                     "; they must match");
     TORCH_CHECK_VALUE(bias->device() == x.device(), "prefix_linear: bias is on ", bias->device(), " but x is on ",
                       x.device(), "; they must be on the same device");
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0),

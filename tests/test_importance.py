@@ -53,3 +53,41 @@ def test_scores_and_rankings_independent_of_layout(reference, layout):
         for axis, diff in report["max_rel_diff"].items():
             assert diff < 1e-5, (axis, diff, layout)
         assert all(report["rankings_agree"].values()), report["rankings_agree"]
+
+
+REORDER = "elastic_plugin.testing.reorder_cases"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world,layout", [
+    (1, {}),
+    (2, {"tp": 2, "sequence_parallel": True}),
+    (2, {"pp": 2}),
+    (2, {"ep": 2}),
+], ids=["tp1", "tp2-sp", "pp2", "ep2"])
+def test_reorder_preserves_logits(reference, world, layout):
+    workdir, _ = reference
+    with RankPool(world) as pool:
+        reports = pool.run(f"{REORDER}:logits_preserved", config_path=CONFIG, workdir=workdir, **layout)
+    assert any(r["max_abs_diff"] is not None for r in reports)
+    for r in reports:
+        assert r["params_moved"] >= r["num_params"] // 2, r  # the reorder really moved weights
+        if r["max_abs_diff"] is not None:
+            assert r["max_abs_diff"] <= 1e-5 * max(1.0, r["logit_scale"]), r
+
+
+@pytest.mark.multirank
+def test_reorder_is_layout_independent(reference):
+    """Reorder under TP=2 x EP=2 (4 ranks), save: the same checkpoint as reordering on one rank."""
+    workdir, _ = reference
+    with RankPool(1) as pool:
+        pool.run(f"{REORDER}:reorder_and_save", config_path=CONFIG, workdir=workdir, name="reordered_tp1")
+    with RankPool(4) as pool:
+        reports = pool.run(f"{REORDER}:reorder_and_save", config_path=CONFIG, workdir=workdir,
+                           name="reordered_tp2ep2", tp=2, ep=2, sequence_parallel=True)
+    assert all(r["strided_prefix_ok"] for r in reports), reports
+    with RankPool(1) as pool:
+        (cmp,) = pool.run(f"{REORDER}:compare_saved", config_path=CONFIG, workdir=workdir,
+                          first="reordered_tp1", second="reordered_tp2ep2")
+    assert cmp["num_params"] > 20
+    assert cmp["mismatched"] == [], cmp["mismatched"]

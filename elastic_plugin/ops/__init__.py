@@ -7,7 +7,10 @@ The ops live in ``torch.ops.elastic_plugin``; the functions here add argument ch
 
 from __future__ import annotations
 
+from elastic_plugin.ops._batched_gather import ordered_gather_many, reference_ordered_gather_many
+from elastic_plugin.ops._fp8 import E4M3_MAX, dequantize_e4m3, fp8_prefix_linear, quantize_e4m3
 from elastic_plugin.ops._gather import ordered_gather, reference_ordered_gather
+from elastic_plugin.ops._masked_gemm import prefix_linear, reference_prefix_linear
 from elastic_plugin.ops._loader import BACKENDS, DISABLE_ENV, INFO
 
 
@@ -30,8 +33,16 @@ def backend_info() -> dict[str, object]:
 __all__ = [
     "BACKENDS",
     "DISABLE_ENV",
+    "E4M3_MAX",
     "backend",
     "backend_info",
+    "dequantize_e4m3",
+    "fp8_prefix_linear",
     "ordered_gather",
+    "ordered_gather_many",
+    "prefix_linear",
+    "quantize_e4m3",
     "reference_ordered_gather",
+    "reference_ordered_gather_many",
+    "reference_prefix_linear",
 ]
