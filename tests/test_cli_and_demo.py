@@ -132,3 +132,44 @@ def test_train_under_torchrun_with_tensor_parallel(tmp_path, trained):
     meta = json.loads((out / "checkpoints" / "teacher" / "elastic_meta.json").read_text())
     assert meta["layout"]["tp"] == 2 and summary["iterations"] == 12
     assert summary["train_loss"] < 4.0
+
+
+@pytest.mark.demo
+@pytest.mark.importance
+@pytest.mark.multirank
+def test_importance_and_reorder_cli_keep_the_function(trained, tmp_path):
+    out, _ = trained
+    scores = tmp_path / "scores.pt"
+    proc = run_cli("importance", "--ckpt", str(out / "checkpoints" / "teacher"), "--out", str(scores),
+                   "--num-samples", "32", "--micro-batch-size", "8", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "embedding, ffn, shared_ffn, attention_heads, mamba, experts" in proc.stdout
+    reordered = tmp_path / "reordered"
+    proc = run_cli("reorder", "--ckpt", str(out / "checkpoints" / "teacher"), "--scores", str(scores),
+                   "--out", str(reordered))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads((reordered / "elastic_meta.json").read_text())
+    assert meta["reordered"] is True and (reordered / "permutations.pt").is_file()
+    data = dict(data_dir=str(out / "data"))
+    with RankPool(1) as pool:
+        (teacher,) = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint",
+                              ckpt_dir=str(out / "checkpoints" / "teacher"), **data)
+        (same,) = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint",
+                           ckpt_dir=str(reordered), **data)
+    with RankPool(2) as pool:
+        tp2 = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", ckpt_dir=str(reordered),
+                       tp=2, sequence_parallel=True, **data)
+    assert same == pytest.approx(teacher, rel=1e-5)
+    assert tp2 == [pytest.approx(teacher, rel=1e-5)] * 2
+
+
+@pytest.mark.demo
+@pytest.mark.importance
+def test_importance_cli_rejects_short_calibration_and_missing_ckpt(trained, tmp_path):
+    out, _ = trained
+    proc = run_cli("importance", "--ckpt", str(out / "checkpoints" / "teacher"), "--out",
+                   str(tmp_path / "s.pt"), "--num-samples", "1000000", "--no-progress")
+    assert proc.returncode == 2 and "fewer than num_samples=1000000" in proc.stderr
+    proc = run_cli("reorder", "--ckpt", str(tmp_path / "nope"), "--scores", "x.pt", "--out", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "no such checkpoint directory" in proc.stderr
+    assert not (tmp_path / "s.pt").exists() and not (tmp_path / "o").exists()

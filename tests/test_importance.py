@@ -91,3 +91,32 @@ def test_reorder_is_layout_independent(reference):
                           first="reordered_tp1", second="reordered_tp2ep2")
     assert cmp["num_params"] > 20
     assert cmp["mismatched"] == [], cmp["mismatched"]
+
+
+def test_collection_resumes_after_interruption(reference):
+    workdir, _ = reference
+    with RankPool(1) as pool:
+        (r,) = pool.run(f"{CASES}:resume_after_interruption", config_path=CONFIG, workdir=workdir)
+    assert r["interrupted"] and r["partial_files"] == ["partial_rank00000.pt"]
+    assert r["equal"] and r["tokens"][0] == r["tokens"][1]
+    assert r["left_after"] == [] and r["hooks_left"] == 0
+
+
+def test_bad_axes_and_short_calibration_are_rejected():
+    with RankPool(1) as pool:
+        (messages,) = pool.run(f"{CASES}:bad_axis_errors", config_path=CONFIG)
+    assert "'experts' is not in this model" in messages[0]
+    assert "'bogus' is unknown" in messages[1]
+    assert "ran out after 4 samples; asked for 8" in messages[2]
+
+
+def test_check_calibration_messages():
+    from elastic_plugin.importance import CalibrationError, check_calibration
+
+    assert check_calibration(100, 64, 8) == 8
+    with pytest.raises(CalibrationError, match="empty"):
+        check_calibration(0, 8, 8)
+    with pytest.raises(CalibrationError, match="has 10 samples, fewer than num_samples=16"):
+        check_calibration(10, 16, 8)
+    with pytest.raises(CalibrationError, match="multiple of micro_batch_size"):
+        check_calibration(None, 10, 4)

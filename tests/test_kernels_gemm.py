@@ -143,6 +143,16 @@ def test_prefix_linear_ignores_everything_outside_the_prefix() -> None:
     assert torch.equal(poisoned, clean)
 
 
+def test_prefix_linear_non_contiguous_inputs() -> None:
+    """x whose leading dims do not flatten (copied, correctly) and a transposed weight."""
+    gen = torch.Generator().manual_seed(18)
+    x = torch.randn(6, 4, 20, generator=gen).transpose(0, 1)
+    w = torch.randn(20, 12, generator=gen).t()
+    b = torch.randn(24, generator=gen)[::2]
+    y = ops.prefix_linear(x, w, b, 7, 15)
+    torch.testing.assert_close(y.double(), _expected_linear(x, w, b, 7, 15), rtol=1e-5, atol=1e-5)
+
+
 def _bytes_allocated(fn) -> tuple[int, set[str]]:
     """Bytes the CPU allocator handed out while fn ran, and the aten ops it called."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -292,12 +302,23 @@ def test_ordered_gather_many_opcheck() -> None:
 # --- torch.compile ------------------------------------------------------------------------
 
 def test_torch_compile_fullgraph_forward_and_backward() -> None:
-    """Both ops and the FP8 emulation in one graph (fake rules, autograd, no graph break)."""
+    """Inductor on a graph of just the two ops (extern kernels, no C++ codegen), then both
+    ops and the FP8 emulation forward + backward through AOT autograd (no graph break)."""
     gen = torch.Generator().manual_seed(10)
     x = torch.randn(4, 16, generator=gen, requires_grad=True)
     w = torch.randn(12, 16, generator=gen, requires_grad=True)
     b = torch.randn(12, generator=gen, requires_grad=True)
     perm = torch.randperm(12, generator=gen)
+
+    ops_only = torch.compile(
+        lambda x, w, b, p: (ops.prefix_linear(x, w, b, 7, 15), ops.ordered_gather_many([w, b], p, 5, [0, 0])),
+        fullgraph=True,
+        dynamic=False,
+    )
+    with torch.no_grad():
+        y, (w5, b5) = ops_only(x, w, b, perm)
+        assert torch.equal(y, ops.prefix_linear(x, w, b, 7, 15))
+        assert torch.equal(w5, w[perm[:5]]) and torch.equal(b5, b[perm[:5]])
 
     def step(x, w, b, perm):
         w_sorted, b_sorted = ops.ordered_gather_many([w, b], perm, 12, [0, 0])
@@ -491,9 +512,11 @@ def test_wrapper_and_fp8_bad_inputs(call, exc_type, words) -> None:
 # --- backends ------------------------------------------------------------------------------
 
 def test_kernels_registered_for_every_device() -> None:
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
     for name in ("elastic_plugin::prefix_linear", "elastic_plugin::ordered_gather_many"):
-        for key in ("CPU", "CUDA", "Meta"):
-            assert torch._C._dispatch_has_kernel_for_dispatch_key(name, key), (name, key)
+        assert has(name, "Meta") and has(name, "Autograd"), name  # fake rule, autograd
+        for key in ("CPU", "CUDA"):  # compiled kernels, or the fallback's device-generic one
+            assert has(name, key) or (ops.backend() == "pytorch" and has(name, "CompositeExplicitAutograd")), key
 
 
 def test_fallback_backend_gives_same_results(_fallback_child) -> None:

@@ -58,7 +58,8 @@ def eval_loss_from_checkpoint(ckpt_dir: str, data_dir: str, tp: int = 1, pp: int
     from elastic_plugin.models.config import config_from_dict
     from elastic_plugin.parallel import Layout, build_model_chunks, initialize_layout
     from elastic_plugin.training.step import eval_step
-    from elastic_plugin.training.teacher import CHECKPOINT_META, _share_from_last_stage, load_checkpoint
+    from elastic_plugin.checkpointing import CHECKPOINT_META, load_checkpoint
+    from elastic_plugin.training.teacher import _share_from_last_stage
 
     meta = json.loads((Path(ckpt_dir) / CHECKPOINT_META).read_text())
     cfg = config_from_dict(meta["config"])

@@ -126,3 +126,63 @@ def layout_importance(config_path: str, workdir: str, tp: int = 1, pp: int = 1, 
         report["max_rel_diff"][axis] = worst
         report["rankings_agree"][axis] = agree
     return report
+
+
+class _Interrupt(RuntimeError):
+    pass
+
+
+def _failing_after(iterator, n: int):
+    for i, item in enumerate(iterator):
+        if i == n:
+            raise _Interrupt(f"simulated failure after {n} batches")
+        yield item
+
+
+def resume_after_interruption(config_path: str, workdir: str) -> dict[str, Any]:
+    """Collect with a failure half-way, rerun with the same resume dir: the result must equal an
+    uninterrupted collection; the partial file must be gone afterwards."""
+    work = Path(workdir)
+    model_cfg = tiny_model(config_path)
+    initialize_layout(Layout())
+    (model,), _ = build_model_chunks(model_cfg, Layout(), wrap_ddp=False)
+    load_dist(model, work / "init")
+    batches = reference_batches(model_cfg)
+    args = dict(num_samples=NUM_SAMPLES, seq_length=SEQ_LEN, micro_batch_size=REF_MICRO_BATCH,
+                progress=False)
+    full = collect_importance([model], iter(batches), **args)
+    resume = work / "resume"
+    interrupted = False
+    try:
+        collect_importance([model], _failing_after(iter(batches), 1), resume_dir=resume,
+                           save_every=1, **args)
+    except _Interrupt:
+        interrupted = True
+    partial_left = sorted(p.name for p in resume.glob("*.pt"))
+    resumed = collect_importance([model], iter(batches), resume_dir=resume, save_every=1, **args)
+    equal = all(torch.equal(getattr(full, a)[k], getattr(resumed, a)[k])
+                for a in ("ffn", "attention_heads", "mamba", "experts") for k in getattr(full, a))
+    return {"interrupted": interrupted, "partial_files": partial_left, "equal": equal
+            and torch.equal(full.embedding, resumed.embedding),
+            "tokens": (full.tokens, resumed.tokens), "left_after": sorted(p.name for p in resume.glob("*.pt")),
+            "hooks_left": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())}
+
+
+def bad_axis_errors(config_path: str) -> list[str]:
+    """Axis checks happen before any forward pass."""
+    model_cfg = tiny_model(config_path, pattern="M*-M*-")  # no MoE layers
+    initialize_layout(Layout())
+    (model,), _ = build_model_chunks(model_cfg, Layout(), wrap_ddp=False)
+    messages = []
+    for axes in (["experts"], ["bogus"]):
+        try:
+            collect_importance([model], iter([]), NUM_SAMPLES, SEQ_LEN, REF_MICRO_BATCH, axes=axes,
+                               progress=False)
+        except ValueError as exc:
+            messages.append(str(exc))
+    try:
+        collect_importance([model], iter(reference_batches(model_cfg)[:1]), NUM_SAMPLES, SEQ_LEN,
+                           REF_MICRO_BATCH, progress=False)
+    except ValueError as exc:
+        messages.append(str(exc))
+    return messages

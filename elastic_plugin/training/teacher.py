@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -20,11 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_plugin.checkpointing import save_checkpoint
 from elastic_plugin.models.config import ConfigError, ExperimentConfig
 from elastic_plugin.parallel import Layout, build_model_chunks, build_optimizer, initialize_layout
 from elastic_plugin.training.step import eval_step, train_step
 
-CHECKPOINT_META = "elastic_meta.json"
 
 
 @dataclass
@@ -76,48 +74,6 @@ def _lr_scheduler(optimizer, cfg: ExperimentConfig):
         wd_incr_steps=t.train_iters,
         wd_incr_style="constant",
     )
-
-
-def save_checkpoint(chunks, out_dir: Path, meta: dict[str, Any]) -> Path:
-    """Write a Megatron dist checkpoint atomically: into ``<dir>.tmp``, then rename."""
-    from megatron.core import dist_checkpointing
-
-    final = out_dir
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    if _is_rank0():
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    if dist.is_initialized():
-        dist.barrier()
-    model = getattr(chunks[0], "module", chunks[0])
-    dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
-    if dist.is_initialized():
-        dist.barrier()
-    if _is_rank0():
-        (tmp / CHECKPOINT_META).write_text(json.dumps(meta, indent=2, default=str))
-        old = out_dir.with_name(out_dir.name + ".old")
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    if dist.is_initialized():
-        dist.barrier()
-    return final
-
-
-def load_checkpoint(chunks, ckpt_dir: str | Path) -> dict[str, Any]:
-    """Load a dist checkpoint into model chunks of any layout; returns its metadata."""
-    from megatron.core import dist_checkpointing
-
-    ckpt_dir = Path(ckpt_dir)
-    meta_path = ckpt_dir / CHECKPOINT_META
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"--ckpt {ckpt_dir}: not a complete checkpoint (no {CHECKPOINT_META})")
-    model = getattr(chunks[0], "module", chunks[0])
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(ckpt_dir))
-    model.load_state_dict(state, strict=False)
-    return json.loads(meta_path.read_text())
 
 
 def plot_losses(history: list[dict[str, Any]], path: Path, title: str) -> Path | None:

@@ -1,0 +1,168 @@
+"""``elastic-plugin importance`` and ``elastic-plugin reorder`` (single process or torchrun,
+any TP/PP/EP layout).
+
+    elastic-plugin importance --ckpt demo_out/checkpoints/teacher --out demo_out/importance.pt
+    elastic-plugin reorder --ckpt demo_out/checkpoints/teacher --scores demo_out/importance.pt \
+        --out demo_out/checkpoints/reordered
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from elastic_plugin.importance.hooks import AXES
+from elastic_plugin.models.config import ConfigError, ParallelConfig
+from elastic_plugin.training.cli import add_layout_args, layout_from_args
+
+EXIT_BAD_INPUT = 2
+
+
+def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    imp = subparsers.add_parser(
+        "importance", help="rank every width axis of a checkpoint (scores file)",
+        description="Forward passes over calibration data with hooks; writes importance scores.")
+    imp.add_argument("--ckpt", required=True, metavar="DIR", help="a checkpoint written by this plugin")
+    imp.add_argument("--out", required=True, metavar="FILE", help="scores file to write (.pt)")
+    imp.add_argument("--num-samples", type=int, default=256, help="calibration samples (per DP rank)")
+    imp.add_argument("--seq-length", type=int, default=None, help="default: the checkpoint's")
+    imp.add_argument("--micro-batch-size", type=int, default=8)
+    imp.add_argument("--axes", nargs="+", default=None, choices=list(AXES) + ["shared_ffn"],
+                     help="axes that must be present (default: all the model has)")
+    imp.add_argument("--data-path", default=None, metavar="PREFIX",
+                     help="Megatron indexed dataset (default: the checkpoint's prepared data)")
+    imp.add_argument("--tokenizer", default=None, metavar="FILE")
+    imp.add_argument("--resume-dir", default=None, metavar="DIR",
+                     help="keep partial statistics here; rerun the same command to resume")
+    imp.add_argument("--no-progress", action="store_true")
+    add_layout_args(imp)
+    imp.set_defaults(func=run_importance)
+
+    reo = subparsers.add_parser(
+        "reorder", help="write an importance-reordered checkpoint (same function, nested prefixes)")
+    reo.add_argument("--ckpt", required=True, metavar="DIR")
+    reo.add_argument("--scores", required=True, metavar="FILE")
+    reo.add_argument("--out", required=True, metavar="DIR")
+    reo.add_argument("--mamba-top-channels", type=int, default=None,
+                     help="rank Mamba heads by their norm over this many top channels (default: all)")
+    add_layout_args(reo)
+    reo.set_defaults(func=run_reorder)
+
+
+def _start(args: argparse.Namespace):
+    """Checks that need no model, then the process group and the layout."""
+    import os
+
+    from elastic_plugin.checkpointing import read_meta
+    from elastic_plugin.models.config import config_from_dict
+
+    meta = read_meta(args.ckpt)
+    cfg = config_from_dict(meta["config"])
+    layout = layout_from_args(args, ParallelConfig())  # layout from flags; default one rank
+    cfg.model.check_parallel(layout.tp, layout.pp, layout.ep)
+    layout.check_world(int(os.environ.get("WORLD_SIZE", "1")))
+    return meta, cfg, layout
+
+
+def _calibration(args, meta, cfg, seq_length: int):
+    """Dataset for calibration: the user's prefix, or the data the checkpoint was trained on."""
+    from elastic_plugin.data.indexed import build_gpt_datasets
+    from elastic_plugin.data.prepare import PreparedData
+    from elastic_plugin.data.tokenizer import JsonTokenizer
+
+    if args.data_path:
+        if not Path(args.data_path + ".idx").is_file():
+            raise ConfigError(f"--data-path {args.data_path}: no .idx/.bin (Megatron indexed dataset prefix)")
+        if not args.tokenizer or not Path(args.tokenizer).is_file():
+            raise ConfigError(f"--tokenizer {args.tokenizer}: --data-path needs an existing tokenizer.json")
+        tokenizer, prefix = JsonTokenizer.from_file(args.tokenizer), args.data_path
+    else:
+        prepared_dir = (meta.get("data") or {}).get("prepared")
+        if not prepared_dir or not Path(prepared_dir).is_dir():
+            raise ConfigError(f"--ckpt {args.ckpt} names no prepared data; pass --data-path and --tokenizer")
+        prepared = PreparedData.load(prepared_dir)
+        tokenizer, prefix = prepared.load_tokenizer(), prepared.train_prefix
+    datasets = build_gpt_datasets(tokenizer, seq_length, train_data_path=prefix,
+                                  num_samples=(None, None, None), seed=cfg.training.seed)
+    return datasets.train
+
+
+def run_importance(args: argparse.Namespace) -> int:
+    try:
+        meta, cfg, layout = _start(args)
+        if args.num_samples <= 0 or args.micro_batch_size <= 0:
+            raise ConfigError("--num-samples and --micro-batch-size must be > 0")
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"elastic-plugin importance: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    from elastic_plugin.compat import enable_cpu_megatron
+    from elastic_plugin.parallel import init_distributed, initialize_layout
+
+    enable_cpu_megatron()
+    init_distributed()
+    import torch.distributed as dist
+
+    from elastic_plugin.checkpointing import build_from_checkpoint
+    from elastic_plugin.data.indexed import batch_iterator
+    from elastic_plugin.importance import CalibrationError, check_calibration, collect_importance
+
+    seq_length = args.seq_length or cfg.training.seq_length
+    try:
+        dataset = _calibration(args, meta, cfg, seq_length)
+        dp = dist.get_world_size() // (layout.tp * layout.pp)
+        check_calibration(len(dataset) // dp if dataset is not None else None, args.num_samples,
+                          args.micro_batch_size)
+    except (ConfigError, CalibrationError) as exc:
+        print(f"elastic-plugin importance: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    initialize_layout(layout, seed=cfg.training.seed)
+    chunks, cfg, _ = build_from_checkpoint(args.ckpt, layout)
+    iterator = batch_iterator(dataset, args.micro_batch_size, seed=cfg.training.seed,
+                              shuffle=False, infinite=False)
+    scores = collect_importance(chunks, iterator, args.num_samples, seq_length, args.micro_batch_size,
+                                axes=args.axes, resume_dir=args.resume_dir,
+                                progress=not args.no_progress, num_available=None,
+                                meta={"ckpt": str(args.ckpt), "layout": layout.__dict__})
+    if dist.get_rank() == 0:
+        scores.save(args.out)
+        print(f"importance scores ({', '.join(scores.axes())}) over {scores.tokens} tokens -> {args.out}")
+    dist.destroy_process_group()
+    return 0
+
+
+def run_reorder(args: argparse.Namespace) -> int:
+    try:
+        meta, cfg, layout = _start(args)
+        if not Path(args.scores).is_file():
+            raise ConfigError(f"--scores {args.scores}: no such file")
+        if Path(args.out).resolve() == Path(args.ckpt).resolve():
+            raise ConfigError("--out must differ from --ckpt (the original is kept)")
+        if meta.get("reordered"):
+            raise ConfigError(f"--ckpt {args.ckpt} is already reordered")
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"elastic-plugin reorder: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    from elastic_plugin.compat import enable_cpu_megatron
+    from elastic_plugin.parallel import init_distributed, initialize_layout
+
+    enable_cpu_megatron()
+    init_distributed()
+    import torch.distributed as dist
+
+    from elastic_plugin.checkpointing import build_from_checkpoint, save_checkpoint
+    from elastic_plugin.importance import ImportanceScores
+    from elastic_plugin.importance.reorder import Permutations, apply_permutations
+
+    initialize_layout(layout, seed=cfg.training.seed)
+    chunks, cfg, meta = build_from_checkpoint(args.ckpt, layout)
+    perms = Permutations.from_scores(ImportanceScores.load(args.scores), cfg.model.query_groups,
+                                     cfg.model.mamba_num_groups, args.mamba_top_channels)
+    apply_permutations(chunks[0], perms)
+    save_checkpoint(chunks, Path(args.out), {**meta, "kind": "reordered", "scores": str(args.scores),
+                                             "source_ckpt": str(args.ckpt)})
+    if dist.get_rank() == 0:
+        perms.save(Path(args.out) / "permutations.pt")
+        print(f"reordered checkpoint -> {args.out}")
+    dist.destroy_process_group()
+    return 0
