@@ -145,7 +145,7 @@ def fp8_prefix_linear(
             x_fp8, w_fp8.t(), scale_a=x_scales, scale_b=w_scales_t.contiguous(), out_dtype=out_dtype
         )
     else:
-        y = (x_fp8.float() @ w_fp8.float().t()) * (x_scales * w_scales_t)
+        y = (x_fp8.float() @ w_fp8.float().t()).mul_(x_scales).mul_(w_scales_t)
     return y.to(out_dtype).reshape(out_shape)
 
 

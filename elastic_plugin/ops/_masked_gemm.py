@@ -45,9 +45,13 @@ def check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if weight.dtype != x.dtype:
         raise TypeError(f"{_WHO}: weight dtype {weight.dtype} differs from x dtype {x.dtype}; they must match")
     if weight.device != x.device:
-        raise ValueError(f"{_WHO}: weight is on {weight.device} but x is on {x.device}; they must be on the same device")
+        raise ValueError(
+            f"{_WHO}: weight is on {weight.device} but x is on {x.device}; they must be on the same device"
+        )
     if weight.dim() != 2:
-        raise ValueError(f"{_WHO}: weight must be 2-D [N, K], got a {weight.dim()}-D tensor of shape {list(weight.shape)}")
+        raise ValueError(
+            f"{_WHO}: weight must be 2-D [N, K], got a {weight.dim()}-D tensor of shape {list(weight.shape)}"
+        )
     if x.dim() == 0:
         raise ValueError(f"{_WHO}: x must have at least 1 dimension, got a 0-d tensor")
     if bias is not None:
@@ -56,7 +60,9 @@ def check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         if bias.dtype != x.dtype:
             raise TypeError(f"{_WHO}: bias dtype {bias.dtype} differs from x dtype {x.dtype}; they must match")
         if bias.device != x.device:
-            raise ValueError(f"{_WHO}: bias is on {bias.device} but x is on {x.device}; they must be on the same device")
+            raise ValueError(
+                f"{_WHO}: bias is on {bias.device} but x is on {x.device}; they must be on the same device"
+            )
         if bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
             raise ValueError(
                 f"{_WHO}: bias must be 1-D of size weight.size(0)={weight.shape[0]}, got shape {list(bias.shape)}"
