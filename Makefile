@@ -15,7 +15,7 @@ STAMPS := $(VENV)/.stamps
 .PHONY: demo test test-fast bench venv install clean help
 
 help:
-	@echo "make demo [QUICK=1] [OUT=dir]  - train the tiny teacher (the main job so far)"
+	@echo "make demo [QUICK=1] [OUT=dir]  - train the tiny teacher, rank its widths, reorder it"
 	@echo "make test                      - run the test suite"
 	@echo "make bench                     - run the benchmarks (ratios, side by side)"
 
@@ -33,6 +33,10 @@ install: $(STAMPS)/install
 
 demo: $(STAMPS)/install
 	$(VENV)/bin/elastic-plugin train --config $(CONFIG) --out $(OUT) $(if $(QUICK),--quick,)
+	$(VENV)/bin/elastic-plugin importance --ckpt $(OUT)/checkpoints/teacher --out $(OUT)/importance.pt \
+		--num-samples $(if $(QUICK),64,512) --micro-batch-size 16 --plot $(OUT)/importance.png
+	$(VENV)/bin/elastic-plugin reorder --ckpt $(OUT)/checkpoints/teacher --scores $(OUT)/importance.pt \
+		--out $(OUT)/checkpoints/reordered
 
 test: $(STAMPS)/install
 	$(PY) -m pytest $(PYTEST_ARGS)

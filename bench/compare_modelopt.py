@@ -48,11 +48,11 @@ NOTES: dict[str, str] = {
         "ours: sum_tokens ||head slice of linear_proj input||_2; ModelOpt "
         "(_register_self_attention_importance): per channel sqrt(sum_seqs (mean_tokens |x|)^2), "
         "then L2 over the head's kv channels; ModelOpt only ranks heads WITHIN a query group "
-        "(returns an order, not scores) - see 'in-group' column."),
+        "(returns an order, not scores) - see the 'grp' columns."),
     "mamba_heads": (
         "ours: sqrt(sum_tokens,channels s^2) (s = x part of in_proj out); ModelOpt "
         "(_register_mamba_mixer_importance): per channel c=sqrt(sum_seqs (mean_tokens |s|)^2), head = "
-        "L2 of c over its (kept) channels, ranked WITHIN a Mamba group - see 'in-group'."),
+        "L2 of c over its (kept) channels, ranked WITHIN a Mamba group - see the 'grp' columns. Both are an L2 over sequences and channels of a per-sequence statistic: RMS over tokens (ours) vs mean |s| over tokens (ModelOpt); heads with spikier s rank higher in ours."),
     "mamba_channels": (
         "ours: sqrt(sum_tokens,heads s^2); ModelOpt: L2 over heads of c (as above); the "
         "head-channel ranking is shared by all heads in both."),
@@ -99,12 +99,15 @@ def top_overlap(a: torch.Tensor, b: torch.Tensor, frac: float = 0.5) -> float:
     return len(top_a & top_b) / k
 
 
-def in_group_agreement(a: torch.Tensor, b: torch.Tensor, groups: int) -> float:
-    """Fraction of groups whose within-group descending order is identical (ModelOpt's view)."""
+def in_group_agreement(a: torch.Tensor, b: torch.Tensor, groups: int) -> tuple[float, float]:
+    """ModelOpt's view (it ranks heads only within a group): the fraction of groups with the
+    identical descending order, and the mean top-half overlap within a group (heads kept when
+    halving every group)."""
     ga, gb = a.reshape(groups, -1), b.reshape(groups, -1)
     same = [torch.equal(torch.argsort(ga[g], descending=True, stable=True),
                         torch.argsort(gb[g], descending=True, stable=True)) for g in range(groups)]
-    return sum(same) / groups
+    kept = [top_overlap(ga[g], gb[g]) for g in range(groups)]
+    return sum(same) / groups, sum(kept) / groups
 
 
 # ------------------------------------------------------------------------------ model/data
@@ -184,6 +187,119 @@ def our_scores(model, batches, seq: int, mbs: int) -> dict[str, dict[int, torch.
         "mamba_channels": {n: s.mamba_channel_scores(n) for n in s.mamba},
         "experts": dict(s.experts),
     }
+
+
+# ------------------------------------------------------- formula check from raw activations
+class RawCapture:
+    """Raw activations ([seq, batch, units] per micro-batch) the two definitions are built from.
+
+    Lets the script recompute both definitions from the same tensors, so the formulas written in
+    ``NOTES`` are checked against what each scorer actually produced, and single factors can be
+    switched off (e.g. the final norm, which ModelOpt does not hook).
+    """
+
+    def __init__(self, model) -> None:
+        from megatron.core.ssm.mamba_layer import MambaLayer
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        self.acts: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self._handles = []
+        for layer in model.decoder.layers:
+            n = int(layer.layer_number)
+            if isinstance(layer, MambaLayer):
+                d = layer.mixer.d_inner_local_tp
+                self._out(layer.norm, ("norm", n))
+                self._out(layer.mixer.in_proj, ("mamba", n), lambda t, d=d: t[..., d:2 * d])
+                continue
+            attn = getattr(layer, "self_attention", None)
+            if attn is not None and hasattr(attn, "linear_proj"):
+                self._out(layer.input_layernorm, ("norm", n))
+                self._in(attn.linear_proj, ("attention_heads", n))
+            mlp = getattr(layer, "mlp", None)
+            if isinstance(mlp, MoELayer):
+                self._out(layer.pre_mlp_layernorm, ("norm_mlp", n))
+                if mlp.shared_experts is not None:
+                    self._in(mlp.shared_experts.linear_fc2, ("shared_ffn", n))
+            elif mlp is not None and hasattr(mlp, "linear_fc2"):
+                self._out(layer.pre_mlp_layernorm, ("norm_mlp", n))
+                self._in(mlp.linear_fc2, ("ffn", n))
+        self._out(model.decoder.final_norm, ("final_norm", 0))
+
+    def _keep(self, key, t: torch.Tensor) -> None:
+        self.acts.setdefault(key, []).append(t.detach().double().clone())
+
+    def _out(self, module, key, pick=lambda t: t) -> None:
+        def hook(_m, _i, out):
+            self._keep(key, pick(out[0] if isinstance(out, tuple) else out))
+        self._handles.append(module.register_forward_hook(hook))
+
+    def _in(self, module, key) -> None:
+        self._handles.append(module.register_forward_pre_hook(
+            lambda _m, args: self._keep(key, args[0])))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def _of(self, kind: str) -> dict[int, list[torch.Tensor]]:
+        return {n: v for (k, n), v in self.acts.items() if k == kind}
+
+
+def _ours_l1(ts: list[torch.Tensor]) -> torch.Tensor:
+    """Sum over every token of |x| (our embedding / FFN statistic)."""
+    return sum(t.abs().reshape(-1, t.shape[-1]).sum(0) for t in ts)
+
+
+def _modelopt_l2_of_means(ts: list[torch.Tensor]) -> torch.Tensor:
+    """sqrt(sum over sequences of (mean over tokens |x|)^2): ModelOpt's per-channel statistic
+    (``x.abs().mean(dim=0).pow(2).sum(dim=0)`` per batch, summed, then ``pow(0.5)``)."""
+    return sum(t.abs().mean(dim=0).pow(2).sum(dim=0) for t in ts).sqrt()
+
+
+def recompute(cap: RawCapture, model_cfg) -> tuple[dict, dict]:
+    """Both definitions from raw activations: (ours, modelopt) in the layout of ``compare``."""
+    norms = {**{("n", k): v for k, v in cap._of("norm").items()},
+             **{("m", k): v for k, v in cap._of("norm_mlp").items()}}
+    final = cap._of("final_norm")[0]
+    ours: dict[str, dict[int, torch.Tensor]] = {}
+    mo: dict[str, dict[int, torch.Tensor]] = {}
+    ours["embedding"] = {0: sum(_ours_l1(v) for v in norms.values()) + _ours_l1(final)}
+    mo["embedding"] = {0: sum(_modelopt_l2_of_means(v) for v in norms.values())}
+    ours["embedding_no_final_norm"] = {0: ours["embedding"][0] - _ours_l1(final)}
+    mo["embedding_no_final_norm"] = mo["embedding"]
+    for axis in ("ffn", "shared_ffn"):
+        ours[axis] = {n: _ours_l1(v) for n, v in cap._of(axis).items()}
+        mo[axis] = {n: _modelopt_l2_of_means(v) for n, v in cap._of(axis).items()}
+    kv = model_cfg.head_dim
+    ours["attention_heads"], mo["attention_heads"] = {}, {}
+    for n, v in cap._of("attention_heads").items():
+        ours["attention_heads"][n] = sum(
+            t.reshape(-1, t.shape[-1] // kv, kv).norm(dim=-1).sum(0) for t in v)
+        mo["attention_heads"][n] = _modelopt_l2_of_means(v).view(-1, kv).norm(dim=1)
+    heads, hdim = model_cfg.mamba_num_heads, model_cfg.mamba_head_dim
+    for name in ("mamba_heads", "mamba_channels"):
+        ours[name], mo[name] = {}, {}
+    for n, v in cap._of("mamba").items():
+        sq = sum(t.pow(2).reshape(-1, heads, hdim).sum(0) for t in v)  # our [heads, head_dim]
+        ours["mamba_heads"][n], ours["mamba_channels"][n] = sq.sum(1).sqrt(), sq.sum(0).sqrt()
+        c = _modelopt_l2_of_means(v).view(heads, hdim)
+        mo["mamba_heads"][n], mo["mamba_channels"][n] = c.norm(dim=1), c.norm(dim=0)
+        # mean|s| / RMS(s) per head (0.80 for a Gaussian): the factor that reorders heads
+        tokens = sum(t.shape[0] for t in v) / len(v)
+        ratio = mo["mamba_heads"][n] / (ours["mamba_heads"][n] / math.sqrt(tokens))
+        ours.setdefault("_mamba_ratio", {})[n] = ratio
+    return ours, mo
+
+
+def max_rel_diff(a: dict, b: dict, normalize: bool) -> float:
+    """Largest |a-b| / max|b| over layers (after scaling both to max 1 when ``normalize``)."""
+    worst = 0.0
+    for n in b:
+        x, y = a[n].double().flatten(), b[n].double().flatten()
+        if normalize:
+            x, y = x / x.abs().max(), y / y.abs().max()
+        worst = max(worst, float((x - y).abs().max() / y.abs().max().clamp(min=1e-30)))
+    return worst
 
 
 def modelopt_scores(model, batches, seq: int, mbs: int) -> tuple[dict, dict]:
@@ -280,24 +396,26 @@ def compare(ours: dict, theirs: dict, model_cfg) -> list[dict[str, Any]]:
                "spearman_mean": sum(rho) / len(rho), "spearman_min": min(rho),
                "top50_overlap_mean": sum(top) / len(top), "top50_overlap_min": min(top)}
         if axis in groups:
-            row["in_group_same_order"] = sum(
-                in_group_agreement(ours[axis][n], theirs[axis][n], groups[axis]) for n in layers
-            ) / len(layers)
+            agree = [in_group_agreement(ours[axis][n], theirs[axis][n], groups[axis])
+                     for n in layers]
+            row["in_group_same_order"] = sum(a for a, _ in agree) / len(agree)
+            row["in_group_top50_overlap"] = sum(k for _, k in agree) / len(agree)
         rows.append(row)
     return rows
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     head = f"{'axis':<16} {'layers':<8} {'units':>5} {'rho mean':>9} {'rho min':>8} " \
-           f"{'top50 mean':>10} {'top50 min':>9} {'in-group':>8}"
+           f"{'top50 mean':>10} {'top50 min':>9} {'grp order':>9} {'grp top50':>9}"
     print(head)
     print("-" * len(head))
     for r in rows:
         layers = r["layers"] if isinstance(r["layers"], str) else ",".join(map(str, r["layers"]))
-        group = f"{r['in_group_same_order']:.2f}" if "in_group_same_order" in r else "-"
-        print(f"{r['axis']:<16} {layers:<8} {r['units']:>5} {r['spearman_mean']:>9.3f} "
-              f"{r['spearman_min']:>8.3f} {r['top50_overlap_mean']:>10.2f} "
-              f"{r['top50_overlap_min']:>9.2f} {group:>8}")
+        order = f"{r['in_group_same_order']:.2f}" if "in_group_same_order" in r else "-"
+        kept = f"{r['in_group_top50_overlap']:.2f}" if "in_group_top50_overlap" in r else "-"
+        print(f"{r['axis']:<16} {layers:<8} {r['units']:>5} {r['spearman_mean']:>9.4f} "
+              f"{r['spearman_min']:>8.4f} {r['top50_overlap_mean']:>10.2f} "
+              f"{r['top50_overlap_min']:>9.2f} {order:>9} {kept:>9}")
     print("\nDefinitions (where they differ):")
     for r in rows:
         print(f"- {r['axis']}: {NOTES[r['axis']]}")
@@ -328,6 +446,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        import modelopt.torch  # noqa: F401
+    except ImportError as err:
+        print(f"nvidia-modelopt is needed for this comparison ({err}); install it with "
+              "`pip install --no-deps nvidia-modelopt` plus requests, omegaconf, pydantic, "
+              "'pulp<4', scipy, regex", file=sys.stderr)
+        return 2
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     from elastic_plugin.compat import enable_cpu_megatron
     from elastic_plugin.parallel import init_distributed
@@ -339,9 +464,23 @@ def main(argv: list[str] | None = None) -> int:
     batches = calibration_batches(args, cfg.model.vocab_size)
     seq, mbs = args.seq_length, args.micro_batch_size
     loss_plain = mean_loss(model, batches, seq, mbs)
-    ours = our_scores(model, batches, seq, mbs)
+    capture = RawCapture(model)
+    try:
+        ours = our_scores(model, batches, seq, mbs)
+    finally:
+        capture.remove()
     theirs, extras = modelopt_scores(model, batches, seq, mbs)
     rows = compare(ours, theirs, cfg.model)
+    ours_re, mo_re = recompute(capture, cfg.model)
+    del capture
+    checks = [{"axis": axis,
+               "ours_recomputed_vs_collected": max_rel_diff(ours_re[axis], ours[axis], False),
+               "modelopt_recomputed_vs_collected": max_rel_diff(mo_re[axis], theirs[axis], True)}
+              for axis in NOTES if axis in ours_re and axis in theirs]
+    checks.append({"axis": "experts", "ours_vs_modelopt_normalized":
+                   max_rel_diff(ours["experts"], theirs["experts"], True)})
+    ablation = compare({"embedding": ours_re["embedding_no_final_norm"]},
+                       {"embedding": mo_re["embedding_no_final_norm"]}, cfg.model)[0]
     import modelopt
 
     print(f"model: {'checkpoint ' + args.ckpt if args.ckpt else 'random init (seed ' + str(args.seed) + ')'}"
@@ -352,13 +491,45 @@ def main(argv: list[str] | None = None) -> int:
           f"norm hooks moved off fused TE linears: {extras['redirected_norm_hooks']}")
     print()
     print_table(rows)
+    print("\nFormula check (max relative difference, scores scaled to max 1 for ModelOpt):")
+    for c in checks:
+        print("  " + c["axis"] + ": " + ", ".join(
+            f"{k.replace('_', ' ')} {v:.1e}" for k, v in c.items() if k != "axis"))
+    for n, ratio in ours_re.get("_mamba_ratio", {}).items():
+        spread = ours["mamba_heads"][n]
+        print(f"Mamba layer {n}: per-head mean|s|/RMS(s) {float(ratio.min()):.3f}..{float(ratio.max()):.3f} "
+              f"(x{float(ratio.max() / ratio.min()):.2f}) vs our head-score spread "
+              f"x{float(spread.max() / spread.min()):.2f}")
+    print(f"Ablation - embedding without the final norm in ours (ModelOpt never hooks it): "
+          f"rho {ablation['spearman_mean']:.4f}, top-50% overlap {ablation['top50_overlap_mean']:.2f}")
     print(f"\nModelOpt-only: depth scores (1 - cos(in, out)) {extras['layer_scores']}; per-expert "
           f"moe_ffn_hidden_size neuron scores (we have no expert-neuron axis). "
           f"[{time.perf_counter() - start:.1f} s]")
+    problems = _self_check_problems(loss_plain, extras, checks)
+    for problem in problems:
+        print(f"SELF-CHECK FAILED: {problem}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "extras": extras,
+        Path(args.json).write_text(json.dumps({"rows": rows, "extras": extras, "checks": checks,
+                                               "ablation_embedding_no_final_norm": ablation,
                                                "args": vars(args)}, indent=2, default=str))
-    return 0
+    return 1 if problems else 0
+
+
+def _self_check_problems(loss_plain: float, extras: dict, checks: list[dict],
+                         tol: float = 1e-4) -> list[str]:
+    """What would make the comparison untrustworthy: a changed forward, an estimator order we
+    do not reproduce, or a definition in NOTES that does not recompute what a scorer produced."""
+    problems = []
+    if not math.isclose(loss_plain, extras["loss"], rel_tol=1e-6):
+        problems.append(f"ModelOpt conversion changed the loss ({loss_plain} -> {extras['loss']})")
+    done, total = map(int, extras["order_checks_passed"].split("/"))
+    if done != total:
+        problems.append(f"only {done}/{total} ModelOpt head/channel orders reproduced")
+    for check in checks:
+        for key, value in check.items():
+            if key != "axis" and (value > tol or math.isnan(value)):
+                problems.append(f"{check['axis']}: {key} = {value:.2e} > {tol:g}")
+    return problems
 
 
 if __name__ == "__main__":

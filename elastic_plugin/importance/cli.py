@@ -35,6 +35,7 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     imp.add_argument("--tokenizer", default=None, metavar="FILE")
     imp.add_argument("--resume-dir", default=None, metavar="DIR",
                      help="keep partial statistics here; rerun the same command to resume")
+    imp.add_argument("--plot", default=None, metavar="PNG", help="also draw the sorted scores per axis")
     imp.add_argument("--no-progress", action="store_true")
     add_layout_args(imp)
     imp.set_defaults(func=run_importance)
@@ -126,6 +127,10 @@ def run_importance(args: argparse.Namespace) -> int:
                                 meta={"ckpt": str(args.ckpt), "layout": layout.__dict__})
     if dist.get_rank() == 0:
         scores.save(args.out)
+        if args.plot:
+            from elastic_plugin.importance.scores import plot_scores
+
+            plot_scores(scores, args.plot)
         print(f"importance scores ({', '.join(scores.axes())}) over {scores.tokens} tokens -> {args.out}")
     dist.destroy_process_group()
     return 0

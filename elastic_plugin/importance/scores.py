@@ -149,3 +149,41 @@ def rankings_agree(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5) -> bool
     differ = order_a != order_b
     sa, sb = a[order_a][differ], a[order_b][differ]
     return bool(torch.allclose(sa, sb, rtol=rtol, atol=0.0))
+
+
+def plot_scores(scores: ImportanceScores, path: str | Path) -> Path:
+    """Sorted, normalized scores per axis (one line per layer): how peaked each ranking is."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels: list[tuple[str, dict[int, torch.Tensor]]] = []
+    if scores.embedding is not None:
+        panels.append(("embedding channels", {0: scores.embedding}))
+    panels += [(title, getattr(scores, axis)) for axis, title in (
+        ("ffn", "FFN neurons"), ("shared_ffn", "shared-expert neurons"),
+        ("attention_heads", "attention heads"), ("experts", "experts (REAP)")) if getattr(scores, axis)]
+    if scores.mamba:
+        panels.append(("Mamba heads", {k: scores.mamba_head_scores(k) for k in scores.mamba}))
+        panels.append(("Mamba head channels", {k: scores.mamba_channel_scores(k) for k in scores.mamba}))
+    cols = 3
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), dpi=100, squeeze=False)
+    for ax, (title, layers) in zip(axes.flat, panels):
+        for layer, values in sorted(layers.items()):
+            v = torch.sort(values.double(), descending=True).values
+            ax.plot((v / v.max().clamp(min=1e-30)).numpy(), label=f"layer {layer}" if layer else "all norms")
+        ax.set_title(title)
+        ax.set_xlabel("rank")
+        ax.set_ylabel("score / max")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(f"importance over {scores.tokens} calibration tokens")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
