@@ -120,3 +120,17 @@ def test_check_calibration_messages():
         check_calibration(10, 16, 8)
     with pytest.raises(CalibrationError, match="multiple of micro_batch_size"):
         check_calibration(None, 10, 4)
+
+
+@pytest.mark.multirank
+def test_depth_scores_match_formula_and_layouts(reference):
+    workdir, _ = reference
+    with RankPool(1) as pool:
+        (single,) = pool.run(f"{CASES}:depth_check", config_path=CONFIG, workdir=workdir)
+    scores = single["scores"]
+    assert sorted(scores) == list(range(1, 9)) and min(scores.values()) > 0
+    assert scores[3] == pytest.approx(single["direct_layer3"], rel=1e-6)
+    with RankPool(2) as pool:
+        for layout in ({"pp": 2}, {"tp": 2, "sequence_parallel": True}):
+            for r in pool.run(f"{CASES}:depth_check", config_path=CONFIG, workdir=workdir, **layout):
+                assert r["scores"] == pytest.approx(scores, rel=1e-4), layout

@@ -35,6 +35,9 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     imp.add_argument("--tokenizer", default=None, metavar="FILE")
     imp.add_argument("--resume-dir", default=None, metavar="DIR",
                      help="keep partial statistics here; rerun the same command to resume")
+    imp.add_argument("--depth", action="store_true",
+                     help="also score layers by the logit change when each is skipped (L+1 forwards/batch)")
+    imp.add_argument("--depth-batches", type=int, default=2, help="calibration batches for --depth")
     imp.add_argument("--plot", default=None, metavar="PNG", help="also draw the sorted scores per axis")
     imp.add_argument("--no-progress", action="store_true")
     add_layout_args(imp)
@@ -125,6 +128,14 @@ def run_importance(args: argparse.Namespace) -> int:
                                 axes=args.axes, resume_dir=args.resume_dir,
                                 progress=not args.no_progress, num_available=None,
                                 meta={"ckpt": str(args.ckpt), "layout": layout.__dict__})
+    if args.depth:
+        from elastic_plugin.importance.depth import depth_scores
+
+        again = batch_iterator(dataset, args.micro_batch_size, seed=cfg.training.seed,
+                               shuffle=False, infinite=False)
+        batches = [] if again is None else [b for _, b in zip(range(args.depth_batches), again)]
+        scores.depth = depth_scores(chunks, batches, seq_length, args.micro_batch_size,
+                                    progress=not args.no_progress)
     if dist.get_rank() == 0:
         scores.save(args.out)
         if args.plot:

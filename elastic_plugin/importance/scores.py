@@ -34,6 +34,7 @@ class ImportanceScores:
     mamba: dict[int, torch.Tensor] = field(default_factory=dict)  # [heads, head_dim] sum of s^2
     experts: dict[int, torch.Tensor] = field(default_factory=dict)  # REAP
     expert_tokens: dict[int, torch.Tensor] = field(default_factory=dict)
+    depth: dict[int, float] = field(default_factory=dict)  # normalized logit MSE (optional)
     tokens: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -53,13 +54,15 @@ class ImportanceScores:
     def axes(self) -> list[str]:
         present = [name for name in ("ffn", "shared_ffn", "attention_heads", "mamba", "experts")
                    if getattr(self, name)]
-        return (["embedding"] if self.embedding is not None else []) + present
+        depth = ["depth"] if self.depth else []
+        return (["embedding"] if self.embedding is not None else []) + present + depth
 
     # ----------------------------------------------------------------------- storage
     def to_dict(self) -> dict[str, Any]:
         return {"format_version": FORMAT_VERSION, "embedding": self.embedding, "ffn": self.ffn,
                 "shared_ffn": self.shared_ffn, "attention_heads": self.attention_heads,
                 "mamba": self.mamba, "experts": self.experts, "expert_tokens": self.expert_tokens,
+                "depth": self.depth,
                 "tokens": self.tokens, "meta": self.meta}
 
     def save(self, path: str | Path) -> Path:

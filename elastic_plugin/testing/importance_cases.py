@@ -186,3 +186,34 @@ def bad_axis_errors(config_path: str) -> list[str]:
     except ValueError as exc:
         messages.append(str(exc))
     return messages
+
+
+@torch.no_grad()
+def depth_check(config_path: str, workdir: str, tp: int = 1, pp: int = 1,
+                sequence_parallel: bool = False) -> dict[str, Any]:
+    """Depth scores under a layout; on one rank also the formula computed by removing a layer."""
+    from megatron.core import parallel_state as ps
+
+    from elastic_plugin.importance.depth import depth_scores
+
+    work = Path(workdir)
+    model_cfg = tiny_model(config_path)
+    initialize_layout(Layout(tp, pp, 1, sequence_parallel))
+    (model,), _ = build_model_chunks(model_cfg, Layout(tp, pp, 1, sequence_parallel), wrap_ddp=False)
+    load_dist(model, work / "init")
+    batch = reference_batches(model_cfg)[0]
+    reads = ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()
+    scores = depth_scores([model], [batch] if reads else [], SEQ_LEN, REF_MICRO_BATCH)
+    direct = None
+    if tp == 1 and pp == 1:
+        model.eval()
+        tokens = batch["tokens"]
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        full = model(tokens, positions, None).double()
+        layers = model.decoder.layers
+        removed = layers[2]  # an attention layer
+        del layers[2]
+        without = model(tokens, positions, None).double()
+        layers.insert(2, removed)
+        direct = float((without - full).pow(2).sum() / full.pow(2).sum())
+    return {"scores": scores, "direct_layer3": direct}
