@@ -18,7 +18,10 @@ import torch
 KEEP = 0.5
 EVAL_BATCHES = 8
 CALIBRATION_SAMPLES = 256
-AXES = ("embedding", "ffn", "shared_ffn", "attention_heads", "mamba_heads", "mamba_channels", "experts")
+# (axis, Mamba statistic): the published x-projection definition, and out_proj's input
+AXES = (("embedding", None), ("ffn", None), ("shared_ffn", None), ("attention_heads", None),
+        ("mamba_heads", "x_proj"), ("mamba_heads", "out_proj_input"),
+        ("mamba_channels", "x_proj"), ("mamba_channels", "out_proj_input"), ("experts", None))
 
 
 def _setup():
@@ -99,9 +102,9 @@ def run(device: str | None = None) -> list[dict]:
     base = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
     unpruned = _eval(model, valid, cfg)
     m = cfg.model
-    for axis in AXES:
-        source_axis = {"mamba_heads": "mamba_heads", "mamba_channels": "mamba_channels"}.get(axis, axis)
-        ours = importance_orders(scores, source_axis, m.query_groups, m.mamba_num_groups)
+    for axis, source in AXES:
+        ours = importance_orders(scores, axis, m.query_groups, m.mamba_num_groups,
+                                 mamba_source=source or "x_proj")
         if not ours:
             continue
         groups = {k: (m.query_groups if axis == "attention_heads" else m.mamba_num_groups)
@@ -115,7 +118,8 @@ def run(device: str | None = None) -> list[dict]:
             losses[name] = _eval(model, valid, cfg)
         model.load_state_dict(base, strict=False)
         random_mean = statistics.mean(losses[f"random{s}"] for s in range(3))
-        rows.append({"name": f"prune {axis} to {KEEP:.0%} [valid loss]", "unpruned": round(unpruned, 4),
+        label = f"{axis} ({source})" if source else axis
+        rows.append({"name": f"prune {label} to {KEEP:.0%} [valid loss]", "unpruned": round(unpruned, 4),
                      "ours": round(losses["ours"], 4), "random_mean": round(random_mean, 4),
                      "magnitude": round(losses["magnitude"], 4),
                      "ours_best": losses["ours"] <= min(random_mean, losses["magnitude"])})

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_plugin.testing.multirank import RankPool, free_port
+from elastic_plugin.testing.multirank import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "configs" / "tiny.yaml"
@@ -97,16 +97,16 @@ def test_short_teacher_run_trains_plots_and_checkpoints(trained):
 
 @pytest.mark.demo
 @pytest.mark.multirank
-def test_checkpoint_gives_same_loss_under_other_layouts(trained):
+def test_checkpoint_gives_same_loss_under_other_layouts(trained, rank_pools):
     out, _ = trained
     kwargs = dict(ckpt_dir=str(out / "checkpoints" / "teacher"), data_dir=str(out / "data"))
-    with RankPool(1) as pool:
-        (reference,) = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", **kwargs)
-    with RankPool(2) as pool:
-        tp = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", tp=2,
-                      sequence_parallel=True, **kwargs)
-        pp = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", pp=2, **kwargs)
-        ep = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", ep=2, **kwargs)
+    pool = rank_pools.get(1)
+    (reference,) = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", **kwargs)
+    pool = rank_pools.get(2)
+    tp = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", tp=2,
+                  sequence_parallel=True, **kwargs)
+    pp = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", pp=2, **kwargs)
+    ep = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", ep=2, **kwargs)
     assert reference is not None and reference < 3.0
     for losses in (tp, pp, ep):
         assert losses == [pytest.approx(reference, rel=1e-5)] * 2
@@ -137,7 +137,7 @@ def test_train_under_torchrun_with_tensor_parallel(tmp_path, trained):
 @pytest.mark.demo
 @pytest.mark.importance
 @pytest.mark.multirank
-def test_importance_and_reorder_cli_keep_the_function(trained, tmp_path):
+def test_importance_and_reorder_cli_keep_the_function(trained, tmp_path, rank_pools):
     out, _ = trained
     scores = tmp_path / "scores.pt"
     proc = run_cli("importance", "--ckpt", str(out / "checkpoints" / "teacher"), "--out", str(scores),
@@ -151,14 +151,14 @@ def test_importance_and_reorder_cli_keep_the_function(trained, tmp_path):
     meta = json.loads((reordered / "elastic_meta.json").read_text())
     assert meta["reordered"] is True and (reordered / "permutations.pt").is_file()
     data = dict(data_dir=str(out / "data"))
-    with RankPool(1) as pool:
-        (teacher,) = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint",
-                              ckpt_dir=str(out / "checkpoints" / "teacher"), **data)
-        (same,) = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint",
-                           ckpt_dir=str(reordered), **data)
-    with RankPool(2) as pool:
-        tp2 = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", ckpt_dir=str(reordered),
-                       tp=2, sequence_parallel=True, **data)
+    pool = rank_pools.get(1)
+    (teacher,) = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint",
+                          ckpt_dir=str(out / "checkpoints" / "teacher"), **data)
+    (same,) = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint",
+                       ckpt_dir=str(reordered), **data)
+    pool = rank_pools.get(2)
+    tp2 = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", ckpt_dir=str(reordered),
+                   tp=2, sequence_parallel=True, **data)
     assert same == pytest.approx(teacher, rel=1e-5)
     assert tp2 == [pytest.approx(teacher, rel=1e-5)] * 2
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from elastic_plugin.testing.multirank import RankPool
 
 pytestmark = [pytest.mark.importance]
 
@@ -17,10 +16,10 @@ ALL_AXES = ["embedding", "ffn", "shared_ffn", "attention_heads", "mamba", "exper
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, rank_pools):
     work = tmp_path_factory.mktemp("importance")
-    with RankPool(1) as pool:
-        (info,) = pool.run(f"{CASES}:reference_importance", config_path=CONFIG, workdir=str(work))
+    pool = rank_pools.get(1)
+    (info,) = pool.run(f"{CASES}:reference_importance", config_path=CONFIG, workdir=str(work))
     return str(work), info
 
 
@@ -44,12 +43,13 @@ def test_reap_matches_direct_formula(reference):
     {"pp": 2},
     {"ep": 2},
 ], ids=["tp2-sp", "pp2", "ep2"])
-def test_scores_and_rankings_independent_of_layout(reference, layout):
+def test_scores_and_rankings_independent_of_layout(reference, layout, rank_pools):
     workdir, _ = reference
-    with RankPool(2) as pool:
-        reports = pool.run(f"{CASES}:layout_importance", config_path=CONFIG, workdir=workdir, **layout)
+    pool = rank_pools.get(2)
+    reports = pool.run(f"{CASES}:layout_importance", config_path=CONFIG, workdir=workdir, **layout)
     for report in reports:
         assert report["axes"] == ALL_AXES
+        assert "mamba_out" in report["max_rel_diff"]
         for axis, diff in report["max_rel_diff"].items():
             assert diff < 1e-5, (axis, diff, layout)
         assert all(report["rankings_agree"].values()), report["rankings_agree"]
@@ -65,10 +65,10 @@ REORDER = "elastic_plugin.testing.reorder_cases"
     (2, {"pp": 2}),
     (2, {"ep": 2}),
 ], ids=["tp1", "tp2-sp", "pp2", "ep2"])
-def test_reorder_preserves_logits(reference, world, layout):
+def test_reorder_preserves_logits(reference, world, layout, rank_pools):
     workdir, _ = reference
-    with RankPool(world) as pool:
-        reports = pool.run(f"{REORDER}:logits_preserved", config_path=CONFIG, workdir=workdir, **layout)
+    reports = rank_pools.get(world).run(f"{REORDER}:logits_preserved", config_path=CONFIG,
+                                        workdir=workdir, **layout)
     assert any(r["max_abs_diff"] is not None for r in reports)
     for r in reports:
         assert r["params_moved"] >= r["num_params"] // 2, r  # the reorder really moved weights
@@ -77,34 +77,34 @@ def test_reorder_preserves_logits(reference, world, layout):
 
 
 @pytest.mark.multirank
-def test_reorder_is_layout_independent(reference):
+def test_reorder_is_layout_independent(reference, rank_pools):
     """Reorder under TP=2 x EP=2 (4 ranks), save: the same checkpoint as reordering on one rank."""
     workdir, _ = reference
-    with RankPool(1) as pool:
-        pool.run(f"{REORDER}:reorder_and_save", config_path=CONFIG, workdir=workdir, name="reordered_tp1")
-    with RankPool(4) as pool:
-        reports = pool.run(f"{REORDER}:reorder_and_save", config_path=CONFIG, workdir=workdir,
-                           name="reordered_tp2ep2", tp=2, ep=2, sequence_parallel=True)
+    pool = rank_pools.get(1)
+    pool.run(f"{REORDER}:reorder_and_save", config_path=CONFIG, workdir=workdir, name="reordered_tp1")
+    pool = rank_pools.get(4)
+    reports = pool.run(f"{REORDER}:reorder_and_save", config_path=CONFIG, workdir=workdir,
+                       name="reordered_tp2ep2", tp=2, ep=2, sequence_parallel=True)
     assert all(r["strided_prefix_ok"] for r in reports), reports
-    with RankPool(1) as pool:
-        (cmp,) = pool.run(f"{REORDER}:compare_saved", config_path=CONFIG, workdir=workdir,
-                          first="reordered_tp1", second="reordered_tp2ep2")
+    pool = rank_pools.get(1)
+    (cmp,) = pool.run(f"{REORDER}:compare_saved", config_path=CONFIG, workdir=workdir,
+                      first="reordered_tp1", second="reordered_tp2ep2")
     assert cmp["num_params"] > 20
     assert cmp["mismatched"] == [], cmp["mismatched"]
 
 
-def test_collection_resumes_after_interruption(reference):
+def test_collection_resumes_after_interruption(reference, rank_pools):
     workdir, _ = reference
-    with RankPool(1) as pool:
-        (r,) = pool.run(f"{CASES}:resume_after_interruption", config_path=CONFIG, workdir=workdir)
+    pool = rank_pools.get(1)
+    (r,) = pool.run(f"{CASES}:resume_after_interruption", config_path=CONFIG, workdir=workdir)
     assert r["interrupted"] and r["partial_files"] == ["partial_rank00000.pt"]
     assert r["equal"] and r["tokens"][0] == r["tokens"][1]
     assert r["left_after"] == [] and r["hooks_left"] == 0
 
 
-def test_bad_axes_and_short_calibration_are_rejected():
-    with RankPool(1) as pool:
-        (messages,) = pool.run(f"{CASES}:bad_axis_errors", config_path=CONFIG)
+def test_bad_axes_and_short_calibration_are_rejected(rank_pools):
+    pool = rank_pools.get(1)
+    (messages,) = pool.run(f"{CASES}:bad_axis_errors", config_path=CONFIG)
     assert "'experts' is not in this model" in messages[0]
     assert "'bogus' is unknown" in messages[1]
     assert "ran out after 4 samples; asked for 8" in messages[2]
@@ -123,14 +123,23 @@ def test_check_calibration_messages():
 
 
 @pytest.mark.multirank
-def test_depth_scores_match_formula_and_layouts(reference):
+def test_depth_scores_match_formula_and_layouts(reference, rank_pools):
     workdir, _ = reference
-    with RankPool(1) as pool:
-        (single,) = pool.run(f"{CASES}:depth_check", config_path=CONFIG, workdir=workdir)
+    pool = rank_pools.get(1)
+    (single,) = pool.run(f"{CASES}:depth_check", config_path=CONFIG, workdir=workdir)
     scores = single["scores"]
     assert sorted(scores) == list(range(1, 9)) and min(scores.values()) > 0
     assert scores[3] == pytest.approx(single["direct_layer3"], rel=1e-6)
-    with RankPool(2) as pool:
-        for layout in ({"pp": 2}, {"tp": 2, "sequence_parallel": True}):
-            for r in pool.run(f"{CASES}:depth_check", config_path=CONFIG, workdir=workdir, **layout):
-                assert r["scores"] == pytest.approx(scores, rel=1e-4), layout
+    pool = rank_pools.get(2)
+    for layout in ({"pp": 2}, {"tp": 2, "sequence_parallel": True}):
+        for r in pool.run(f"{CASES}:depth_check", config_path=CONFIG, workdir=workdir, **layout):
+            assert r["scores"] == pytest.approx(scores, rel=1e-4), layout
+
+
+def test_prune_masks_are_exact_and_effective(reference, rank_pools):
+    workdir, _ = reference
+    pool = rank_pools.get(1)
+    (r,) = pool.run(f"{CASES}:prune_masks", config_path=CONFIG, workdir=workdir)
+    assert all(v < 1e-6 for v in r["identity"].values()), r["identity"]
+    assert all(v > 1e-4 for v in r["changed"].values()), r["changed"]
+    assert r["ffn_mask_vs_slice"] < 1e-5

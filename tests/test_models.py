@@ -10,7 +10,6 @@ import pytest
 
 from elastic_plugin.models.config import ConfigError, config_from_dict, load_config
 from elastic_plugin.models.counting import count_parameters
-from elastic_plugin.testing.multirank import RankPool
 
 pytestmark = [pytest.mark.models]
 
@@ -19,9 +18,8 @@ TINY = str(ROOT / "examples" / "configs" / "tiny.yaml")
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with RankPool(1) as p:
-        yield p
+def pool(rank_pools):
+    return rank_pools.get(1)
 
 
 @pytest.mark.parametrize("overrides", [

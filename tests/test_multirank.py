@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from elastic_plugin.testing.multirank import RankPool
-
 pytestmark = [pytest.mark.multirank]
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
@@ -21,30 +19,9 @@ GRAD_ATOL = 1e-6  # gradients are O(1e-2) here: this is ~1e-4 relative, fp32 red
 PARAM_ATOL = 1e-6
 
 
-class Pools:
-    """One live pool at a time (8 ranks of Megatron are ~5 GB); reused across tests."""
-
-    def __init__(self) -> None:
-        self.pool: RankPool | None = None
-
-    def get(self, world_size: int) -> RankPool:
-        if self.pool is not None and (self.pool.world_size != world_size or not self.pool.alive):
-            self.pool.close(force=not self.pool.alive)
-            self.pool = None
-        if self.pool is None:
-            self.pool = RankPool(world_size)
-        return self.pool
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-
-
 @pytest.fixture(scope="module")
-def pools():
-    holder = Pools()
-    yield holder
-    holder.close()
+def pools(rank_pools):
+    return rank_pools
 
 
 @pytest.fixture(scope="module")

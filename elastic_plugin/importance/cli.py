@@ -50,6 +50,8 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     reo.add_argument("--out", required=True, metavar="DIR")
     reo.add_argument("--mamba-top-channels", type=int, default=None,
                      help="rank Mamba heads by their norm over this many top channels (default: all)")
+    reo.add_argument("--mamba-source", default="x_proj", choices=["x_proj", "out_proj_input"],
+                     help="Mamba statistic: the x-projection (published) or out_proj's input")
     add_layout_args(reo)
     reo.set_defaults(func=run_reorder)
 
@@ -173,7 +175,8 @@ def run_reorder(args: argparse.Namespace) -> int:
     initialize_layout(layout, seed=cfg.training.seed)
     chunks, cfg, meta = build_from_checkpoint(args.ckpt, layout)
     perms = Permutations.from_scores(ImportanceScores.load(args.scores), cfg.model.query_groups,
-                                     cfg.model.mamba_num_groups, args.mamba_top_channels)
+                                     cfg.model.mamba_num_groups, args.mamba_top_channels,
+                                     args.mamba_source)
     apply_permutations(chunks[0], perms)
     save_checkpoint(chunks, Path(args.out), {**meta, "kind": "reordered", "scores": str(args.scores),
                                              "source_ckpt": str(args.ckpt)})

@@ -7,7 +7,9 @@ them into global scores. What each hook measures (DESIGN.md, "Importance"):
 - embedding channels: ``sum |norm(x)|`` at every norm that reads the residual stream;
 - FFN neurons (dense MLP, shared expert): ``sum |input of fc2|``;
 - attention query heads: ``sum ||input of linear_proj, head h||_2`` over tokens;
-- Mamba: ``sum s^2`` per (head, head-channel), ``s`` the x part of ``in_proj``'s output;
+- Mamba: ``sum s^2`` per (head, head-channel), ``s`` the x part of ``in_proj``'s output (the
+  published definition), and the same statistic of ``out_proj``'s input (``mamba_out``: the
+  gated, normalized SSM output each channel actually contributes);
 - MoE experts (REAP): ``sum_tokens g_j(x) ||f_j(x)||_2`` and the routed-token count. Megatron
   scales the activation by the router weight before ``fc2`` (no bias here), so a local expert's
   output row *is* ``g_j(x) f_j(x)``; under expert-TP the partial output is summed over TP first.
@@ -22,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 AXES = ("embedding", "ffn", "attention_heads", "mamba", "experts")
+MAMBA_SOURCES = {"x_proj": "mamba", "out_proj_input": "mamba_out"}
 
 
 @dataclass
@@ -145,6 +148,12 @@ class ImportanceHooks:
             self.stats.add("mamba", layer, x.double().pow(2).sum(0))
 
         self._hook(mixer.in_proj, hook)
+
+        def out_hook(_m, args):
+            y = _flat_tokens(args[0]).reshape(-1, heads, head_dim)
+            self.stats.add("mamba_out", layer, y.double().pow(2).sum(0))
+
+        self._hook(mixer.out_proj, out_hook, pre=True)
 
     def _experts(self, moe: torch.nn.Module, layer: int) -> None:
         from megatron.core import parallel_state

@@ -34,11 +34,11 @@ def _layers(model):
 
 # ------------------------------------------------------------------------- orders
 def importance_orders(scores: ImportanceScores, axis: str, query_groups: int,
-                      mamba_groups: int) -> dict[int, torch.Tensor]:
+                      mamba_groups: int, mamba_source: str = "x_proj") -> dict[int, torch.Tensor]:
     """Most important first, per layer (key 0 for the embedding); heads within groups."""
     from elastic_plugin.importance.reorder import Permutations
 
-    perms = Permutations.from_scores(scores, query_groups, mamba_groups)
+    perms = Permutations.from_scores(scores, query_groups, mamba_groups, mamba_source=mamba_source)
     if axis == "embedding":
         return {0: perms.embedding}
     return dict(getattr(perms, axis))

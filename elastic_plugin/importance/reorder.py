@@ -43,8 +43,11 @@ class Permutations:
 
     @classmethod
     def from_scores(cls, scores: ImportanceScores, query_groups: int, mamba_groups: int,
-                    mamba_top_channels: int | None = None) -> "Permutations":
-        """Descending order per axis; heads ordered within their (query / Mamba) group."""
+                    mamba_top_channels: int | None = None,
+                    mamba_source: str = "x_proj") -> "Permutations":
+        """Descending order per axis; heads ordered within their (query / Mamba) group.
+
+        ``mamba_source``: "x_proj" (the published definition) or "out_proj_input"."""
         def order(x: torch.Tensor) -> torch.Tensor:
             return torch.argsort(x, descending=True, stable=True)
 
@@ -55,9 +58,9 @@ class Permutations:
         perms.attention_heads = {k: _within_groups(v, query_groups)
                                  for k, v in scores.attention_heads.items()}
         for layer in scores.mamba:
-            perms.mamba_channels[layer] = order(scores.mamba_channel_scores(layer))
+            perms.mamba_channels[layer] = order(scores.mamba_channel_scores(layer, mamba_source))
             perms.mamba_heads[layer] = _within_groups(
-                scores.mamba_head_scores(layer, mamba_top_channels), mamba_groups)
+                scores.mamba_head_scores(layer, mamba_top_channels, mamba_source), mamba_groups)
         return perms
 
     def save(self, path: str | Path) -> None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from elastic_plugin.importance.hooks import LocalStats
 
-SHARDED_OVER_TP = ("ffn", "shared_ffn", "attention_heads", "mamba")
+SHARDED_OVER_TP = ("ffn", "shared_ffn", "attention_heads", "mamba", "mamba_out")
 FORMAT_VERSION = 1
 
 
@@ -32,6 +32,7 @@ class ImportanceScores:
     shared_ffn: dict[int, torch.Tensor] = field(default_factory=dict)
     attention_heads: dict[int, torch.Tensor] = field(default_factory=dict)
     mamba: dict[int, torch.Tensor] = field(default_factory=dict)  # [heads, head_dim] sum of s^2
+    mamba_out: dict[int, torch.Tensor] = field(default_factory=dict)  # same, of out_proj's input
     experts: dict[int, torch.Tensor] = field(default_factory=dict)  # REAP
     expert_tokens: dict[int, torch.Tensor] = field(default_factory=dict)
     depth: dict[int, float] = field(default_factory=dict)  # normalized logit MSE (optional)
@@ -39,15 +40,23 @@ class ImportanceScores:
     meta: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ derived views
-    def mamba_channel_scores(self, layer: int) -> torch.Tensor:
-        """``||s_{:,d}||_2`` per head channel d (over tokens and heads)."""
-        return self.mamba[layer].sum(0).sqrt()
+    def _mamba_stats(self, layer: int, source: str) -> torch.Tensor:
+        from elastic_plugin.importance.hooks import MAMBA_SOURCES
 
-    def mamba_head_scores(self, layer: int, top_channels: int | None = None) -> torch.Tensor:
+        if source not in MAMBA_SOURCES:
+            raise ValueError(f"mamba source {source!r}; allowed: {', '.join(MAMBA_SOURCES)}")
+        return getattr(self, MAMBA_SOURCES[source])[layer]
+
+    def mamba_channel_scores(self, layer: int, source: str = "x_proj") -> torch.Tensor:
+        """``||s_{:,d}||_2`` per head channel d (over tokens and heads)."""
+        return self._mamba_stats(layer, source).sum(0).sqrt()
+
+    def mamba_head_scores(self, layer: int, top_channels: int | None = None,
+                          source: str = "x_proj") -> torch.Tensor:
         """Head norms over the ``top_channels`` most important channels (all by default)."""
-        acc = self.mamba[layer]
+        acc = self._mamba_stats(layer, source)
         if top_channels is not None:
-            keep = torch.argsort(self.mamba_channel_scores(layer), descending=True)[:top_channels]
+            keep = torch.argsort(self.mamba_channel_scores(layer, source), descending=True)[:top_channels]
             acc = acc[:, keep]
         return acc.sum(1).sqrt()
 
@@ -61,7 +70,7 @@ class ImportanceScores:
     def to_dict(self) -> dict[str, Any]:
         return {"format_version": FORMAT_VERSION, "embedding": self.embedding, "ffn": self.ffn,
                 "shared_ffn": self.shared_ffn, "attention_heads": self.attention_heads,
-                "mamba": self.mamba, "experts": self.experts, "expert_tokens": self.expert_tokens,
+                "mamba": self.mamba, "mamba_out": self.mamba_out, "experts": self.experts, "expert_tokens": self.expert_tokens,
                 "depth": self.depth,
                 "tokens": self.tokens, "meta": self.meta}
 

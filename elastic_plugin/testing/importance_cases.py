@@ -111,7 +111,7 @@ def layout_importance(config_path: str, workdir: str, tp: int = 1, pp: int = 1, 
     reference = ImportanceScores.load(work / "scores_ref.pt")
     report: dict[str, Any] = {"axes": scores.axes(), "tokens": scores.tokens,
                               "max_rel_diff": {}, "rankings_agree": {}}
-    for axis in reference.axes():
+    for axis in reference.axes() + ["mamba_out"]:
         ours, ref = getattr(scores, axis), getattr(reference, axis)
         pairs = [(0, ours, ref)] if axis == "embedding" else \
             [(layer, ours[layer], ref[layer]) for layer in ref]
@@ -119,9 +119,10 @@ def layout_importance(config_path: str, workdir: str, tp: int = 1, pp: int = 1, 
         for _, a, b in pairs:
             scale = b.abs().max().clamp(min=1e-30)
             worst = max(worst, float(((a - b).abs().max() / scale)))
-            flat_a, flat_b = (a.sum(1), b.sum(1)) if axis == "mamba" else (a, b)
+            mamba = axis in ("mamba", "mamba_out")
+            flat_a, flat_b = (a.sum(1), b.sum(1)) if mamba else (a, b)
             agree &= rankings_agree(flat_a, flat_b)
-            if axis == "mamba":
+            if mamba:
                 agree &= rankings_agree(a.sum(0), b.sum(0))
         report["max_rel_diff"][axis] = worst
         report["rankings_agree"][axis] = agree
@@ -161,7 +162,8 @@ def resume_after_interruption(config_path: str, workdir: str) -> dict[str, Any]:
     partial_left = sorted(p.name for p in resume.glob("*.pt"))
     resumed = collect_importance([model], iter(batches), resume_dir=resume, save_every=1, **args)
     equal = all(torch.equal(getattr(full, a)[k], getattr(resumed, a)[k])
-                for a in ("ffn", "attention_heads", "mamba", "experts") for k in getattr(full, a))
+                for a in ("ffn", "attention_heads", "mamba", "mamba_out", "experts")
+                for k in getattr(full, a))
     return {"interrupted": interrupted, "partial_files": partial_left, "equal": equal
             and torch.equal(full.embedding, resumed.embedding),
             "tokens": (full.tokens, resumed.tokens), "left_after": sorted(p.name for p in resume.glob("*.pt")),
@@ -217,3 +219,42 @@ def depth_check(config_path: str, workdir: str, tp: int = 1, pp: int = 1,
         layers.insert(2, removed)
         direct = float((without - full).pow(2).sum() / full.pow(2).sum())
     return {"scores": scores, "direct_layer3": direct}
+
+
+@torch.no_grad()
+def prune_masks(config_path: str, workdir: str) -> dict[str, Any]:
+    """Masked pruning: keep=1 is the identity for every axis; keep=1/2 changes the logits; for a
+    dense MLP the masked output equals the MLP computed from the sliced weights."""
+    from elastic_plugin.importance.prune import PRUNABLE, magnitude_orders, mask_prune
+
+    work = Path(workdir)
+    model_cfg = tiny_model(config_path)
+    initialize_layout(Layout())
+    (model,), _ = build_model_chunks(model_cfg, Layout(), wrap_ddp=False)
+    load_dist(model, work / "init")
+    model.eval()
+    tokens = reference_batches(model_cfg)[0]["tokens"]
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    base = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    full = model(tokens, positions, None)
+    report: dict[str, Any] = {"identity": {}, "changed": {}}
+    for axis in PRUNABLE:
+        orders = magnitude_orders(model, axis)
+        model.load_state_dict(base, strict=False)
+        mask_prune(model, axis, orders, 1.0)
+        report["identity"][axis] = float((model(tokens, positions, None) - full).abs().max())
+        model.load_state_dict(base, strict=False)
+        mask_prune(model, axis, orders, 0.5)
+        report["changed"][axis] = float((model(tokens, positions, None) - full).abs().max())
+    model.load_state_dict(base, strict=False)
+    mlp_layer = next(layer for layer in model.decoder.layers if type(layer).__name__ == "MLPLayer")
+    mlp = mlp_layer.mlp
+    x = torch.randn(5, 2, model_cfg.hidden_size)
+    order = magnitude_orders(model, "ffn")[int(mlp_layer.layer_number)]
+    keep = order[: order.numel() // 2]
+    w1, w2 = mlp.linear_fc1.weight[keep], mlp.linear_fc2.weight[:, keep]
+    sliced = mlp.config.activation_func(x @ w1.T) @ w2.T
+    mask_prune(model, "ffn", {int(mlp_layer.layer_number): order}, 0.5)
+    masked, _ = mlp(x)
+    report["ffn_mask_vs_slice"] = float((masked - sliced).abs().max())
+    return report

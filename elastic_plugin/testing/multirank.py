@@ -188,3 +188,31 @@ class RankPool:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class PoolCache:
+    """Reuse rank pools across tests: pools of different world sizes stay alive together up to
+    ``max_ranks`` ranks in all (8 Megatron ranks are ~5 GB), the oldest closed first."""
+
+    def __init__(self, max_ranks: int = 4) -> None:
+        self.max_ranks = max_ranks
+        self._pools: dict[int, RankPool] = {}
+
+    def get(self, world_size: int) -> RankPool:
+        pool = self._pools.get(world_size)
+        if pool is not None and pool.alive:
+            self._pools[world_size] = self._pools.pop(world_size)  # most recently used last
+            return pool
+        if pool is not None:
+            pool.close(force=True)
+            del self._pools[world_size]
+        while self._pools and sum(self._pools) + world_size > max(self.max_ranks, world_size):
+            oldest = next(iter(self._pools))
+            self._pools.pop(oldest).close()
+        self._pools[world_size] = RankPool(world_size)
+        return self._pools[world_size]
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close(force=not pool.alive)
+        self._pools.clear()
