@@ -104,7 +104,7 @@ def run(device: str | None = None) -> list[dict]:
     m = cfg.model
     for axis, source in AXES:
         ours = importance_orders(scores, axis, m.query_groups, m.mamba_num_groups,
-                                 mamba_source=source or "x_proj")
+                                 mamba_source=source or "out_proj_input")
         if not ours:
             continue
         groups = {k: (m.query_groups if axis == "attention_heads" else m.mamba_num_groups)

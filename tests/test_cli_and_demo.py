@@ -173,3 +173,48 @@ def test_importance_cli_rejects_short_calibration_and_missing_ckpt(trained, tmp_
     proc = run_cli("reorder", "--ckpt", str(tmp_path / "nope"), "--scores", "x.pt", "--out", str(tmp_path / "o"))
     assert proc.returncode == 2 and "no such checkpoint directory" in proc.stderr
     assert not (tmp_path / "s.pt").exists() and not (tmp_path / "o").exists()
+
+
+@pytest.mark.demo
+@pytest.mark.importance
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_importance_and_reorder_under_torchrun(trained, tmp_path, rank_pools):
+    """The CLIs under torchrun: scores under TP=2+SP rank like one process; a reorder written
+    under EP=2 keeps the teacher's validation loss."""
+    import torch
+
+    from elastic_plugin.importance import ImportanceScores, rankings_agree
+
+    out, _ = trained
+    teacher = str(out / "checkpoints" / "teacher")
+
+    def torchrun(*args: str) -> None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), "-m", "elastic_plugin.cli", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-4000:]
+
+    single, tp2 = tmp_path / "single.pt", tmp_path / "tp2.pt"
+    proc = run_cli("importance", "--ckpt", teacher, "--out", str(single), "--num-samples", "16",
+                   "--micro-batch-size", "8", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun("importance", "--ckpt", teacher, "--out", str(tp2), "--num-samples", "16",
+             "--micro-batch-size", "8", "--no-progress", "--tensor-model-parallel-size", "2",
+             "--sequence-parallel")
+    a, b = ImportanceScores.load(single), ImportanceScores.load(tp2)
+    assert a.axes() == b.axes()
+    assert rankings_agree(a.embedding, b.embedding)
+    for axis in ("ffn", "attention_heads", "experts"):
+        for layer in getattr(a, axis):
+            assert torch.allclose(getattr(a, axis)[layer], getattr(b, axis)[layer], rtol=1e-5)
+    reordered = tmp_path / "reordered_ep2"
+    torchrun("reorder", "--ckpt", teacher, "--scores", str(single), "--out", str(reordered),
+             "--expert-model-parallel-size", "2")
+    data = dict(data_dir=str(out / "data"))
+    (reference,) = rank_pools.get(1).run("elastic_plugin.testing.cases:eval_loss_from_checkpoint",
+                                         ckpt_dir=teacher, **data)
+    (loss,) = rank_pools.get(1).run("elastic_plugin.testing.cases:eval_loss_from_checkpoint",
+                                    ckpt_dir=str(reordered), **data)
+    assert loss == pytest.approx(reference, rel=1e-5)

@@ -50,8 +50,9 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     reo.add_argument("--out", required=True, metavar="DIR")
     reo.add_argument("--mamba-top-channels", type=int, default=None,
                      help="rank Mamba heads by their norm over this many top channels (default: all)")
-    reo.add_argument("--mamba-source", default="x_proj", choices=["x_proj", "out_proj_input"],
-                     help="Mamba statistic: the x-projection (published) or out_proj's input")
+    reo.add_argument("--mamba-source", default="out_proj_input", choices=["out_proj_input", "x_proj"],
+                     help="Mamba statistic: out_proj's input (default; prunes better here) or the "
+                     "x-projection (the published definition)")
     add_layout_args(reo)
     reo.set_defaults(func=run_reorder)
 

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from elastic_plugin.importance.reorder import _within_groups
 from elastic_plugin.importance.scores import ImportanceScores
 
 PRUNABLE = ("embedding", "ffn", "shared_ffn", "attention_heads", "mamba_heads",
@@ -34,7 +35,7 @@ def _layers(model):
 
 # ------------------------------------------------------------------------- orders
 def importance_orders(scores: ImportanceScores, axis: str, query_groups: int,
-                      mamba_groups: int, mamba_source: str = "x_proj") -> dict[int, torch.Tensor]:
+                      mamba_groups: int, mamba_source: str = "out_proj_input") -> dict[int, torch.Tensor]:
     """Most important first, per layer (key 0 for the embedding); heads within groups."""
     from elastic_plugin.importance.reorder import Permutations
 
@@ -62,18 +63,12 @@ def magnitude_orders(model, axis: str) -> dict[int, torch.Tensor]:
             if axis == "mamba_channels":
                 out[n] = desc(x.sum(0))
             else:
-                groups = m.ngroups_local_tp
-                per = m.nheads_local_tp // groups
-                local = torch.argsort(x.sum(1).view(groups, per), dim=1, descending=True)
-                out[n] = (local + torch.arange(groups).unsqueeze(1) * per).reshape(-1)
+                out[n] = _within_groups(x.sum(1), m.ngroups_local_tp)
         att = getattr(layer, "self_attention", None)
         if axis == "attention_heads" and att is not None and hasattr(att, "linear_proj"):
             d = att.hidden_size_per_attention_head
             col = att.linear_proj.weight.view(att.linear_proj.weight.shape[0], -1, d).pow(2).sum((0, 2))
-            groups = att.num_query_groups_per_partition
-            per = att.num_attention_heads_per_partition // groups
-            local = torch.argsort(col.view(groups, per), dim=1, descending=True)
-            out[n] = (local + torch.arange(groups).unsqueeze(1) * per).reshape(-1)
+            out[n] = _within_groups(col, att.num_query_groups_per_partition)
         mlp = getattr(layer, "mlp", None)
         if mlp is None:
             continue

@@ -47,12 +47,12 @@ class ImportanceScores:
             raise ValueError(f"mamba source {source!r}; allowed: {', '.join(MAMBA_SOURCES)}")
         return getattr(self, MAMBA_SOURCES[source])[layer]
 
-    def mamba_channel_scores(self, layer: int, source: str = "x_proj") -> torch.Tensor:
-        """``||s_{:,d}||_2`` per head channel d (over tokens and heads)."""
+    def mamba_channel_scores(self, layer: int, source: str = "out_proj_input") -> torch.Tensor:
+        """``||s_{:,d}||_2`` per head channel d (over tokens and heads); ``source`` picks s."""
         return self._mamba_stats(layer, source).sum(0).sqrt()
 
     def mamba_head_scores(self, layer: int, top_channels: int | None = None,
-                          source: str = "x_proj") -> torch.Tensor:
+                          source: str = "out_proj_input") -> torch.Tensor:
         """Head norms over the ``top_channels`` most important channels (all by default)."""
         acc = self._mamba_stats(layer, source)
         if top_channels is not None:
