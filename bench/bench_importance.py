@@ -25,8 +25,10 @@ AXES = (("embedding", None), ("ffn", None), ("shared_ffn", None), ("attention_he
 
 
 def _setup():
+    from elastic_plugin.compat import enable_cpu_megatron
     from elastic_plugin.parallel import Layout, init_distributed, initialize_layout
 
+    enable_cpu_megatron()
     init_distributed()
     initialize_layout(Layout())
 

@@ -46,12 +46,7 @@ class Layout:
 
 
 def init_distributed(backend: str | None = None, timeout_s: int = 600) -> None:
-    """Join the default process group from torchrun-style env vars (or a 1-rank world).
-
-    Without CUDA this also applies the CPU/gloo compatibility patches Megatron-Core needs."""
-    from elastic_plugin.compat import enable_cpu_megatron
-
-    enable_cpu_megatron()  # a no-op with CUDA, idempotent
+    """Join the default process group from torchrun-style env vars (or a 1-rank world)."""
     if dist.is_initialized():
         return
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")

@@ -103,8 +103,10 @@ def run_importance(args: argparse.Namespace) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         print(f"elastic-plugin importance: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    from elastic_plugin.compat import enable_cpu_megatron
     from elastic_plugin.parallel import init_distributed, initialize_layout
 
+    enable_cpu_megatron()
     init_distributed()
     import torch.distributed as dist
 
@@ -160,8 +162,10 @@ def run_reorder(args: argparse.Namespace) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         print(f"elastic-plugin reorder: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    from elastic_plugin.compat import enable_cpu_megatron
     from elastic_plugin.parallel import init_distributed, initialize_layout
 
+    enable_cpu_megatron()
     init_distributed()
     import torch.distributed as dist
 

@@ -49,16 +49,24 @@ def list_reduce_scatter() -> list[float]:
 def eval_loss_from_checkpoint(ckpt_dir: str, data_dir: str, tp: int = 1, pp: int = 1, ep: int = 1,
                               sequence_parallel: bool = False, eval_iters: int = 2) -> float | None:
     """Load a teacher checkpoint under a layout and compute the validation loss."""
-    from elastic_plugin.checkpointing import build_from_checkpoint
+    import json
+    from dataclasses import replace
+    from pathlib import Path
+
     from elastic_plugin.data.indexed import batch_iterator, build_gpt_datasets
     from elastic_plugin.data.prepare import PreparedData
-    from elastic_plugin.parallel import Layout, initialize_layout
+    from elastic_plugin.models.config import config_from_dict
+    from elastic_plugin.parallel import Layout, build_model_chunks, initialize_layout
     from elastic_plugin.training.step import eval_step
+    from elastic_plugin.checkpointing import CHECKPOINT_META, load_checkpoint
     from elastic_plugin.training.teacher import _share_from_last_stage
 
+    meta = json.loads((Path(ckpt_dir) / CHECKPOINT_META).read_text())
+    cfg = config_from_dict(meta["config"])
     layout = Layout(tp, pp, ep, sequence_parallel)
     initialize_layout(layout)
-    chunks, cfg, _ = build_from_checkpoint(ckpt_dir, layout)
+    chunks, _ = build_model_chunks(cfg.model, layout, wrap_ddp=False)
+    load_checkpoint(chunks, ckpt_dir)
     prepared = PreparedData.load(data_dir)
     t = cfg.training
     datasets = build_gpt_datasets(prepared.load_tokenizer(), t.seq_length,

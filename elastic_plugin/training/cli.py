@@ -102,10 +102,12 @@ def run_train(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"elastic-plugin train: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    from elastic_plugin.compat import enable_cpu_megatron
     from elastic_plugin.parallel import init_distributed
     from elastic_plugin.training.data_feed import build_data_feed
     from elastic_plugin.training.teacher import train_teacher
 
+    enable_cpu_megatron()
     init_distributed()
     feed = build_data_feed(cfg, out, layout, data_path=args.data_path,
                            valid_data_path=args.valid_data_path, tokenizer_path=args.tokenizer,
