@@ -38,8 +38,11 @@ def read_meta(ckpt_dir: str | Path) -> dict[str, Any]:
     return json.loads(meta_path.read_text())
 
 
-def save_checkpoint(chunks, out_dir: str | Path, meta: dict[str, Any]) -> Path:
-    """Write a Megatron dist checkpoint atomically: into ``<dir>.tmp``, then rename."""
+def save_checkpoint(chunks, out_dir: str | Path, meta: dict[str, Any], optimizer=None) -> Path:
+    """Write a Megatron dist checkpoint atomically: into ``<dir>.tmp``, then rename.
+
+    With ``optimizer`` its state is saved too (key ``optimizer``), for resuming in the same
+    layout: its moments of strided axes stay in memory order, which only that layout reads."""
     from megatron.core import dist_checkpointing
 
     from elastic_plugin.importance.reorder import STRIDED_ATTR, canonical_weights
@@ -53,7 +56,10 @@ def save_checkpoint(chunks, out_dir: str | Path, meta: dict[str, Any]) -> Path:
         tmp.mkdir(parents=True)
     _barrier()
     with canonical_weights(model):
-        dist_checkpointing.save(model.sharded_state_dict(), str(tmp))
+        state = model.sharded_state_dict()
+        if optimizer is not None:
+            state = {**state, "optimizer": optimizer.sharded_state_dict(state)}
+        dist_checkpointing.save(state, str(tmp))
     _barrier()
     if _is_rank0():
         (tmp / CHECKPOINT_META).write_text(json.dumps(meta, indent=2, default=str))
@@ -80,6 +86,16 @@ def load_checkpoint(chunks, ckpt_dir: str | Path) -> dict[str, Any]:
     if meta.get("reordered"):
         mark_loaded_reordered(model)
     return meta
+
+
+def load_optimizer(chunks, optimizer, ckpt_dir: str | Path) -> None:
+    """Restore optimizer state written by ``save_checkpoint(..., optimizer=...)``."""
+    from megatron.core import dist_checkpointing
+
+    model = getattr(chunks[0], "module", chunks[0])
+    sharded = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True)
+    state = dist_checkpointing.load({"optimizer": sharded}, str(ckpt_dir))
+    optimizer.load_state_dict(state["optimizer"])
 
 
 def build_from_checkpoint(ckpt_dir: str | Path, layout, wrap_ddp: bool = False):

@@ -86,7 +86,6 @@ def build_model_chunks(
 ) -> tuple[list[torch.nn.Module], object]:
     """This rank's model chunk (one; no virtual pipeline yet), DDP-wrapped for training."""
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     tconf = transformer_config(model_cfg, layout.as_parallel_config(), params_dtype,
                                **config_overrides)
@@ -106,6 +105,16 @@ def build_model_chunks(
         model.cuda(torch.cuda.current_device())
     if not wrap_ddp:
         return [model], tconf
+    return [wrap_ddp_chunk(model, layout)], tconf
+
+
+def wrap_ddp_chunk(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
+    """Megatron's DDP around one model chunk (grad buffers, DP reduction, distributed optimizer)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
+
+    for param in model.parameters():
+        set_defaults_if_not_set_tensor_model_parallel_attributes(param)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -113,9 +122,9 @@ def build_model_chunks(
         check_for_nan_in_grad=False,
         bucket_size=None,
     )
-    ddp = DistributedDataParallel(config=tconf, ddp_config=ddp_config, module=model)
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
     ddp.broadcast_params()
-    return [ddp], tconf
+    return ddp
 
 
 def build_optimizer(
@@ -127,8 +136,10 @@ def build_optimizer(
     adam_beta2: float = 0.95,
     adam_eps: float = 1e-8,
     min_lr: float | None = None,
+    config_overrides: dict | None = None,
 ):
-    """Megatron's (optionally distributed) Adam over the model chunks."""
+    """Megatron's (optionally distributed) Adam over the model chunks; ``config_overrides``
+    (Megatron ``ParamKey`` -> ``ParamGroupOverride``) gives parameter groups their own LR."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     tconf = chunks[0].config
@@ -146,4 +157,8 @@ def build_optimizer(
         params_dtype=tconf.params_dtype,
         use_distributed_optimizer=distributed_optimizer,
     )
-    return get_megatron_optimizer(opt_config, chunks)
+    if config_overrides is not None:  # keep Megatron's standard groups (no decay on norms/biases)
+        from megatron.core.optimizer import get_standard_config_overrides
+
+        config_overrides = {**get_standard_config_overrides(opt_config), **config_overrides}
+    return get_megatron_optimizer(opt_config, chunks, config_overrides=config_overrides)

@@ -234,6 +234,8 @@ class ExperimentConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    # the raw `elastic:` section; validated by elastic_plugin.elastic.config.ElasticConfig
+    elastic: dict[str, Any] = field(default_factory=dict)
     source: str = "<dict>"
 
     def to_dict(self) -> dict[str, Any]:
@@ -271,11 +273,19 @@ def _build(cls: type, section: str, values: Mapping[str, Any] | None) -> Any:
         raise ConfigError(f"section '{section}' needs the keys {', '.join(required)}: {exc}") from exc
 
 
+def _mapping(section: str, values: Any) -> dict[str, Any]:
+    if values is None:
+        return {}
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"section '{section}' must be a mapping")
+    return dict(values)
+
+
 def config_from_dict(raw: Mapping[str, Any], source: str = "<dict>") -> ExperimentConfig:
     """Build and validate an ExperimentConfig from already-parsed YAML."""
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{source}: the top level must be a mapping with a 'model' section")
-    sections = {"model", "parallel", "training", "data"}
+    sections = {"model", "parallel", "training", "data", "elastic"}
     unknown = sorted(set(raw) - sections)
     if unknown:
         raise ConfigError(
@@ -288,6 +298,7 @@ def config_from_dict(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
         parallel=_build(ParallelConfig, "parallel", raw.get("parallel")),
         training=_build(TrainingConfig, "training", raw.get("training")),
         data=_build(DataConfig, "data", raw.get("data")),
+        elastic=_mapping("elastic", raw.get("elastic")),
         source=source,
     )
     p = cfg.parallel

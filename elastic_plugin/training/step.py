@@ -70,12 +70,13 @@ def _batch_iterator_for_stage(data_iterator):
 
 
 def _run_schedule(chunks, data_iterator, num_microbatches: int, seq_length: int,
-                  micro_batch_size: int, forward_only: bool) -> list[dict]:
+                  micro_batch_size: int, forward_only: bool,
+                  forward_step_func=forward_step) -> list[dict]:
     """Megatron's schedule for this layout (1F1B under PP) over ``num_microbatches``."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     return get_forward_backward_func()(
-        forward_step_func=forward_step,
+        forward_step_func=forward_step_func,
         data_iterator=_batch_iterator_for_stage(data_iterator),
         model=chunks,
         num_microbatches=num_microbatches,
@@ -93,19 +94,28 @@ def train_step(
     seq_length: int,
     micro_batch_size: int,
     step_optimizer: bool = True,
+    forward_step_func=forward_step,
+    finalize_grads_func=None,
+    reduce_reports=None,
 ) -> dict[str, Any]:
-    """Forward+backward over ``num_microbatches`` micro-batches, then one optimizer step."""
+    """Forward+backward over ``num_microbatches`` micro-batches, then one optimizer step.
+
+    ``forward_step_func``/``finalize_grads_func`` default to the plain LM step and Megatron's
+    ``finalize_model_grads``; elastic training passes its own (distillation loss, router grads).
+    """
     from megatron.core.distributed import finalize_model_grads
 
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     config = chunks[0].config
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = finalize_grads_func or finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     reports = _run_schedule(chunks, data_iterator, num_microbatches, seq_length,
-                            micro_batch_size, forward_only=False)
-    result: dict[str, Any] = {"loss": _reduce_reports(reports)}
+                            micro_batch_size, forward_only=False,
+                            forward_step_func=forward_step_func)
+    result: dict[str, Any] = {"loss": (reduce_reports or _reduce_reports)(reports),
+                              "reports": reports}
     if step_optimizer:
         ok, grad_norm, _ = optimizer.step()
         result.update(update_successful=ok, grad_norm=grad_norm)

@@ -1,0 +1,1 @@
+"""Elastic nested training: config, router, elastic Megatron layers, losses and the training loop."""

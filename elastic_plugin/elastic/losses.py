@@ -1,0 +1,127 @@
+"""Elastic-training losses: vocab-parallel distillation KL and the budget loss (DESIGN.md §3).
+
+The cross-entropy term (kept for budget 1.0 if asked) is Megatron's own
+``megatron.core.tensor_parallel.vocab_parallel_cross_entropy``; nothing here re-implements it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from elastic_plugin.models.config import ConfigError
+
+
+def _default_tp_group():
+    """Megatron's TP group when model parallel is initialised with TP > 1, else ``None``."""
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is None:  # never imported, so never initialised: skip the 7 s import
+        return None
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    if parallel_state.get_tensor_model_parallel_world_size() <= 1:
+        return None
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _active(group) -> bool:
+    return group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+class _VocabParallelKL(torch.autograd.Function):
+    """Per-token ``T² · KL(p_t ‖ p_s)`` over vocab shards, with an exact, local backward.
+
+    With ``s, t`` the logits divided by T, ``Z`` the global exp-sums after subtracting the global
+    max ``m``, and ``A = Σ_v e^{t_v - m_t} (t_v - s_v)`` (summed over all shards):
+    ``KL = A / Z_t - (m_t + log Z_t) + (m_s + log Z_s)``. Two collectives per call (one MAX,
+    one SUM of ``[Z_s, Z_t, A]``); no rank ever holds more than its vocab shard.
+    ``d(T² KL)/d student_logit_v = T (p_s,v - p_t,v)`` needs only the local shard and the global
+    normalisers, so backward is communication-free and each rank gets exactly its shard's gradient
+    (the loss is replicated across TP, so no reduction of grad_output is needed either).
+    """
+
+    @staticmethod
+    def forward(ctx, student: torch.Tensor, teacher: torch.Tensor, temperature: float, group):
+        s = student.float() / temperature
+        t = teacher.float() / temperature
+        maxima = torch.stack([s.max(dim=-1).values, t.max(dim=-1).values])  # [2, *lead]
+        if _active(group):
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+        m_s, m_t = maxima[0].unsqueeze(-1), maxima[1].unsqueeze(-1)
+        e_s = torch.exp(s - m_s)
+        e_t = torch.exp(t - m_t)
+        # e_t == 0 (teacher logit -inf) contributes 0, not 0 * inf = nan
+        cross = torch.where(e_t > 0, e_t * (t - s), torch.zeros_like(e_t))
+        sums = torch.stack([e_s.sum(-1), e_t.sum(-1), cross.sum(-1)])  # [3, *lead]
+        if _active(group):
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        z_s, z_t, a = sums[0], sums[1], sums[2]
+        kl = a / z_t - (maxima[1] + torch.log(z_t)) + (maxima[0] + torch.log(z_s))
+        if ctx.needs_input_grad[0]:
+            # d KL / d s_v = p_s,v - p_t,v ; chain rule through s = logits / T gives 1/T; times T²
+            diff = e_s.div_(z_s.unsqueeze(-1)).sub_(e_t.div_(z_t.unsqueeze(-1)))
+            ctx.save_for_backward(diff)
+        ctx.temperature = temperature
+        ctx.student_dtype = student.dtype
+        return kl * (temperature ** 2)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (diff,) = ctx.saved_tensors
+        grad = diff * (grad_out.float().unsqueeze(-1) * ctx.temperature)
+        return grad.to(ctx.student_dtype), None, None, None
+
+
+def vocab_parallel_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                      temperature: float = 1.0, tp_group=None) -> torch.Tensor:
+    """Per-token ``T² · KL(p_teacher ‖ p_student)`` for vocab-parallel logit shards.
+
+    ``student_logits``/``teacher_logits``: ``[..., V/tp]`` (any leading dims, e.g. ``[b, s]`` or
+    ``[s, b]``), the last dim being this rank's vocab shard. ``tp_group``: the group the vocab is
+    split over; default Megatron's TP group when model parallel is initialised with TP > 1, else
+    no communication. Math in fp32; the teacher is detached; returns shape ``student_logits.shape[:-1]``.
+    The T² factor keeps gradient magnitudes independent of T (Hinton et al.).
+    """
+    if not temperature > 0:
+        raise ConfigError(f"temperature={temperature!r} must be > 0 (the distillation softmax temperature)")
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
+                         f"{tuple(teacher_logits.shape)} must have the same shape (same vocab shard)")
+    if student_logits.dim() < 1 or student_logits.shape[-1] == 0:
+        raise ValueError(f"logits need a non-empty last (vocab) dim, got {tuple(student_logits.shape)}")
+    group = tp_group if tp_group is not None else _default_tp_group()
+    return _VocabParallelKL.apply(student_logits, teacher_logits.detach(), float(temperature), group)
+
+
+def budget_loss(cost: torch.Tensor, budget: float, full_cost: float) -> torch.Tensor:
+    """``|cost / (budget · full_cost) − 1|`` (DESIGN.md §3): how far the router's (expected) cost of
+    the chosen sub-network is from the target fraction of the full model's cost, relative."""
+    if not budget > 0:
+        raise ConfigError(f"budget={budget!r} must be > 0 (a fraction of the full model's cost)")
+    if not full_cost > 0:
+        raise ConfigError(f"full_cost={full_cost!r} must be > 0 (the full model's parameter/memory count)")
+    return torch.abs(cost / (budget * full_cost) - 1.0)
+
+
+def distillation_loss_func(loss_mask: torch.Tensor, student_logits: torch.Tensor,
+                           teacher_logits: torch.Tensor, temperature: float = 1.0, tp_group=None,
+                           report_key: str = "kd loss"):
+    """Megatron ``loss_func`` convention: ``(kl_sum over masked tokens, num_tokens, {key: [sum, n]})``.
+
+    ``loss_mask`` has the logits' leading shape, or its transpose (``[b, s]`` mask with ``[s, b]``
+    logits, as Megatron's output layer produces), so callers need not care which they hold.
+    """
+    kl = vocab_parallel_kl(student_logits, teacher_logits, temperature, tp_group)
+    mask = loss_mask.float()
+    if mask.shape != kl.shape:
+        if mask.dim() == 2 and mask.t().shape == kl.shape:
+            mask = mask.t()
+        else:
+            raise ValueError(f"loss_mask {tuple(loss_mask.shape)} does not match the logits' leading "
+                             f"shape {tuple(kl.shape)} (or its transpose)")
+    loss_sum = torch.sum(kl * mask)
+    count = mask.sum()
+    report = torch.stack([loss_sum.detach(), count.detach()])
+    return loss_sum, count.to(torch.int), {report_key: report}

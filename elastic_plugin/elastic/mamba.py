@@ -1,0 +1,294 @@
+"""Megatron-Core's ``MambaMixer`` run at a smaller width: fewer heads, channels and hidden units.
+
+An elastic Mamba layer is nested three ways (DESIGN.md): heads within each Mamba group (after
+reordering, the active heads are the first ``k`` of every group, and a TP rank holds whole
+groups, so the set is local), channels within every head (the first ``p'`` of the head dim, the
+same for every head) and the residual stream (the first ``h'`` hidden channels). The B/C
+projections, the state size and the number of groups are not elastic.
+
+*Sliced* mode computes only the active part: the in_proj GEMM produces only the active z/x/dt
+rows (plus all B/C rows), the causal conv runs over the active x channels plus B/C, the SSD scan
+over the active heads and channels, the gated RMSNorm over each group's active channels, and the
+out_proj GEMM reads only the active channels and writes only ``h'`` outputs. This is exactly a
+genuinely smaller ``MambaMixer`` (``k * groups`` heads of dim ``p'``, hidden ``h'``) whose weights
+are the active blocks.
+
+*Masked* mode (for the router's gradient) multiplies the SSM output of head ``j`` / channel ``c``
+by ``head_mask[j] * channel_mask[c]``, lets the gated norm divide the group's sum of squares by
+the soft active count ``sum(head_mask) * sum(channel_mask)`` instead of the group size, and
+multiplies the output by ``hidden_mask``; with a hard 0/1 mask at full width this equals sliced
+mode at the mask's widths. Both modes can be combined (masks over a sliced width).
+
+The math follows ``MambaMixer.forward`` / ``_ssm_training`` / ``_ssm_prefill`` of Megatron-Core
+0.19.2 and calls the same op functions, read from ``megatron.core.ssm.mamba_mixer`` at call time:
+the ``mamba_ssm`` / ``causal_conv1d`` kernels when installed, our pure-PyTorch fallbacks
+(``elastic_plugin.compat``) otherwise.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from elastic_plugin.elastic.linear import column_parallel_forward, row_parallel_forward
+from elastic_plugin.models.config import ConfigError
+
+__all__ = ["elastic_mamba_forward", "mamba_active_rows"]
+
+_INDEX_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def _mixer_module():
+    """Megatron's mixer module; its globals hold the kernels (patched by our CPU compat)."""
+    from megatron.core.ssm import mamba_mixer
+
+    return mamba_mixer
+
+
+def _local_dims(mixer) -> tuple[int, int, int, int, int]:
+    """(local heads, local groups, heads per group, head dim, state size) on this TP rank."""
+    heads, groups = mixer.nheads_local_tp, mixer.ngroups_local_tp
+    return heads, groups, heads // groups, mixer.headdim, mixer.d_state
+
+
+def _check_size(name: str, value: int | None, full: int) -> int:
+    if value is None:
+        return full
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= full:
+        raise ConfigError(f"{name}={value!r}: must be an int in [1, {full}] (None = {full})")
+    return value
+
+
+def mamba_active_rows(mixer, heads_per_group: int, head_dim: int) -> dict[str, torch.Tensor]:
+    """Local index sets of the active part of ``mixer`` (cached per mixer, sizes and device).
+
+    In Megatron 0.19.2 each TP rank's in_proj rows are ``[z | x | B | C | dt]`` with
+    ``z``/``x`` of ``d_inner_local`` rows (head ``h`` channel ``c`` at ``h * headdim + c``),
+    ``B``/``C`` of ``ngroups_local * d_state`` rows and ``dt`` one row per local head; heads are
+    group-major (head ``g * heads_per_group + j`` belongs to group ``g``). The conv channels are
+    ``[x | B | C]``. Returned keys (LongTensors on the weights' device):
+
+    * ``heads``: active local heads, group-major (``g * r + j`` for ``j < k``);
+    * ``channels``: their d_inner channels ``h * headdim + c`` for ``c < p'`` (head-major), which
+      index z, x, ``D`` (when per channel), the norm weight and out_proj's columns;
+    * ``z``, ``x``, ``bc`` (all B and C rows), ``dt``: in_proj rows per part; ``in_proj``: their
+      concatenation, which is the ``[z | x | B | C | dt]`` layout of the smaller mixer;
+    * ``conv``: conv1d channels ``[x active | B | C]``.
+    """
+    heads, groups, per_group, hd, state = _local_dims(mixer)
+    k = _check_size("heads_per_group", heads_per_group, per_group)
+    p = _check_size("head_dim", head_dim, hd)
+    device = mixer.in_proj.weight.device
+    per_mixer = _INDEX_CACHE.setdefault(mixer, {})
+    key = (k, p, device)
+    if key not in per_mixer:
+        d_inner = mixer.d_inner_local_tp
+        bc_rows = 2 * groups * state
+        act_heads = (torch.arange(groups)[:, None] * per_group + torch.arange(k)[None]).reshape(-1)
+        channels = (act_heads[:, None] * hd + torch.arange(p)[None]).reshape(-1)
+        bc = 2 * d_inner + torch.arange(bc_rows)
+        parts = {"z": channels, "x": d_inner + channels, "bc": bc,
+                 "dt": 2 * d_inner + bc_rows + act_heads}
+        rows = {
+            **parts,
+            "in_proj": torch.cat([parts["z"], parts["x"], parts["bc"], parts["dt"]]),
+            "conv": torch.cat([channels, d_inner + torch.arange(bc_rows)]),
+            "heads": act_heads,
+            "channels": channels,
+        }
+        per_mixer[key] = {name: t.to(device) for name, t in rows.items()}
+    return per_mixer[key]
+
+
+def _pick(tensor: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    return tensor if index is None else tensor.index_select(0, index)
+
+
+def _check_mask(name: str, mask: torch.Tensor | None, size: int) -> None:
+    if mask is not None and tuple(mask.shape) != (size,):
+        raise ConfigError(f"{name} must have shape ({size},) (the computed width), "
+                          f"got {tuple(mask.shape)}")
+
+
+def _check_training_call(mixer, inference_context, packed_seq_params) -> bool:
+    """Reject what this training forward does not implement; True when Megatron would take the
+    unfused (prefill) path instead of the fused training kernel."""
+    mm = _mixer_module()
+    in_inference = mm.InferenceMode.is_active()
+    if in_inference and inference_context is not None:
+        raise NotImplementedError(
+            "elastic_mamba_forward is the training forward: inference with a cache "
+            "(inference_context) is not supported; extract the nested model and run it instead")
+    if mixer.cp.cp_size != 1:
+        raise NotImplementedError(
+            f"elastic_mamba_forward does not support context parallelism (cp size "
+            f"{mixer.cp.cp_size}); use context_parallel_size=1")
+    unfused = in_inference or not mixer.use_mem_eff_path
+    if packed_seq_params is not None:
+        if unfused:  # the same restriction as MambaMixer.forward
+            raise NotImplementedError(
+                "packed sequences need the memory-efficient path (use_mamba_mem_eff_path=True)")
+        ok, reason = mm._check_mamba_sequence_packing_support(for_inference_not_training=False)
+        if not ok:
+            raise NotImplementedError(f"packed sequences: {reason}")
+    return unfused
+
+
+def _ssm(mixer, zxbcdt: torch.Tensor, rows: dict[str, torch.Tensor] | None, heads: int,
+         head_dim: int, unfused: bool, seq_idx: torch.Tensor | None
+         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Conv + SSD scan on ``zxbcdt`` [l, b, z|x|B|C|dt] of the active part.
+
+    Returns ``(y [l, b, heads*head_dim], gate)``: ``gate`` is the ``z`` still to be applied by
+    the gated norm (Megatron's prefill path), or None when ``y`` is already gated (fused path).
+    """
+    mm = _mixer_module()
+    groups, state = mixer.ngroups_local_tp, mixer.d_state
+    d = heads * head_dim
+    sel = (lambda name: None) if rows is None else rows.__getitem__
+    conv_w = _pick(mixer.conv1d_weight, sel("conv")).squeeze(1)  # "d 1 w -> d w"
+    conv_b = _pick(mixer.conv1d_bias, sel("conv"))
+    dt_bias = _pick(mixer.dt_bias, sel("heads")).float()
+    A = -torch.exp(_pick(mixer.A_log, sel("heads")).float())
+    if mixer.D_has_hdim:
+        D = _pick(mixer.D, sel("channels")).float().reshape(heads, head_dim)
+    else:
+        D = _pick(mixer.D, sel("heads"))
+    state_kwarg = ({"state_dtype": mixer.mamba_training_ssm_states_dtype}
+                   if mm.MAMBA_HAS_STATE_DTYPE else {})
+    zxbcdt = zxbcdt.transpose(0, 1).contiguous()  # l b d -> b l d
+    length = zxbcdt.shape[1]
+
+    if not unfused:  # MambaMixer._ssm_training
+        y = mm.mamba_split_conv1d_scan_combined(
+            zxbcdt, conv_w, conv_b, dt_bias, A, D=D, chunk_size=mixer.chunk_size,
+            activation=mixer.activation, headdim=None if mixer.D_has_hdim else head_dim,
+            ngroups=groups, norm_before_gate=mixer.norm_before_gate, seq_idx=seq_idx,
+            **state_kwarg)
+        return y.transpose(0, 1).contiguous(), None
+
+    # MambaMixer._ssm_prefill without a cache (static batching / inference without state)
+    z, xbc, dt = torch.split(zxbcdt, [d, d + 2 * groups * state, heads], dim=-1)
+    xbc = xbc.transpose(1, 2).contiguous()  # b l d -> b d l
+    if mm.causal_conv1d_fn is None:
+        xbc = F.silu(F.conv1d(xbc, conv_w.unsqueeze(1), conv_b, padding=mixer.d_conv - 1,
+                              groups=conv_w.shape[0])[..., :length])
+    else:
+        xbc = mm.causal_conv1d_fn(x=xbc, weight=conv_w, bias=conv_b,
+                                  activation=mixer.activation, seq_idx=None)
+    xbc = xbc.transpose(1, 2).contiguous()
+    x, B, C = torch.split(xbc, [d, groups * state, groups * state], dim=-1)
+    b = x.shape[0]
+    z = z.reshape(b, length, heads, head_dim).contiguous()
+    y = mm.mamba_chunk_scan_combined(
+        x.reshape(b, length, heads, head_dim).contiguous(), dt.contiguous(), A,
+        B.reshape(b, length, groups, state).contiguous(),
+        C.reshape(b, length, groups, state).contiguous(), mixer.chunk_size, D=D,
+        z=None if mixer.rmsnorm else z, dt_bias=dt_bias, dt_softplus=True, **state_kwarg)
+    y = y.reshape(b, length, d).transpose(0, 1).contiguous()
+    gate = z.reshape(b, length, d).transpose(0, 1).contiguous() if mixer.rmsnorm else None
+    return y, gate
+
+
+def _norm_sliced(mixer, y: torch.Tensor, gate: torch.Tensor | None,
+                 channels: torch.Tensor | None, group_size: int) -> torch.Tensor:
+    """The mixer's own gated-norm implementation on the active channels.
+
+    The norm class (mamba_ssm's Triton ``RMSNorm`` or our fallback) reads only plain
+    attributes (``weight``, ``bias``, ``eps``, ``group_size``, ``norm_before_gate``, ...) from
+    ``self``; calling its ``forward`` on a view of the module with the active weight and the
+    active group size runs the same kernel at the smaller width.
+    """
+    norm = mixer.norm
+    if channels is None:
+        return norm(y, gate)
+    bias = getattr(norm, "bias", None)
+    view = types.SimpleNamespace(**{k: v for k, v in vars(norm).items() if not k.startswith("_")})
+    view.weight = norm.weight.index_select(0, channels)
+    view.bias = None if bias is None else bias.index_select(0, channels)
+    view.group_size = group_size
+    return type(norm).forward(view, y, gate)
+
+
+def _norm_masked(mixer, y: torch.Tensor, gate: torch.Tensor | None,
+                 channels: torch.Tensor | None, groups: int, active_count: torch.Tensor
+                 ) -> torch.Tensor:
+    """Gated RMSNorm (norm after gate) whose mean square divides by the soft active count."""
+    norm = mixer.norm
+    out_dtype = y.dtype
+    ct = torch.promote_types(y.dtype, torch.float32)
+    yf = y.to(ct)
+    if gate is not None:
+        yf = yf * F.silu(gate.to(ct))
+    grouped = yf.reshape(*yf.shape[:-1], groups, yf.shape[-1] // groups)
+    mean_sq = grouped.square().sum(dim=-1, keepdim=True) / active_count.to(ct)
+    out = (grouped * torch.rsqrt(mean_sq + norm.eps)).reshape(yf.shape)
+    out = out * _pick(norm.weight, channels).to(ct)
+    bias = getattr(norm, "bias", None)
+    if bias is not None:
+        out = out + _pick(bias, channels).to(ct)
+    return out.to(out_dtype)
+
+
+def elastic_mamba_forward(
+    mixer,
+    hidden_states: torch.Tensor,
+    *,
+    hidden_active: int | None = None,
+    heads_per_group: int | None = None,
+    head_dim: int | None = None,
+    head_mask: torch.Tensor | None = None,
+    channel_mask: torch.Tensor | None = None,
+    hidden_mask: torch.Tensor | None = None,
+    packed_seq_params=None,
+    inference_context=None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``MambaMixer.forward`` (training) on the active part; returns ``(out, out_bias)``.
+
+    ``hidden_states``: [s, b, h'] (s/tp under sequence parallelism), only the active hidden
+    channels. ``hidden_active`` (h'), ``heads_per_group`` (k), ``head_dim`` (p'): computed
+    widths, None = full. Masks are over the computed widths: ``head_mask`` [k] (the same for every
+    group), ``channel_mask`` [p'], ``hidden_mask`` [h']. Masks are used as given: under TP each
+    rank's mask gradient covers its own heads (and, under sequence parallelism, its own tokens);
+    the caller completes it over TP (``ElasticState`` does, with
+    ``copy_to_tensor_model_parallel_region``). ``out`` is [s, b, h'] (s/tp under SP).
+    """
+    unfused = _check_training_call(mixer, inference_context, packed_seq_params)
+    _, groups, per_group, hd, _ = _local_dims(mixer)
+    h_act = _check_size("hidden_active", hidden_active, mixer.d_model)
+    k = _check_size("heads_per_group", heads_per_group, per_group)
+    p = _check_size("head_dim", head_dim, hd)
+    if hidden_states.dim() != 3 or hidden_states.shape[-1] != h_act:
+        raise ConfigError(f"hidden_states must be [s, b, hidden_active={h_act}], "
+                          f"got {tuple(hidden_states.shape)}")
+    _check_mask("head_mask", head_mask, k)
+    _check_mask("channel_mask", channel_mask, p)
+    _check_mask("hidden_mask", hidden_mask, h_act)
+
+    sliced = k < per_group or p < hd
+    rows = mamba_active_rows(mixer, k, p) if sliced else None
+    channels = None if rows is None else rows["channels"]
+    out_h = None if h_act == mixer.d_model else h_act
+
+    zxbcdt, _ = column_parallel_forward(
+        mixer.in_proj, hidden_states, None if rows is None else rows["in_proj"], out_h)
+    seq_idx = None if packed_seq_params is None else packed_seq_params.seq_idx
+    y, gate = _ssm(mixer, zxbcdt, rows, groups * k, p, unfused, seq_idx)
+
+    if head_mask is not None or channel_mask is not None:
+        unit = y.new_ones(())
+        hm = unit.expand(k) if head_mask is None else head_mask.to(y.dtype)
+        cm = unit.expand(p) if channel_mask is None else channel_mask.to(y.dtype)
+        y = (y.reshape(*y.shape[:-1], groups, k, p) * hm[:, None] * cm).reshape(y.shape)
+        if mixer.rmsnorm:  # (without the norm, y is already gated: gate is None)
+            y = _norm_masked(mixer, y, gate, channels, groups, hm.sum() * cm.sum())
+    elif mixer.rmsnorm:
+        y = _norm_sliced(mixer, y, gate, channels, k * p)
+
+    out, out_bias = row_parallel_forward(mixer.out_proj, y, out_h, channels)
+    if hidden_mask is not None:
+        out = out * hidden_mask.to(out.dtype)
+    return out, out_bias

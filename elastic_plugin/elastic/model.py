@@ -1,0 +1,153 @@
+"""An elastic model chunk: a Megatron ``HybridModel`` + elastic layers + the budget router.
+
+The router is a submodule of every model chunk (replicated on all ranks), so Megatron's DDP
+reduces its gradients over data parallelism, Megatron's optimizer updates it (in its own
+parameter group with a larger learning rate) and dist checkpointing saves it with the model.
+Two things Megatron cannot know are added here:
+
+* the router's gradient is split over pipeline stages (each stage's layers contribute through
+  their masks): ``finalize_router_grads`` sums it over the pipeline group before Megatron's
+  ``finalize_model_grads``;
+* a sliced model's residual stream is narrower than ``hidden_size``, but pipeline P2P buffers
+  have the full width: a stage pads its output with zeros and the next stage reads the prefix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_plugin.elastic.router import BudgetRouter
+from elastic_plugin.elastic.state import ElasticState, RankInfo
+from elastic_plugin.elastic.modules import elastify
+
+ROUTER_ATTR = "elastic_router"
+
+
+class RouterModule(torch.nn.Module):
+    """Holds the ``BudgetRouter``; checkpoints it as one replicated copy (main replica: the
+    rank at pipeline, tensor and data-parallel position 0)."""
+
+    def __init__(self, router: BudgetRouter) -> None:
+        super().__init__()
+        self.router = router
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        replica = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+                   ps.get_data_parallel_rank(with_context_parallel=True))
+        return {f"{prefix}{name}": ShardedTensor.from_rank_offsets(f"{prefix}{name}", tensor,
+                                                                    replica_id=replica)
+                for name, tensor in self.state_dict(prefix="", keep_vars=True).items()}
+
+
+def make_router(resolved, seed: int = 0) -> BudgetRouter:
+    """One router output per axis (per layer when heterogeneous), biased toward plausible sizes."""
+    axes = {name: (len(spec.candidates), len(spec.layers) if resolved.per_layer(name) else 1)
+            for name, spec in resolved.axes.items()}
+    fractions = {name: [c / spec.full for c in spec.candidates]
+                 for name, spec in resolved.axes.items()}
+    return BudgetRouter(resolved.budgets, axes, hidden_size=resolved.config.router.hidden_size,
+                        candidate_fractions=fractions, seed=seed)
+
+
+def _pad_stage_output(module, args, output):
+    """Non-last stages send [s, b, hidden_size]: zero-pad a narrow residual stream."""
+    full = module.config.hidden_size
+    if torch.is_tensor(output) and output.shape[-1] < full:
+        return torch.nn.functional.pad(output, (0, full - output.shape[-1]))
+    return output
+
+
+def _narrow_stage_input(state: ElasticState):
+    def hook(module, args, kwargs):
+        size, _ = state.hidden()
+        tensor = getattr(module, "input_tensor", None)
+        if size is not None and tensor is not None and tensor.shape[-1] > size:
+            module.input_tensor = tensor[..., :size]
+        return None
+    return hook
+
+
+def attach_elastic(model: torch.nn.Module, resolved, sequence_parallel: bool,
+                   router_seed: int = 0) -> ElasticState:
+    """Elastify an (unwrapped) model chunk and give it the router; returns the shared state."""
+    from megatron.core import parallel_state as ps
+
+    from elastic_plugin.importance.reorder import STRIDED_ATTR
+
+    mcfg = resolved.model
+    state = ElasticState(
+        resolved, RankInfo.current(bool(getattr(model, STRIDED_ATTR, False)), sequence_parallel),
+        groups={"attention_heads": mcfg.query_groups, "mamba_heads": mcfg.mamba_num_groups})
+    elastify(model, state)
+    model.add_module(ROUTER_ATTR, RouterModule(make_router(resolved, router_seed)))
+    for param in model.get_submodule(ROUTER_ATTR).parameters():
+        param.elastic_router = True  # noqa: B010  (Megatron ParamKey(attr=...) matches on it)
+    if not ps.is_pipeline_last_stage():
+        model.decoder.register_forward_hook(_pad_stage_output)
+    if not ps.is_pipeline_first_stage():
+        model.decoder.register_forward_pre_hook(_narrow_stage_input(state), with_kwargs=True)
+    return state
+
+
+def router_of(chunk: torch.nn.Module) -> BudgetRouter:
+    inner = getattr(chunk, "module", chunk)
+    return inner.get_submodule(ROUTER_ATTR).router
+
+
+def finalize_router_grads(chunks, *args, **kwargs):
+    """Sum router gradients over pipeline stages, then Megatron's ``finalize_model_grads``."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        grads = [p.main_grad for p in router_of(chunks[0]).parameters()]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=ps.get_pipeline_model_parallel_group())
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+    return finalize_model_grads(chunks, *args, **kwargs)
+
+
+def router_param_groups(lr: float, min_lr: float, lr_mult: float) -> dict:
+    """Megatron optimizer overrides: the router trains at ``lr_mult`` x the model's LR."""
+    from megatron.core.optimizer import ParamKey
+
+    return {ParamKey(attr="elastic_router"): {"max_lr": lr * lr_mult, "min_lr": min_lr * lr_mult}}
+
+
+def build_elastic_chunks(ckpt_dir: str | Path, layout, resolved, wrap_ddp: bool = True,
+                         router_seed: int = 0) -> tuple[list[torch.nn.Module], ElasticState, Any]:
+    """Load a (reordered) checkpoint for ``layout``, make it elastic, wrap it in Megatron DDP.
+
+    ``initialize_layout(layout)`` must have been called. Returns (chunks, state, meta)."""
+    from elastic_plugin.checkpointing import build_from_checkpoint
+    from elastic_plugin.parallel import wrap_ddp_chunk
+
+    chunks, _, meta = build_from_checkpoint(ckpt_dir, layout, wrap_ddp=False)
+    model = chunks[0]
+    state = attach_elastic(model, resolved, layout.sequence_parallel and layout.tp > 1,
+                           router_seed)
+    if meta.get("kind") == "elastic":
+        load_router(model, ckpt_dir)
+    if wrap_ddp:
+        return [wrap_ddp_chunk(model, layout)], state, meta
+    return [model], state, meta
+
+
+def load_router(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    inner = getattr(model, "module", model)
+    module = inner.get_submodule(ROUTER_ATTR)
+    sharded = module.sharded_state_dict(prefix=f"{ROUTER_ATTR}.")
+    loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
+    module.load_state_dict({k[len(ROUTER_ATTR) + 1:]: v for k, v in loaded.items()})

@@ -1,0 +1,394 @@
+"""Elastic behaviour registered into Megatron-Core's layers.
+
+``elastify(model, state)`` walks a built ``HybridModel`` and gives each Megatron module an
+elastic subclass (the instance's class is swapped, so parameters, checkpoint keys and hooks stay
+exactly Megatron's). Each elastic module asks the shared ``ElasticState`` what is active for its
+layer and then either defers to Megatron's own forward (full model) or computes only the active
+block (sliced) / the full width times masks (masked). The registry maps a Megatron class to its
+elastic behaviour; ``register_elastic`` lets users add their own layer types.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from elastic_plugin.elastic.linear import (
+    Index,
+    column_parallel_forward,
+    row_parallel_forward,
+    select,
+)
+from elastic_plugin.elastic.state import ElasticState
+from elastic_plugin.models.config import ConfigError
+
+STATE_ATTR = "_elastic_state"
+
+
+@dataclass(frozen=True)
+class LinearActive:
+    """What an elastic linear computes: rows/columns and masks on its input / output."""
+
+    out_index: Index = None
+    in_index: Index = None
+    in_mask: torch.Tensor | None = None   # over the active input columns (local)
+    out_mask: torch.Tensor | None = None  # over the active output rows
+
+    @property
+    def is_full(self) -> bool:
+        return (self.out_index is None and self.in_index is None and self.in_mask is None
+                and self.out_mask is None)
+
+
+# --------------------------------------------------------------------------- registry
+_ELASTIC_CLASSES: dict[type, type] = {}
+_MIXINS: dict[str, type] = {}
+
+
+def register_elastic(kind: str):
+    """Register a mixin class as the elastic behaviour of module kind ``kind``."""
+
+    def wrap(mixin: type) -> type:
+        _MIXINS[kind] = mixin
+        return mixin
+
+    return wrap
+
+
+def _swap(module: torch.nn.Module, kind: str, **attrs) -> None:
+    """Give ``module`` the elastic subclass of its own class (created once per class)."""
+    base = getattr(type(module), "_elastic_base", type(module))
+    key = (base, kind)
+    cls = _ELASTIC_CLASSES.get(key)
+    if cls is None:
+        # a direct subclass of the Megatron class (a mixin base would change the object
+        # layout of ABC-derived modules); the mixin's methods call ``_elastic_base`` explicitly
+        methods = {k: v for k, v in vars(_MIXINS[kind]).items()
+                   if not k.startswith("__") or k == "__doc__"}
+        cls = type(f"Elastic{base.__name__}", (base,),
+                   {**methods, "_elastic_kind": kind, "_elastic_base": base})
+        _ELASTIC_CLASSES[key] = cls
+    module.__class__ = cls
+    for name, value in attrs.items():
+        object.__setattr__(module, name, value)
+
+
+def _mul(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return x if mask is None else x * mask.to(x.dtype)
+
+
+# ----------------------------------------------------------------------- linears
+@register_elastic("column")
+class _ElasticColumn:
+    """Column-parallel linear: active output rows (local) x active input columns."""
+
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        act: LinearActive | None = self._elastic_io()
+        if act is None or act.is_full:
+            return self._elastic_base.forward(self, input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        if weight is not None:  # tied output layer: Megatron passes the embedding weight
+            raise NotImplementedError("elastic output layers with tied embeddings")
+        out, bias = column_parallel_forward(self, _mul(input_, act.in_mask), act.out_index,
+                                            act.in_index)
+        return _mul(out, act.out_mask), bias
+
+
+@register_elastic("row")
+class _ElasticRow:
+    """Row-parallel linear: active input columns (local) x active output rows."""
+
+
+    def forward(self, input_):
+        act: LinearActive | None = self._elastic_io()
+        if act is None or act.is_full:
+            return self._elastic_base.forward(self, input_)
+        out, bias = row_parallel_forward(self, _mul(input_, act.in_mask), act.out_index,
+                                         act.in_index)
+        return _mul(out, act.out_mask), bias
+
+
+# ---------------------------------------------------------------- embedding / norms
+@register_elastic("embedding")
+class _ElasticEmbedding:
+    """The residual stream starts narrow: the first h' channels, times the hidden mask."""
+
+
+    def forward(self, *args, **kwargs):
+        out = self._elastic_base.forward(self, *args, **kwargs)
+        size, mask = self._elastic_state.hidden()
+        if size is not None:
+            out = out[..., :size]
+        return _mul(out, mask)
+
+
+@register_elastic("norm")
+class _ElasticRMSNorm:
+    """RMSNorm over the active channels only (masked: the mask sum is the channel count)."""
+
+
+    def forward(self, x):
+        size, mask = self._elastic_state.hidden()
+        if size is None and mask is None:
+            return self._elastic_base.forward(self, x)
+        width = x.shape[-1]
+        count = mask.sum() if mask is not None else torch.tensor(float(width))
+        xf = x.float()
+        rms = torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) / count.to(xf.dtype) + self.eps)
+        return (xf * rms).to(x.dtype) * self.weight[:width]
+
+
+# ------------------------------------------------------------------------ attention
+@contextmanager
+def _heads_active(attn, heads_local: int):
+    """Megatron's attention reads head counts from attributes: set them for one forward."""
+    core = attn.core_attention
+    saved = (attn.num_attention_heads_per_partition, core.num_attention_heads_per_partition,
+             core.hidden_size_per_partition)
+    attn.num_attention_heads_per_partition = heads_local
+    core.num_attention_heads_per_partition = heads_local
+    core.hidden_size_per_partition = heads_local * attn.hidden_size_per_attention_head
+    try:
+        yield
+    finally:
+        (attn.num_attention_heads_per_partition, core.num_attention_heads_per_partition,
+         core.hidden_size_per_partition) = saved
+
+
+@register_elastic("attention")
+class _ElasticSelfAttention:
+    """Fewer query heads per group (K/V heads stay): Megatron's forward on the active heads."""
+
+
+    def forward(self, *args, **kwargs):
+        per_group, _ = self._elastic_state.grouped_heads(
+            "attention_heads", self.layer_number, self.config.num_query_groups)
+        if per_group is None:
+            return self._elastic_base.forward(self, *args, **kwargs)
+        with _heads_active(self, per_group * self.num_query_groups_per_partition):
+            return self._elastic_base.forward(self, *args, **kwargs)
+
+
+def _qkv_rows(attn, per_group: int) -> torch.Tensor:
+    """Local qkv rows of the first ``per_group`` query heads of each group, plus K and V."""
+    d = attn.hidden_size_per_attention_head
+    groups = attn.num_query_groups_per_partition
+    # from the config: inside the sliced forward the per-partition head count is reduced
+    q_per_group = attn.config.num_attention_heads // attn.config.num_query_groups
+    block = (q_per_group + 2) * d
+    rows = []
+    for g in range(groups):
+        start = g * block
+        rows.append(torch.arange(start, start + per_group * d))
+        rows.append(torch.arange(start + q_per_group * d, start + block))
+    return torch.cat(rows)
+
+
+def _proj_cols(attn, per_group: int) -> torch.Tensor:
+    d = attn.hidden_size_per_attention_head
+    groups = attn.num_query_groups_per_partition
+    # from the config: inside the sliced forward the per-partition head count is reduced
+    q_per_group = attn.config.num_attention_heads // attn.config.num_query_groups
+    return torch.cat([torch.arange(g * q_per_group * d, (g * q_per_group + per_group) * d)
+                      for g in range(groups)])
+
+
+def _attention_io(state: ElasticState, attn, role: str) -> LinearActive | None:
+    if not state.is_active:
+        return None
+    layer = attn.layer_number
+    h_size, h_mask = state.hidden()
+    per_group, head_mask = state.grouped_heads("attention_heads", layer,
+                                               attn.config.num_query_groups)
+    key = ("attn_index", layer, role, per_group)
+    index = state._cache.get(key)
+    if index is None and per_group is not None:
+        index = (_qkv_rows if role == "qkv" else _proj_cols)(attn, per_group)
+        state._cache[key] = index
+    if role == "qkv":
+        return LinearActive(out_index=index, in_index=h_size)
+    heads_mask = None
+    if head_mask is not None:
+        groups = attn.num_query_groups_per_partition
+        d = attn.hidden_size_per_attention_head
+        heads_mask = head_mask.repeat(groups).repeat_interleave(d)
+    return LinearActive(out_index=h_size, in_index=index, in_mask=heads_mask, out_mask=h_mask)
+
+
+# ------------------------------------------------------------------------------ MLP
+def _ffn_index(mlp, local: int | None) -> Index:
+    """fc1 rows of the first ``local`` neurons (both halves for gated units)."""
+    if local is None or not mlp.config.gated_linear_unit:
+        return local
+    half = mlp.linear_fc1.weight.shape[0] // 2
+    return torch.cat([torch.arange(local), half + torch.arange(local)])
+
+
+def _mlp_io(state: ElasticState, mlp, axis: str | None, layer: int, role: str
+            ) -> LinearActive | None:
+    if not state.is_active:
+        return None
+    h_size, h_mask = state.hidden()
+    local, ffn_mask = (state.tp_neurons(axis, layer) if axis is not None else (None, None))
+    if role == "fc1":
+        return LinearActive(out_index=_ffn_index(mlp, local), in_index=h_size)
+    return LinearActive(out_index=h_size, in_index=local, in_mask=ffn_mask, out_mask=h_mask)
+
+
+# -------------------------------------------------------------------------- MoE router
+@register_elastic("router")
+class _ElasticTopKRouter:
+    """Router on the active hidden channels; inactive experts never win the top-k, and the
+    active experts' routing weights are scaled by the experts mask (router gradient)."""
+
+
+    def gating(self, input):
+        size, _ = self._elastic_state.hidden()
+        if size is None:
+            return self._elastic_base.gating(self, input)
+        from megatron.core.transformer.moe.moe_utils import router_gating_linear
+
+        dtype = torch.float32 if self.config.moe_router_dtype == "fp32" else input.dtype
+        bias = self.bias
+        return router_gating_linear(input, self.weight[:, :size], bias, dtype)
+
+    def routing(self, logits, *args, **kwargs):
+        mask = self._elastic_state.experts(self.layer_number, self.config.num_moe_experts)
+        if mask is None:
+            return self._elastic_base.routing(self, logits, *args, **kwargs)
+        inactive = (mask.detach() == 0).to(logits.device)
+        logits = logits.masked_fill(inactive, -1e9)
+        saved_bias = self.expert_bias
+        counts_before = (self.local_tokens_per_expert.clone()
+                         if self.local_tokens_per_expert is not None else None)
+        if saved_bias is not None:
+            self.expert_bias = saved_bias.masked_fill(inactive, -1e9)
+        try:
+            probs, routing_map = self._elastic_base.routing(self, logits, *args, **kwargs)
+        finally:
+            if saved_bias is not None:
+                self.expert_bias = saved_bias
+        if counts_before is not None:
+            # inactive experts got no tokens by design: count them as average so the
+            # aux-loss-free bias update does not push them up while they are switched off
+            added = self.local_tokens_per_expert - counts_before
+            active_mean = added[~inactive].mean() if (~inactive).any() else added.new_zeros(())
+            self.local_tokens_per_expert.copy_(counts_before + torch.where(inactive, active_mean, added))
+        return probs * mask.to(probs.dtype), routing_map
+
+
+# ---------------------------------------------------------------------------- Mamba
+@register_elastic("mamba")
+class _ElasticMambaMixer:
+    """Fewer Mamba heads per group and channels per head (``elastic.mamba``)."""
+
+
+    def forward(self, hidden_states, *args, **kwargs):
+        state = self._elastic_state
+        if not state.is_active:
+            return self._elastic_base.forward(self, hidden_states, *args, **kwargs)
+        from elastic_plugin.elastic.mamba import elastic_mamba_forward
+
+        layer = self._elastic_layer
+        h_size, h_mask = state.hidden()
+        per_group, head_mask = state.grouped_heads("mamba_heads", layer, self.config.mamba_num_groups)
+        head_dim, channel_mask = state.plain("mamba_head_dim", layer)
+        if (h_size is None and h_mask is None and per_group is None and head_mask is None
+                and head_dim is None and channel_mask is None):
+            return self._elastic_base.forward(self, hidden_states, *args, **kwargs)
+        return elastic_mamba_forward(
+            self, hidden_states, hidden_active=h_size, heads_per_group=per_group,
+            head_dim=head_dim, head_mask=head_mask, channel_mask=channel_mask, hidden_mask=h_mask)
+
+
+# --------------------------------------------------------------------------- elastify
+def _bind_linear(module, kind: str, io: Callable[[], LinearActive | None], state) -> None:
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    base = ColumnParallelLinear if kind == "column" else RowParallelLinear
+    if not isinstance(module, base):
+        raise ConfigError(
+            f"elastic widths support Megatron-Core's {base.__name__} (local spec); got "
+            f"{type(module).__name__} (Transformer Engine linears are not elastic yet: build "
+            "the model with the local spec, use_te=False)")
+    _swap(module, kind, _elastic_io=io, _elastic_state=state)
+
+
+def _norm(module, state) -> None:
+    from elastic_plugin.models.norms import LocalRMSNorm
+
+    if not isinstance(module, LocalRMSNorm):
+        raise ConfigError(f"elastic hidden widths need LocalRMSNorm norms; got {type(module).__name__}")
+    _swap(module, "norm", _elastic_state=state)
+
+
+def _elastify_mlp(mlp, axis: str | None, layer: int, state) -> None:
+    _bind_linear(mlp.linear_fc1, "column", lambda: _mlp_io(state, mlp, axis, layer, "fc1"), state)
+    _bind_linear(mlp.linear_fc2, "row", lambda: _mlp_io(state, mlp, axis, layer, "fc2"), state)
+
+
+def elastify(model: torch.nn.Module, state: ElasticState) -> torch.nn.Module:
+    """Make every layer of a (local-spec) ``HybridModel`` chunk follow ``state``; returns model.
+
+    Function-preserving: with ``state`` cleared the model runs Megatron's own forwards. Under TP
+    or EP > 1 the model must be importance-reordered (strided FFN/expert layout) so every rank's
+    local prefix is the global nested prefix."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from elastic_plugin.importance.reorder import STRIDED_ATTR
+
+    inner = getattr(model, "module", model)
+    if (state.rank.tp_size > 1 or state.rank.ep_size > 1) and not getattr(inner, STRIDED_ATTR, False):
+        raise ConfigError(
+            "elastic training under tensor/expert parallelism needs an importance-reordered "
+            "checkpoint (run `elastic-plugin reorder` first)")
+    object.__setattr__(inner, STATE_ATTR, state)
+    if getattr(inner, "pre_process", False):
+        _swap(inner.embedding, "embedding", _elastic_state=state)
+    for layer in inner.decoder.layers:
+        number = layer.layer_number
+        kind = type(layer).__name__
+        if hasattr(layer, "mixer"):  # MambaLayer
+            _norm(layer.norm, state)
+            _swap(layer.mixer, "mamba", _elastic_state=state, _elastic_layer=number)
+        elif kind == "TransformerLayer" and hasattr(layer.self_attention, "linear_qkv"):
+            attn = layer.self_attention
+            _norm(layer.input_layernorm, state)
+            _bind_linear(attn.linear_qkv, "column",
+                         (lambda a=attn: _attention_io(state, a, "qkv")), state)
+            _bind_linear(attn.linear_proj, "row",
+                         (lambda a=attn: _attention_io(state, a, "proj")), state)
+            _swap(attn, "attention", _elastic_state=state)
+        elif hasattr(layer, "mlp") and hasattr(layer.mlp, "router"):  # MoE
+            _norm(layer.pre_mlp_layernorm, state)
+            moe = layer.mlp
+            _swap(moe.router, "router", _elastic_state=state)
+            if not isinstance(moe.experts, SequentialMLP):
+                raise ConfigError(f"elastic experts need SequentialMLP experts (moe_grouped_gemm="
+                                  f"false); got {type(moe.experts).__name__}")
+            for expert in moe.experts.local_experts:
+                _elastify_mlp(expert, None, number, state)
+            if getattr(moe, "shared_experts", None) is not None:
+                _elastify_mlp(moe.shared_experts, "shared_ffn", number, state)
+        elif hasattr(layer, "mlp"):  # dense MLP layer
+            _norm(layer.pre_mlp_layernorm, state)
+            _elastify_mlp(layer.mlp, "ffn", number, state)
+        else:
+            raise ConfigError(f"no elastic behaviour registered for layer type {kind}")
+    if getattr(inner, "post_process", False):
+        _norm(inner.decoder.final_norm, state)
+        _bind_linear(inner.output_layer, "column",
+                     lambda: (LinearActive(in_index=state.hidden()[0])
+                              if state.is_active else None), state)
+    return model
+
+
+def elastic_state_of(model: torch.nn.Module) -> ElasticState:
+    inner = getattr(model, "module", model)
+    state = getattr(inner, STATE_ATTR, None)
+    if state is None:
+        raise ValueError("model is not elastic: call elastify(model, state) first")
+    return state

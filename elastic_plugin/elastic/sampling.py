@@ -1,0 +1,124 @@
+"""Which budget each micro-batch trains, and the curriculum stages (DESIGN.md §4).
+
+Every draw is a pure function of ``(seed, iteration, microbatch)`` through a stable hash (blake2b),
+so every rank of a model replica draws the same budget and the same Gumbel noise without
+communicating, a restarted run redraws exactly what it drew before, and a one-rank run with
+``dp * num_microbatches`` micro-batches reproduces a data-parallel run (the caller passes the global
+micro-batch index ``dp_rank * num_microbatches + local_index``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from elastic_plugin.models.config import ConfigError
+
+PROB_SUM_TOL = 1e-3
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A curriculum stage: ``iters`` iterations, budget probabilities (None = uniform), sequence length (None = default)."""
+
+    iters: int
+    budget_probs: tuple[float, ...] | None = None
+    seq_length: int | None = None
+
+
+def _hash64(seed: int, iteration: int, microbatch: int, stream: str) -> int:
+    """Stable 64-bit hash of the draw coordinates (Python's ``hash`` is salted per process)."""
+    key = f"{int(seed)}:{int(iteration)}:{int(microbatch)}:{stream}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+
+
+class BudgetSampler:
+    """Draws the budget index of a micro-batch from the probabilities of the current curriculum stage.
+
+    ``stages`` None/empty -> one uniform stage of ``total_iters``; when the stages cover fewer than
+    ``total_iters`` iterations the last stage continues to the end (and beyond).
+    """
+
+    def __init__(self, budgets: Sequence[float], stages: Sequence[Stage] | None, seed: int, total_iters: int):
+        self.budgets = tuple(float(b) for b in budgets)
+        if not self.budgets:
+            raise ConfigError("budgets: at least one trained budget is required, got []")
+        if total_iters < 1:
+            raise ConfigError(f"total_iters must be >= 1, got {total_iters}")
+        self.seed = int(seed)
+        self.total_iters = int(total_iters)
+        stages = list(stages or [Stage(iters=total_iters)])
+        self.stages: tuple[Stage, ...] = tuple(self._checked(i, s) for i, s in enumerate(stages))
+        self._cumulative = [self._cdf(s) for s in self.stages]
+        ends, total = [], 0
+        for s in self.stages:
+            total += s.iters
+            ends.append(total)
+        self._stage_ends = ends
+
+    def _checked(self, index: int, stage: Stage) -> Stage:
+        field = f"curriculum stage {index}"
+        if not isinstance(stage.iters, int) or stage.iters < 1:
+            raise ConfigError(f"{field}: iters must be an integer >= 1, got {stage.iters!r}")
+        if stage.seq_length is not None and (not isinstance(stage.seq_length, int) or stage.seq_length < 1):
+            raise ConfigError(f"{field}: seq_length must be None or an integer >= 1, got {stage.seq_length!r}")
+        if stage.budget_probs is None:
+            return stage
+        probs = tuple(float(p) for p in stage.budget_probs)
+        if len(probs) != len(self.budgets):
+            raise ConfigError(
+                f"{field}: budget_probs has {len(probs)} entries but there are {len(self.budgets)} "
+                f"budgets {list(self.budgets)}"
+            )
+        if any(not math.isfinite(p) or p < 0 for p in probs) or abs(sum(probs) - 1.0) > PROB_SUM_TOL:
+            raise ConfigError(f"{field}: budget_probs must be >= 0 and sum to 1, got {list(probs)}")
+        total = sum(probs)
+        return Stage(stage.iters, tuple(p / total for p in probs), stage.seq_length)
+
+    def _cdf(self, stage: Stage) -> list[float]:
+        n = len(self.budgets)
+        probs = stage.budget_probs or tuple(1.0 / n for _ in range(n))
+        cdf, acc = [], 0.0
+        for p in probs:
+            acc += p
+            cdf.append(acc)
+        return cdf
+
+    def stage(self, iteration: int) -> tuple[int, Stage]:
+        """(index, stage) for a 1-based ``iteration``; the last stage continues past the covered iterations."""
+        if iteration < 1:
+            raise ConfigError(f"iteration is 1-based, got {iteration}")
+        for index, end in enumerate(self._stage_ends):
+            if iteration <= end:
+                return index, self.stages[index]
+        return len(self.stages) - 1, self.stages[-1]
+
+    def budget_index(self, iteration: int, microbatch: int) -> int:
+        """Index into ``budgets`` for this (iteration, global micro-batch): stateless and identical on every rank."""
+        index, _ = self.stage(iteration)
+        cdf = self._cumulative[index]
+        u = (_hash64(self.seed, iteration, microbatch, "budget") >> 11) / float(1 << 53)  # uniform [0, 1)
+        for i, c in enumerate(cdf):
+            if u < c:
+                return i
+        # u beyond the float sum of the probabilities: the last budget with non-zero probability.
+        probs = [b - a for a, b in zip([0.0, *cdf], cdf)]
+        return max(i for i, p in enumerate(probs) if p > 0)
+
+    def budget(self, iteration: int, microbatch: int) -> float:
+        """The budget value drawn for this micro-batch."""
+        return self.budgets[self.budget_index(iteration, microbatch)]
+
+    def seq_length(self, iteration: int) -> int | None:
+        """The current stage's sequence length (None: keep the run's default)."""
+        return self.stage(iteration)[1].seq_length
+
+    def noise_generator(self, iteration: int, microbatch: int) -> torch.Generator:
+        """A CPU generator for this micro-batch's Gumbel noise (a hash stream distinct from the budget draw)."""
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(_hash64(self.seed, iteration, microbatch, "gumbel") >> 1)
+        return gen

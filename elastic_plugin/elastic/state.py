@@ -1,0 +1,226 @@
+"""The active nested model of the current micro-batch, as every elastic layer needs to see it.
+
+The router turns a budget into a choice per axis (and per layer when heterogeneous): a size
+and, when the router is being trained, a mask over that axis' units that carries the router's
+gradient. ``ElasticState`` holds that choice for one micro-batch and answers each layer's question
+"which of *my local* units are active, with which mask?", translating the canonical nested order
+(position = global importance rank) into this rank's physical units:
+
+* hidden channels are replicated: a prefix on every rank;
+* query heads / Mamba heads are nested within their group and a rank holds whole groups: the
+  first k heads of every local group;
+* FFN neurons (TP) and experts (EP) are ranked globally and stored strided after reordering
+  (rank r holds canonical r, r+t, ...), so the local prefix of size/t is the global top-size.
+
+Masks of a TP-sharded axis reach each rank only in part; their gradient is completed with an
+all-reduce over TP (``copy_to_tensor_model_parallel_region``: identity forward, all-reduce
+backward) so every TP rank holds the router's full gradient. Replicated hidden channels need that
+only under sequence parallelism, where each rank sees a slice of the tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SLICED, MASKED = "sliced", "masked"
+
+
+@dataclass(frozen=True)
+class AxisActive:
+    """One axis of one layer: ``size`` units computed (global count), ``mask`` over them
+    (canonical order; for grouped heads over the per-group positions, length size/groups)."""
+
+    size: int
+    full: int
+    mask: torch.Tensor | None = None
+
+    @property
+    def is_full(self) -> bool:
+        return self.size == self.full and self.mask is None
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """This rank's coordinates in the groups the elastic axes are sharded over."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    sequence_parallel: bool = False
+    strided: bool = False  # FFN/experts reordered into the strided layout (importance.reorder)
+
+    @classmethod
+    def current(cls, strided: bool, sequence_parallel: bool) -> "RankInfo":
+        from megatron.core import parallel_state as ps
+
+        return cls(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+                   ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
+                   sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1, strided)
+
+
+def _tp_grad_sum(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Identity forward; backward sums the mask gradient over the TP group."""
+    if mask is None or not mask.requires_grad:
+        return mask
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return mask
+    return copy_to_tensor_model_parallel_region(mask)
+
+
+class ElasticState:
+    """Choice of the current micro-batch; ``None`` choice = the full model (no elastic code runs)."""
+
+    def __init__(self, resolved, rank: RankInfo | None = None,
+                 groups: dict[str, int] | None = None) -> None:
+        self.resolved = resolved
+        self.rank = rank or RankInfo()
+        # heads are nested per group: masks of these axes run over per-group positions
+        self.groups = dict(groups or {})
+        self.mode = SLICED
+        self._active: dict[tuple[str, int | None], AxisActive] | None = None
+        self._cache: dict[Any, Any] = {}
+
+    # ------------------------------------------------------------------ setting the choice
+    @property
+    def is_active(self) -> bool:
+        return self._active is not None
+
+    def clear(self) -> None:
+        """Run the full model through Megatron's own code paths."""
+        self._active = None
+
+    def set_choice(self, probs: dict[str, torch.Tensor], mode: str = SLICED,
+                   with_masks: bool = True) -> None:
+        """Activate the router's output: ``probs[axis]`` is [rows, candidates] (1 row, or one per
+        layer of the axis). ``sliced``: hard choice (one-hot rows), compute only the chosen
+        prefix; ``masked``: compute the full width, multiply by the prefix masks."""
+        from elastic_plugin.elastic.router import prefix_masks
+
+        if mode not in (SLICED, MASKED):
+            raise ValueError(f"elastic mode {mode!r}; allowed: {SLICED}, {MASKED}")
+        self.mode = mode
+        active: dict[tuple[str, int | None], AxisActive] = {}
+        for name, spec in self.resolved.axes.items():
+            rows = probs[name]
+            cands = list(spec.candidates)
+            g = self.groups.get(name, 1)
+            masks = (prefix_masks(rows, [c // g for c in cands], spec.full // g)
+                     if with_masks or mode == MASKED else None)
+            layers = list(spec.layers) if self.resolved.per_layer(name) else [None]
+            for row, layer in enumerate(layers):
+                if mode == SLICED:
+                    size = cands[int(rows[row].argmax())]
+                else:
+                    size = spec.full
+                mask = masks[row, :size // g] if masks is not None else None
+                if name == "embedding" or not spec.layers:
+                    active[(name, None)] = AxisActive(size, spec.full, mask)
+                elif layer is None:
+                    for lay in spec.layers:
+                        active[(name, lay)] = AxisActive(size, spec.full, mask)
+                else:
+                    active[(name, layer)] = AxisActive(size, spec.full, mask)
+        self._active = active
+        self._cache = {}
+
+    def set_sizes(self, sizes: dict[str, int | list[int]]) -> None:
+        """A fixed hard choice without masks (evaluation, extraction): sizes per axis (per layer)."""
+        active: dict[tuple[str, int | None], AxisActive] = {}
+        for name, spec in self.resolved.axes.items():
+            value = sizes.get(name, spec.full)
+            if name == "embedding" or not spec.layers:
+                active[(name, None)] = AxisActive(int(value), spec.full)
+                continue
+            per_layer = value if isinstance(value, (list, tuple)) else [value] * len(spec.layers)
+            for lay, size in zip(spec.layers, per_layer):
+                active[(name, lay)] = AxisActive(int(size), spec.full)
+        self.mode = SLICED
+        self._active = active
+        self._cache = {}
+
+    def axis(self, name: str, layer: int | None = None) -> AxisActive | None:
+        if self._active is None:
+            return None
+        return self._active.get((name, None if name == "embedding" else layer))
+
+    # ----------------------------------------------------------------- per-rank answers
+    def hidden(self) -> tuple[int | None, torch.Tensor | None]:
+        """(active hidden channels or None for all, mask over them)."""
+        act = self.axis("embedding")
+        if act is None:
+            return None, None
+        key = ("hidden",)
+        if key not in self._cache:
+            mask = _tp_grad_sum(act.mask) if self.rank.sequence_parallel else act.mask
+            self._cache[key] = (None if act.size == act.full else act.size, mask)
+        return self._cache[key]
+
+    def tp_neurons(self, axis: str, layer: int) -> tuple[int | None, torch.Tensor | None]:
+        """FFN-like axis sharded over TP: (local prefix length, local mask)."""
+        act = self.axis(axis, layer)
+        if act is None:
+            return None, None
+        key = (axis, layer)
+        if key not in self._cache:
+            t, r = self.rank.tp_size, self.rank.tp_rank
+            local = act.size // t
+            mask = None
+            if act.mask is not None:
+                # strided layout (checked by elastify when t > 1): local j = canonical r + j*t
+                canon = r + torch.arange(local) * t
+                mask = _tp_grad_sum(act.mask).index_select(0, canon.to(act.mask.device))
+            self._cache[key] = (None if act.size == act.full else local, mask)
+        return self._cache[key]
+
+    def grouped_heads(self, axis: str, layer: int, groups: int
+                      ) -> tuple[int | None, torch.Tensor | None]:
+        """Heads nested per group: (active heads per group or None, mask over the per-group
+        positions [per_group_active], the same for every group)."""
+        act = self.axis(axis, layer)
+        if act is None:
+            return None, None
+        key = (axis, layer)
+        if key not in self._cache:
+            per_group = act.size // groups
+            self._cache[key] = (None if act.size == act.full else per_group,
+                                _tp_grad_sum(act.mask))
+        return self._cache[key]
+
+    def plain(self, axis: str, layer: int) -> tuple[int | None, torch.Tensor | None]:
+        """An unsharded per-layer axis (Mamba head dim): (active size or None, mask)."""
+        act = self.axis(axis, layer)
+        if act is None:
+            return None, None
+        key = (axis, layer)
+        if key not in self._cache:
+            self._cache[key] = (None if act.size == act.full else act.size,
+                                _tp_grad_sum(act.mask))
+        return self._cache[key]
+
+    def experts(self, layer: int, num_experts: int) -> torch.Tensor | None:
+        """Mask over the router's (physical) experts: 0 = inactive, else the router's weight."""
+        act = self.axis("experts", layer)
+        if act is None or (act.size == act.full and act.mask is None):
+            return None
+        key = ("experts", layer)
+        if key not in self._cache:
+            e = self.rank.ep_size
+            canon = torch.arange(act.size)
+            if self.rank.strided:
+                per_rank = num_experts // e
+                physical = (canon % e) * per_rank + canon // e
+            else:
+                physical = canon
+            values = (_tp_grad_sum(act.mask) if act.mask is not None
+                      else torch.ones(act.size))
+            mask = torch.zeros(num_experts, dtype=values.dtype, device=values.device)
+            mask = mask.index_put((physical.to(values.device),), values)
+            self._cache[key] = mask
+        return self._cache[key]

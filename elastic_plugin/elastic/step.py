@@ -1,0 +1,195 @@
+"""One elastic training step through Megatron-Core's pipeline schedules.
+
+Per iteration: (1) a forward-only pass of the teacher (the frozen original model, or the model
+itself at full budget) over the iteration's micro-batches stores its vocab-parallel logits on the
+last stage; (2) the student pass: every stage draws the micro-batch's budget and router noise from
+``BudgetSampler`` (a pure function of seed, iteration and global micro-batch index, so all ranks of
+a replica agree without talking), activates the router's choice, and the last stage computes
+``KL(teacher || student)`` + the budget loss (+ CE at budget 1.0). Megatron's schedule runs both
+passes (1F1B under PP) and ``finalize_router_grads`` completes the router's gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+
+from elastic_plugin.elastic.cost import ElasticCost
+from elastic_plugin.elastic.losses import budget_loss, vocab_parallel_kl
+from elastic_plugin.elastic.model import finalize_router_grads, router_of
+from elastic_plugin.elastic.router import AnnealSchedule, budget_encoding, expected_sizes
+from elastic_plugin.elastic.sampling import BudgetSampler
+from elastic_plugin.elastic.state import MASKED, SLICED, ElasticState
+from elastic_plugin.training.step import _run_schedule, get_batch, train_step
+
+
+class _Replay:
+    """Serve a recorded list of micro-batches (both passes of an iteration see the same data)."""
+
+    def __init__(self, batches: list[dict]) -> None:
+        self._it = iter(batches)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        return next(self._it)
+
+
+def _truncate(batch: dict, seq_length: int | None) -> dict:
+    """Curriculum stages may train on a prefix of each sequence."""
+    if not seq_length:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        if torch.is_tensor(value) and key == "attention_mask":
+            out[key] = value[..., :seq_length, :seq_length]
+        elif torch.is_tensor(value) and value.dim() >= 2:
+            out[key] = value[:, :seq_length]
+        else:
+            out[key] = value
+    return out
+
+
+@dataclass
+class ElasticStep:
+    """Everything a micro-batch needs to know; one instance per training run."""
+
+    state: ElasticState
+    sampler: BudgetSampler
+    cost: ElasticCost
+    temperature: AnnealSchedule
+    logit_scale: AnnealSchedule
+    num_microbatches: int
+    data_parallel_rank: int = 0
+    teacher_chunks: list[torch.nn.Module] | None = None  # None: the model at full budget
+    iteration: int = 1
+    _mb: int = 0
+    _teacher_logits: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def cfg(self):
+        return self.state.resolved.config
+
+    # ------------------------------------------------------------------- choices
+    def global_microbatch(self, local: int) -> int:
+        return self.data_parallel_rank * self.num_microbatches + local
+
+    def budget_index(self, local: int) -> int:
+        return self.sampler.budget_index(self.iteration, self.global_microbatch(local))
+
+    def route(self, model, local: int) -> tuple[int, dict[str, torch.Tensor]]:
+        """The router's (noisy, annealed) choice for micro-batch ``local``; activates it."""
+        index = self.budget_index(local)
+        budget = self.sampler.budgets[index]
+        router = router_of(model)
+        encoding = budget_encoding(budget, router.budgets)
+        generator = self.sampler.noise_generator(self.iteration, self.global_microbatch(local))
+        hard = self.cfg.router.hard or self.cfg.mode == SLICED
+        probs = router(encoding, self.temperature.value(self.iteration - 1),
+                       self.logit_scale.value(self.iteration - 1), hard, generator)
+        self.state.set_choice(probs, self.cfg.mode, with_masks=True)
+        return index, probs
+
+    # ------------------------------------------------------------------ teacher
+    def _teacher_forward_step(self, data_iterator, model):
+        batch = get_batch(data_iterator)
+        tokens = batch.get("tokens")
+        output = model(tokens, batch.get("position_ids"), batch.get("attention_mask"))
+
+        def keep(output_tensor):
+            self._teacher_logits.append(output_tensor.detach())
+            return output_tensor.sum() * 0.0, {}
+
+        return output, keep
+
+    @torch.no_grad()
+    def teacher_pass(self, student_chunks, batches: list[dict] | None, seq_length: int,
+                     micro_batch_size: int) -> None:
+        self._teacher_logits = []
+        chunks = self.teacher_chunks
+        if chunks is None:
+            chunks = student_chunks
+            self.state.clear()
+        _run_schedule(chunks, _Replay(batches) if batches is not None else None,
+                      self.num_microbatches, seq_length, micro_batch_size, forward_only=True,
+                      forward_step_func=self._teacher_forward_step)
+
+    # ------------------------------------------------------------------ student
+    def _loss(self, local: int, budget_index: int, probs, batch: dict, output_tensor):
+        cfg = self.cfg
+        budget = self.sampler.budgets[budget_index]
+        loss_mask = batch["loss_mask"].float()
+        kd = vocab_parallel_kl(output_tensor, self._teacher_logits[local], cfg.kd_temperature)
+        num_tokens = loss_mask.sum()
+        kd_sum = (kd * loss_mask).sum()
+        total = kd_sum
+        ce_sum = torch.zeros((), device=kd_sum.device)
+        if cfg.ce_weight_full > 0 and budget == max(self.sampler.budgets):
+            from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+            ce = vocab_parallel_cross_entropy(output_tensor.float().transpose(0, 1).contiguous(),
+                                              batch["labels"].transpose(0, 1).contiguous())
+            ce_sum = (ce.transpose(0, 1) * loss_mask).sum()
+            total = total + cfg.ce_weight_full * ce_sum
+        sizes = {}
+        for name, spec in self.state.resolved.axes.items():
+            exp = expected_sizes(probs[name], list(spec.candidates))
+            sizes[name] = exp if self.state.resolved.per_layer(name) else exp[0]
+        cost = self.cost(sizes)
+        b_loss = budget_loss(cost, budget, self.cost.full).to(kd_sum.dtype)
+        total = total + cfg.budget_loss_weight * b_loss * num_tokens.detach()
+        report = torch.stack([kd_sum.detach(), num_tokens.detach(), b_loss.detach(),
+                              ce_sum.detach(), torch.tensor(float(budget_index))])
+        return total, num_tokens.to(torch.int), {"elastic": report}
+
+    def _student_forward_step(self, data_iterator, model):
+        local = self._mb
+        self._mb += 1
+        batch = get_batch(data_iterator)
+        index, probs = self.route(model, local)
+        output = model(batch.get("tokens"), batch.get("position_ids"),
+                       batch.get("attention_mask"))
+        return output, partial(self._loss, local, index, probs, batch)
+
+    def train_step(self, chunks, optimizer, data_iterator: Iterator[dict] | None,
+                   seq_length: int, micro_batch_size: int) -> dict[str, Any]:
+        """Teacher pass, then Megatron's forward-backward + optimizer step on the student."""
+        stage_seq = self.sampler.seq_length(self.iteration) or seq_length
+        batches = None
+        if data_iterator is not None:
+            batches = [_truncate(next(data_iterator), stage_seq)
+                       for _ in range(self.num_microbatches)]
+        self.teacher_pass(chunks, batches, stage_seq, micro_batch_size)
+        self._mb = 0
+        try:
+            result = train_step(
+                chunks, optimizer, _Replay(batches) if batches is not None else None,
+                self.num_microbatches, stage_seq, micro_batch_size,
+                forward_step_func=self._student_forward_step,
+                finalize_grads_func=finalize_router_grads,
+                reduce_reports=reduce_elastic_reports)
+        finally:
+            self.state.clear()
+            self._teacher_logits = []
+        return result
+
+
+def reduce_elastic_reports(reports: list[dict]) -> dict[int, dict[str, float]] | None:
+    """Per budget index: token-mean KD loss, mean budget loss, micro-batch count (this rank)."""
+    if not reports:
+        return None
+    out: dict[int, dict[str, float]] = {}
+    for rep in reports:
+        kd_sum, tokens, b_loss, ce_sum, index = (float(x) for x in rep["elastic"])
+        agg = out.setdefault(int(index), {"kd_sum": 0.0, "tokens": 0.0, "budget_loss_sum": 0.0,
+                                          "ce_sum": 0.0, "count": 0.0})
+        agg["kd_sum"] += kd_sum
+        agg["tokens"] += tokens
+        agg["budget_loss_sum"] += b_loss
+        agg["ce_sum"] += ce_sum
+        agg["count"] += 1
+    return out

@@ -1,0 +1,329 @@
+"""Elastic nested training: distil every budget of one model from the frozen teacher, in one run.
+
+``train_elastic`` loads an importance-reordered checkpoint into any TP/PP/EP/DP layout, makes it
+elastic (``elastic.model``), and trains model + budget router with Megatron's optimizer (router in
+its own LR group) and LR schedule. It writes ``checkpoints/elastic`` (model, router, optimizer,
+the choice table budget -> size per axis), ``elastic_metrics.jsonl`` and loss/router plots.
+Stopping and rerunning with ``resume=True`` continues the same loss trace.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from elastic_plugin.elastic.config import ElasticConfig, ResolvedElastic
+from elastic_plugin.elastic.cost import ElasticCost
+from elastic_plugin.elastic.model import build_elastic_chunks, router_of, router_param_groups
+from elastic_plugin.elastic.router import AnnealSchedule
+from elastic_plugin.elastic.sampling import BudgetSampler, Stage
+from elastic_plugin.elastic.state import ElasticState
+from elastic_plugin.elastic.step import ElasticStep
+from elastic_plugin.models.config import ConfigError
+from elastic_plugin.parallel import Layout, build_optimizer, initialize_layout
+from elastic_plugin.training.step import eval_step
+
+ELASTIC_CKPT = "elastic"
+
+
+@dataclass
+class ElasticSchedule:
+    """The student's optimisation settings (the teacher's are in the experiment config)."""
+
+    train_iters: int = 300
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    lr_warmup_iters: int = 10
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    global_batch_size: int = 16
+    micro_batch_size: int = 16
+    seq_length: int = 128
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_iters: int = 4
+    save_interval: int = 0  # 0: only at the end
+    seed: int = 1234
+
+    def check(self) -> None:
+        for name in ("train_iters", "global_batch_size", "micro_batch_size", "seq_length",
+                     "log_interval", "eval_interval", "eval_iters"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"elastic training: {name}={value!r} must be a positive integer")
+        if not self.lr > 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"elastic training: need lr > 0 and 0 <= min_lr <= lr "
+                              f"(lr={self.lr}, min_lr={self.min_lr})")
+
+
+@dataclass
+class ElasticRun:
+    checkpoint_dir: str
+    iterations: int
+    history: list[dict[str, Any]] = field(default_factory=list)
+    final_valid: dict[str, float] = field(default_factory=dict)
+    teacher_valid: float | None = None
+    choices: dict[str, dict[str, Any]] = field(default_factory=dict)
+    plots: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def budget_label(budget: float) -> str:
+    return f"{budget:g}"
+
+
+def choice_table(router, resolved: ResolvedElastic) -> dict[str, dict[str, Any]]:
+    """budget -> axis -> chosen size (a list per layer when heterogeneous): the router's answer."""
+    table: dict[str, dict[str, Any]] = {}
+    for budget in resolved.budgets:
+        picks = router.choose(budget)
+        row: dict[str, Any] = {}
+        for name, spec in resolved.axes.items():
+            sizes = [spec.candidates[i] for i in picks[name]]
+            row[name] = sizes if resolved.per_layer(name) else sizes[0]
+        table[budget_label(budget)] = row
+    return table
+
+
+def _world_sum_from_last_stage(values: torch.Tensor) -> torch.Tensor:
+    """Reports live on the last stage, replicated over its TP ranks: sum over DP, share with all."""
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    if not ps.is_pipeline_last_stage():
+        values = torch.zeros_like(values)
+    dist.all_reduce(values)
+    return values / ps.get_tensor_model_parallel_world_size()
+
+
+def _share_scalar(value: float | None) -> float | None:
+    packed = torch.tensor([value or 0.0, 1.0 if value is not None else 0.0], dtype=torch.float64)
+    packed = _world_sum_from_last_stage(packed)
+    return float(packed[0] / packed[1]) if packed[1] > 0 else None
+
+
+def evaluate_budgets(chunks, state: ElasticState, table: dict[str, dict[str, Any]],
+                     valid_factory: Callable[[], Iterator[dict] | None], sched: ElasticSchedule
+                     ) -> dict[str, float | None]:
+    """Validation LM loss of every budget's nested model (sliced, the router's hard choice)."""
+    out: dict[str, float | None] = {}
+    try:
+        for label, sizes in table.items():
+            state.set_sizes(sizes)
+            loss = eval_step(chunks, valid_factory(), sched.eval_iters, sched.seq_length,
+                             sched.micro_batch_size)
+            out[label] = _share_scalar(loss)
+    finally:
+        state.clear()
+    return out
+
+
+def _scheduler(optimizer, sched: ElasticSchedule):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=sched.lr, min_lr=sched.min_lr,
+        lr_warmup_steps=min(sched.lr_warmup_iters, max(sched.train_iters - 1, 0)),
+        lr_decay_steps=sched.train_iters, lr_decay_style="cosine",
+        start_wd=sched.weight_decay, end_wd=sched.weight_decay,
+        wd_incr_steps=sched.train_iters, wd_incr_style="constant")
+
+
+def _save(chunks, optimizer, scheduler, out: Path, meta: dict[str, Any]) -> Path:
+    from elastic_plugin.checkpointing import save_checkpoint
+
+    return save_checkpoint(chunks, out, {**meta, "scheduler": scheduler.state_dict()},
+                           optimizer=optimizer)
+
+
+def train_elastic(
+    cfg,
+    ecfg: ElasticConfig,
+    layout: Layout,
+    student_ckpt: str | Path,
+    out_dir: str | Path,
+    make_train_iterator: Callable[[int], Iterator[dict] | None],
+    valid_factory: Callable[[], Iterator[dict] | None] | None,
+    sched: ElasticSchedule,
+    teacher_ckpt: str | Path | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    stop_after: int | None = None,
+) -> ElasticRun:
+    """Train all budgets of ``ecfg`` from ``student_ckpt`` (importance-reordered).
+
+    ``make_train_iterator(consumed_samples)``: this DP rank's micro-batches from that point;
+    ``teacher_ckpt``: the frozen teacher (default: ``student_ckpt`` itself, which computes the
+    same function); ignored when ``ecfg.teacher == "self"``. ``stop_after``: end (with a
+    checkpoint) after that many iterations, as an interrupted job would; resume continues.
+    """
+    from megatron.core import parallel_state as ps
+
+    from elastic_plugin.checkpointing import build_from_checkpoint, load_optimizer, read_meta
+    from elastic_plugin.elastic.metrics import ElasticMetrics
+
+    sched.check()
+    model_cfg = cfg.model
+    resolved = ecfg.resolve(model_cfg, layout.tp, layout.ep)
+    if ecfg.mode == "sliced" and not ecfg.router.hard:
+        raise ConfigError("elastic.mode=sliced needs hard router choices (elastic.router.hard=true); "
+                          "soft masks need elastic.mode=masked")
+    out_dir = Path(out_dir)
+    ckpt_dir = out_dir / "checkpoints" / ELASTIC_CKPT
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dp = world // (layout.tp * layout.pp)
+    if sched.global_batch_size % (sched.micro_batch_size * dp):
+        raise ConfigError(f"global_batch_size={sched.global_batch_size} must be a multiple of "
+                          f"micro_batch_size={sched.micro_batch_size} x data-parallel size {dp}")
+    start_iter, consumed = 1, 0
+    source = Path(student_ckpt)
+    if resume and (ckpt_dir / "elastic_meta.json").is_file():
+        meta = read_meta(ckpt_dir)
+        if meta.get("layout") != asdict(layout):
+            raise ConfigError(f"resume: {ckpt_dir} was written with layout {meta.get('layout')}; "
+                              f"resume with the same layout (optimizer state is not resharded)")
+        source, start_iter = ckpt_dir, int(meta["iteration"]) + 1
+        consumed = int(meta["consumed_samples"])
+    num_microbatches = sched.global_batch_size // (sched.micro_batch_size * dp)
+    initialize_layout(layout, seed=sched.seed)
+    chunks, state, meta_src = build_elastic_chunks(source, layout, resolved)
+    teacher_chunks = None
+    if ecfg.teacher == "frozen":
+        teacher_chunks, _, _ = build_from_checkpoint(teacher_ckpt or student_ckpt, layout)
+        for chunk in teacher_chunks:
+            chunk.requires_grad_(False)
+    optimizer = build_optimizer(
+        chunks, lr=sched.lr, min_lr=sched.min_lr, weight_decay=sched.weight_decay,
+        clip_grad=sched.clip_grad, distributed_optimizer=layout.distributed_optimizer,
+        config_overrides=router_param_groups(sched.lr, sched.min_lr, ecfg.router.lr_mult))
+    scheduler = _scheduler(optimizer, sched)
+    if start_iter > 1:
+        load_optimizer(chunks, optimizer, ckpt_dir)
+        scheduler.load_state_dict(meta_src["scheduler"])
+    anneal = ecfg.router.anneal_iters or sched.train_iters
+    stages = [Stage(s.iters, s.budget_probs, s.seq_length) for s in ecfg.curriculum] or None
+    step = ElasticStep(
+        state=state,
+        sampler=BudgetSampler(resolved.budgets, stages, sched.seed, sched.train_iters),
+        cost=ElasticCost(model_cfg, resolved),
+        temperature=AnnealSchedule(*ecfg.router.temperature, anneal),
+        logit_scale=AnnealSchedule(*ecfg.router.logit_scale, anneal),
+        num_microbatches=num_microbatches,
+        data_parallel_rank=ps.get_data_parallel_rank(),
+        teacher_chunks=teacher_chunks,
+    )
+    router = router_of(chunks[0])
+    metrics = ElasticMetrics(out_dir, resolved.budgets, log_rank=0,
+                             full_sizes={n: s.full for n, s in resolved.axes.items()})
+    if _is_rank0():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if start_iter == 1:
+            (out_dir / "elastic_metrics.jsonl").write_text("")
+    train_iterator = make_train_iterator(consumed)
+    nb = len(resolved.budgets)
+    window = torch.zeros(nb, 4, dtype=torch.float64)  # kd_sum, tokens, budget_loss_sum, count
+    teacher_valid = None
+    if valid_factory is not None:
+        eval_chunks = teacher_chunks or chunks
+        state.clear()
+        teacher_valid = _share_scalar(eval_step(eval_chunks, valid_factory(), sched.eval_iters,
+                                                sched.seq_length, sched.micro_batch_size))
+    bar = None
+    if progress and _is_rank0():
+        from tqdm import tqdm
+
+        bar = tqdm(total=sched.train_iters, initial=start_iter - 1, desc="elastic", unit="it",
+                   dynamic_ncols=True)
+    history: list[dict[str, Any]] = []
+    valid: dict[str, float | None] = {}
+    start = time.time()
+    last = sched.train_iters if stop_after is None else min(sched.train_iters, start_iter - 1 + stop_after)
+    iteration = start_iter - 1
+    for iteration in range(start_iter, last + 1):
+        step.iteration = iteration
+        result = step.train_step(chunks, optimizer, train_iterator, sched.seq_length,
+                                 sched.micro_batch_size)
+        scheduler.step(increment=1)
+        consumed += sched.global_batch_size
+        for index, agg in (result["loss"] or {}).items():
+            window[index] += torch.tensor([agg["kd_sum"], agg["tokens"], agg["budget_loss_sum"],
+                                           agg["count"]], dtype=torch.float64)
+        record: dict[str, Any] = {}
+        if iteration % sched.log_interval == 0 or iteration == last:
+            totals = _world_sum_from_last_stage(window.clone())
+            window.zero_()
+            kd = {budget_label(b): float(totals[i, 0] / totals[i, 1])
+                  for i, b in enumerate(resolved.budgets) if totals[i, 1] > 0}
+            if any(not math.isfinite(v) for v in kd.values()):
+                raise FloatingPointError(f"elastic training diverged at iteration {iteration}: {kd}")
+            record = {
+                "train_loss": kd,
+                "budget_loss": {budget_label(b): float(totals[i, 2] / totals[i, 3])
+                                for i, b in enumerate(resolved.budgets) if totals[i, 3] > 0},
+                "choices": choice_table(router, resolved),
+                "temperature": step.temperature.value(iteration - 1),
+                "logit_scale": step.logit_scale.value(iteration - 1),
+                "lr": optimizer.param_groups[0]["lr"],
+                "grad_norm": float(result.get("grad_norm") or 0.0),
+                "elapsed_s": round(time.time() - start, 2),
+            }
+        if valid_factory is not None and (iteration % sched.eval_interval == 0
+                                          or iteration == sched.train_iters):
+            valid = evaluate_budgets(chunks, state, choice_table(router, resolved),
+                                     valid_factory, sched)
+            record["valid_loss"] = valid
+        if record:
+            metrics.log(iteration, record)
+            history.append({"iteration": iteration, **record})
+        if bar is not None:
+            bar.update(1)
+            if record.get("train_loss"):
+                bar.set_postfix({k: f"{v:.3f}" for k, v in record["train_loss"].items()})
+        if sched.save_interval and iteration % sched.save_interval == 0 and iteration != last:
+            _save(chunks, optimizer, scheduler, ckpt_dir,
+                  _meta(cfg, ecfg, layout, resolved, router, iteration, consumed, teacher_valid))
+    if bar is not None:
+        bar.close()
+    table = choice_table(router, resolved)
+    saved = _save(chunks, optimizer, scheduler, ckpt_dir,
+                  _meta(cfg, ecfg, layout, resolved, router, iteration, consumed, teacher_valid))
+    plots = [str(p) for p in metrics.plot()] if _is_rank0() else []
+    return ElasticRun(str(saved), iteration, history, {k: v for k, v in valid.items()
+                                                       if v is not None},
+                      teacher_valid, table, plots, time.time() - start)
+
+
+def _meta(cfg, ecfg: ElasticConfig, layout: Layout, resolved: ResolvedElastic, router,
+          iteration: int, consumed: int, teacher_valid: float | None) -> dict[str, Any]:
+    from elastic_plugin.elastic.cost import ElasticCost
+
+    cost = ElasticCost(cfg.model, resolved)
+    table = choice_table(router, resolved)
+    return {
+        "kind": "elastic",
+        "iteration": iteration,
+        "consumed_samples": consumed,
+        "layout": asdict(layout),
+        "config": cfg.to_dict() | {"elastic": ecfg.to_dict()},
+        "elastic": {
+            "budgets": list(resolved.budgets),
+            "metric": ecfg.budget_metric,
+            "axes": {n: {"full": s.full, "candidates": list(s.candidates), "layers": list(s.layers),
+                         "unit": s.unit} for n, s in resolved.axes.items()},
+            "choices": table,
+            "cost_fraction": {b: cost.of_choice(sizes) / cost.full for b, sizes in table.items()},
+        },
+        "teacher_valid_loss": teacher_valid,
+    }

@@ -1,0 +1,214 @@
+"""Elastic losses (vocab-parallel KL, budget loss) against direct references, and the metrics log."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from elastic_plugin.elastic.losses import budget_loss, distillation_loss_func, vocab_parallel_kl
+from elastic_plugin.elastic.metrics import ElasticMetrics
+from elastic_plugin.models.config import ConfigError
+from elastic_plugin.testing.loss_cases import random_logits, reference_kl
+
+pytestmark = [pytest.mark.elastic]
+
+CASES = "elastic_plugin.testing.loss_cases"
+
+
+# ---------------------------------------------------------------- vocab_parallel_kl, one rank
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+@pytest.mark.parametrize("shape", [(2, 3, 11), (4, 2, 7), (5, 32)])
+def test_kl_matches_kl_div_and_its_gradient(shape, temperature):
+    student, teacher = random_logits(shape, seed=3)
+    upstream = torch.rand(shape[:-1], generator=torch.Generator().manual_seed(4))
+
+    ref_s = student.clone().requires_grad_(True)
+    ref = reference_kl(ref_s, teacher, temperature)
+    (ref * upstream).sum().backward()
+
+    s = student.clone().requires_grad_(True)
+    t = teacher.clone().requires_grad_(True)
+    kl = vocab_parallel_kl(s, t, temperature)
+    (kl * upstream).sum().backward()
+
+    assert kl.shape == shape[:-1] and kl.dtype == torch.float32
+    assert ref.max() > 0.1  # non-trivial distributions
+    torch.testing.assert_close(kl, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(s.grad, ref_s.grad, rtol=1e-6, atol=1e-6)
+    assert t.grad is None
+
+
+def test_kl_gradient_in_float64_matches_autograd_exactly():
+    """In float64 the analytic backward must agree with autograd of the reference to ~1e-12."""
+    student, teacher = (x.double() for x in random_logits((3, 9), seed=5))
+    ref_s = student.clone().requires_grad_(True)
+    reference_kl(ref_s, teacher, 1.5).sum().backward()
+    # our math runs in fp32; compare the fp32 result against the fp64 truth
+    s = student.float().requires_grad_(True)
+    vocab_parallel_kl(s, teacher.float(), 1.5).sum().backward()
+    torch.testing.assert_close(s.grad.double(), ref_s.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_kl_is_zero_for_identical_logits_and_positive_otherwise():
+    student, teacher = random_logits((4, 6, 13), seed=11)
+    assert vocab_parallel_kl(student, student.clone(), 1.3).abs().max() == 0
+    assert (vocab_parallel_kl(student, teacher, 1.3) > 0).all()
+
+
+def test_kl_bf16_student_gets_bf16_grad_and_fp32_loss():
+    student, teacher = random_logits((2, 17), seed=2)
+    s = student.bfloat16().requires_grad_(True)
+    kl = vocab_parallel_kl(s, teacher.bfloat16(), 1.0)
+    kl.sum().backward()
+    assert kl.dtype == torch.float32 and s.grad.dtype == torch.bfloat16
+    ref = reference_kl(student.bfloat16().float(), teacher.bfloat16().float(), 1.0)
+    torch.testing.assert_close(kl, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_kl_handles_masked_teacher_vocab_entries():
+    """A teacher logit of -inf (e.g. padded vocab) contributes nothing, not NaN."""
+    student, teacher = random_logits((3, 8), seed=9)
+    teacher[:, -2:] = float("-inf")
+    kl = vocab_parallel_kl(student, teacher, 1.0)
+    assert torch.isfinite(kl).all()
+    ref = reference_kl(student, teacher.clamp_min(-1e4), 1.0)
+    torch.testing.assert_close(kl, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_kl_rejects_bad_input():
+    s, t = random_logits((2, 5), seed=0)
+    with pytest.raises(ConfigError, match="temperature"):
+        vocab_parallel_kl(s, t, temperature=0.0)
+    with pytest.raises(ValueError, match="same shape"):
+        vocab_parallel_kl(s, t[:, :4], 1.0)
+
+
+def test_distillation_loss_func_masks_tokens_and_accepts_transposed_mask():
+    student, teacher = random_logits((6, 2, 10), seed=1)  # [s, b, V] as Megatron's output layer
+    mask = torch.zeros(2, 6)  # [b, s]
+    mask[0, :3] = 1
+    mask[1, 4] = 1
+    loss_sum, n, report = distillation_loss_func(mask, student, teacher, temperature=2.0)
+    ref = reference_kl(student, teacher, 2.0)
+    expected = ref[:3, 0].sum() + ref[4, 1]
+    torch.testing.assert_close(loss_sum, expected)
+    assert int(n) == 4
+    torch.testing.assert_close(report["kd loss"], torch.stack([expected, torch.tensor(4.0)]))
+    with pytest.raises(ValueError, match="loss_mask"):
+        distillation_loss_func(torch.ones(3, 3), student, teacher, 1.0)
+
+
+# ---------------------------------------------------------------- vocab_parallel_kl, TP=2
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("use_default_group", [True, False])
+def test_kl_under_tensor_parallel_matches_single_rank(rank_pools, use_default_group):
+    shape = (3, 5, 16)
+    results = rank_pools.get(2).run(f"{CASES}:tp_kl_matches_reference", tp=2, shape=shape,
+                                    temperature=2.0, seed=7, use_default_group=use_default_group)
+    assert sorted(r["tp_rank"] for r in results) == [0, 1]
+    for r in results:
+        assert r["tp_world"] == 2
+        assert r["kl_shape"] == list(shape[:-1])
+        assert r["kl_min"] > 1e-2
+        assert r["kl_max_rel_diff"] <= 1e-6, r
+        assert r["grad_max_abs"] > 1e-3
+        assert r["grad_max_rel_diff"] <= 1e-6, r
+        assert r["local_grad_max_abs_diff"] <= 1e-6 * r["grad_max_abs"], r
+        assert r["teacher_grad_is_none"]
+        assert r["self_kl_max_abs"] == 0.0
+
+
+# ---------------------------------------------------------------- budget loss
+
+def test_budget_loss_formula_and_gradient_sign():
+    full, budget = 1000.0, 0.5
+    for value, expected, sign in ((600.0, 0.2, 1.0), (400.0, 0.2, -1.0), (250.0, 0.5, -1.0)):
+        cost = torch.tensor(value, requires_grad=True)
+        loss = budget_loss(cost, budget, full)
+        loss.backward()
+        assert loss.item() == pytest.approx(expected)
+        # over budget -> gradient pushes cost down; under budget -> up; magnitude 1/(b*C_full)
+        assert cost.grad.item() == pytest.approx(sign / (budget * full))
+    assert budget_loss(torch.tensor(500.0), budget, full).item() == 0.0
+    batch = budget_loss(torch.tensor([500.0, 750.0]), budget, full)
+    torch.testing.assert_close(batch, torch.tensor([0.0, 0.5]))
+
+
+def test_budget_loss_rejects_bad_budget():
+    with pytest.raises(ConfigError, match="budget"):
+        budget_loss(torch.tensor(1.0), 0.0, 10.0)
+    with pytest.raises(ConfigError, match="full_cost"):
+        budget_loss(torch.tensor(1.0), 0.5, -1.0)
+
+
+# ---------------------------------------------------------------- metrics
+
+class FakeWriter:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, float, int]] = []
+
+    def add_scalar(self, tag, value, step) -> None:
+        self.calls.append((tag, value, step))
+
+
+def _record(it: int) -> dict:
+    return {
+        "train_loss": {0.5: 2.0 / (it + 1), 1.0: torch.tensor(1.0 / (it + 1))},
+        "budget_loss": {0.5: 0.1, 1.0: 0.0},
+        **({"valid_loss": {0.5: 1.5, 1.0: 0.8}} if it % 2 == 1 else {}),
+        "choices": {0.5: {"ffn": 128, "mamba_heads": [4, 6]}, 1.0: {"ffn": 256, "mamba_heads": [8, 8]}},
+        "temperature": 1.0 - 0.1 * it,
+        "logit_scale": 1.0 + it,
+        "lr": 1e-4,
+    }
+
+
+def test_metrics_jsonl_and_writer(tmp_path):
+    writer = FakeWriter()
+    metrics = ElasticMetrics(tmp_path, budgets=[0.5, 1.0], writer=writer)
+    for it in range(3):
+        metrics.log(it, _record(it))
+    lines = (tmp_path / "elastic_metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3
+    first = json.loads(lines[0])
+    assert first["iteration"] == 0
+    assert first["train_loss"] == {"0.5": 2.0, "1": 1.0}
+    assert first["choices"]["0.5"]["mamba_heads"] == [4, 6]
+    assert metrics.history()[2]["temperature"] == pytest.approx(0.8)
+    tags = {(tag, step): value for tag, value, step in writer.calls}
+    assert tags[("loss/budget_0.5", 0)] == 2.0
+    assert tags[("loss/budget_1", 2)] == pytest.approx(1 / 3)
+    assert tags[("valid_loss/budget_1", 1)] == 0.8
+    assert ("valid_loss/budget_1", 0) not in tags
+    assert tags[("budget_loss/budget_0.5", 1)] == 0.1
+    assert tags[("choice/budget_0.5/ffn", 0)] == 128
+    assert tags[("choice/budget_0.5/mamba_heads/layer_1", 0)] == 6
+    assert tags[("temperature", 1)] == pytest.approx(0.9)
+    assert tags[("lr", 2)] == 1e-4
+    assert len(writer.calls) == 3 * 13 + 2  # 13 numeric leaves per record, +2 valid on it=1
+
+
+def test_metrics_plots_without_tensorboard(tmp_path):
+    pytest.importorskip("matplotlib")
+    metrics = ElasticMetrics(tmp_path, budgets=[0.5, 1.0])  # no writer, no tensorboard here
+    assert metrics.plot() == []  # nothing logged yet
+    for it in range(4):
+        metrics.log(it, _record(it))
+    paths = metrics.plot()
+    assert [p.name for p in paths] == ["elastic_loss.png", "elastic_router.png"]
+    for p in paths:
+        assert p.stat().st_size > 1000
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_metrics_choice_fractions_use_full_sizes(tmp_path):
+    metrics = ElasticMetrics(tmp_path, budgets=[0.5, 1.0], writer=FakeWriter(),
+                             full_sizes={"ffn": 512})
+    metrics.log(0, _record(0))
+    fractions = metrics._fractions(metrics.history())
+    assert fractions["ffn"]["0.5"] == ([0], [0.25])  # given full size
+    assert fractions["mamba_heads"]["0.5"] == ([0], [5 / 8])  # per-layer mean / largest seen
