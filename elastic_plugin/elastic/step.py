@@ -3,8 +3,8 @@
 Per iteration: (1) a forward-only pass of the teacher (the frozen original model, or the model
 itself at full budget) over the iteration's micro-batches stores its vocab-parallel logits on the
 last stage; (2) the student pass: every stage draws the micro-batch's budget and router noise from
-``BudgetSampler`` (a pure function of seed, iteration and global micro-batch index, so all ranks of
-a replica agree without talking), activates the router's choice, and the last stage computes
+``BudgetSampler`` (a pure function of seed, iteration and micro-batch index, so all ranks agree
+without talking; data-parallel replicas share the draw, which expert parallelism requires), activates the router's choice, and the last stage computes
 ``KL(teacher || student)`` + the budget loss (+ CE at budget 1.0). Megatron's schedule runs both
 passes (1F1B under PP) and ``finalize_router_grads`` completes the router's gradients.
 """
@@ -64,9 +64,9 @@ class ElasticStep:
     temperature: AnnealSchedule
     logit_scale: AnnealSchedule
     num_microbatches: int
-    data_parallel_rank: int = 0
     teacher_chunks: list[torch.nn.Module] | None = None  # None: the model at full budget
     iteration: int = 1
+    trace: list | None = None  # when a list: (iteration, global micro-batch, budget, choice) per route
     _mb: int = 0
     _teacher_logits: list[torch.Tensor] = field(default_factory=list)
 
@@ -76,7 +76,9 @@ class ElasticStep:
 
     # ------------------------------------------------------------------- choices
     def global_microbatch(self, local: int) -> int:
-        return self.data_parallel_rank * self.num_microbatches + local
+        """The draw key. Every data-parallel replica uses the same budget for its i-th micro-batch:
+        expert parallelism exchanges tokens between DP ranks, which only works at one width."""
+        return local
 
     def budget_index(self, local: int) -> int:
         return self.sampler.budget_index(self.iteration, self.global_microbatch(local))
@@ -92,6 +94,9 @@ class ElasticStep:
         probs = router(encoding, self.temperature.value(self.iteration - 1),
                        self.logit_scale.value(self.iteration - 1), hard, generator)
         self.state.set_choice(probs, self.cfg.mode, with_masks=True)
+        if self.trace is not None:
+            self.trace.append((self.iteration, self.global_microbatch(local), index,
+                               {k: v.detach().argmax(-1).tolist() for k, v in probs.items()}))
         return index, probs
 
     # ------------------------------------------------------------------ teacher
@@ -156,7 +161,8 @@ class ElasticStep:
         return output, partial(self._loss, local, index, probs, batch)
 
     def train_step(self, chunks, optimizer, data_iterator: Iterator[dict] | None,
-                   seq_length: int, micro_batch_size: int) -> dict[str, Any]:
+                   seq_length: int, micro_batch_size: int,
+                   step_optimizer: bool = True) -> dict[str, Any]:
         """Teacher pass, then Megatron's forward-backward + optimizer step on the student."""
         stage_seq = self.sampler.seq_length(self.iteration) or seq_length
         batches = None
@@ -169,6 +175,7 @@ class ElasticStep:
             result = train_step(
                 chunks, optimizer, _Replay(batches) if batches is not None else None,
                 self.num_microbatches, stage_seq, micro_batch_size,
+                step_optimizer=step_optimizer,
                 forward_step_func=self._student_forward_step,
                 finalize_grads_func=finalize_router_grads,
                 reduce_reports=reduce_elastic_reports)

@@ -221,7 +221,6 @@ def train_elastic(
         temperature=AnnealSchedule(*ecfg.router.temperature, anneal),
         logit_scale=AnnealSchedule(*ecfg.router.logit_scale, anneal),
         num_microbatches=num_microbatches,
-        data_parallel_rank=ps.get_data_parallel_rank(),
         teacher_chunks=teacher_chunks,
     )
     router = router_of(chunks[0])

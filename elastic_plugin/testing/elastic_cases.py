@@ -1,0 +1,241 @@
+"""Elastic training under TP/PP/EP/DP vs one rank (rank-pool cases).
+
+Protocol (as ``testing.equivalence``): ``make_elastic_reference`` (1 rank) writes an initial
+"reordered" checkpoint of the tiny model (a random model's order is as good as any importance
+order), then runs elastic steps on fixed micro-batches and saves losses per budget, the router's
+choice per micro-batch and all gradients (model + router, as a dist checkpoint). ``check_elastic``
+(N ranks) loads the same checkpoint into a layout, runs the same steps with the same sampled
+budgets and compares. Data: R micro-batches of 4 rows; under DP=d each rank takes
+its 4/d rows of every micro-batch, and all DP ranks draw the same budget for micro-batch i.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_plugin.testing.equivalence import (
+    _max_diff,
+    load_dist,
+    params_replaced_by,
+    save_dist,
+    tiny_model,
+)
+
+MICRO_BATCH = 4  # rows per micro-batch at DP=1; DP rank r of d takes rows r*4/d ...
+REF_MICROBATCHES = 2
+SEQ_LEN = 32
+STEPS = 3
+ELASTIC = {
+    "budgets": [1.0, 0.77, 0.4],
+    "sizes": {"embedding": [1.0, 0.75, 0.5], "ffn": [1.0, 0.5], "shared_ffn": [1.0, 0.5],
+              "attention_heads": [1.0, 0.5], "mamba_heads": [1.0, 0.5],
+              "mamba_head_dim": [1.0, 0.5], "experts": [1.0, 0.5]},
+    "router": {"hidden_size": 32},
+}
+
+
+def _batches(vocab: int, seed: int, count: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        seq = torch.randint(0, vocab, (MICRO_BATCH, SEQ_LEN + 1), generator=gen)
+        out.append({"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous(),
+                    "loss_mask": torch.ones(MICRO_BATCH, SEQ_LEN),
+                    "position_ids": torch.arange(SEQ_LEN).expand(MICRO_BATCH, SEQ_LEN)})
+    return out
+
+
+def _iteration_batches(vocab: int, iteration: int) -> list[dict[str, torch.Tensor]]:
+    """This DP rank's rows of the iteration's micro-batches."""
+    from megatron.core import parallel_state as ps
+
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    rows = MICRO_BATCH // dp
+    return [{k: v[rank * rows:(rank + 1) * rows] for k, v in b.items()}
+            for b in _batches(vocab, 100 + iteration, REF_MICROBATCHES)]
+
+
+def _experiment(config_path: str, pattern: str | None):
+    from elastic_plugin.models.config import load_config
+
+    cfg = load_config(config_path)
+    model = tiny_model(config_path, pattern)
+    return cfg.__class__(model=model, parallel=cfg.parallel, training=cfg.training, data=cfg.data,
+                         source=cfg.source)
+
+
+def _elastic_config(model, mode: str, heterogeneous: bool):
+    from elastic_plugin.elastic.config import ElasticConfig, model_axes
+
+    axes = model_axes(model)
+    raw = dict(ELASTIC, mode=mode, heterogeneous=heterogeneous,
+               sizes={k: v for k, v in ELASTIC["sizes"].items() if k in axes})
+    if mode == "masked":
+        raw["router"] = {**raw["router"], "hard": False}
+    return ElasticConfig.from_dict(raw)
+
+
+def _setup(config_path: str, workdir: Path, layout, pattern, mode, heterogeneous, seed):
+    """Elastic student (DDP), frozen teacher, optimizer and step driver for ``layout``."""
+    from megatron.core import parallel_state as ps
+
+    from elastic_plugin.checkpointing import build_from_checkpoint
+    from elastic_plugin.elastic.cost import ElasticCost
+    from elastic_plugin.elastic.model import build_elastic_chunks, router_param_groups
+    from elastic_plugin.elastic.router import AnnealSchedule
+    from elastic_plugin.elastic.sampling import BudgetSampler
+    from elastic_plugin.elastic.step import ElasticStep
+    from elastic_plugin.parallel import build_optimizer, initialize_layout
+
+    cfg = _experiment(config_path, pattern)
+    ecfg = _elastic_config(cfg.model, mode, heterogeneous)
+    resolved = ecfg.resolve(cfg.model, layout.tp, layout.ep)
+    initialize_layout(layout, seed=seed)
+    chunks, state, _ = build_elastic_chunks(workdir / "init", layout, resolved)
+    teacher, _, _ = build_from_checkpoint(workdir / "init", layout)
+    for chunk in teacher:
+        chunk.requires_grad_(False)
+    optimizer = build_optimizer(chunks, lr=1e-3, adam_eps=1e-4,
+                                distributed_optimizer=layout.distributed_optimizer,
+                                config_overrides=router_param_groups(1e-3, 1e-3, 10.0))
+    dp = ps.get_data_parallel_world_size()
+    step = ElasticStep(
+        state=state,
+        sampler=BudgetSampler(resolved.budgets, None, seed=5, total_iters=STEPS),
+        cost=ElasticCost(cfg.model, resolved),
+        temperature=AnnealSchedule(1.0, 0.5, STEPS),
+        logit_scale=AnnealSchedule(1.0, 2.0, STEPS),
+        num_microbatches=REF_MICROBATCHES,
+        teacher_chunks=teacher,
+        trace=[],
+    )
+    return cfg, chunks, optimizer, step
+
+
+def _reads_data() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()
+
+
+def _run(cfg, chunks, optimizer, step, grads_out: Path | None, canonical: bool):
+    """STEPS elastic iterations; after the first backward, capture the gradients."""
+    from elastic_plugin.elastic.step import reduce_elastic_reports
+    from elastic_plugin.importance.reorder import canonical_weights
+
+    model = getattr(chunks[0], "module", chunks[0])
+    losses: list[dict[int, list[float]]] = []
+    grads = None
+    for iteration in range(1, STEPS + 1):
+        step.iteration = iteration
+        data = iter(_iteration_batches(cfg.model.vocab_size, iteration)) if _reads_data() else None
+        from megatron.core import parallel_state as ps
+
+        result = step.train_step(chunks, optimizer, data, SEQ_LEN,
+                                 MICRO_BATCH // ps.get_data_parallel_world_size(),
+                                 step_optimizer=False)
+        table = result["loss"] or {}
+        losses.append({i: [a["kd_sum"], a["tokens"], a["budget_loss_sum"], a["count"]]
+                       for i, a in table.items()})
+        if iteration == 1:
+            if grads_out is not None:
+                with params_replaced_by(model, "main_grad"):
+                    save_dist(model, grads_out)
+            else:
+                if chunks[0].ddp_config.use_distributed_optimizer:
+                    from elastic_plugin.testing.equivalence import gather_sharded_grads
+
+                    gather_sharded_grads(chunks[0])
+                with params_replaced_by(model, "main_grad"):
+                    with canonical_weights(model):
+                        grads = {n: p.data.detach().clone() for n, p in model.named_parameters()}
+        optimizer.step()
+    return losses, grads
+
+
+def _gather_losses(losses):
+    """Sum every rank's per-budget sums (DP ranks hold different micro-batches; TP ranks of the
+    last stage hold copies: divide by TP)."""
+    from megatron.core import parallel_state as ps
+
+    out = []
+    for table in losses:
+        packed = torch.zeros(8, 4, dtype=torch.float64)
+        if ps.is_pipeline_last_stage():
+            for index, row in table.items():
+                packed[index] = torch.tensor(row, dtype=torch.float64)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(packed)
+        packed /= ps.get_tensor_model_parallel_world_size()
+        out.append({i: (packed[i, 0] / packed[i, 1]).item() for i in range(8) if packed[i, 1] > 0})
+    return out
+
+
+def make_elastic_reference(config_path: str, workdir: str, pattern: str | None = None,
+                           mode: str = "sliced", heterogeneous: bool = False,
+                           seed: int = 1234) -> dict[str, Any]:
+    """1 rank: the initial checkpoint, then the elastic steps' losses, choices and gradients."""
+    from elastic_plugin.checkpointing import save_checkpoint
+    from elastic_plugin.importance.reorder import STRIDED_ATTR
+    from elastic_plugin.parallel import Layout, build_model_chunks, initialize_layout
+
+    work = Path(workdir)
+    cfg = _experiment(config_path, pattern)
+    initialize_layout(Layout(), seed=seed)
+    chunks, _ = build_model_chunks(cfg.model, Layout(), wrap_ddp=False)
+    setattr(chunks[0], STRIDED_ATTR, True)  # the random order is the "importance" order
+    save_checkpoint(chunks, work / "init", {"kind": "reordered", "config": cfg.to_dict(),
+                                            "layout": asdict(Layout())})
+    cfg, chunks, optimizer, step = _setup(config_path, work, Layout(), pattern, mode,
+                                          heterogeneous, seed)
+    losses, _ = _run(cfg, chunks, optimizer, step, work / "grads", canonical=True)
+    result = {"losses": _gather_losses(losses), "trace": step.trace}
+    (work / "reference.json").write_text(json.dumps(result))
+    return result
+
+
+def check_elastic(config_path: str, workdir: str, tp: int = 1, pp: int = 1, ep: int = 1,
+                  sequence_parallel: bool = False, distributed_optimizer: bool = False,
+                  pattern: str | None = None, mode: str = "sliced", heterogeneous: bool = False,
+                  seed: int = 1234) -> dict[str, Any]:
+    """N ranks: the same elastic steps under a layout; differences vs the reference."""
+    from elastic_plugin.checkpointing import build_from_checkpoint
+    from elastic_plugin.elastic.model import attach_elastic
+    from elastic_plugin.parallel import Layout
+
+    work = Path(workdir)
+    layout = Layout(tp, pp, ep, sequence_parallel, distributed_optimizer)
+    cfg, chunks, optimizer, step = _setup(config_path, work, layout, pattern, mode,
+                                          heterogeneous, seed + 17)
+    losses, grads = _run(cfg, chunks, optimizer, step, None, canonical=True)
+    # the reference gradients, loaded into this layout (canonical order, contiguous shards)
+    ref_chunks, _, _ = build_from_checkpoint(work / "init", layout)
+    ref_model = ref_chunks[0]
+    attach_elastic(ref_model, step.state.resolved, layout.sequence_parallel and tp > 1)
+    load_dist(ref_model, work / "grads")
+    ref_grads = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
+    grad_diff, grad_where = _max_diff(grads, ref_grads)
+    router_keys = [n for n in grads if "elastic_router" in n]
+    router_diff, _ = _max_diff({k: grads[k] for k in router_keys},
+                               {k: ref_grads[k] for k in router_keys})
+    reference = json.loads((work / "reference.json").read_text())
+    return {
+        "rank": dist.get_rank(),
+        "losses": _gather_losses(losses),
+        "ref_losses": [{int(k): v for k, v in t.items()} for t in reference["losses"]],
+        "trace": step.trace,
+        "ref_trace": reference["trace"],
+        "grad_max_abs_diff": grad_diff,
+        "grad_worst_param": grad_where,
+        "grad_max_abs": max(v.abs().max().item() for v in ref_grads.values()),
+        "router_grad_max_abs_diff": router_diff,
+        "router_grad_max_abs": max((ref_grads[k].abs().max().item() for k in router_keys),
+                                   default=0.0),
+        "num_router_params": len(router_keys),
+    }

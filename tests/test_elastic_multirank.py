@@ -1,0 +1,87 @@
+"""Elastic training steps under TP (+SP), PP, EP and DP reproduce one rank: the same budgets and
+router choices per micro-batch, the same per-budget losses over several optimizer steps, and the
+same gradients (model and router) — from one checkpoint resharded by Megatron."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.elastic, pytest.mark.multirank]
+
+CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
+CASES = "elastic_plugin.testing.elastic_cases"
+NO_MOE_PATTERN = "M*-M*-"
+LOSS_RTOL = 1e-4
+GRAD_ATOL = 2e-6
+
+
+@pytest.fixture(scope="module")
+def references(rank_pools, tmp_path_factory):
+    made: dict[tuple, str] = {}
+
+    def get(pattern=None, mode="sliced", heterogeneous=False) -> str:
+        key = (pattern, mode, heterogeneous)
+        if key not in made:
+            work = tmp_path_factory.mktemp("elastic_ref")
+            (info,) = rank_pools.get(1).run(f"{CASES}:make_elastic_reference", config_path=CONFIG,
+                                            workdir=str(work), pattern=pattern, mode=mode,
+                                            heterogeneous=heterogeneous)
+            assert len(info["losses"]) == 3 and info["trace"]
+            made[key] = str(work)
+        return made[key]
+
+    return get
+
+
+def _check(rank_pools, references, world: int, pattern=None, mode="sliced",
+           heterogeneous=False, **layout):
+    work = references(pattern, mode, heterogeneous)
+    results = rank_pools.get(world).run(f"{CASES}:check_elastic", config_path=CONFIG,
+                                        workdir=work, pattern=pattern, mode=mode,
+                                        heterogeneous=heterogeneous, **layout)
+    ref_trace = {(it, mb): (b, c) for it, mb, b, c in results[0]["ref_trace"]}
+    for r in results:
+        # every rank routed its micro-batches exactly as the single rank did
+        assert r["trace"], r
+        for it, mb, budget, choice in r["trace"]:
+            assert ref_trace[(it, mb)] == (budget, choice), (r["rank"], it, mb)
+        assert len(r["losses"]) == len(r["ref_losses"])
+        for got, ref in zip(r["losses"], r["ref_losses"]):
+            assert set(got) == set(ref)
+            for budget, value in ref.items():
+                assert got[budget] == pytest.approx(value, rel=LOSS_RTOL), (r["rank"], got, ref)
+        assert r["grad_max_abs"] > 1e-4, r
+        assert r["grad_max_abs_diff"] <= GRAD_ATOL, r
+        assert r["num_router_params"] > 0
+        assert r["router_grad_max_abs"] > 0, "the router got no gradient"
+        assert r["router_grad_max_abs_diff"] <= GRAD_ATOL * max(1.0, r["router_grad_max_abs"]), r
+    # all ranks of the replica saw the same budgets: traces of one DP rank agree
+    return results
+
+
+def test_tensor_parallel_sequence_parallel(rank_pools, references):
+    _check(rank_pools, references, 2, tp=2, sequence_parallel=True)
+
+
+def test_pipeline_parallel(rank_pools, references):
+    _check(rank_pools, references, 2, pp=2)
+
+
+def test_expert_parallel(rank_pools, references):
+    _check(rank_pools, references, 2, ep=2)
+
+
+def test_data_parallel_distributed_optimizer(rank_pools, references):
+    _check(rank_pools, references, 2, distributed_optimizer=True)
+
+
+def test_masked_mode_tensor_parallel_no_moe(rank_pools, references):
+    _check(rank_pools, references, 2, pattern=NO_MOE_PATTERN, mode="masked", tp=2)
+
+
+@pytest.mark.slow
+def test_heterogeneous_tp_pp_ep_on_4_ranks(rank_pools, references):
+    _check(rank_pools, references, 4, heterogeneous=True, tp=2, pp=2, ep=1,
+           sequence_parallel=True)
