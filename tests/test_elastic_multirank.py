@@ -85,3 +85,29 @@ def test_masked_mode_tensor_parallel_no_moe(rank_pools, references):
 def test_heterogeneous_tp_pp_ep_on_4_ranks(rank_pools, references):
     _check(rank_pools, references, 4, heterogeneous=True, tp=2, pp=2, ep=1,
            sequence_parallel=True)
+
+
+def _assert_same_trace(result):
+    assert result["iterations"] == (3, 6)
+    full, resumed = result["full"], result["resumed"]
+    assert [it for it, _ in full] == list(range(1, 7)) == [it for it, _ in resumed]
+    for (_, a), (_, b) in zip(full, resumed):
+        assert set(a) == set(b)
+        for budget in a:
+            assert b[budget] == pytest.approx(a[budget], rel=1e-6, abs=1e-7), (full, resumed)
+    for budget, value in result["full_valid"].items():
+        assert result["resumed_valid"][budget] == pytest.approx(value, rel=1e-6)
+    assert result["choices_full"] == result["choices_resumed"]
+
+
+def test_stop_and_resume_reproduces_the_loss_trace(rank_pools, tmp_path):
+    (result,) = rank_pools.get(1).run(f"{CASES}:train_and_resume", config_path=CONFIG,
+                                      workdir=str(tmp_path))
+    _assert_same_trace(result)
+
+
+def test_stop_and_resume_under_pipeline_parallel(rank_pools, tmp_path):
+    results = rank_pools.get(2).run(f"{CASES}:train_and_resume", config_path=CONFIG,
+                                    workdir=str(tmp_path), pp=2)
+    for result in results:
+        _assert_same_trace(result)

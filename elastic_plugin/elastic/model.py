@@ -150,4 +150,5 @@ def load_router(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
     module = inner.get_submodule(ROUTER_ATTR)
     sharded = module.sharded_state_dict(prefix=f"{ROUTER_ATTR}.")
     loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
-    module.load_state_dict({k[len(ROUTER_ATTR) + 1:]: v for k, v in loaded.items()})
+    prefix = f"{ROUTER_ATTR}."
+    module.load_state_dict({k[len(prefix):]: v for k, v in loaded.items() if k.startswith(prefix)})

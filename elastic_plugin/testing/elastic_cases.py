@@ -239,3 +239,58 @@ def check_elastic(config_path: str, workdir: str, tp: int = 1, pp: int = 1, ep: 
                                    default=0.0),
         "num_router_params": len(router_keys),
     }
+
+
+def _synthetic_iterator(vocab: int, micro_batch: int, consumed: int):
+    """Micro-batches that depend only on the sample index (what a resumed loader gives)."""
+    from megatron.core import parallel_state as ps
+
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    index = consumed
+    while True:
+        rows = []
+        for _ in range(dp):
+            gen = torch.Generator().manual_seed(10_000 + index)
+            rows.append(torch.randint(0, vocab, (micro_batch, SEQ_LEN + 1), generator=gen))
+            index += micro_batch
+        seq = rows[rank]
+        yield {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous(),
+               "loss_mask": torch.ones(micro_batch, SEQ_LEN),
+               "position_ids": torch.arange(SEQ_LEN).expand(micro_batch, SEQ_LEN)}
+
+
+def train_and_resume(config_path: str, workdir: str, iters: int = 6, stop: int = 3,
+                     tp: int = 1, pp: int = 1, sequence_parallel: bool = False) -> dict[str, Any]:
+    """The loss trace of an uninterrupted run vs. a run stopped after ``stop`` iterations and
+    resumed from its checkpoint (optimizer, LR schedule, router, data position)."""
+    from elastic_plugin.checkpointing import save_checkpoint
+    from elastic_plugin.elastic.train import ElasticSchedule, train_elastic
+    from elastic_plugin.importance.reorder import STRIDED_ATTR
+    from elastic_plugin.parallel import Layout, build_model_chunks, initialize_layout
+
+    work = Path(workdir)
+    cfg = _experiment(config_path, None)
+    if not (work / "init" / "elastic_meta.json").is_file():
+        initialize_layout(Layout(), seed=1234)
+        chunks, _ = build_model_chunks(cfg.model, Layout(), wrap_ddp=False)
+        setattr(chunks[0], STRIDED_ATTR, True)
+        save_checkpoint(chunks, work / "init", {"kind": "reordered", "config": cfg.to_dict()})
+    ecfg = _elastic_config(cfg.model, "sliced", False)
+    layout = Layout(tp=tp, pp=pp, sequence_parallel=sequence_parallel)
+    sched = ElasticSchedule(train_iters=iters, lr=2e-3, min_lr=2e-4, lr_warmup_iters=2,
+                            global_batch_size=8, micro_batch_size=4, seq_length=SEQ_LEN,
+                            log_interval=1, eval_interval=iters, eval_iters=1)
+    make_iter = lambda consumed: _synthetic_iterator(cfg.model.vocab_size, 4, consumed)  # noqa: E731
+    valid = lambda: _synthetic_iterator(cfg.model.vocab_size, 4, 10**6)  # noqa: E731
+    full = train_elastic(cfg, ecfg, layout, work / "init", work / "full", make_iter, valid, sched,
+                         progress=False)
+    part = train_elastic(cfg, ecfg, layout, work / "init", work / "part", make_iter, valid, sched,
+                         progress=False, stop_after=stop)
+    rest = train_elastic(cfg, ecfg, layout, work / "init", work / "part", make_iter, valid, sched,
+                         progress=False, resume=True)
+    trace = lambda run: [(h["iteration"], h["train_loss"]) for h in run.history  # noqa: E731
+                         if "train_loss" in h]
+    return {"full": trace(full), "resumed": trace(part) + trace(rest),
+            "full_valid": full.final_valid, "resumed_valid": rest.final_valid,
+            "choices_full": full.choices, "choices_resumed": rest.choices,
+            "iterations": (part.iterations, rest.iterations)}

@@ -1,0 +1,481 @@
+"""``elastic-plugin elastic-train``: train every nested budget of a reordered checkpoint in one run.
+
+    elastic-plugin elastic-train --ckpt demo_out/checkpoints/reordered --out demo_out
+    torchrun --nproc_per_node 8 -m elastic_plugin.cli elastic-train --ckpt CKPT --out OUT \\
+        --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 4 --resume
+
+Runs as one process or under ``torchrun`` with any TP/PP/EP/DP layout. The model comes from the
+checkpoint; the ``elastic:`` settings from ``--config`` (an experiment YAML) or the checkpoint's own
+config, then ``--elastic-config`` and the ``--elastic-*`` flags. The data is what the teacher was
+trained on (its checkpoint records where) or ``--data-path``. Everything on the command line is
+checked before torch or Megatron is imported, so bad input fails in seconds with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from elastic_plugin.elastic.args import add_elastic_args, elastic_config_from_args
+from elastic_plugin.models.config import ConfigError, ExperimentConfig, config_from_dict, load_config
+from elastic_plugin.training.cli import add_layout_args
+
+EXIT_BAD_INPUT = 2
+PROG = "elastic-plugin elastic-train"
+QUICK_ITERS = 30
+CHECKPOINT_META = "elastic_meta.json"  # = checkpointing.CHECKPOINT_META (that module imports torch)
+DIST_METADATA = "metadata.json"        # Megatron dist checkpoint's own index
+ELASTIC_SUBDIR = ("checkpoints", "elastic")
+
+# ElasticSchedule's defaults (elastic/train.py imports Megatron, which costs ~10 s; the tests
+# check that these stay equal to dataclasses.asdict(ElasticSchedule()))
+SCHEDULE_DEFAULTS: dict[str, Any] = dict(
+    train_iters=300, lr=1e-3, min_lr=1e-4, lr_warmup_iters=10, weight_decay=0.0, clip_grad=1.0,
+    global_batch_size=16, micro_batch_size=16, seq_length=128, log_interval=10, eval_interval=100,
+    eval_iters=4, save_interval=0, seed=1234)
+
+# --flag -> ElasticSchedule field, for flags whose default comes from ElasticSchedule
+_SCHEDULE_FLAGS: tuple[tuple[str, str], ...] = (
+    ("--train-iters", "train_iters"), ("--lr", "lr"), ("--min-lr", "min_lr"),
+    ("--lr-warmup-iters", "lr_warmup_iters"), ("--eval-interval", "eval_interval"),
+    ("--log-interval", "log_interval"), ("--eval-iters", "eval_iters"),
+    ("--save-interval", "save_interval"),
+)
+# --flag -> field whose default comes from the experiment config's training: section
+_TRAINING_FLAGS: tuple[tuple[str, str], ...] = (
+    ("--seq-length", "seq_length"), ("--micro-batch-size", "micro_batch_size"),
+    ("--global-batch-size", "global_batch_size"),
+)
+
+
+def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "elastic-train", help="train all nested budgets of a reordered checkpoint (elastic)",
+        description="Distil every budget of an importance-reordered checkpoint from the frozen "
+        "teacher, with a budget router, in one run (any TP/PP/EP layout). Writes "
+        "OUT/checkpoints/elastic, OUT/elastic_metrics.jsonl and loss/router plots.")
+    parser.add_argument("--ckpt", required=True, metavar="DIR",
+                        help="the importance-reordered checkpoint (elastic-plugin reorder --out)")
+    parser.add_argument("--teacher-ckpt", default=None, metavar="DIR",
+                        help="the frozen teacher (default: --ckpt, which computes the same function)")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="experiment YAML whose elastic: section (and training: defaults) to use; "
+                        "default: the checkpoint's own config")
+    parser.add_argument("--out", default="demo_out", metavar="DIR", help="output folder")
+    sched = parser.add_argument_group("schedule (defaults: the config's training: section for "
+                                      "sequence length and batch sizes, else ElasticSchedule)")
+    sched.add_argument("--train-iters", type=int, default=None)
+    sched.add_argument("--lr", type=float, default=None, help="model learning rate (router: x "
+                       "elastic.router.lr_mult)")
+    sched.add_argument("--min-lr", type=float, default=None)
+    sched.add_argument("--lr-warmup-iters", type=int, default=None)
+    sched.add_argument("--micro-batch-size", type=int, default=None)
+    sched.add_argument("--global-batch-size", type=int, default=None)
+    sched.add_argument("--seq-length", type=int, default=None)
+    sched.add_argument("--eval-interval", type=int, default=None)
+    sched.add_argument("--log-interval", type=int, default=None)
+    sched.add_argument("--eval-iters", type=int, default=None)
+    sched.add_argument("--save-interval", type=int, default=None,
+                       help="checkpoint every N iterations (0: only at the end)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue OUT/checkpoints/elastic if it exists (else start); safe to "
+                        "pass on every (re)submission of a job")
+    parser.add_argument("--stop-after", type=int, default=None, metavar="N",
+                        help="train at most N iterations in this job, checkpoint and exit; "
+                        "rerun with --resume to continue (time-limited jobs)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a short run ({QUICK_ITERS} iterations, evaluation at the end)")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--data-path", default=None, metavar="PREFIX",
+                        help="your Megatron indexed dataset prefix (train); default: the data "
+                        "the checkpoint was trained on")
+    parser.add_argument("--valid-data-path", default=None, metavar="PREFIX")
+    parser.add_argument("--tokenizer", default=None, metavar="FILE",
+                        help="tokenizer.json for --data-path")
+    add_layout_args(parser)
+    add_elastic_args(parser)
+    parser.set_defaults(func=run_elastic_train)
+
+
+# ------------------------------------------------------------------------------ input checks
+@dataclass
+class DataSource:
+    """Where batches come from: a Megatron indexed dataset, or the built-in task (re)prepared."""
+
+    data_path: str | None = None
+    valid_data_path: str | None = None
+    tokenizer: str | None = None
+    prepared: str | None = None  # the teacher's prepared built-in data (reused when complete)
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """``parallel.Layout``'s fields and world check, without importing Megatron (parallel.py
+    does); ``run_elastic_train`` turns it into a Layout."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+
+    def check_world(self, world_size: int) -> None:
+        if world_size % (self.tp * self.pp):
+            raise ConfigError(
+                f"world size {world_size} is not divisible by --tensor-model-parallel-size "
+                f"({self.tp}) x --pipeline-model-parallel-size ({self.pp})")
+        dp = world_size // (self.tp * self.pp)
+        if dp % self.ep:
+            raise ConfigError(f"--expert-model-parallel-size={self.ep} must divide the "
+                              f"data-parallel size {dp} (world {world_size} / TP / PP)")
+
+
+def layout_spec(args: argparse.Namespace, parallel) -> LayoutSpec:
+    """Layout flags over the config's ``parallel:`` section (as ``training.cli.layout_from_args``)."""
+    def pick(flag, default):
+        return default if flag is None else flag
+
+    return LayoutSpec(
+        tp=pick(args.tensor_model_parallel_size, parallel.tensor_model_parallel_size),
+        pp=pick(args.pipeline_model_parallel_size, parallel.pipeline_model_parallel_size),
+        ep=pick(args.expert_model_parallel_size, parallel.expert_model_parallel_size),
+        sequence_parallel=pick(args.sequence_parallel, parallel.sequence_parallel),
+        distributed_optimizer=pick(args.use_distributed_optimizer, parallel.use_distributed_optimizer),
+    )
+
+
+@dataclass
+class ElasticInputs:
+    """A fully checked command line (checking it imported no Megatron)."""
+
+    cfg: ExperimentConfig
+    ecfg: Any                 # ElasticConfig
+    resolved: Any             # ResolvedElastic
+    layout: LayoutSpec
+    schedule: dict[str, Any]  # ElasticSchedule fields
+    student: Path
+    teacher: Path | None
+    out: Path
+    data: DataSource
+    finished: dict[str, Any] | None = None  # --resume of a run that already reached train_iters
+
+
+def _warn(message: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{PROG}: warning: {message}", file=sys.stderr)
+
+
+def _checkpoint_meta(path: str | Path, flag: str) -> dict[str, Any]:
+    """The metadata of a complete checkpoint written by this plugin, or a ConfigError naming ``flag``."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"{flag} {path}: no such checkpoint directory")
+    if not (path / CHECKPOINT_META).is_file() or not (path / DIST_METADATA).is_file():
+        raise ConfigError(f"{flag} {path}: not a complete checkpoint (needs {CHECKPOINT_META} and "
+                          f"{DIST_METADATA}; an interrupted save leaves only {path.name}.tmp)")
+    try:
+        meta = json.loads((path / CHECKPOINT_META).read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{flag} {path}: unreadable {CHECKPOINT_META}: {exc}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+        raise ConfigError(f"{flag} {path}: {CHECKPOINT_META} has no experiment config")
+    return meta
+
+
+def _model_difference(a, b) -> str | None:
+    for f in dataclasses.fields(a):
+        if getattr(a, f.name) != getattr(b, f.name):
+            return f"model.{f.name}: {getattr(a, f.name)!r} vs {getattr(b, f.name)!r}"
+    return None
+
+
+def _experiment_config(args: argparse.Namespace, meta: dict[str, Any]
+                       ) -> tuple[ExperimentConfig, dict[str, Any], str]:
+    """(config, raw elastic: section, its source): the model is always the checkpoint's."""
+    ckpt_cfg = config_from_dict(meta["config"], source=f"--ckpt {args.ckpt}/{CHECKPOINT_META}")
+    if not args.config:
+        return ckpt_cfg, ckpt_cfg.elastic, f"--ckpt {args.ckpt}/{CHECKPOINT_META}"
+    cfg = load_config(args.config)
+    diff = _model_difference(cfg.model, ckpt_cfg.model)
+    if diff:
+        raise ConfigError(f"--config {args.config}: its model differs from the checkpoint's "
+                          f"({diff}); the model always comes from --ckpt")
+    return cfg, cfg.elastic, f"--config {args.config}"
+
+
+def _positive_flags(args: argparse.Namespace) -> None:
+    for flag, _ in (*_SCHEDULE_FLAGS, *_TRAINING_FLAGS, ("--stop-after", "")):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        low = 0 if flag == "--save-interval" else 1
+        if value is not None and not value >= low:
+            raise ConfigError(f"{flag}={value} must be {'>= 0' if low == 0 else '> 0'}")
+    for flag in ("--lr", "--min-lr"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not value >= 0:
+            raise ConfigError(f"{flag}={value} must be >= 0")
+
+
+def _schedule(args: argparse.Namespace, cfg: ExperimentConfig) -> dict[str, Any]:
+    """ElasticSchedule fields: flags > --quick > config training: (sizes, seed) > ElasticSchedule."""
+    values = dict(SCHEDULE_DEFAULTS)
+    t = cfg.training
+    values.update(seq_length=t.seq_length, micro_batch_size=t.micro_batch_size,
+                  global_batch_size=t.global_batch_size, seed=t.seed)
+    if args.quick:
+        iters = args.train_iters or QUICK_ITERS
+        values.update(train_iters=iters, eval_interval=iters, log_interval=min(10, iters),
+                      eval_iters=2, lr_warmup_iters=min(values["lr_warmup_iters"], iters // 3))
+    for flag, name in (*_SCHEDULE_FLAGS, *_TRAINING_FLAGS):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            values[name] = value
+    if values["min_lr"] > values["lr"]:
+        raise ConfigError(f"--min-lr={values['min_lr']} must be <= --lr={values['lr']}")
+    return values
+
+
+def _check_schedule(sched: dict[str, Any], cfg: ExperimentConfig, ecfg, layout, world: int) -> None:
+    seq = sched["seq_length"]
+    if seq > cfg.model.max_sequence_length:
+        raise ConfigError(f"--seq-length={seq} exceeds model.max_sequence_length="
+                          f"{cfg.model.max_sequence_length}")
+    for i, stage in enumerate(ecfg.curriculum):
+        if stage.seq_length and stage.seq_length > seq:
+            raise ConfigError(f"elastic.curriculum[{i}].seq_length={stage.seq_length} exceeds "
+                              f"--seq-length={seq}; stages train on a prefix of each sequence, so "
+                              f"raise --seq-length to the longest stage")
+    dp = world // (layout.tp * layout.pp)
+    mbs, gbs = sched["micro_batch_size"], sched["global_batch_size"]
+    if gbs % (mbs * dp):
+        raise ConfigError(f"--global-batch-size={gbs} must be a multiple of --micro-batch-size="
+                          f"{mbs} x data-parallel size {dp} (world {world} / TP {layout.tp} / "
+                          f"PP {layout.pp})")
+
+
+def _check_layout(cfg: ExperimentConfig, layout, meta: dict[str, Any], ckpt: str) -> None:
+    cfg.model.check_parallel(layout.tp, layout.pp, layout.ep)
+    if layout.tp > 1 and cfg.model.count("moe") and not layout.sequence_parallel:
+        raise ConfigError("MoE layers with --tensor-model-parallel-size > 1 need "
+                          "--sequence-parallel (Megatron-Core refuses to train them otherwise)")
+    layout.check_world(int(os.environ.get("WORLD_SIZE", "1")))
+    if meta.get("reordered"):
+        return
+    if layout.tp > 1 or layout.ep > 1:
+        raise ConfigError(
+            f"--ckpt {ckpt} is not importance-reordered; with tensor/expert parallel size > 1 the "
+            f"nested widths need the reordered (strided) layout: run `elastic-plugin importance "
+            f"--ckpt {ckpt} --out scores.pt` and `elastic-plugin reorder --ckpt {ckpt} --scores "
+            f"scores.pt --out REORDERED`, then pass --ckpt REORDERED")
+    _warn(f"--ckpt {ckpt} is not importance-reordered; the nested models will be the first "
+          f"channels in their original order (run `elastic-plugin reorder` first)")
+
+
+def _data_source(args: argparse.Namespace, meta: dict[str, Any]) -> DataSource:
+    """--data-path, else the teacher's data as its checkpoint records it, else re-prepare the task."""
+    if args.data_path:
+        for flag, value in (("--data-path", args.data_path), ("--valid-data-path", args.valid_data_path)):
+            if value and not Path(value + ".idx").is_file():
+                raise ConfigError(f"{flag} {value}: no {value}.idx / .bin (a Megatron indexed dataset prefix)")
+        if not args.tokenizer or not Path(args.tokenizer).is_file():
+            raise ConfigError(f"--tokenizer {args.tokenizer}: --data-path needs an existing tokenizer.json")
+        return DataSource(args.data_path, args.valid_data_path, args.tokenizer)
+    if args.valid_data_path or args.tokenizer:
+        raise ConfigError("--valid-data-path and --tokenizer go with --data-path")
+    data = meta.get("data") or {}
+    if data.get("data_path"):
+        prefixes = (data["data_path"], data.get("valid_data_path") or data["data_path"])
+        tokenizer = meta.get("tokenizer")
+        if not all(Path(p + ".idx").is_file() for p in prefixes) or not tokenizer \
+                or not Path(tokenizer).is_file():
+            raise ConfigError(f"--ckpt {args.ckpt} was trained on {data['data_path']} (tokenizer "
+                              f"{tokenizer}), which is not readable here; pass --data-path and "
+                              f"--tokenizer")
+        return DataSource(prefixes[0], prefixes[1], tokenizer)
+    prepared = data.get("prepared")
+    if prepared and Path(prepared).is_dir():
+        return DataSource(prepared=str(prepared))
+    return DataSource()  # the built-in task, prepared again from the config's data: section
+
+
+def _check_resume(args: argparse.Namespace, out: Path, ecfg, layout, sched: dict[str, Any]
+                  ) -> dict[str, Any] | None:
+    """A resumable run must match the saved one; returns the saved meta when already finished."""
+    ckpt = out.joinpath(*ELASTIC_SUBDIR)
+    if not (ckpt / CHECKPOINT_META).is_file():
+        if ckpt.exists() and not args.resume:
+            raise ConfigError(f"--out {out}: {ckpt} exists but is incomplete; remove it or pass --resume")
+        return None
+    if not args.resume:
+        raise ConfigError(f"--out {out} already holds an elastic checkpoint ({ckpt}); pass --resume "
+                          f"to continue it, or choose another --out")
+    meta = _checkpoint_meta(ckpt, "--resume:")
+    saved_layout = meta.get("layout") or {}
+    if saved_layout != dataclasses.asdict(layout):
+        raise ConfigError(f"--resume: {ckpt} was written with layout {saved_layout}; resume with the "
+                          f"same layout flags (optimizer state is not resharded)")
+    saved_elastic = (meta.get("config") or {}).get("elastic")
+    if saved_elastic != ecfg.to_dict():
+        changed = sorted(k for k in ecfg.to_dict() if (saved_elastic or {}).get(k) != ecfg.to_dict()[k])
+        raise ConfigError(f"--resume: {ckpt} was trained with other elastic settings "
+                          f"(elastic.{', elastic.'.join(changed)}); resume with the same "
+                          f"--config / --elastic-* flags")
+    saved = meta.get("scheduler") or {}
+    expected = {"max_lr": ("--lr", sched["lr"]), "min_lr": ("--min-lr", sched["min_lr"]),
+                "lr_decay_steps": ("--train-iters", sched["train_iters"])}
+    for key, (flag, value) in expected.items():
+        if key in saved and float(saved[key]) != float(value):
+            raise ConfigError(f"--resume: {ckpt} was trained with {flag} {saved[key]:g}, not "
+                              f"{value:g}; resume with the same schedule")
+    if int(meta.get("iteration", 0)) >= sched["train_iters"]:
+        return meta
+    return None
+
+
+def _checked_inputs(args: argparse.Namespace) -> ElasticInputs:
+    """Everything that can be wrong with the command line, found before any heavy import."""
+    meta = _checkpoint_meta(args.ckpt, "--ckpt")
+    cfg, base, source = _experiment_config(args, meta)
+    _positive_flags(args)
+    ecfg = elastic_config_from_args(args, base=base, base_source=source)
+    layout = layout_spec(args, cfg.parallel)
+    _check_layout(cfg, layout, meta, args.ckpt)
+    resolved = ecfg.resolve(cfg.model, layout.tp, layout.ep)
+    if ecfg.mode == "sliced" and not ecfg.router.hard:
+        raise ConfigError("--elastic-soft-masks needs --elastic-mode masked (elastic.mode=sliced "
+                          "slices each budget's weights, which needs hard router choices)")
+    teacher = None
+    if ecfg.teacher == "frozen":
+        teacher = Path(args.teacher_ckpt or args.ckpt)
+        tmeta = _checkpoint_meta(teacher, "--teacher-ckpt")
+        tcfg = config_from_dict(tmeta["config"], source=f"--teacher-ckpt {teacher}/{CHECKPOINT_META}")
+        diff = _model_difference(tcfg.model, cfg.model)
+        if diff:
+            raise ConfigError(f"--teacher-ckpt {teacher}: another architecture than --ckpt ({diff})")
+    elif args.teacher_ckpt:
+        raise ConfigError("--teacher-ckpt is unused with --elastic-teacher self (the model at full "
+                          "budget is its own teacher)")
+    sched = _schedule(args, cfg)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    _check_schedule(sched, cfg, ecfg, layout, world)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a directory")
+    finished = _check_resume(args, out, ecfg, layout, sched)
+    data = _data_source(args, meta)
+    covered = sum(stage.iters for stage in ecfg.curriculum)
+    if covered > sched["train_iters"]:
+        _warn(f"elastic.curriculum covers {covered} iterations but the run has "
+              f"{sched['train_iters']}; later stages will not run")
+    return ElasticInputs(cfg, ecfg, resolved, layout, sched, Path(args.ckpt), teacher, out, data,
+                         finished)
+
+
+# ------------------------------------------------------------------------------ the run
+def _error(exc: Exception) -> int:
+    print(f"{PROG}: error: {exc}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _finished_summary(inputs: ElasticInputs) -> dict[str, Any]:
+    """``--resume`` of a run that already reached --train-iters: report it, train nothing
+    (a requeued job that had finished must not fail)."""
+    meta = inputs.finished or {}
+    metrics = inputs.out / "elastic_metrics.jsonl"
+    valid: dict[str, float] = {}
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            record = json.loads(line) if line.strip() else {}
+            valid = record.get("valid_loss") or valid
+    plots = [str(p) for p in (inputs.out / "elastic_loss.png", inputs.out / "elastic_router.png")
+             if p.is_file()]
+    return {"checkpoint": str(inputs.out.joinpath(*ELASTIC_SUBDIR)),
+            "iterations": int(meta.get("iteration", 0)), "already_finished": True,
+            "valid_loss": valid, "teacher_valid_loss": meta.get("teacher_valid_loss"),
+            "choices": (meta.get("elastic") or {}).get("choices"), "plots": plots, "seconds": 0.0}
+
+
+def _data_feed(inputs: ElasticInputs, layout, progress: bool):
+    """The teacher run's data feed (``training.data_feed``) sized for this schedule."""
+    from elastic_plugin.data.prepare import PreparedData
+    from elastic_plugin.training.data_feed import build_data_feed
+
+    s = inputs.schedule
+    training = dataclasses.replace(
+        inputs.cfg.training, seq_length=s["seq_length"], micro_batch_size=s["micro_batch_size"],
+        global_batch_size=s["global_batch_size"], train_iters=s["train_iters"],
+        eval_iters=s["eval_iters"], seed=s["seed"])
+    cfg = dataclasses.replace(inputs.cfg, training=training)
+    src = inputs.data
+    if src.prepared:
+        try:
+            prepared = PreparedData.load(src.prepared)
+            src = DataSource(prepared.train_prefix, prepared.valid_prefix, prepared.tokenizer_path)
+        except ValueError:  # incomplete: prepare the built-in task again from the config
+            src = DataSource()
+    return build_data_feed(cfg, inputs.out, layout, data_path=src.data_path,
+                           valid_data_path=src.valid_data_path, tokenizer_path=src.tokenizer,
+                           progress=progress)
+
+
+def summary(run, train_iters: int) -> dict[str, Any]:
+    """What rank 0 prints: where the checkpoint is and how every budget did."""
+    last_train = next((h["train_loss"] for h in reversed(run.history) if h.get("train_loss")), {})
+    out = {"checkpoint": run.checkpoint_dir, "iterations": run.iterations,
+           "train_loss": last_train, "valid_loss": run.final_valid,
+           "teacher_valid_loss": run.teacher_valid, "choices": run.choices, "plots": run.plots,
+           "seconds": round(run.seconds, 1)}
+    if run.iterations < train_iters:
+        out["stopped_at"] = f"{run.iterations}/{train_iters}: rerun with --resume to continue"
+    return out
+
+
+def run_elastic_train(args: argparse.Namespace) -> int:
+    try:
+        inputs = _checked_inputs(args)
+    except ConfigError as exc:
+        return _error(exc)
+    if inputs.finished is not None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(_finished_summary(inputs), indent=2))
+        return 0
+    from elastic_plugin.compat import enable_cpu_megatron
+    from elastic_plugin.parallel import Layout, init_distributed
+
+    enable_cpu_megatron()
+    init_distributed()
+    import torch.distributed as dist
+
+    from elastic_plugin.data.indexed import batch_iterator
+    from elastic_plugin.elastic.train import ElasticSchedule, train_elastic
+
+    layout = Layout(**dataclasses.asdict(inputs.layout))
+    sched = ElasticSchedule(**inputs.schedule)
+    progress = not args.no_progress
+    try:
+        sched.check()
+        feed = _data_feed(inputs, layout, progress)
+        if feed.vocab_size > inputs.cfg.model.vocab_size:
+            raise ConfigError(f"the tokenizer has {feed.vocab_size} tokens but the checkpoint's "
+                              f"model.vocab_size={inputs.cfg.model.vocab_size}")
+
+        def train_iterator(consumed_samples: int):
+            return batch_iterator(feed.train_dataset, sched.micro_batch_size, seed=sched.seed,
+                                  consumed_samples=consumed_samples)
+
+        run = train_elastic(inputs.cfg, inputs.ecfg, layout, inputs.student, inputs.out,
+                            train_iterator, feed.valid_iterator, sched,
+                            teacher_ckpt=inputs.teacher, resume=args.resume, progress=progress,
+                            stop_after=args.stop_after)
+    except ConfigError as exc:  # found after start-up; every rank finds it alike
+        dist.destroy_process_group()
+        return _error(exc)
+    if dist.get_rank() == 0:
+        print(json.dumps(summary(run, sched.train_iters), indent=2))
+    dist.destroy_process_group()
+    return 0
