@@ -109,7 +109,7 @@ def row_parallel_forward(module, input_: torch.Tensor, out_index: Index = None,
         gradient_accumulation_fusion=module.gradient_accumulation_fusion and weight is module.weight,
         allreduce_dgrad=False,
         sequence_parallel=False,
-        tp_group=None,
+        tp_group=module.tp_group,  # unused without SP/all-reduce; avoids Megatron's deprecation
         grad_output_buffer=None,
     )
     if module.explicit_expert_comm:
