@@ -111,3 +111,17 @@ def test_stop_and_resume_under_pipeline_parallel(rank_pools, tmp_path):
                                     workdir=str(tmp_path), pp=2)
     for result in results:
         _assert_same_trace(result)
+
+
+def test_every_rank_routes_identically_over_many_steps(rank_pools, tmp_path):
+    """TP=2 x PP=2, heterogeneous (per-layer) router: 50 iterations x 2 micro-batches, the same
+    budget and the same per-layer choice on all four ranks, and budgets actually vary."""
+    results = rank_pools.get(4).run(f"{CASES}:route_trace", config_path=CONFIG,
+                                    workdir=str(tmp_path), iters=50, tp=2, pp=2,
+                                    sequence_parallel=True)
+    assert sorted((pp, tp) for pp, tp, _ in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    traces = [trace for _, _, trace in results]
+    assert len(traces[0]) == 100
+    for trace in traces[1:]:
+        assert trace == traces[0]
+    assert len({budget for _, _, budget, _ in traces[0]}) == 3

@@ -444,6 +444,11 @@ def run_elastic_train(args: argparse.Namespace) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps(_finished_summary(inputs), indent=2))
         return 0
+    return _train(inputs, args)
+
+
+def _train(inputs: ElasticInputs, args: argparse.Namespace) -> int:
+    """The heavy part: process group, data, model, training (every rank)."""
     from elastic_plugin.compat import enable_cpu_megatron
     from elastic_plugin.parallel import Layout, init_distributed
 

@@ -294,3 +294,29 @@ def train_and_resume(config_path: str, workdir: str, iters: int = 6, stop: int =
             "full_valid": full.final_valid, "resumed_valid": rest.final_valid,
             "choices_full": full.choices, "choices_resumed": rest.choices,
             "iterations": (part.iterations, rest.iterations)}
+
+
+def route_trace(config_path: str, workdir: str, iters: int = 50, tp: int = 1, pp: int = 1,
+                sequence_parallel: bool = False) -> list:
+    """Router choices of ``iters`` iterations x micro-batches on this rank (no model compute)."""
+    from megatron.core import parallel_state as ps
+
+    from elastic_plugin.checkpointing import save_checkpoint
+    from elastic_plugin.importance.reorder import STRIDED_ATTR
+    from elastic_plugin.parallel import Layout, build_model_chunks, initialize_layout
+
+    work = Path(workdir)
+    cfg = _experiment(config_path, None)
+    initialize_layout(Layout(), seed=1234)
+    chunks, _ = build_model_chunks(cfg.model, Layout(), wrap_ddp=False)
+    setattr(chunks[0], STRIDED_ATTR, True)
+    save_checkpoint(chunks, work / "init", {"kind": "reordered", "config": cfg.to_dict()})
+    layout = Layout(tp=tp, pp=pp, sequence_parallel=sequence_parallel)
+    _, chunks, _, step = _setup(config_path, work, layout, None, "sliced", True, seed=99)
+    step.sampler = step.sampler.__class__(step.sampler.budgets, None, seed=5, total_iters=iters)
+    for iteration in range(1, iters + 1):
+        step.iteration = iteration
+        for local in range(step.num_microbatches):
+            step.route(chunks[0], local)
+    step.state.clear()
+    return [ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(), step.trace]
