@@ -125,3 +125,15 @@ def test_every_rank_routes_identically_over_many_steps(rank_pools, tmp_path):
     for trace in traces[1:]:
         assert trace == traces[0]
     assert len({budget for _, _, budget, _ in traces[0]}) == 3
+
+
+def test_self_teacher_and_router_lr_group(rank_pools, tmp_path):
+    (result,) = rank_pools.get(1).run(f"{CASES}:self_teacher_and_param_groups",
+                                      config_path=CONFIG, workdir=str(tmp_path))
+    assert result["kd_first"] == pytest.approx(0.0, abs=1e-6)   # full choice vs itself
+    assert result["kd_second"] > 1e-4                             # a drawn (smaller) choice
+    router = [g for g in result["groups"] if g["router"]]
+    others = [g for g in result["groups"] if not g["router"]]
+    assert router and others
+    assert all(g["max_lr"] == pytest.approx(1e-2) for g in router)   # 1e-3 x lr_mult 10
+    assert all(g["max_lr"] in (None, pytest.approx(1e-3)) for g in others)

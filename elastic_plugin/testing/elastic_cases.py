@@ -320,3 +320,48 @@ def route_trace(config_path: str, workdir: str, iters: int = 50, tp: int = 1, pp
             step.route(chunks[0], local)
     step.state.clear()
     return [ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(), step.trace]
+
+
+def self_teacher_and_param_groups(config_path: str, workdir: str) -> dict[str, Any]:
+    """teacher=self: the teacher pass is the model at full budget (so the full choice has zero
+    KD loss); the router sits in its own optimizer group at lr x lr_mult."""
+    from elastic_plugin.checkpointing import save_checkpoint
+    from elastic_plugin.elastic.model import router_of
+    from elastic_plugin.importance.reorder import STRIDED_ATTR
+    from elastic_plugin.parallel import Layout, build_model_chunks, initialize_layout
+
+    work = Path(workdir)
+    cfg = _experiment(config_path, None)
+    initialize_layout(Layout(), seed=1234)
+    chunks, _ = build_model_chunks(cfg.model, Layout(), wrap_ddp=False)
+    setattr(chunks[0], STRIDED_ATTR, True)
+    save_checkpoint(chunks, work / "init", {"kind": "reordered", "config": cfg.to_dict()})
+    _, chunks, optimizer, step = _setup(config_path, work, Layout(), None, "sliced", False, 1234)
+    step.teacher_chunks = None
+    full_index = []
+    original = step.route
+
+    def route_full_or_drawn(model, local):
+        index, probs = original(model, local)
+        if local == 0:  # force micro-batch 0 onto the full model: largest candidate everywhere
+            for p in probs.values():
+                p.data.zero_()
+                p.data[..., 0] = 1.0
+            step.state.set_choice(probs, "sliced", with_masks=True)
+            full_index.append(index)
+        return index, probs
+
+    step.route = route_full_or_drawn
+    step.iteration = 1
+    data = iter(_iteration_batches(cfg.model.vocab_size, 1))
+    result = step.train_step(chunks, optimizer, data, SEQ_LEN, MICRO_BATCH, step_optimizer=False)
+    reports = result["reports"]
+    router_ids = {id(p) for p in router_of(chunks[0]).parameters()}
+    groups = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in opt.param_groups:
+            has_router = any(id(getattr(p, "_model_param", p)) in router_ids or
+                             getattr(p, "elastic_router", False) for p in group["params"])
+            groups.append({"router": has_router, "max_lr": group.get("max_lr")})
+    return {"kd_first": float(reports[0]["elastic"][0]), "kd_second": float(reports[1]["elastic"][0]),
+            "groups": groups}

@@ -1,0 +1,200 @@
+"""Zero-shot extraction: the sliced weights of the elastic tiny model, loaded into a plain smaller
+Megatron HybridModel (``model_for_choice``), give the elastic model's logits at that choice;
+parameter counts match ``counting``; per-layer choices give per-layer shapes; bad choices fail."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.elastic]
+
+CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml"
+SIZES = {"embedding": [128, 96, 64], "ffn": [256, 128], "shared_ffn": [128, 64],
+         "attention_heads": [4, 2], "mamba_heads": [8, 4], "mamba_head_dim": [16, 8],
+         "experts": [8, 4]}
+SMALL = {"embedding": 64, "ffn": 128, "shared_ffn": 64, "attention_heads": 2, "mamba_heads": 4,
+         "mamba_head_dim": 8, "experts": 4}
+CHOICES = [{"embedding": 96}, {"embedding": 64}, {"ffn": 128}, {"shared_ffn": 64},
+           {"attention_heads": 2}, {"mamba_heads": 4}, {"mamba_head_dim": 8}, {"experts": 4},
+           SMALL, {**SMALL, "embedding": 96, "mamba_head_dim": 12, "experts": 2}]
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from elastic_plugin.compat import enable_cpu_megatron
+    from elastic_plugin.elastic.config import ElasticConfig
+    from elastic_plugin.elastic.modules import elastify
+    from elastic_plugin.elastic.state import ElasticState, RankInfo
+    from elastic_plugin.models.config import load_config
+    from elastic_plugin.parallel import Layout, build_model_chunks, init_distributed, initialize_layout
+
+    enable_cpu_megatron()
+    init_distributed()
+    initialize_layout(Layout(), seed=7)
+    cfg = load_config(CONFIG).model
+    model = build_model_chunks(cfg, Layout(), wrap_ddp=False)[0][0]
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # no constant tensors (norms = 1, D = 1, bias = 0): a wrong slice shows
+        for tensor in [*model.parameters(), model.decoder.layers[2].mlp.router.expert_bias,
+                       model.decoder.layers[6].mlp.router.expert_bias]:
+            tensor.add_(0.1 * torch.randn(tensor.shape, generator=gen))
+    resolved = ElasticConfig.from_dict({"budgets": [1.0, 0.5], "sizes": SIZES}).resolve(cfg)
+    state = ElasticState(resolved, RankInfo(), groups={"attention_heads": cfg.query_groups,
+                                                       "mamba_heads": cfg.mamba_num_groups})
+    elastify(model, state)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=gen)
+    position = torch.arange(40).expand(2, 40)
+    return cfg, model, state, resolved, tokens, position
+
+
+def _plain(model_cfg):
+    from elastic_plugin.parallel import Layout, build_model_chunks
+
+    return build_model_chunks(model_cfg, Layout(), wrap_ddp=False)[0][0]
+
+
+def _param_count(sliced: dict, module: torch.nn.Module) -> int:
+    buffers = {name for name, _ in module.named_buffers()}
+    return sum(v.numel() for k, v in sliced.items()
+               if torch.is_tensor(v) and k not in buffers and not k.endswith("_extra_state"))
+
+
+@pytest.mark.parametrize("choice", CHOICES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_sliced_plain_model_equals_elastic(setup, choice):
+    from elastic_plugin.elastic.cost import model_for_choice
+    from elastic_plugin.elastic.slicing import sliced_state_dict
+    from elastic_plugin.models.counting import count_parameters
+
+    cfg, model, state, _, tokens, position = setup
+    state.clear()
+    with torch.no_grad():
+        full = model(tokens, position, None)
+        state.set_sizes(choice)
+        elastic = model(tokens, position, None)
+    state.clear()
+    small_cfg = model_for_choice(cfg, choice)
+    sliced = sliced_state_dict(model, cfg, choice)
+    plain = _plain(small_cfg)
+    assert set(sliced) == set(plain.state_dict())
+    plain.load_state_dict(sliced, strict=True)
+    with torch.no_grad():
+        out = plain(tokens, position, None)
+    diff = (out - elastic).abs().max().item()
+    print(f"{choice}: max |plain - elastic| = {diff:.2e}")
+    assert out.shape == elastic.shape == full.shape
+    assert diff <= TOL
+    assert (elastic - full).abs().max() > 1e-3  # the choice really changed the model
+    assert _param_count(sliced, plain) == count_parameters(small_cfg).total
+    assert sum(p.numel() for p in plain.parameters()) == count_parameters(small_cfg).total
+
+
+def test_full_choice_is_the_original(setup):
+    from elastic_plugin.elastic.cost import model_for_choice
+    from elastic_plugin.elastic.slicing import sliced_state_dict
+
+    cfg, model, state, resolved, tokens, position = setup
+    full_choice = resolved.full_choice()
+    original = model.state_dict()
+    sliced = sliced_state_dict(model, cfg, full_choice)
+    assert sliced.keys() == original.keys()
+    for key, value in original.items():
+        if torch.is_tensor(value):
+            assert torch.equal(sliced[key], value), key
+            assert sliced[key].data_ptr() != value.data_ptr()  # a copy, not a view
+    assert sliced_state_dict(model, cfg, {}).keys() == original.keys()
+    plain = _plain(model_for_choice(cfg, full_choice))
+    plain.load_state_dict(sliced, strict=True)
+    state.clear()
+    with torch.no_grad():
+        reference = model(tokens, position, None)
+        out = plain(tokens, position, None)
+    assert (out - reference).abs().max().item() <= TOL
+
+
+def test_heterogeneous_shapes(setup):
+    """Per-layer sizes: each layer's shapes follow its size, and its tensors are those of the
+    homogeneous extraction at that size; the parameter count is the cost model's."""
+    from elastic_plugin.elastic.cost import ElasticCost
+    from elastic_plugin.elastic.slicing import sliced_state_dict
+
+    cfg, model, _, resolved, _, _ = setup
+    spec = resolved.axes
+    assert spec["mamba_heads"].layers == (1, 5) and spec["attention_heads"].layers == (2, 6)
+    assert spec["experts"].layers == (3, 7) and spec["ffn"].layers == (4, 8)
+    choice = {"embedding": 96, "mamba_heads": [4, 8], "mamba_head_dim": [16, 8],
+              "attention_heads": [2, 4], "experts": [8, 4], "shared_ffn": [64, 128],
+              "ffn": [128, 256]}
+    sliced = sliced_state_dict(model, cfg, choice)
+    h, g, n, d = 96, cfg.mamba_num_groups, cfg.mamba_state_dim, cfg.head_dim
+    shape = lambda key: tuple(sliced[f"decoder.layers.{key}"].shape)  # noqa: E731
+    for i, (nh, p) in enumerate([(4, 16), (8, 8)]):
+        layer = (0, 4)[i]
+        assert shape(f"{layer}.mixer.in_proj.weight") == (2 * nh * p + 2 * g * n + nh, h)
+        assert shape(f"{layer}.mixer.conv1d_weight") == (nh * p + 2 * g * n, 1, cfg.mamba_conv_kernel)
+        assert shape(f"{layer}.mixer.A_log") == shape(f"{layer}.mixer.dt_bias") == (nh,)
+        assert shape(f"{layer}.mixer.norm.weight") == (nh * p,)
+        assert shape(f"{layer}.mixer.out_proj.weight") == (h, nh * p)
+    for layer, heads in ((1, 2), (5, 4)):
+        assert shape(f"{layer}.self_attention.linear_qkv.weight") == ((heads + 2 * 2) * d, h)
+        assert shape(f"{layer}.self_attention.linear_proj.weight") == (h, heads * d)
+    for layer, experts, shared in ((2, 8, 64), (6, 4, 128)):
+        assert shape(f"{layer}.mlp.router.weight") == (experts, h)
+        assert shape(f"{layer}.mlp.router.expert_bias") == (experts,)
+        names = {k.split(".")[5] for k in sliced if k.startswith(f"decoder.layers.{layer}.mlp.experts.")}
+        assert names == {str(j) for j in range(experts)}
+        assert shape(f"{layer}.mlp.shared_experts.linear_fc1.weight") == (shared, h)
+        assert shape(f"{layer}.mlp.shared_experts.linear_fc2.weight") == (h, shared)
+    for layer, ffn in ((3, 128), (7, 256)):
+        assert shape(f"{layer}.mlp.linear_fc1.weight") == (ffn, h)
+        assert shape(f"{layer}.mlp.linear_fc2.weight") == (h, ffn)
+
+    # each layer = the homogeneous extraction at that layer's sizes
+    per_layer = [{k: v[i] if isinstance(v, list) else v for k, v in choice.items()} for i in (0, 1)]
+    homogeneous = [sliced_state_dict(model, cfg, c) for c in per_layer]
+    layer_index = {0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1, 6: 1, 7: 1}
+    for key, value in sliced.items():
+        if not torch.is_tensor(value):
+            continue
+        index = layer_index[int(key.split(".")[2])] if key.startswith("decoder.layers.") else 0
+        assert torch.equal(value, homogeneous[index][key]), key
+
+    cost = ElasticCost(cfg, resolved, metric="total_params")
+    count = sum(v.numel() for k, v in sliced.items() if torch.is_tensor(v)
+                and not k.endswith("expert_bias"))
+    assert count == cost.of_choice(choice)
+
+
+@pytest.mark.parametrize("choice, axis", [
+    ({"attention_heads": 3}, "attention_heads"),   # not a multiple of the 2 query groups
+    ({"mamba_heads": 5}, "mamba_heads"),           # not a multiple of the 2 Mamba groups
+    ({"ffn": 512}, "ffn"),                         # bigger than full
+    ({"mamba_head_dim": 0}, "mamba_head_dim"),
+    ({"experts": 1}, "experts"),                   # fewer than top-k
+    ({"embedding": 64.0}, "embedding"),            # not an int
+    ({"embedding": [64, 64]}, "embedding"),        # the hidden size is global
+    ({"ffn": [128, 128, 128]}, "ffn"),             # 2 dense layers
+    ({"vision_heads": 2}, "vision_heads"),         # unknown axis
+])
+def test_bad_choice_names_the_axis(setup, choice, axis):
+    from elastic_plugin.elastic.slicing import sliced_state_dict
+    from elastic_plugin.models.config import ConfigError
+
+    cfg, model, _, _, _, _ = setup
+    with pytest.raises(ConfigError, match=axis):
+        sliced_state_dict(model, cfg, choice)
+
+
+def test_model_not_matching_config(setup):
+    import dataclasses
+
+    from elastic_plugin.elastic.slicing import sliced_state_dict
+    from elastic_plugin.models.config import ConfigError
+
+    cfg, model, _, _, _, _ = setup
+    other = dataclasses.replace(cfg, hybrid_layer_pattern="M*E-M*E-M*")
+    with pytest.raises(ConfigError, match="does not describe the model"):
+        sliced_state_dict(model, other, {})
