@@ -118,15 +118,27 @@ def _setup(config_path: str, workdir: Path, layout, pattern, mode, heterogeneous
     return cfg, chunks, optimizer, step
 
 
+def write_init_checkpoint(cfg, path: Path, seed: int = 1234) -> None:
+    """A random tiny model saved as if importance-reordered (its order is as good as any)."""
+    from elastic_plugin.checkpointing import save_checkpoint
+    from elastic_plugin.importance.reorder import STRIDED_ATTR
+    from elastic_plugin.parallel import Layout, build_model_chunks, initialize_layout
+
+    initialize_layout(Layout(), seed=seed)
+    chunks, _ = build_model_chunks(cfg.model, Layout(), wrap_ddp=False)
+    setattr(chunks[0], STRIDED_ATTR, True)
+    save_checkpoint(chunks, path, {"kind": "reordered", "config": cfg.to_dict(),
+                                   "layout": asdict(Layout())})
+
+
 def _reads_data() -> bool:
     from megatron.core import parallel_state as ps
 
     return ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()
 
 
-def _run(cfg, chunks, optimizer, step, grads_out: Path | None, canonical: bool):
+def _run(cfg, chunks, optimizer, step, grads_out: Path | None):
     """STEPS elastic iterations; after the first backward, capture the gradients."""
-    from elastic_plugin.elastic.step import reduce_elastic_reports
     from elastic_plugin.importance.reorder import canonical_weights
 
     model = getattr(chunks[0], "module", chunks[0])
@@ -181,20 +193,14 @@ def make_elastic_reference(config_path: str, workdir: str, pattern: str | None =
                            mode: str = "sliced", heterogeneous: bool = False,
                            seed: int = 1234) -> dict[str, Any]:
     """1 rank: the initial checkpoint, then the elastic steps' losses, choices and gradients."""
-    from elastic_plugin.checkpointing import save_checkpoint
-    from elastic_plugin.importance.reorder import STRIDED_ATTR
-    from elastic_plugin.parallel import Layout, build_model_chunks, initialize_layout
+    from elastic_plugin.parallel import Layout
 
     work = Path(workdir)
     cfg = _experiment(config_path, pattern)
-    initialize_layout(Layout(), seed=seed)
-    chunks, _ = build_model_chunks(cfg.model, Layout(), wrap_ddp=False)
-    setattr(chunks[0], STRIDED_ATTR, True)  # the random order is the "importance" order
-    save_checkpoint(chunks, work / "init", {"kind": "reordered", "config": cfg.to_dict(),
-                                            "layout": asdict(Layout())})
+    write_init_checkpoint(cfg, work / "init", seed)
     cfg, chunks, optimizer, step = _setup(config_path, work, Layout(), pattern, mode,
                                           heterogeneous, seed)
-    losses, _ = _run(cfg, chunks, optimizer, step, work / "grads", canonical=True)
+    losses, _ = _run(cfg, chunks, optimizer, step, work / "grads")
     result = {"losses": _gather_losses(losses), "trace": step.trace}
     (work / "reference.json").write_text(json.dumps(result))
     return result
@@ -213,7 +219,7 @@ def check_elastic(config_path: str, workdir: str, tp: int = 1, pp: int = 1, ep: 
     layout = Layout(tp, pp, ep, sequence_parallel, distributed_optimizer)
     cfg, chunks, optimizer, step = _setup(config_path, work, layout, pattern, mode,
                                           heterogeneous, seed + 17)
-    losses, grads = _run(cfg, chunks, optimizer, step, None, canonical=True)
+    losses, grads = _run(cfg, chunks, optimizer, step, None)
     # the reference gradients, loaded into this layout (canonical order, contiguous shards)
     ref_chunks, _, _ = build_from_checkpoint(work / "init", layout)
     ref_model = ref_chunks[0]
@@ -263,18 +269,13 @@ def train_and_resume(config_path: str, workdir: str, iters: int = 6, stop: int =
                      tp: int = 1, pp: int = 1, sequence_parallel: bool = False) -> dict[str, Any]:
     """The loss trace of an uninterrupted run vs. a run stopped after ``stop`` iterations and
     resumed from its checkpoint (optimizer, LR schedule, router, data position)."""
-    from elastic_plugin.checkpointing import save_checkpoint
     from elastic_plugin.elastic.train import ElasticSchedule, train_elastic
-    from elastic_plugin.importance.reorder import STRIDED_ATTR
-    from elastic_plugin.parallel import Layout, build_model_chunks, initialize_layout
+    from elastic_plugin.parallel import Layout
 
     work = Path(workdir)
     cfg = _experiment(config_path, None)
     if not (work / "init" / "elastic_meta.json").is_file():
-        initialize_layout(Layout(), seed=1234)
-        chunks, _ = build_model_chunks(cfg.model, Layout(), wrap_ddp=False)
-        setattr(chunks[0], STRIDED_ATTR, True)
-        save_checkpoint(chunks, work / "init", {"kind": "reordered", "config": cfg.to_dict()})
+        write_init_checkpoint(cfg, work / "init")
     ecfg = _elastic_config(cfg.model, "sliced", False)
     layout = Layout(tp=tp, pp=pp, sequence_parallel=sequence_parallel)
     sched = ElasticSchedule(train_iters=iters, lr=2e-3, min_lr=2e-4, lr_warmup_iters=2,
@@ -301,16 +302,11 @@ def route_trace(config_path: str, workdir: str, iters: int = 50, tp: int = 1, pp
     """Router choices of ``iters`` iterations x micro-batches on this rank (no model compute)."""
     from megatron.core import parallel_state as ps
 
-    from elastic_plugin.checkpointing import save_checkpoint
-    from elastic_plugin.importance.reorder import STRIDED_ATTR
-    from elastic_plugin.parallel import Layout, build_model_chunks, initialize_layout
+    from elastic_plugin.parallel import Layout
 
     work = Path(workdir)
     cfg = _experiment(config_path, None)
-    initialize_layout(Layout(), seed=1234)
-    chunks, _ = build_model_chunks(cfg.model, Layout(), wrap_ddp=False)
-    setattr(chunks[0], STRIDED_ATTR, True)
-    save_checkpoint(chunks, work / "init", {"kind": "reordered", "config": cfg.to_dict()})
+    write_init_checkpoint(cfg, work / "init")
     layout = Layout(tp=tp, pp=pp, sequence_parallel=sequence_parallel)
     _, chunks, _, step = _setup(config_path, work, layout, None, "sliced", True, seed=99)
     step.sampler = step.sampler.__class__(step.sampler.budgets, None, seed=5, total_iters=iters)
@@ -325,17 +321,12 @@ def route_trace(config_path: str, workdir: str, iters: int = 50, tp: int = 1, pp
 def self_teacher_and_param_groups(config_path: str, workdir: str) -> dict[str, Any]:
     """teacher=self: the teacher pass is the model at full budget (so the full choice has zero
     KD loss); the router sits in its own optimizer group at lr x lr_mult."""
-    from elastic_plugin.checkpointing import save_checkpoint
     from elastic_plugin.elastic.model import router_of
-    from elastic_plugin.importance.reorder import STRIDED_ATTR
-    from elastic_plugin.parallel import Layout, build_model_chunks, initialize_layout
+    from elastic_plugin.parallel import Layout
 
     work = Path(workdir)
     cfg = _experiment(config_path, None)
-    initialize_layout(Layout(), seed=1234)
-    chunks, _ = build_model_chunks(cfg.model, Layout(), wrap_ddp=False)
-    setattr(chunks[0], STRIDED_ATTR, True)
-    save_checkpoint(chunks, work / "init", {"kind": "reordered", "config": cfg.to_dict()})
+    write_init_checkpoint(cfg, work / "init")
     _, chunks, optimizer, step = _setup(config_path, work, Layout(), None, "sliced", False, 1234)
     step.teacher_chunks = None
     full_index = []
