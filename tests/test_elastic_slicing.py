@@ -30,7 +30,8 @@ def setup():
     from elastic_plugin.elastic.modules import elastify
     from elastic_plugin.elastic.state import ElasticState, RankInfo
     from elastic_plugin.models.config import load_config
-    from elastic_plugin.parallel import Layout, build_model_chunks, init_distributed, initialize_layout
+    from elastic_plugin.parallel import (Layout, build_model_chunks, init_distributed,
+                                         initialize_layout)
 
     enable_cpu_megatron()
     init_distributed()
@@ -79,6 +80,7 @@ def test_sliced_plain_model_equals_elastic(setup, choice):
     small_cfg = model_for_choice(cfg, choice)
     sliced = sliced_state_dict(model, cfg, choice)
     plain = _plain(small_cfg)
+    assert not type(plain.output_layer).__name__.startswith("Elastic")
     assert set(sliced) == set(plain.state_dict())
     plain.load_state_dict(sliced, strict=True)
     with torch.no_grad():
@@ -115,6 +117,30 @@ def test_full_choice_is_the_original(setup):
     assert (out - reference).abs().max().item() <= TOL
 
 
+def test_wrong_block_is_detected(setup):
+    """The comparison is sharp: the same shapes with the *last* query head of every group in
+    place of the first (what a slice ignoring the per-group layout would take) change the logits."""
+    from elastic_plugin.elastic.cost import model_for_choice
+    from elastic_plugin.elastic.slicing import sliced_state_dict
+
+    cfg, model, state, _, tokens, position = setup
+    choice = {"attention_heads": 2}
+    sliced = sliced_state_dict(model, cfg, choice)
+    d, block = cfg.head_dim, (cfg.num_attention_heads // cfg.query_groups + 2) * cfg.head_dim
+    full = model.decoder.layers[1].self_attention.linear_qkv.weight.detach()
+    rows = torch.cat([torch.arange(g * block + d, (g + 1) * block)
+                      for g in range(cfg.query_groups)])
+    sliced["decoder.layers.1.self_attention.linear_qkv.weight"] = full[rows].clone()
+    plain = _plain(model_for_choice(cfg, choice))
+    plain.load_state_dict(sliced, strict=True)
+    state.set_sizes(choice)
+    with torch.no_grad():
+        elastic = model(tokens, position, None)
+        out = plain(tokens, position, None)
+    state.clear()
+    assert (out - elastic).abs().max() > 1e-3
+
+
 def test_heterogeneous_shapes(setup):
     """Per-layer sizes: each layer's shapes follow its size, and its tensors are those of the
     homogeneous extraction at that size; the parameter count is the cost model's."""
@@ -134,7 +160,8 @@ def test_heterogeneous_shapes(setup):
     for i, (nh, p) in enumerate([(4, 16), (8, 8)]):
         layer = (0, 4)[i]
         assert shape(f"{layer}.mixer.in_proj.weight") == (2 * nh * p + 2 * g * n + nh, h)
-        assert shape(f"{layer}.mixer.conv1d_weight") == (nh * p + 2 * g * n, 1, cfg.mamba_conv_kernel)
+        assert shape(f"{layer}.mixer.conv1d_weight") == (nh * p + 2 * g * n, 1,
+                                                         cfg.mamba_conv_kernel)
         assert shape(f"{layer}.mixer.A_log") == shape(f"{layer}.mixer.dt_bias") == (nh,)
         assert shape(f"{layer}.mixer.norm.weight") == (nh * p,)
         assert shape(f"{layer}.mixer.out_proj.weight") == (h, nh * p)
@@ -144,7 +171,8 @@ def test_heterogeneous_shapes(setup):
     for layer, experts, shared in ((2, 8, 64), (6, 4, 128)):
         assert shape(f"{layer}.mlp.router.weight") == (experts, h)
         assert shape(f"{layer}.mlp.router.expert_bias") == (experts,)
-        names = {k.split(".")[5] for k in sliced if k.startswith(f"decoder.layers.{layer}.mlp.experts.")}
+        experts_prefix = f"decoder.layers.{layer}.mlp.experts."
+        names = {k.split(".")[6] for k in sliced if k.startswith(experts_prefix)}
         assert names == {str(j) for j in range(experts)}
         assert shape(f"{layer}.mlp.shared_experts.linear_fc1.weight") == (shared, h)
         assert shape(f"{layer}.mlp.shared_experts.linear_fc2.weight") == (h, shared)

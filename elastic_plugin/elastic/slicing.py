@@ -23,13 +23,14 @@ import torch
 
 from elastic_plugin.elastic.config import _multiple_name, model_axes
 from elastic_plugin.elastic.linear import Index, select
+from elastic_plugin.elastic.model import ROUTER_ATTR
 from elastic_plugin.models.config import ConfigError, ModelConfig
 
 __all__ = ["sliced_state_dict", "choice_sizes"]
 
 Rule = tuple[tuple[int, Index], ...]  # (dim, active index) per sliced dimension
 EXTRA_STATE = "_extra_state"
-_SKIPPED_MODULES = ("elastic_router.",)  # the budget router is not part of a nested model
+_SKIPPED_MODULES = (f"{ROUTER_ATTR}.",)  # the budget router is not part of a nested model
 _PER_EXPERT_BUFFERS = ("expert_bias", "qb_beta")
 
 
