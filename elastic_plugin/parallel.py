@@ -14,7 +14,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elastic_plugin.models.builder import build_hybrid_model, transformer_config
 from elastic_plugin.models.config import ConfigError, ModelConfig, ParallelConfig
 
 
@@ -35,13 +34,14 @@ class Layout:
     def check_world(self, world_size: int) -> None:
         if world_size % (self.tp * self.pp):
             raise ConfigError(
-                f"world size {world_size} is not divisible by tensor_model_parallel_size "
-                f"({self.tp}) x pipeline_model_parallel_size ({self.pp})"
+                f"world size {world_size} is not divisible by --tensor-model-parallel-size "
+                f"({self.tp}) x --pipeline-model-parallel-size ({self.pp})"
             )
         dp = world_size // (self.tp * self.pp)
         if dp % self.ep:
             raise ConfigError(
-                f"expert_model_parallel_size={self.ep} must divide the data-parallel size {dp}"
+                f"--expert-model-parallel-size={self.ep} must divide the data-parallel size {dp} "
+                f"(world {world_size} / TP / PP)"
             )
 
 
@@ -86,6 +86,8 @@ def build_model_chunks(
 ) -> tuple[list[torch.nn.Module], object]:
     """This rank's model chunk (one; no virtual pipeline yet), DDP-wrapped for training."""
     from megatron.core import parallel_state
+
+    from elastic_plugin.models.builder import build_hybrid_model, transformer_config
 
     tconf = transformer_config(model_cfg, layout.as_parallel_config(), params_dtype,
                                **config_overrides)

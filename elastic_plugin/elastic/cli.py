@@ -8,7 +8,8 @@ Runs as one process or under ``torchrun`` with any TP/PP/EP/DP layout. The model
 checkpoint; the ``elastic:`` settings from ``--config`` (an experiment YAML) or the checkpoint's own
 config, then ``--elastic-config`` and the ``--elastic-*`` flags. The data is what the teacher was
 trained on (its checkpoint records where) or ``--data-path``. Everything on the command line is
-checked before torch or Megatron is imported, so bad input fails in seconds with exit code 2.
+checked before Megatron is imported (only torch, for the budget-reachability check), so bad input
+fails in seconds with exit code 2 and a message naming the flag.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from typing import Any
 
 from elastic_plugin.elastic.args import add_elastic_args, elastic_config_from_args
 from elastic_plugin.models.config import ConfigError, ExperimentConfig, config_from_dict, load_config
-from elastic_plugin.training.cli import add_layout_args
+from elastic_plugin.elastic.schedule import ElasticSchedule
+from elastic_plugin.parallel import Layout
+from elastic_plugin.training.cli import add_layout_args, layout_from_args
 
 EXIT_BAD_INPUT = 2
 PROG = "elastic-plugin elastic-train"
@@ -32,13 +35,6 @@ QUICK_ITERS = 30
 CHECKPOINT_META = "elastic_meta.json"  # = checkpointing.CHECKPOINT_META (that module imports torch)
 DIST_METADATA = "metadata.json"        # Megatron dist checkpoint's own index
 ELASTIC_SUBDIR = ("checkpoints", "elastic")
-
-# ElasticSchedule's defaults (elastic/train.py imports Megatron, which costs ~10 s; the tests
-# check that these stay equal to dataclasses.asdict(ElasticSchedule()))
-SCHEDULE_DEFAULTS: dict[str, Any] = dict(
-    train_iters=300, lr=1e-3, min_lr=1e-4, lr_warmup_iters=10, weight_decay=0.0, clip_grad=1.0,
-    global_batch_size=16, micro_batch_size=16, seq_length=128, log_interval=10, eval_interval=100,
-    eval_iters=4, save_interval=0, seed=1234)
 
 # --flag -> ElasticSchedule field, for flags whose default comes from ElasticSchedule
 _SCHEDULE_FLAGS: tuple[tuple[str, str], ...] = (
@@ -114,42 +110,6 @@ class DataSource:
     prepared: str | None = None  # the teacher's prepared built-in data (reused when complete)
 
 
-@dataclass(frozen=True)
-class LayoutSpec:
-    """``parallel.Layout``'s fields and world check, without importing Megatron (parallel.py
-    does); ``run_elastic_train`` turns it into a Layout."""
-
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    sequence_parallel: bool = False
-    distributed_optimizer: bool = False
-
-    def check_world(self, world_size: int) -> None:
-        if world_size % (self.tp * self.pp):
-            raise ConfigError(
-                f"world size {world_size} is not divisible by --tensor-model-parallel-size "
-                f"({self.tp}) x --pipeline-model-parallel-size ({self.pp})")
-        dp = world_size // (self.tp * self.pp)
-        if dp % self.ep:
-            raise ConfigError(f"--expert-model-parallel-size={self.ep} must divide the "
-                              f"data-parallel size {dp} (world {world_size} / TP / PP)")
-
-
-def layout_spec(args: argparse.Namespace, parallel) -> LayoutSpec:
-    """Layout flags over the config's ``parallel:`` section (as ``training.cli.layout_from_args``)."""
-    def pick(flag, default):
-        return default if flag is None else flag
-
-    return LayoutSpec(
-        tp=pick(args.tensor_model_parallel_size, parallel.tensor_model_parallel_size),
-        pp=pick(args.pipeline_model_parallel_size, parallel.pipeline_model_parallel_size),
-        ep=pick(args.expert_model_parallel_size, parallel.expert_model_parallel_size),
-        sequence_parallel=pick(args.sequence_parallel, parallel.sequence_parallel),
-        distributed_optimizer=pick(args.use_distributed_optimizer, parallel.use_distributed_optimizer),
-    )
-
-
 @dataclass
 class ElasticInputs:
     """A fully checked command line (checking it imported no Megatron)."""
@@ -157,7 +117,7 @@ class ElasticInputs:
     cfg: ExperimentConfig
     ecfg: Any                 # ElasticConfig
     resolved: Any             # ResolvedElastic
-    layout: LayoutSpec
+    layout: Layout
     schedule: dict[str, Any]  # ElasticSchedule fields
     student: Path
     teacher: Path | None
@@ -210,20 +170,23 @@ def _experiment_config(args: argparse.Namespace, meta: dict[str, Any]
 
 
 def _positive_flags(args: argparse.Namespace) -> None:
-    for flag, _ in (*_SCHEDULE_FLAGS, *_TRAINING_FLAGS, ("--stop-after", "")):
+    """Integer flags > 0 (>= 0 where 0 means none), learning rates >= 0: named as typed."""
+    for flag in ("--train-iters", "--eval-interval", "--log-interval", "--eval-iters",
+                 "--seq-length", "--micro-batch-size", "--global-batch-size", "--stop-after"):
         value = getattr(args, flag[2:].replace("-", "_"))
-        low = 0 if flag == "--save-interval" else 1
-        if value is not None and not value >= low:
-            raise ConfigError(f"{flag}={value} must be {'>= 0' if low == 0 else '> 0'}")
-    for flag in ("--lr", "--min-lr"):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag}={value} must be > 0")
+    for flag in ("--save-interval", "--lr-warmup-iters", "--lr", "--min-lr"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and not value >= 0:
             raise ConfigError(f"{flag}={value} must be >= 0")
+    if args.lr is not None and args.lr == 0:
+        raise ConfigError("--lr=0 must be > 0")
 
 
 def _schedule(args: argparse.Namespace, cfg: ExperimentConfig) -> dict[str, Any]:
     """ElasticSchedule fields: flags > --quick > config training: (sizes, seed) > ElasticSchedule."""
-    values = dict(SCHEDULE_DEFAULTS)
+    values = dataclasses.asdict(ElasticSchedule())
     t = cfg.training
     values.update(seq_length=t.seq_length, micro_batch_size=t.micro_batch_size,
                   global_batch_size=t.global_batch_size, seed=t.seed)
@@ -343,7 +306,7 @@ def _checked_inputs(args: argparse.Namespace) -> ElasticInputs:
     cfg, base, source = _experiment_config(args, meta)
     _positive_flags(args)
     ecfg = elastic_config_from_args(args, base=base, base_source=source)
-    layout = layout_spec(args, cfg.parallel)
+    layout = layout_from_args(args, cfg.parallel)
     _check_layout(cfg, layout, meta, args.ckpt)
     resolved = ecfg.resolve(cfg.model, layout.tp, layout.ep)
     if ecfg.mode == "sliced" and not ecfg.router.hard:
@@ -367,7 +330,7 @@ def _checked_inputs(args: argparse.Namespace) -> ElasticInputs:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a directory")
     finished = _check_resume(args, out, ecfg, layout, sched)
-    data = _data_source(args, meta)
+    data = _data_source(args, meta) if finished is None else DataSource()
     covered = sum(stage.iters for stage in ecfg.curriculum)
     if covered > sched["train_iters"]:
         _warn(f"elastic.curriculum covers {covered} iterations but the run has "
@@ -450,16 +413,16 @@ def run_elastic_train(args: argparse.Namespace) -> int:
 def _train(inputs: ElasticInputs, args: argparse.Namespace) -> int:
     """The heavy part: process group, data, model, training (every rank)."""
     from elastic_plugin.compat import enable_cpu_megatron
-    from elastic_plugin.parallel import Layout, init_distributed
+    from elastic_plugin.parallel import init_distributed
 
     enable_cpu_megatron()
     init_distributed()
     import torch.distributed as dist
 
     from elastic_plugin.data.indexed import batch_iterator
-    from elastic_plugin.elastic.train import ElasticSchedule, train_elastic
+    from elastic_plugin.elastic.train import train_elastic
 
-    layout = Layout(**dataclasses.asdict(inputs.layout))
+    layout = inputs.layout
     sched = ElasticSchedule(**inputs.schedule)
     progress = not args.no_progress
     try:

@@ -148,7 +148,7 @@ class ElasticStep:
         b_loss = budget_loss(cost, budget, self.cost.full).to(kd_sum.dtype)
         total = total + cfg.budget_loss_weight * b_loss * num_tokens.detach()
         report = torch.stack([kd_sum.detach(), num_tokens.detach(), b_loss.detach(),
-                              ce_sum.detach(), torch.tensor(float(budget_index))])
+                              ce_sum.detach(), torch.tensor(float(budget_index), device=kd_sum.device)])
         return total, num_tokens.to(torch.int), {"elastic": report}
 
     def _student_forward_step(self, data_iterator, model):
