@@ -1,5 +1,5 @@
 # Two commands for a new user on a fresh machine:
-#   make demo   - the main job on the built-in tiny default (train the teacher)
+#   make demo   - the main job on the built-in tiny default (teacher -> importance -> reorder -> elastic)
 #   make test   - the test suite
 # Both create .venv (Python 3.12, pinned requirements) and build the extension when missing or stale.
 
@@ -9,13 +9,14 @@ PY    := $(VENV)/bin/python
 OUT   ?= demo_out
 QUICK ?=
 CONFIG ?= examples/configs/tiny.yaml
+ELASTIC_CONFIG ?= examples/configs/tiny_elastic.yaml
 PYTEST_ARGS ?=
 STAMPS := $(VENV)/.stamps
 
 .PHONY: demo test test-fast bench venv install clean help
 
 help:
-	@echo "make demo [QUICK=1] [OUT=dir]  - train the tiny teacher, rank its widths, reorder it"
+	@echo "make demo [QUICK=1] [OUT=dir]  - tiny teacher -> importance -> reorder -> elastic training of 3 budgets"
 	@echo "make test                      - run the test suite"
 	@echo "make bench                     - run the benchmarks (ratios, side by side)"
 
@@ -37,6 +38,8 @@ demo: $(STAMPS)/install
 		--num-samples $(if $(QUICK),64,512) --micro-batch-size 16 --plot $(OUT)/importance.png
 	$(VENV)/bin/elastic-plugin reorder --ckpt $(OUT)/checkpoints/teacher --scores $(OUT)/importance.pt \
 		--out $(OUT)/checkpoints/reordered
+	$(VENV)/bin/elastic-plugin elastic-train --ckpt $(OUT)/checkpoints/reordered --config $(ELASTIC_CONFIG) \
+		--out $(OUT) $(if $(QUICK),--quick,)
 
 test: $(STAMPS)/install
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -56,7 +56,7 @@ def test_info_json_reports_backends():
 ])
 def test_train_rejects_bad_input_before_work(tmp_path, args, needle):
     out = tmp_path / "out"
-    proc = run_cli("train", "--config", str(TINY), "--out", str(out), *args, timeout=120)
+    proc = run_cli("train", "--config", str(TINY), "--out", str(out), *args, timeout=600)
     assert proc.returncode == 2
     assert needle in proc.stderr
     assert not out.exists(), "nothing may be written for bad input"
@@ -66,7 +66,7 @@ def test_train_rejects_bad_input_before_work(tmp_path, args, needle):
 def test_train_rejects_unknown_config_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(TINY.read_text().replace("hidden_size: 128", "hidden_size: 128\n  hiden_size: 3"))
-    proc = run_cli("train", "--config", str(bad), "--out", str(tmp_path / "o"), timeout=120)
+    proc = run_cli("train", "--config", str(bad), "--out", str(tmp_path / "o"), timeout=600)
     assert proc.returncode == 2 and "hiden_size" in proc.stderr
 
 

@@ -362,7 +362,7 @@ def test_two_ranks_rank0_builds_others_wait(tmp_path) -> None:
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     for proc in procs:
-        stdout, stderr = proc.communicate(timeout=120)
+        stdout, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, stderr[-3000:]
         results.append(json.loads(stdout.split("RESULT", 1)[1]))
     r0, r1 = sorted(results, key=lambda r: r["rank"])

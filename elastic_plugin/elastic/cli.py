@@ -391,7 +391,8 @@ def summary(run, train_iters: int) -> dict[str, Any]:
     last_train = next((h["train_loss"] for h in reversed(run.history) if h.get("train_loss")), {})
     out = {"checkpoint": run.checkpoint_dir, "iterations": run.iterations,
            "train_loss": last_train, "valid_loss": run.final_valid,
-           "teacher_valid_loss": run.teacher_valid, "choices": run.choices, "plots": run.plots,
+           "teacher_valid_loss": run.teacher_valid, "choices": run.choices,
+           "params": run.params, "plots": run.plots,
            "seconds": round(run.seconds, 1)}
     if run.iterations < train_iters:
         out["stopped_at"] = f"{run.iterations}/{train_iters}: rerun with --resume to continue"
@@ -445,5 +446,6 @@ def _train(inputs: ElasticInputs, args: argparse.Namespace) -> int:
         return _error(exc)
     if dist.get_rank() == 0:
         print(json.dumps(summary(run, sched.train_iters), indent=2))
+        print(run.table(), file=sys.stderr)
     dist.destroy_process_group()
     return 0

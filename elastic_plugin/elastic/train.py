@@ -44,6 +44,17 @@ class ElasticRun:
     choices: dict[str, dict[str, Any]] = field(default_factory=dict)
     plots: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    params: dict[str, dict[str, int]] = field(default_factory=dict)  # budget -> total/active
+
+    def table(self) -> str:
+        """Validation loss of every nested model next to the teacher's, as a text table."""
+        lines = ["budget  total params  active params  valid loss  (teacher "
+                 + (f"{self.teacher_valid:.4f})" if self.teacher_valid is not None else "-)")]
+        for label, counts in self.params.items():
+            loss = self.final_valid.get(label)
+            lines.append(f"{label:>6}  {counts['total']:>12,}  {counts['active']:>13,}  "
+                         + (f"{loss:>10.4f}" if loss is not None else f"{'-':>10}"))
+        return "\n".join(lines)
 
 
 def _is_rank0() -> bool:
@@ -270,9 +281,13 @@ def train_elastic(
     saved = _save(chunks, optimizer, scheduler, ckpt_dir,
                   _meta(cfg, ecfg, layout, resolved, router, iteration, consumed, teacher_valid))
     plots = [str(p) for p in metrics.plot()] if _is_rank0() else []
+    counts = {metric: ElasticCost(model_cfg, resolved, metric=f"{metric}_params")
+              for metric in ("total", "active")}
+    params = {label: {m: int(c.of_choice(sizes)) for m, c in counts.items()}
+              for label, sizes in table.items()}
     return ElasticRun(str(saved), iteration, history, {k: v for k, v in valid.items()
                                                        if v is not None},
-                      teacher_valid, table, plots, time.time() - start)
+                      teacher_valid, table, plots, time.time() - start, params)
 
 
 def _meta(cfg, ecfg: ElasticConfig, layout: Layout, resolved: ResolvedElastic, router,
