@@ -20,7 +20,9 @@ def _tiny():
 
 
 def test_fraction_sizes_round_like_the_elastic_config():
-    cfg = _tiny()  # hidden 128, ffn 256, shared 128, 4 q-heads/2 groups, 8 Mamba heads/2 groups, 8 experts top-2
+    # tiny: hidden 128, ffn 256, shared 128, 4 q-heads / 2 groups, 8 Mamba heads / 2 groups,
+    # 8 experts top-2
+    cfg = _tiny()
     assert bench.fraction_sizes(cfg, 0.5) == {
         "embedding": 64, "ffn": 128, "shared_ffn": 64, "attention_heads": 2, "mamba_heads": 4,
         "mamba_head_dim": 16, "experts": 4}
@@ -80,7 +82,9 @@ def test_quickest_measurement_gives_the_expected_rows(rank_pools):
     assert [r["name"] for r in rows] == ["elastic step tiny full budget b8xs128 [cpu]",
                                          "elastic step tiny f0.5 (f=0.5)"]
     full, half = rows
-    assert _finite_positive(full["plain_full_ms"]) and _finite_positive(full["elastic_full_ms"])
+    for key in ("plain_full_ms", "plain_copy_ms", "elastic_full_ms", "copy/plain"):
+        assert _finite_positive(full[key]), key
+    assert full["copy/plain"] == pytest.approx(full["plain_copy_ms"] / full["plain_full_ms"])
     assert full["overhead"] == pytest.approx(full["elastic_full_ms"] / full["plain_full_ms"])
     assert full["overhead<=1.05"] == ("PASS" if full["overhead"] <= 1.05 else "MISS")
 
