@@ -280,6 +280,28 @@ class _ElasticTopKRouter:
         return probs * mask.to(probs.dtype), routing_map
 
 
+@register_elastic("experts")
+class _ElasticSequentialMLP:
+    """Switched-off experts receive no tokens: skip them instead of running empty GEMMs."""
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        state = self._elastic_state
+        if (not state.is_active or self.num_local_experts == 1 or self.config.fp8
+                or self.config.fp4 or self.config.moe_apply_probs_on_input):
+            return self._elastic_base.forward(self, permuted_local_hidden_states,
+                                              tokens_per_expert, permuted_probs)
+        counts = tokens_per_expert.tolist()
+        tokens_list = torch.split(permuted_local_hidden_states, counts)
+        probs_list = torch.split(permuted_probs, counts)
+        outputs = []
+        for expert, tokens, probs, count in zip(self.local_experts, tokens_list, probs_list, counts):
+            if count == 0:
+                outputs.append(tokens)  # [0, h]: nothing to compute
+                continue
+            outputs.append(expert(tokens, probs)[0])
+        return torch.cat(outputs, dim=0), None
+
+
 # ---------------------------------------------------------------------------- Mamba
 @register_elastic("mamba")
 class _ElasticMambaMixer:
@@ -371,6 +393,7 @@ def elastify(model: torch.nn.Module, state: ElasticState) -> torch.nn.Module:
                                   f"false); got {type(moe.experts).__name__}")
             for expert in moe.experts.local_experts:
                 _elastify_mlp(expert, None, number, state)
+            _swap(moe.experts, "experts", _elastic_state=state)
             if getattr(moe, "shared_experts", None) is not None:
                 _elastify_mlp(moe.shared_experts, "shared_ffn", number, state)
         elif hasattr(layer, "mlp"):  # dense MLP layer
