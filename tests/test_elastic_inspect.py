@@ -20,7 +20,7 @@ from elastic_plugin.elastic.inspect_cli import compact_sizes, inspect_checkpoint
 from elastic_plugin.models.config import load_config
 from elastic_plugin.models.counting import count_parameters
 
-pytestmark = pytest.mark.elastic
+pytestmark = [pytest.mark.elastic, pytest.mark.extract]
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_ELASTIC = ROOT / "examples" / "configs" / "tiny_elastic.yaml"
