@@ -32,16 +32,6 @@ TINY = ROOT / "examples" / "configs" / "tiny.yaml"
 NANO = ROOT / "examples" / "configs" / "nemotron_nano_v3.yaml"
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load_config(TINY).model
-
-
-@pytest.fixture(scope="module")
-def nano():
-    return load_config(NANO).model
-
-
 # ----------------------------------------------------------------- tiny: hand-computed layers
 # tiny.yaml: hidden 128, vocab 128, 4 heads / 2 groups x kv 32, ffn 256, Mamba 8 heads x 16,
 # 2 groups, state 16, conv 4; 8 experts top-2, expert ffn 128, shared 128; squared ReLU, no bias.

@@ -37,16 +37,6 @@ TINY = ROOT / "examples" / "configs" / "tiny.yaml"
 NANO = ROOT / "examples" / "configs" / "nemotron_nano_v3.yaml"
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load_config(TINY).model
-
-
-@pytest.fixture(scope="module")
-def nano():
-    return load_config(NANO).model
-
-
 # ------------------------------------------------------------------------------- parsing
 def test_defaults_and_empty_section():
     cfg = ElasticConfig.from_dict({})

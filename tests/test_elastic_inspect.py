@@ -205,7 +205,7 @@ def test_bad_input(tmp_path, capsys):
         assert err.startswith(PREFIX), err
         return err
 
-    assert "no such directory" in error("--ckpt", str(tmp_path / "missing"))
+    assert "no such checkpoint directory" in error("--ckpt", str(tmp_path / "missing"))
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "no elastic_meta.json" in error("--ckpt", str(empty))
@@ -230,4 +230,4 @@ def test_bad_input(tmp_path, capsys):
     too_big = dict(HOMOGENEOUS, **{"1": dict(HOMOGENEOUS["1"], experts=9)})
     assert "integers in [1, 8]" in error("--ckpt", str(write_ckpt(tmp_path / "big", False, too_big)))
     no_choices = write_ckpt(tmp_path / "nochoice", elastic={"metric": "total_params"})
-    assert "no elastic.choices" in error("--ckpt", str(no_choices))
+    assert "lacks the elastic config or the choice table" in error("--ckpt", str(no_choices))

@@ -25,16 +25,14 @@ from typing import Any
 
 from elastic_plugin.elastic.args import add_elastic_args, elastic_config_from_args
 from elastic_plugin.models.config import ConfigError, ExperimentConfig, config_from_dict, load_config
+from elastic_plugin.elastic.meta import CHECKPOINT_META, ELASTIC_SUBDIR, read_checkpoint_meta
 from elastic_plugin.elastic.schedule import ElasticSchedule
 from elastic_plugin.parallel import Layout
-from elastic_plugin.training.cli import add_layout_args, layout_from_args
+from elastic_plugin.training.cli import add_layout_args, check_data_path_args, layout_from_args
 
 EXIT_BAD_INPUT = 2
 PROG = "elastic-plugin elastic-train"
 QUICK_ITERS = 30
-CHECKPOINT_META = "elastic_meta.json"  # = checkpointing.CHECKPOINT_META (that module imports torch)
-DIST_METADATA = "metadata.json"        # Megatron dist checkpoint's own index
-ELASTIC_SUBDIR = ("checkpoints", "elastic")
 
 # --flag -> ElasticSchedule field, for flags whose default comes from ElasticSchedule
 _SCHEDULE_FLAGS: tuple[tuple[str, str], ...] = (
@@ -132,20 +130,7 @@ def _warn(message: str) -> None:
 
 
 def _checkpoint_meta(path: str | Path, flag: str) -> dict[str, Any]:
-    """The metadata of a complete checkpoint written by this plugin, or a ConfigError naming ``flag``."""
-    path = Path(path)
-    if not path.is_dir():
-        raise ConfigError(f"{flag} {path}: no such checkpoint directory")
-    if not (path / CHECKPOINT_META).is_file() or not (path / DIST_METADATA).is_file():
-        raise ConfigError(f"{flag} {path}: not a complete checkpoint (needs {CHECKPOINT_META} and "
-                          f"{DIST_METADATA}; an interrupted save leaves only {path.name}.tmp)")
-    try:
-        meta = json.loads((path / CHECKPOINT_META).read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{flag} {path}: unreadable {CHECKPOINT_META}: {exc}") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
-        raise ConfigError(f"{flag} {path}: {CHECKPOINT_META} has no experiment config")
-    return meta
+    return read_checkpoint_meta(path, flag)
 
 
 def _model_difference(a, b) -> str | None:
@@ -242,11 +227,7 @@ def _check_layout(cfg: ExperimentConfig, layout, meta: dict[str, Any], ckpt: str
 def _data_source(args: argparse.Namespace, meta: dict[str, Any]) -> DataSource:
     """--data-path, else the teacher's data as its checkpoint records it, else re-prepare the task."""
     if args.data_path:
-        for flag, value in (("--data-path", args.data_path), ("--valid-data-path", args.valid_data_path)):
-            if value and not Path(value + ".idx").is_file():
-                raise ConfigError(f"{flag} {value}: no {value}.idx / .bin (a Megatron indexed dataset prefix)")
-        if not args.tokenizer or not Path(args.tokenizer).is_file():
-            raise ConfigError(f"--tokenizer {args.tokenizer}: --data-path needs an existing tokenizer.json")
+        check_data_path_args(args)
         return DataSource(args.data_path, args.valid_data_path, args.tokenizer)
     if args.valid_data_path or args.tokenizer:
         raise ConfigError("--valid-data-path and --tokenizer go with --data-path")

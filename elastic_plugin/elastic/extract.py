@@ -14,16 +14,14 @@ reject bad input in milliseconds; ``extract_nested`` does the heavy part.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from elastic_plugin.elastic.meta import CHECKPOINT_META, read_elastic_meta
 from elastic_plugin.models.config import ConfigError, ModelConfig, config_from_dict
 
-CHECKPOINT_META = "elastic_meta.json"  # = checkpointing.CHECKPOINT_META (that module imports torch)
-DIST_METADATA = "metadata.json"        # Megatron dist checkpoint's own index
 EXTRACTED_KIND = "extracted"
 _TARGET_FLAGS = (("--target-tensor-model-parallel-size", "tp"),
                  ("--target-pipeline-model-parallel-size", "pp"),
@@ -34,28 +32,7 @@ __all__ = ["ExtractPlan", "plan_extraction", "extract_nested", "homogeneous_choi
 
 
 # ------------------------------------------------------------------------------ input checks
-def read_elastic_meta(ckpt_dir: str | Path, flag: str = "--ckpt") -> dict[str, Any]:
-    """The metadata of a complete elastic checkpoint, or a ConfigError naming ``flag``."""
-    path = Path(ckpt_dir)
-    if not path.is_dir():
-        raise ConfigError(f"{flag} {path}: no such checkpoint directory")
-    if not (path / CHECKPOINT_META).is_file() or not (path / DIST_METADATA).is_file():
-        raise ConfigError(f"{flag} {path}: not a complete checkpoint (needs {CHECKPOINT_META} and "
-                          f"{DIST_METADATA}; an interrupted save leaves only {path.name}.tmp)")
-    try:
-        meta = json.loads((path / CHECKPOINT_META).read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{flag} {path}: unreadable {CHECKPOINT_META}: {exc}") from None
-    if not isinstance(meta, dict) or meta.get("kind") != "elastic":
-        kind = meta.get("kind") if isinstance(meta, dict) else None
-        raise ConfigError(f"{flag} {path}: kind={kind!r}, not an elastic checkpoint (kind "
-                          f"'elastic', written by `elastic-plugin elastic-train`)")
-    elastic = meta.get("elastic")
-    if (not isinstance(meta.get("config"), dict) or not isinstance(elastic, dict)
-            or not isinstance(elastic.get("choices"), dict) or not elastic.get("budgets")):
-        raise ConfigError(f"{flag} {path}: {CHECKPOINT_META} lacks the experiment config or the "
-                          f"choice table (elastic.budgets / elastic.choices)")
-    return meta
+
 
 
 def _label(budget: float) -> str:

@@ -19,12 +19,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from elastic_plugin.elastic.meta import CHECKPOINT_META
+from elastic_plugin.elastic.meta import read_elastic_meta as read_meta
 from elastic_plugin.models.config import ConfigError
 
 PROG = "elastic-plugin inspect"
 EXIT_BAD_INPUT = 2
-CHECKPOINT_META = "elastic_meta.json"  # = checkpointing.CHECKPOINT_META
-ELASTIC_SUBDIR = ("checkpoints", "elastic")
 FULL_LABEL = "full"
 MEMORY_PRECISIONS: tuple[str, ...] = ("bf16", "fp8", "nvfp4")  # = elastic.config.PRECISIONS
 
@@ -65,42 +65,8 @@ class Inspection:
 
 # ------------------------------------------------------------------------------ reading
 def read_elastic_meta(ckpt: str | Path) -> dict[str, Any]:
-    """The checkpoint's metadata, checked to be an elastic checkpoint's (ConfigError otherwise)."""
-    path = Path(ckpt)
-    if not path.is_dir():
-        raise ConfigError(f"--ckpt {path}: no such directory")
-    meta_path = path / CHECKPOINT_META
-    if not meta_path.is_file():
-        hint = ""
-        nested = path.joinpath(*ELASTIC_SUBDIR)
-        if (nested / CHECKPOINT_META).is_file():
-            hint = f" (did you mean --ckpt {nested}?)"
-        raise ConfigError(f"--ckpt {path}: not a checkpoint (no {CHECKPOINT_META}){hint}; inspect "
-                          "needs an elastic checkpoint, the output of elastic-plugin elastic-train "
-                          "(OUT/checkpoints/elastic)")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--ckpt {path}: {CHECKPOINT_META} is not readable JSON ({exc})") from None
-    if not isinstance(meta, Mapping):
-        raise ConfigError(f"--ckpt {path}: {CHECKPOINT_META} must hold a JSON object")
-    kind = meta.get("kind")
-    if kind != "elastic":
-        what = f"a {kind!r} checkpoint" if kind is not None else "a checkpoint without a 'kind'"
-        raise ConfigError(f"--ckpt {path} is {what}, not an elastic one; inspect needs an elastic "
-                          "checkpoint, the output of elastic-plugin elastic-train "
-                          "(OUT/checkpoints/elastic)")
-    for key in ("config", "elastic"):
-        if not isinstance(meta.get(key), Mapping):
-            raise ConfigError(f"--ckpt {path}: {CHECKPOINT_META} has no {key!r} section; "
-                              "was it written by elastic-plugin elastic-train?")
-    elastic = meta["elastic"]
-    if not isinstance(elastic.get("choices"), Mapping) or not elastic["choices"]:
-        raise ConfigError(f"--ckpt {path}: {CHECKPOINT_META} has no elastic.choices (the router's "
-                          "sizes per budget)")
-    if not isinstance(meta["config"].get("elastic"), Mapping):
-        raise ConfigError(f"--ckpt {path}: {CHECKPOINT_META} has no config.elastic section")
-    return dict(meta)
+    """The checkpoint's metadata, checked to be an elastic checkpoint's (weights not needed)."""
+    return read_meta(ckpt, "--ckpt", require_weights=False)
 
 
 def inspect_checkpoint(ckpt: str | Path, batch_size: int = 1,

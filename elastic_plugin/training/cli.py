@@ -44,6 +44,15 @@ def layout_from_args(args: argparse.Namespace, parallel) -> "Layout":
     )
 
 
+def check_data_path_args(args: argparse.Namespace) -> None:
+    """--data-path / --valid-data-path must be Megatron indexed datasets, with a tokenizer.json."""
+    for flag, value in (("--data-path", args.data_path), ("--valid-data-path", args.valid_data_path)):
+        if value and not Path(value + ".idx").is_file():
+            raise ConfigError(f"{flag} {value}: no {value}.idx / .bin (a Megatron indexed dataset prefix)")
+    if not args.tokenizer or not Path(args.tokenizer).is_file():
+        raise ConfigError(f"--tokenizer {args.tokenizer}: --data-path needs an existing tokenizer.json")
+
+
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "train", help="train the teacher model (Megatron-Core, any TP/PP/EP layout)",
@@ -80,11 +89,7 @@ def _checked_inputs(args: argparse.Namespace):
         data = dataclasses.replace(data, num_train=min(data.num_train, 3000),
                                    num_valid=min(data.num_valid, 200))
     if args.data_path:
-        for flag, value in (("--data-path", args.data_path), ("--valid-data-path", args.valid_data_path)):
-            if value and not Path(value + ".idx").is_file():
-                raise ConfigError(f"{flag} {value}: no {value}.idx / .bin (a Megatron indexed dataset prefix)")
-        if not args.tokenizer or not Path(args.tokenizer).is_file():
-            raise ConfigError(f"--tokenizer {args.tokenizer}: --data-path needs an existing tokenizer.json")
+        check_data_path_args(args)
     cfg = dataclasses.replace(cfg, training=training, data=data)
     layout = layout_from_args(args, cfg.parallel)
     cfg.model.check_parallel(layout.tp, layout.pp, layout.ep)
