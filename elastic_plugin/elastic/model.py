@@ -118,9 +118,15 @@ def finalize_router_grads(chunks, *args, **kwargs):
 
 
 def router_param_groups(lr: float, min_lr: float, lr_mult: float) -> dict:
-    """Megatron optimizer overrides: the router trains at ``lr_mult`` x the model's LR."""
+    """Megatron optimizer overrides: the router trains at ``lr_mult`` x the model's LR.
+
+    At ``lr_mult == 1`` no override is made: an override equal to the defaults gives Megatron
+    parameter groups that a resumed run does not rebuild identically (its optimizer state then
+    fails to load)."""
     from megatron.core.optimizer import ParamKey
 
+    if lr_mult == 1.0:
+        return {}
     return {ParamKey(attr="elastic_router"): {"max_lr": lr * lr_mult, "min_lr": min_lr * lr_mult}}
 
 
