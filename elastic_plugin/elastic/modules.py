@@ -20,7 +20,6 @@ from elastic_plugin.elastic.linear import (
     Index,
     column_parallel_forward,
     row_parallel_forward,
-    select,
 )
 from elastic_plugin.elastic.state import ElasticState
 from elastic_plugin.models.config import ConfigError

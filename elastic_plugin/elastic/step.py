@@ -22,7 +22,7 @@ from elastic_plugin.elastic.losses import budget_loss, vocab_parallel_kl
 from elastic_plugin.elastic.model import finalize_router_grads, router_of
 from elastic_plugin.elastic.router import AnnealSchedule, budget_encoding, expected_sizes
 from elastic_plugin.elastic.sampling import BudgetSampler
-from elastic_plugin.elastic.state import MASKED, SLICED, ElasticState
+from elastic_plugin.elastic.state import SLICED, ElasticState
 from elastic_plugin.training.step import _run_schedule, get_batch, train_step
 
 

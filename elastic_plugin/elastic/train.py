@@ -9,7 +9,6 @@ Stopping and rerunning with ``resume=True`` continues the same loss trace.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,6 +29,7 @@ from elastic_plugin.elastic.step import ElasticStep
 from elastic_plugin.models.config import ConfigError
 from elastic_plugin.parallel import Layout, build_optimizer, initialize_layout
 from elastic_plugin.training.step import eval_step
+from elastic_plugin.training.teacher import _share_from_last_stage
 
 ELASTIC_CKPT = "elastic"
 
@@ -90,11 +90,6 @@ def _world_sum_from_last_stage(values: torch.Tensor) -> torch.Tensor:
     return values / ps.get_tensor_model_parallel_world_size()
 
 
-def _share_scalar(value: float | None) -> float | None:
-    packed = torch.tensor([value or 0.0, 1.0 if value is not None else 0.0], dtype=torch.float64)
-    packed = _world_sum_from_last_stage(packed)
-    return float(packed[0] / packed[1]) if packed[1] > 0 else None
-
 
 def evaluate_budgets(chunks, state: ElasticState, table: dict[str, dict[str, Any]],
                      valid_factory: Callable[[], Iterator[dict] | None], sched: ElasticSchedule
@@ -106,7 +101,7 @@ def evaluate_budgets(chunks, state: ElasticState, table: dict[str, dict[str, Any
             state.set_sizes(sizes)
             loss = eval_step(chunks, valid_factory(), sched.eval_iters, sched.seq_length,
                              sched.micro_batch_size)
-            out[label] = _share_scalar(loss)
+            out[label] = _share_from_last_stage(loss)
     finally:
         state.clear()
     return out
@@ -151,8 +146,6 @@ def train_elastic(
     same function); ignored when ``ecfg.teacher == "self"``. ``stop_after``: end (with a
     checkpoint) after that many iterations, as an interrupted job would; resume continues.
     """
-    from megatron.core import parallel_state as ps
-
     from elastic_plugin.checkpointing import build_from_checkpoint, load_optimizer, read_meta
     from elastic_plugin.elastic.metrics import ElasticMetrics
 
@@ -219,7 +212,7 @@ def train_elastic(
     if valid_factory is not None:
         eval_chunks = teacher_chunks or chunks
         state.clear()
-        teacher_valid = _share_scalar(eval_step(eval_chunks, valid_factory(), sched.eval_iters,
+        teacher_valid = _share_from_last_stage(eval_step(eval_chunks, valid_factory(), sched.eval_iters,
                                                 sched.seq_length, sched.micro_batch_size))
     bar = None
     if progress and _is_rank0():

@@ -83,7 +83,6 @@ def _elastic_config(model, mode: str, heterogeneous: bool):
 
 def _setup(config_path: str, workdir: Path, layout, pattern, mode, heterogeneous, seed):
     """Elastic student (DDP), frozen teacher, optimizer and step driver for ``layout``."""
-    from megatron.core import parallel_state as ps
 
     from elastic_plugin.checkpointing import build_from_checkpoint
     from elastic_plugin.elastic.cost import ElasticCost
@@ -104,7 +103,6 @@ def _setup(config_path: str, workdir: Path, layout, pattern, mode, heterogeneous
     optimizer = build_optimizer(chunks, lr=1e-3, adam_eps=1e-4,
                                 distributed_optimizer=layout.distributed_optimizer,
                                 config_overrides=router_param_groups(1e-3, 1e-3, 10.0))
-    dp = ps.get_data_parallel_world_size()
     step = ElasticStep(
         state=state,
         sampler=BudgetSampler(resolved.budgets, None, seed=5, total_iters=STEPS),
