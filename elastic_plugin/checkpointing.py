@@ -52,8 +52,7 @@ def save_checkpoint(chunks, out_dir: str | Path, meta: dict[str, Any], optimizer
     model = getattr(chunks[0], "module", chunks[0])
     meta = {**meta, "reordered": bool(getattr(model, STRIDED_ATTR, False))}
     if _is_rank0():
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        fresh_temporary(final)
     _barrier()
     with canonical_weights(model):
         state = model.sharded_state_dict()
@@ -63,14 +62,30 @@ def save_checkpoint(chunks, out_dir: str | Path, meta: dict[str, Any], optimizer
     _barrier()
     if _is_rank0():
         (tmp / CHECKPOINT_META).write_text(json.dumps(meta, indent=2, default=str))
-        old = final.with_name(final.name + ".old")
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
+        publish_directory(tmp, final)
     _barrier()
     return final
+
+
+def fresh_temporary(final: str | Path) -> Path:
+    """``<final>.tmp``, emptied: where an atomic write of ``final`` goes first (a leftover of an
+    interrupted write is discarded)."""
+    final = Path(final)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish_directory(tmp: Path, final: Path) -> None:
+    """Rename a completely written ``tmp`` to ``final`` (replacing an old ``final``): readers
+    see either the old directory or the whole new one, never a partial one."""
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def load_checkpoint(chunks, ckpt_dir: str | Path) -> dict[str, Any]:

@@ -302,6 +302,31 @@ def test_elastic_train_under_torchrun_tp2_sp_checkpoints_plots_and_resumes(pipel
     assert again.returncode == 0, again.stderr[-2000:]
     assert json_out(again)["already_finished"] is True
 
+    # every nested model, exported from the TP=2+SP checkpoint by one process, and measured
+    assert meta["data"]["prepared"] and Path(meta["tokenizer"]).is_file()
+    exports = tmp_path / "exports"
+    proc = run_cli("export", "--ckpt", str(out / "checkpoints" / "elastic"), "--out", str(exports),
+                   "--eval-sequences", "4")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((exports / "exports.json").read_text())
+    rows = {(r["budget"], r["precision"]): r for r in report["exports"]}
+    assert set(rows) == {(b, p) for b in (1.0, 0.77, 0.4)
+                         for p in ("megatron", "bf16", "fp8", "nvfp4")}
+    for budget in (1.0, 0.77, 0.4):
+        bf16, fp8, nvfp4 = (rows[(budget, p)] for p in ("bf16", "fp8", "nvfp4"))
+        assert nvfp4["bytes"] < fp8["bytes"] < bf16["bytes"] < rows[(budget, "megatron")]["bytes"]
+        assert abs(fp8["valid_loss"] - bf16["valid_loss"]) < 0.05
+        assert abs(nvfp4["valid_loss"] - bf16["valid_loss"]) < 0.2
+        assert bf16["choice"] == meta["elastic"]["choices"][f"{budget:g}"]
+        assert (exports / f"hf_{budget:g}_bf16" / "tokenizer.json").is_file()
+    assert {(r["budget"], r["precision"]) for r in report["recovery"]} == {
+        (b, p) for b in (1.0, 0.77, 0.4) for p in ("fp8", "nvfp4")}
+    for precision in ("megatron", "bf16", "fp8", "nvfp4"):
+        sizes = report["sizes"][precision]
+        assert sizes["nested_bytes"] == rows[(1.0, precision)]["bytes"] and sizes["saving"] > 0.3
+    assert "One nested checkpoint vs separate" in (exports / "exports.md").read_text()
+    assert (exports / "exports.png").stat().st_size > 10_000
+
 
 # ------------------------------------------------------------------------------ Megatron-LM script
 def test_pretrain_script_imports_without_side_effects_and_prints_arch_flags(fake):

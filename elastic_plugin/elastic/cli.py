@@ -421,7 +421,8 @@ def _train(inputs: ElasticInputs, args: argparse.Namespace) -> int:
         run = train_elastic(inputs.cfg, inputs.ecfg, layout, inputs.student, inputs.out,
                             train_iterator, feed.valid_iterator, sched,
                             teacher_ckpt=inputs.teacher, resume=args.resume, progress=progress,
-                            stop_after=args.stop_after)
+                            stop_after=args.stop_after,
+                            extra_meta={"data": feed.describe(), "tokenizer": feed.tokenizer_path})
     except ConfigError as exc:  # found after start-up; every rank finds it alike
         dist.destroy_process_group()
         return _error(exc)

@@ -20,14 +20,18 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from elastic_plugin.elastic.meta import CHECKPOINT_META, read_elastic_meta
+from elastic_plugin.export.hf_compat import HF_DTYPES, QUANTIZE_FORMATS, check_hf_compatible
 from elastic_plugin.models.config import ConfigError, ModelConfig, config_from_dict
 
 EXTRACTED_KIND = "extracted"
+FORMATS = ("megatron", "hf")
+EXPORT_META = "export_meta.json"  # what an HF export was cut from (budget, choice, source)
 _TARGET_FLAGS = (("--target-tensor-model-parallel-size", "tp"),
                  ("--target-pipeline-model-parallel-size", "pp"),
                  ("--target-expert-model-parallel-size", "ep"))
 
-__all__ = ["ExtractPlan", "plan_extraction", "extract_nested", "homogeneous_choice",
+__all__ = ["ExtractPlan", "plan_extraction", "extract_nested", "run_extraction", "load_source",
+           "homogeneous_choice",
            "check_target_layout", "extracted_config", "read_elastic_meta"]
 
 
@@ -53,7 +57,8 @@ def homogeneous_choice(choice: Mapping[str, Any], budget: float) -> dict[str, in
                 raise ConfigError(
                     f"--budget {budget:g}: the nested model has per-layer sizes ({axis}={list(value)}); "
                     "plain Megatron-Core builds every layer of a kind alike, so it cannot hold this "
-                    "model (export it per layer, e.g. to Hugging Face, instead)")
+                    "model (use --format hf: the Hugging Face NemotronH export keeps per-layer "
+                    "widths)")
             value = value[0]
         out[axis] = int(value)
     return out
@@ -105,16 +110,43 @@ class ExtractPlan:
     budget: float
     meta: dict[str, Any]
     model: ModelConfig                  # the full (elastic) model
-    choice: dict[str, int] | None       # None: ask the router (interpolated budget)
+    choice: dict[str, Any] | None       # None: ask the router; per-layer lists only for "hf"
     target: tuple[int, int, int] | None
+    fmt: str = "megatron"
+    dtype: str = "bf16"                 # HF only: the floating dtype of the written tensors
+    quantize: str | None = None         # HF only: "fp8" / "nvfp4" weights
+
+
+def _check_format(fmt: str, dtype: str | None, quantize: str | None,
+                  target: tuple[int, int, int] | None, model: ModelConfig) -> str:
+    """Flag combinations; returns the dtype to use."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format {fmt!r}: allowed: {', '.join(FORMATS)}")
+    if quantize is not None and quantize not in QUANTIZE_FORMATS:
+        raise ConfigError(f"--quantize {quantize!r}: allowed: {', '.join(QUANTIZE_FORMATS)}")
+    if dtype is not None and dtype not in HF_DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: allowed: {', '.join(HF_DTYPES)}")
+    if fmt == "megatron":
+        for flag, value in (("--quantize", quantize), ("--dtype", dtype)):
+            if value is not None:
+                raise ConfigError(f"{flag} goes with --format hf (a Megatron checkpoint keeps the "
+                                  f"model's own dtype)")
+        return "fp32"
+    if target is not None:
+        raise ConfigError("--target-* layouts go with --format megatron (an HF export has no "
+                          "parallel layout)")
+    check_hf_compatible(model)
+    return dtype or "bf16"
 
 
 def plan_extraction(ckpt_dir: str | Path, budget: float, out_dir: str | Path,
                     interpolate: bool = False,
-                    target: tuple[int, int, int] | None = None) -> ExtractPlan:
+                    target: tuple[int, int, int] | None = None, fmt: str = "megatron",
+                    dtype: str | None = None, quantize: str | None = None) -> ExtractPlan:
     """Everything that can be wrong with the request, found without torch."""
     meta = read_elastic_meta(ckpt_dir)
     cfg = config_from_dict(meta["config"], source=f"--ckpt {ckpt_dir}/{CHECKPOINT_META}")
+    dtype = _check_format(fmt, dtype, quantize, target, cfg.model)
     budgets = [float(b) for b in meta["elastic"]["budgets"]]
     trained = ", ".join(_label(b) for b in budgets)
     if not isinstance(budget, (int, float)) or not math.isfinite(budget):
@@ -125,7 +157,7 @@ def plan_extraction(ckpt_dir: str | Path, budget: float, out_dir: str | Path,
         raw = meta["elastic"]["choices"].get(_label(match))
         if raw is None:
             raise ConfigError(f"--ckpt {ckpt_dir}: no stored choice for budget {_label(match)}")
-        choice = homogeneous_choice(raw, match)
+        choice = homogeneous_choice(raw, match) if fmt == "megatron" else dict(raw)
         budget = match
     elif not min(budgets) < budget < max(budgets):
         raise ConfigError(f"--budget {budget:g} is outside the trained range "
@@ -141,7 +173,8 @@ def plan_extraction(ckpt_dir: str | Path, budget: float, out_dir: str | Path,
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out}: exists and is not an empty directory (choose a new path; "
                           f"nothing is overwritten)")
-    return ExtractPlan(Path(ckpt_dir), out, float(budget), meta, cfg.model, choice, target)
+    return ExtractPlan(Path(ckpt_dir), out, float(budget), meta, cfg.model, choice, target,
+                       fmt, dtype, quantize)
 
 
 # ------------------------------------------------------------------------------ the heavy part
@@ -177,63 +210,137 @@ def _require_single_process() -> None:
                           f"{dist.get_world_size()} ranks (run it without torchrun)")
 
 
-def run_extraction(plan: ExtractPlan) -> dict[str, Any]:
-    """Load, slice, build the plain model, load strictly, save atomically. Returns the summary."""
+def load_source(plan: ExtractPlan):
+    """``(full model at TP=PP=EP=1, its checkpoint meta)`` (any source layout: dist checkpoints
+    reshard). Load once, extract many: ``run_extraction(plan, source)``."""
     from elastic_plugin.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
-    import torch
-
-    from elastic_plugin.checkpointing import build_from_checkpoint, save_checkpoint
-    from elastic_plugin.elastic.cost import model_for_choice
-    from elastic_plugin.elastic.slicing import sliced_state_dict
-    from elastic_plugin.importance.reorder import STRIDED_ATTR, canonical_weights
-    from elastic_plugin.models.counting import count_parameters
-    from elastic_plugin.parallel import Layout, build_model_chunks, init_distributed, \
-        initialize_layout
+    from elastic_plugin.checkpointing import build_from_checkpoint
+    from elastic_plugin.parallel import Layout, init_distributed, initialize_layout
 
     init_distributed()
     _require_single_process()
     initialize_layout(Layout())
-    interpolated = plan.choice is None
-    choice = (homogeneous_choice(_interpolated_choice(plan), plan.budget) if interpolated
-              else plan.choice)
+    chunks, _, meta = build_from_checkpoint(plan.ckpt, Layout(), wrap_ddp=False)
+    return chunks[0], meta
+
+
+def _sliced(plan: ExtractPlan, full, choice: Mapping[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from elastic_plugin.elastic.slicing import sliced_state_dict
+    from elastic_plugin.importance.reorder import canonical_weights
+
+    with canonical_weights(full), torch.no_grad():
+        return sliced_state_dict(full, plan.model, choice)
+
+
+def _counts(plan: ExtractPlan, choice: Mapping[str, Any]) -> dict[str, int]:
+    """Total / active parameters of the nested model (per-layer choices through the cost model,
+    which equals counting.py for integer choices)."""
+    from elastic_plugin.elastic.cost import model_for_choice
+    from elastic_plugin.models.counting import count_parameters
+
+    if all(not isinstance(v, (list, tuple)) for v in choice.values()):
+        counts = count_parameters(model_for_choice(plan.model, choice))
+        return {"total": counts.total, "active": counts.active}
+    from elastic_plugin.elastic.config import ElasticConfig
+    from elastic_plugin.elastic.cost import ElasticCost
+
+    layout = plan.meta.get("layout") or {}
+    ecfg = ElasticConfig.from_dict(plan.meta["config"]["elastic"],
+                                   source=f"{plan.ckpt}/{CHECKPOINT_META}")
+    resolved = ecfg.resolve(plan.model, int(layout.get("tp", 1)), int(layout.get("ep", 1)))
+    return {metric.split("_")[0]: int(ElasticCost(plan.model, resolved, metric=metric)
+                                      .of_choice(choice))
+            for metric in ("total_params", "active_params")}
+
+
+def _write_megatron(plan: ExtractPlan, full, source_meta: dict[str, Any],
+                    choice: dict[str, int]) -> dict[str, Any]:
+    from elastic_plugin.checkpointing import save_checkpoint
+    from elastic_plugin.elastic.cost import model_for_choice
+    from elastic_plugin.importance.reorder import STRIDED_ATTR
+    from elastic_plugin.parallel import Layout, build_model_chunks
+
     small = model_for_choice(plan.model, choice)
     if plan.target is not None:
         check_target_layout(small, *plan.target, plan.budget)
     config = extracted_config(plan.meta, small, plan.target)
-    # the full model at TP=PP=EP=1 (any source layout: dist checkpoints reshard)
-    chunks, _, meta = build_from_checkpoint(plan.ckpt, Layout(), wrap_ddp=False)
-    full = chunks[0]
-    with canonical_weights(full), torch.no_grad():
-        state = sliced_state_dict(full, plan.model, choice)
-    del chunks, full
+    state = _sliced(plan, full, choice)
     plain = build_model_chunks(small, Layout(), wrap_ddp=False)[0][0]
     plain.load_state_dict(state, strict=True)
     del state
     # a prefix of an importance order is still importance-ordered (canonical on disk)
-    setattr(plain, STRIDED_ATTR, bool(meta.get("reordered")))
-    counts = count_parameters(small)
-    out_meta = {
-        "kind": EXTRACTED_KIND,
-        "config": config,
-        "layout": dataclasses.asdict(Layout()),
-        "source": str(plan.ckpt),
-        "budget": plan.budget,
-        "interpolated": interpolated,
-        "choice": choice,
-        "params": {"total": counts.total, "active": counts.active},
-        **{k: plan.meta[k] for k in ("data", "tokenizer") if k in plan.meta},
-    }
+    setattr(plain, STRIDED_ATTR, bool(source_meta.get("reordered")))
+    out_meta = {"kind": EXTRACTED_KIND, "config": config,
+                "layout": dataclasses.asdict(Layout()), **_provenance(plan, choice)}
     saved = save_checkpoint([plain], plan.out, out_meta)
-    size = sum(p.stat().st_size for p in saved.rglob("*") if p.is_file())
-    return {"out": str(saved.resolve()), "budget": plan.budget, "interpolated": interpolated,
-            "choice": choice, "params": out_meta["params"], "bytes": size}
+    return {"out": str(saved.resolve()), "bytes": _dir_bytes(saved)}
+
+
+def _write_hf(plan: ExtractPlan, full, choice: dict[str, Any]) -> dict[str, Any]:
+    from elastic_plugin.checkpointing import fresh_temporary, publish_directory
+    from elastic_plugin.export.hf import hf_config, megatron_to_hf, write_hf_checkpoint
+
+    tensors = megatron_to_hf(_sliced(plan, full, choice), plan.model)
+    config = hf_config(tensors, plan.model, plan.dtype, _token_ids(plan.meta))
+    quant_config = None
+    if plan.quantize is not None:
+        from elastic_plugin.export.quantize import quantize_state_dict
+
+        tensors, quant_config = quantize_state_dict(tensors, plan.quantize)
+    tmp = fresh_temporary(plan.out)
+    write_hf_checkpoint(tmp, tensors, config, plan.dtype, plan.meta.get("tokenizer"),
+                        quant_config, {EXPORT_META: {
+                            "kind": "hf", "dtype": plan.dtype, "quantize": plan.quantize,
+                            "model": dataclasses.asdict(plan.model), **_provenance(plan, choice)}})
+    publish_directory(tmp, plan.out)
+    return {"out": str(plan.out.resolve()), "bytes": _dir_bytes(plan.out)}
+
+
+def _token_ids(meta: Mapping[str, Any]) -> dict[str, int]:
+    """pad / eos ids of the checkpoint's tokenizer (ours: fixed special ids), when it has one."""
+    path = meta.get("tokenizer")
+    if not path or not Path(path).is_file():
+        return {}
+    import json
+
+    vocab = json.loads(Path(path).read_text()).get("model", {}).get("vocab", {})
+    return {key: vocab[tok] for key, tok in (("pad", "<pad>"), ("eos", "<eod>")) if tok in vocab}
+
+
+def _provenance(plan: ExtractPlan, choice: Mapping[str, Any]) -> dict[str, Any]:
+    return {"source": str(plan.ckpt), "budget": plan.budget, "interpolated": plan.choice is None,
+            "choice": dict(choice), "params": _counts(plan, choice),
+            **{k: plan.meta[k] for k in ("data", "tokenizer") if k in plan.meta}}
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def run_extraction(plan: ExtractPlan, source=None) -> dict[str, Any]:
+    """Load (unless ``source`` from :func:`load_source` is given), slice, write atomically (a
+    Megatron checkpoint, or HF safetensors, optionally quantized). Returns the summary."""
+    full, source_meta = source if source is not None else load_source(plan)
+    interpolated = plan.choice is None
+    choice = _interpolated_choice(plan) if interpolated else plan.choice
+    if plan.fmt == "megatron":
+        choice = homogeneous_choice(choice, plan.budget) if interpolated else choice
+        written = _write_megatron(plan, full, source_meta, choice)
+    else:
+        written = _write_hf(plan, full, choice)
+    return {**written, "format": plan.fmt, "dtype": plan.dtype, "quantize": plan.quantize,
+            "budget": plan.budget, "interpolated": interpolated, "choice": choice,
+            "params": _counts(plan, choice)}
 
 
 def extract_nested(ckpt_dir: str | Path, budget: float, out_dir: str | Path,
                    interpolate: bool = False,
-                   target: tuple[int, int, int] | None = None) -> dict[str, Any]:
+                   target: tuple[int, int, int] | None = None, fmt: str = "megatron",
+                   dtype: str | None = None, quantize: str | None = None) -> dict[str, Any]:
     """Extract the nested model of ``budget`` from an elastic checkpoint into ``out_dir``.
 
     Single process (TP=PP=EP=1; the source may have any layout). A trained budget uses the
@@ -241,7 +348,11 @@ def extract_nested(ckpt_dir: str | Path, budget: float, out_dir: str | Path,
     ``interpolate=True`` (the router's choice). ``target=(tp, pp, ep)`` only checks that the
     extracted model splits that way (and becomes its config's default layout). Written to
     ``<out>.tmp`` and renamed to ``<out>`` at the end: an interrupted run leaves no ``<out>``.
-    Returns ``{"out", "budget", "interpolated", "choice", "params": {"total", "active"},
-    "bytes"}``. Raises ``ConfigError`` for bad input (before loading anything when possible).
+    ``fmt="hf"`` writes Hugging Face NemotronH safetensors instead (per-layer widths allowed;
+    ``dtype`` bf16/fp16/fp32, ``quantize`` "fp8"/"nvfp4" in ModelOpt's layout).
+    Returns ``{"out", "format", "dtype", "quantize", "budget", "interpolated", "choice",
+    "params": {"total", "active"}, "bytes"}``. Raises ``ConfigError`` for bad input (before
+    loading anything when possible).
     """
-    return run_extraction(plan_extraction(ckpt_dir, budget, out_dir, interpolate, target))
+    return run_extraction(plan_extraction(ckpt_dir, budget, out_dir, interpolate, target, fmt,
+                                          dtype, quantize))

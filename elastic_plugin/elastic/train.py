@@ -138,6 +138,7 @@ def train_elastic(
     resume: bool = False,
     progress: bool = True,
     stop_after: int | None = None,
+    extra_meta: dict[str, Any] | None = None,
 ) -> ElasticRun:
     """Train all budgets of ``ecfg`` from ``student_ckpt`` (importance-reordered).
 
@@ -145,6 +146,8 @@ def train_elastic(
     ``teacher_ckpt``: the frozen teacher (default: ``student_ckpt`` itself, which computes the
     same function); ignored when ``ecfg.teacher == "self"``. ``stop_after``: end (with a
     checkpoint) after that many iterations, as an interrupted job would; resume continues.
+    ``extra_meta`` goes into the checkpoint's metadata (e.g. ``data`` and ``tokenizer``, which
+    extraction and export read to evaluate the nested models).
     """
     from elastic_plugin.checkpointing import build_from_checkpoint, load_optimizer, read_meta
     from elastic_plugin.elastic.metrics import ElasticMetrics
@@ -267,12 +270,14 @@ def train_elastic(
                 bar.set_postfix({k: f"{v:.3f}" for k, v in record["train_loss"].items()})
         if sched.save_interval and iteration % sched.save_interval == 0 and iteration != last:
             _save(chunks, optimizer, scheduler, ckpt_dir,
-                  _meta(cfg, ecfg, layout, resolved, router, iteration, consumed, teacher_valid))
+                  _meta(cfg, ecfg, layout, resolved, router, iteration, consumed, teacher_valid)
+                  | dict(extra_meta or {}))
     if bar is not None:
         bar.close()
     table = choice_table(router, resolved)
     saved = _save(chunks, optimizer, scheduler, ckpt_dir,
-                  _meta(cfg, ecfg, layout, resolved, router, iteration, consumed, teacher_valid))
+                  _meta(cfg, ecfg, layout, resolved, router, iteration, consumed, teacher_valid)
+                  | dict(extra_meta or {}))
     plots = [str(p) for p in metrics.plot()] if _is_rank0() else []
     counts = {metric: ElasticCost(model_cfg, resolved, metric=f"{metric}_params")
               for metric in ("total", "active")}

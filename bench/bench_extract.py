@@ -1,0 +1,148 @@
+"""Extraction throughput vs a plain copy of the same number of bytes.
+
+Cutting a nested model out of an elastic checkpoint should cost little more than writing its
+bytes: the slicing is index selection and the rest is I/O. For each budget of a freshly trained
+elastic checkpoint (``tiny``: examples/configs/tiny.yaml; ``wide``: the same pattern at 4x the
+width) and each output format, these run interleaved (``interleaved_medians``):
+
+* ``extract``: ``run_extraction(plan, source)`` with the full model already loaded (slicing,
+  building the plain model, atomic save; the loading is shared by ``elastic-plugin export``);
+* ``copy``: ``shutil.copyfile`` of a file of the same size as that extraction's output, the
+  floor any writer of those bytes pays on this disk.
+
+Columns: ``MB`` written, medians, ``extract/copy`` (lower is better) and MB/s of each. Formats:
+``megatron`` (plain Megatron dist checkpoint, fp32), ``hf_bf16`` and ``hf_nvfp4`` (safetensors;
+NVFP4 also quantizes). ``load_s`` is the one-off load of the full model, reported per model.
+
+Run: ``python bench/bench_extract.py [--quick] [--reps N] [--json PATH]`` or
+``python bench/run_all.py --only extract``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _timing import interleaved_medians  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_CONFIG = ROOT / "examples" / "configs" / "tiny.yaml"
+FORMATS = {"megatron": ("megatron", None, None), "hf_bf16": ("hf", "bf16", None),
+           "hf_nvfp4": ("hf", "bf16", "nvfp4")}
+BUDGETS = ("1", "0.4")  # the stored table is set to full / smallest (see _checkpoint)
+
+
+def _experiment(name: str):
+    from elastic_plugin.models.config import load_config
+
+    cfg = load_config(TINY_CONFIG)
+    if name == "wide":
+        cfg.model = dataclasses.replace(cfg.model, hidden_size=512, ffn_hidden_size=1024,
+                                        moe_ffn_hidden_size=512,
+                                        moe_shared_expert_intermediate_size=512, kv_channels=128,
+                                        mamba_head_dim=64)
+    return cfg
+
+
+def _checkpoint(name: str, work: Path) -> Path:
+    """One elastic iteration (synthetic tokens), then budget 0.4 -> every axis at its smallest."""
+    from elastic_plugin.elastic.schedule import ElasticSchedule
+    from elastic_plugin.elastic.train import train_elastic
+    from elastic_plugin.parallel import Layout
+    from elastic_plugin.testing import elastic_cases as ec
+
+    cfg = _experiment(name)
+    ec.write_init_checkpoint(cfg, work / "init")
+    ecfg = ec._elastic_config(cfg.model, "sliced", False)
+    sched = ElasticSchedule(train_iters=1, lr=1e-3, min_lr=1e-4, lr_warmup_iters=0,
+                            global_batch_size=2, micro_batch_size=2, seq_length=ec.SEQ_LEN,
+                            log_interval=1, eval_interval=0, eval_iters=0)
+    run = train_elastic(cfg, ecfg, Layout(), work / "init", work / "run",
+                        lambda c: ec._synthetic_iterator(cfg.model.vocab_size, 2, c), None, sched,
+                        progress=False)
+    ckpt = Path(run.checkpoint_dir)
+    meta = json.loads((ckpt / "elastic_meta.json").read_text())
+    meta["elastic"]["choices"]["0.4"] = {axis: min(spec["candidates"])
+                                         for axis, spec in meta["elastic"]["axes"].items()}
+    (ckpt / "elastic_meta.json").write_text(json.dumps(meta))
+    return ckpt
+
+
+def run(quick: bool = False, reps: int | None = None, models: tuple[str, ...] | None = None
+        ) -> list[dict]:
+    from elastic_plugin.elastic.extract import load_source, plan_extraction, run_extraction
+
+    reps = reps or (1 if quick else 3)
+    models = models or (("tiny",) if quick else ("tiny", "wide"))
+    rows = []
+    for name in models:
+        work = Path(tempfile.mkdtemp(prefix=f"bench_extract_{name}_"))
+        try:
+            ckpt = _checkpoint(name, work)
+            counter = itertools.count()
+            began = time.perf_counter()
+            source = None
+            for budget, (fmt_name, (fmt, dtype, quantize)) in itertools.product(
+                    BUDGETS, FORMATS.items()):
+                def plan():
+                    return plan_extraction(ckpt, float(budget), work / f"out_{next(counter)}",
+                                           fmt=fmt, dtype=dtype, quantize=quantize)
+
+                if source is None:
+                    source = load_source(plan())
+                    load_s = time.perf_counter() - began
+                sample = run_extraction(plan(), source)
+                size = sample["bytes"]
+                blob = work / "blob.bin"
+                blob.write_bytes(bytes(size))
+
+                def extract():
+                    out = run_extraction(plan(), source)["out"]
+                    shutil.rmtree(out)
+
+                def copy():
+                    target = work / f"copy_{next(counter)}.bin"
+                    shutil.copyfile(blob, target)
+                    target.unlink()
+
+                times = interleaved_medians({"extract": extract, "copy": copy}, reps=reps,
+                                            warmup=1)
+                mb = size / 1e6
+                rows.append({"name": f"{name}/b{budget}/{fmt_name}", "MB": round(mb, 3),
+                             "extract_ms": 1e3 * times["extract"], "copy_ms": 1e3 * times["copy"],
+                             "extract/copy": times["extract"] / times["copy"],
+                             "extract_MB/s": mb / times["extract"],
+                             "copy_MB/s": mb / times["copy"], "load_s": round(load_s, 2)})
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = run(args.quick, args.reps)
+    print(f"{'case':<24}{'MB':>8}{'extract ms':>12}{'copy ms':>10}{'extract/copy':>14}"
+          f"{'extract MB/s':>14}{'copy MB/s':>11}")
+    for r in rows:
+        print(f"{r['name']:<24}{r['MB']:>8.3f}{r['extract_ms']:>12.1f}{r['copy_ms']:>10.2f}"
+              f"{r['extract/copy']:>14.1f}{r['extract_MB/s']:>14.1f}{r['copy_MB/s']:>11.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,332 @@
+"""FP8 and NVFP4 weight quantization of an exported (Hugging Face NemotronH) state dict, laid out
+as NVIDIA ModelOpt's "unified HF checkpoint" so that vLLM / TensorRT-LLM read it.
+
+Conventions (matched to ModelOpt 0.47, ``modelopt/torch/quantization/qtensor/{fp8,nvfp4}_tensor.py``
+and ``modelopt/torch/export/{quant_utils,moe_utils,unified_export_hf}.py``):
+
+* **FP8** (E4M3, ``quant_algo: "FP8"``): one fp32 scale per tensor, ``scale = amax / 448``;
+  ``X.weight = (w / scale)`` cast to ``float8_e4m3fn`` (round to nearest even), ``X.weight_scale``
+  is the 0-d fp32 scale. Dequantized ``w ~= q * scale``.
+* **NVFP4** (``quant_algo: "NVFP4"``, ``group_size: 16``): a global fp32 scale
+  ``weight_scale_2 = amax / (6 * 448)``; per 16 consecutive values along the input (last) dim a
+  block scale ``block_amax / (6 * weight_scale_2)`` (0 -> 1), clamped to [2^-9, 448] and cast
+  to E4M3 (``X.weight_scale``); values ``w / (block_scale * weight_scale_2)`` rounded to the
+  E2M1 grid {0, .5, 1, 1.5, 2, 3, 4, 6} (nearest, ties to the even code, |x| > 6 saturates
+  to 6), code = magnitude index | sign << 3 (sign set for every x < 0, so tiny negatives
+  become code 8, "-0"). Two codes per uint8: the **even** element in the **low** nibble.
+* **Experts**: the stacked 3-D ``…experts.up_proj`` / ``…experts.down_proj`` (experts x out x
+  in) are written per expert, ``…experts.{e}.up_proj.weight`` (+ scales), each expert with its
+  own scale(s) — what ModelOpt's fused-experts export does and what the hub NemotronH
+  checkpoints (and transformers' NemotronH conversion mapping) use. :func:`quantize_fp8` /
+  :func:`quantize_nvfp4` on a 3-D tensor likewise give one per-tensor scale per expert.
+* ``exclude_modules``: module names (the weight name less ``.weight``) of matrix-shaped weights
+  left in high precision — ``lm_head``, Mamba ``conv1d``, the MoE router ``gate`` and any
+  projection not quantized — as in the released Nemotron-3 NVFP4 ``hf_quant_config.json``;
+  embeddings and 1-D tensors (norms, ``A_log``, ``D``, ``dt_bias``, biases) are not listed.
+
+Scales are all computed in fp32 from the (exact) fp32 image of the weight; ModelOpt's FP8
+export divides a bf16 weight by a 0-d fp32 scale in bf16 (type promotion), which can differ by
+one E4M3 step where that extra rounding lands on a tie. Zero tensors (amax 0) get scale 1
+instead of ModelOpt's 0/0 = NaN. The quantization is weight-only; ModelOpt's ``FP8``/``NVFP4``
+algorithms also quantize activations with calibrated static scales (``X.input_scale``), which
+:func:`quantize_state_dict` writes only when given the activation ``input_amax``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Mapping
+
+import torch
+
+from elastic_plugin import __version__
+from elastic_plugin.models.config import ConfigError
+
+__all__ = ["FORMATS", "QUANT_ALGO", "NVFP4_BLOCK", "E4M3_MAX", "E2M1_MAX", "E2M1_VALUES",
+           "quantize_fp8", "dequantize_fp8", "quantize_nvfp4", "dequantize_nvfp4",
+           "pack_e2m1", "unpack_e2m1", "round_e2m1", "DEFAULT_QUANTIZED", "check_format",
+           "quantize_state_dict", "dequantize_state_dict", "tensor_bytes",
+           "quantized_weight_bytes", "bytes_per_weight"]
+
+FORMATS = ("fp8", "nvfp4")
+QUANT_ALGO = {"fp8": "FP8", "nvfp4": "NVFP4"}
+NVFP4_BLOCK = 16
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+E4M3_MIN_SUBNORMAL = 2.0 ** -9
+# E2M1 magnitudes by 3-bit code (1 exponent-bias-1 bit pair + 1 mantissa bit)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(E2M1_VALUES, E2M1_VALUES[1:]))
+
+WEIGHT, SCALE, SCALE_2, INPUT_SCALE = ".weight", ".weight_scale", ".weight_scale_2", ".input_scale"
+_PROJ = r"(q_proj|k_proj|v_proj|o_proj|in_proj|out_proj|up_proj|down_proj)"
+_LINEAR = re.compile(rf"(^|\.){_PROJ}\.weight$")
+_EXPERT_STACK = re.compile(rf"\.experts\.{_PROJ}$")
+_EXPERT_ONE = re.compile(rf"^(?P<head>.*\.experts)\.(?P<e>\d+)\.(?P<proj>{_PROJ})\.weight$")
+_NEVER = re.compile(r"(^|\.)(embeddings|embed_tokens|lm_head|norm[^.]*|gate|conv1d)\.")
+
+
+def check_format(fmt: str) -> str:
+    """``fmt`` if it is a known format; else a ConfigError naming ``--quantize``."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"--quantize must be one of {', '.join(FORMATS)}; got {fmt!r}")
+    return fmt
+
+
+# ------------------------------------------------------------------------------ per-tensor scales
+def _amax(w: torch.Tensor) -> torch.Tensor:
+    """|w|max in fp32: 0-d for a matrix, one per expert (leading dim) for a 3-D stack."""
+    if w.dim() not in (2, 3):
+        raise ValueError(f"expected a 2-D weight or a 3-D expert stack, got shape {tuple(w.shape)}")
+    a = w.detach().abs().float()
+    return a.amax() if w.dim() == 2 else a.flatten(1).amax(1)
+
+
+def _positive(scale: torch.Tensor) -> torch.Tensor:
+    """Scale 0 (an all-zero tensor, or an amax so small its scale underflows) -> 1, so that
+    quantizing divides by a finite non-zero number and dequantizing still gives zeros."""
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def _per_expert(scale: torch.Tensor, ndim: int) -> torch.Tensor:
+    """Broadcast a 0-d / per-expert scale against a tensor of ``ndim`` dims."""
+    return scale if scale.dim() == 0 else scale.view(-1, *([1] * (ndim - 1)))
+
+
+# ------------------------------------------------------------------------------ FP8
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q float8_e4m3fn, scale fp32)`` with ``scale = amax / 448`` (0-d; shape [E] for a 3-D
+    expert stack, one per expert) and ``q = w / scale`` rounded to nearest even E4M3."""
+    scale = _positive(_amax(w) / E4M3_MAX)
+    scaled = w.detach().float() / _per_expert(scale, w.dim())
+    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+                   ) -> torch.Tensor:
+    """``q * scale`` (computed in fp32, then cast to ``dtype``)."""
+    return (q.float() * _per_expert(scale.float(), q.dim())).to(dtype)
+
+
+# ------------------------------------------------------------------------------ E2M1
+def round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """E2M1 4-bit codes (uint8) of ``x``: nearest grid magnitude, a tie goes to the even code
+    (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4), beyond 6 saturates to 6;
+    bit 3 is the sign, set for every x < 0."""
+    mid = torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=x.device)
+    a = x.abs().float().contiguous()
+    down = torch.searchsorted(mid, a, right=False, out_int32=True)  # ties fall to the lower code
+    up = torch.searchsorted(mid, a, right=True, out_int32=True)  # ties rise to the upper code
+    code = torch.where(down == up, down, down + (down & 1))
+    return (code | ((x < 0).to(code.dtype) << 3)).to(torch.uint8)
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes per byte along the last dim: element 2i low nibble, 2i+1 high nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_e2m1`: uint8 codes, last dim doubled."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
+
+
+def _e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of E2M1 codes (code 8, "-0", decodes to 0)."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    mag = table[(codes & 0x07).long()]
+    return torch.where((codes & 0x08) != 0, -mag, mag)
+
+
+# ------------------------------------------------------------------------------ NVFP4
+def _blocks(w: torch.Tensor) -> torch.Tensor:
+    """``w`` viewed as [..., in/16, 16] blocks along the input dim."""
+    if w.shape[-1] % NVFP4_BLOCK:
+        raise ValueError(f"NVFP4 needs the input dim to divide by {NVFP4_BLOCK}; "
+                         f"got shape {tuple(w.shape)}")
+    return w.reshape(*w.shape[:-1], w.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
+
+
+def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(packed uint8 [..., in/2], block_scale float8_e4m3fn [..., in/16], global_scale fp32)``.
+
+    ``global_scale = amax / (6 * 448)`` (0-d; [E] for a 3-D expert stack); block scale
+    ``block_amax / (6 * global_scale)`` (0 -> 1) clamped to [2^-9, 448] and cast to E4M3, so
+    that the largest block scale is 448 and the block's largest value lands on 6. The input dim
+    must divide by 16 (:func:`quantize_state_dict` leaves other tensors unquantized)."""
+    gs = _positive(_amax(w) / (E2M1_MAX * E4M3_MAX))
+    blocks = _blocks(w.detach().float())
+    g = _per_expert(gs, blocks.dim() - 1)
+    block_scale = blocks.abs().amax(-1) / (E2M1_MAX * g)
+    block_scale = torch.where(block_scale == 0, torch.ones_like(block_scale), block_scale)
+    block_scale = block_scale.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
+    scaled = blocks / (block_scale.float() * g).unsqueeze(-1)
+    codes = round_e2m1(scaled.reshape(w.shape))
+    return pack_e2m1(codes), block_scale, gs
+
+
+def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``e2m1(code) * (block_scale * global_scale)`` per 16-value block, in fp32, cast to dtype."""
+    values = _blocks(_e2m1_decode(unpack_e2m1(packed)))
+    g = _per_expert(global_scale.float(), values.dim() - 1)
+    out = values * (block_scale.float() * g).unsqueeze(-1)
+    return out.reshape(*packed.shape[:-1], packed.shape[-1] * 2).to(dtype)
+
+
+# ------------------------------------------------------------------------------ state dicts
+def DEFAULT_QUANTIZED(name: str) -> bool:  # noqa: N802 (a constant-like default predicate)
+    """Linear projection weights (q/k/v/o_proj, in_proj, out_proj, up_proj, down_proj, shared
+    experts and the 3-D ``experts.{up,down}_proj`` stacks); never embeddings, lm_head, norms,
+    the router gate, conv1d, A_log, D, dt_bias or biases."""
+    if _NEVER.search(name):
+        return False
+    return bool(_LINEAR.search(name) or _EXPERT_STACK.search(name))
+
+
+def _entries(state: Mapping[str, torch.Tensor]):
+    """(module name, weight) per output weight, expert stacks split into one module per expert;
+    ``None`` module for tensors that are not a module's weight matrix."""
+    for name, t in state.items():
+        if _EXPERT_STACK.search(name) and t.dim() == 3:
+            head, proj = name.rsplit(".", 1)
+            for e in range(t.shape[0]):
+                yield name, f"{head}.{e}.{proj}", t[e]
+        else:
+            yield name, None, t
+
+
+def quantize_state_dict(state: Mapping[str, torch.Tensor], fmt: str,
+                        quantize: Callable[[str], bool] = DEFAULT_QUANTIZED,
+                        input_amax: Mapping[str, float | torch.Tensor] | None = None,
+                        ) -> tuple[dict[str, torch.Tensor], dict]:
+    """All tensors of the quantized export and its ``hf_quant_config.json`` dict.
+
+    ``quantize(name)`` picks the tensors (HF names; a 3-D expert stack by its own name). A picked
+    weight becomes ``X.weight`` + ``X.weight_scale`` (+ ``X.weight_scale_2`` for NVFP4); expert
+    stacks are always written per expert (``…experts.{e}.up_proj.weight``). A picked NVFP4
+    weight whose input dim does not divide by 16 is left unquantized and listed in
+    ``exclude_modules``, like ``lm_head`` / ``conv1d`` / router ``gate`` and every other
+    unpicked weight matrix. ``input_amax`` (module name -> calibrated activation |x|max; an
+    expert stack's name covers all its experts) adds ModelOpt's static ``X.input_scale``
+    (amax / 448 for FP8, amax / (6 * 448) for NVFP4)."""
+    check_format(fmt)
+    picked = {n for n, t in state.items() if quantize(n)}
+    for n in sorted(picked):
+        t = state[n]
+        stack = bool(_EXPERT_STACK.search(n)) and t.dim() == 3
+        if not (stack or (n.endswith(WEIGHT) and t.dim() == 2)) or not t.is_floating_point():
+            raise ConfigError(f"--quantize {fmt}: {n!r} (shape {tuple(t.shape)}, {t.dtype}) is not a "
+                              "2-D linear weight or a 3-D experts.{up,down}_proj stack")
+    amax = dict(input_amax or {})
+    unknown = sorted(set(amax) - {n.removesuffix(WEIGHT) for n in picked})
+    if unknown:
+        raise ConfigError(f"input_amax names modules that are not quantized: {unknown[:4]}")
+    act_max = E4M3_MAX if fmt == "fp8" else E2M1_MAX * E4M3_MAX
+
+    out: dict[str, torch.Tensor] = {}
+    exclude: list[str] = []
+    for source, module, t in _entries(state):
+        if module is None and source not in picked:
+            out[source] = t
+            if source.endswith(WEIGHT) and t.dim() >= 2 and not _is_embedding(source):
+                exclude.append(source.removesuffix(WEIGHT))
+            continue
+        module = module if module is not None else source.removesuffix(WEIGHT)
+        if source not in picked or (fmt == "nvfp4" and t.shape[-1] % NVFP4_BLOCK):
+            # an expert's slice is cloned: safetensors refuses tensors sharing storage
+            out[module + WEIGHT] = t.clone() if module != source.removesuffix(WEIGHT) else t
+            exclude.append(module)
+            continue
+        if fmt == "fp8":
+            out[module + WEIGHT], out[module + SCALE] = quantize_fp8(t)
+        else:
+            out[module + WEIGHT], out[module + SCALE], out[module + SCALE_2] = quantize_nvfp4(t)
+        key = source.removesuffix(WEIGHT)
+        if key in amax:
+            out[module + INPUT_SCALE] = _positive(
+                torch.as_tensor(amax[key], dtype=torch.float32).reshape(()) / act_max)
+
+    quantization: dict = {"quant_algo": QUANT_ALGO[fmt], "kv_cache_quant_algo": None}
+    if fmt == "nvfp4":
+        quantization["group_size"] = NVFP4_BLOCK
+    quantization["exclude_modules"] = sorted(exclude)
+    return out, {"producer": {"name": "elastic_plugin", "version": __version__},
+                 "quantization": quantization}
+
+
+def _is_embedding(name: str) -> bool:
+    return bool(re.search(r"(^|\.)(embeddings|embed_tokens)\.weight$", name))
+
+
+def dequantize_state_dict(tensors: Mapping[str, torch.Tensor], quant_config: Mapping,
+                          dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The inverse layout of :func:`quantize_state_dict`: plain names and shapes, quantized
+    weights dequantized to ``dtype`` (others unchanged), scales and ``input_scale`` dropped, and
+    per-expert ``…experts.{e}.{proj}.weight`` restacked into the 3-D ``…experts.{proj}``."""
+    algo = quant_config.get("quantization", {}).get("quant_algo")
+    fmt = {v: k for k, v in QUANT_ALGO.items()}.get(algo)
+    if fmt is None:
+        raise ConfigError(f"hf_quant_config.json quantization.quant_algo must be one of "
+                          f"{', '.join(QUANT_ALGO.values())}; got {algo!r}")
+    plain: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith((SCALE, SCALE_2, INPUT_SCALE)):
+            continue
+        module = name.removesuffix(WEIGHT)
+        if name.endswith(WEIGHT) and module + SCALE in tensors:
+            if fmt == "fp8":
+                t = dequantize_fp8(t, tensors[module + SCALE], dtype)
+            else:
+                t = dequantize_nvfp4(t, tensors[module + SCALE], tensors[module + SCALE_2], dtype)
+        plain[name] = t
+    return _restack_experts(plain)
+
+
+def _restack_experts(plain: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``…experts.{e}.{proj}.weight`` (e = 0..E-1) -> one 3-D ``…experts.{proj}``, in place of
+    expert 0 so the key order stays that of the export."""
+    groups: dict[str, dict[int, str]] = {}
+    for name in plain:
+        m = _EXPERT_ONE.match(name)
+        if m:
+            groups.setdefault(f"{m['head']}.{m['proj']}", {})[int(m['e'])] = name
+    out: dict[str, torch.Tensor] = {}
+    for name, t in plain.items():
+        m = _EXPERT_ONE.match(name)
+        if not m:
+            out[name] = t
+            continue
+        stacked = f"{m['head']}.{m['proj']}"
+        members = groups[stacked]
+        if sorted(members) != list(range(len(members))):
+            raise ValueError(f"{stacked}: experts {sorted(members)} are not 0..E-1")
+        if int(m["e"]) == 0:
+            out[stacked] = torch.stack([plain[members[e]] for e in range(len(members))])
+    return out
+
+
+# ------------------------------------------------------------------------------ sizes
+def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Sum of numel * element_size over ``tensors``."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def quantized_weight_bytes(shape: tuple[int, ...], fmt: str) -> int:
+    """Exact bytes of one quantized weight with its scales: per matrix (per expert for a 3-D
+    stack) FP8 stores numel + 4 (fp32 scale); NVFP4 numel/2 + numel/16 (E4M3 block scales) + 4."""
+    check_format(fmt)
+    experts = shape[0] if len(shape) == 3 else 1
+    per = 1
+    for d in shape[-2:]:
+        per *= d
+    body = per + 4 if fmt == "fp8" else per // 2 + per // NVFP4_BLOCK + 4
+    return experts * body
+
+
+def bytes_per_weight(fmt: str, numel: int | None = None) -> float:
+    """Bytes per weight parameter: FP8 1 + 4/numel, NVFP4 0.5 + 1/16 + 4/numel (``numel`` the
+    size of the matrix sharing the fp32 per-tensor scale; None -> the large-matrix limit)."""
+    check_format(fmt)
+    base = 1.0 if fmt == "fp8" else 0.5 + 1.0 / NVFP4_BLOCK
+    return base + (4.0 / numel if numel else 0.0)

@@ -1,0 +1,136 @@
+"""Rank cases for the export tests: a briefly trained tiny elastic checkpoint whose choice table
+holds a homogeneous small model (0.4) and a per-layer one (0.77), the elastic model's logits at
+each budget (the reference), and HF / quantized exports of them compared with it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TOKENS = 24
+SMALL = {"embedding": 64, "ffn": 128, "shared_ffn": 64, "attention_heads": 2, "mamba_heads": 4,
+         "mamba_head_dim": 8, "experts": 4}
+# one size per layer of each axis (layers in AxisSpec.layers order): a heterogeneous nested model
+PER_LAYER = {"embedding": 96, "mamba_heads": [4, 8], "mamba_head_dim": [16, 8],
+             "attention_heads": [2, 4], "experts": [8, 4], "shared_ffn": [64, 128],
+             "ffn": [128, 256]}
+
+
+def _tokens(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, TOKENS), generator=torch.Generator().manual_seed(3))
+
+
+def train_checkpoint(config_path: str, work: Path) -> Path:
+    """Two elastic iterations of the tiny model, then the choice table set to SMALL / PER_LAYER
+    (two iterations leave the router near its start, which barely shrinks anything)."""
+    from elastic_plugin.elastic.schedule import ElasticSchedule
+    from elastic_plugin.elastic.train import train_elastic
+    from elastic_plugin.parallel import Layout
+    from elastic_plugin.testing import elastic_cases as ec
+
+    cfg = ec._experiment(config_path, None)
+    ec.write_init_checkpoint(cfg, work / "init")
+    ecfg = ec._elastic_config(cfg.model, "sliced", False)
+    sched = ElasticSchedule(train_iters=2, lr=2e-2, min_lr=2e-3, lr_warmup_iters=0,
+                            global_batch_size=4, micro_batch_size=4, seq_length=ec.SEQ_LEN,
+                            log_interval=1, eval_interval=2, eval_iters=1)
+    run = train_elastic(cfg, ecfg, Layout(), work / "init", work / "run",
+                        lambda c: ec._synthetic_iterator(cfg.model.vocab_size, 4, c), None, sched,
+                        progress=False)
+    ckpt = Path(run.checkpoint_dir)
+    meta = json.loads((ckpt / "elastic_meta.json").read_text())
+    meta["elastic"]["choices"]["0.4"] = SMALL
+    meta["elastic"]["choices"]["0.77"] = PER_LAYER
+    (ckpt / "elastic_meta.json").write_text(json.dumps(meta))
+    return ckpt
+
+
+def elastic_references(ckpt: Path, vocab: int) -> dict[str, torch.Tensor]:
+    """The elastic model's fp32 logits at every budget of the stored table (and full)."""
+    from elastic_plugin.elastic.config import ElasticConfig
+    from elastic_plugin.elastic.model import build_elastic_chunks
+    from elastic_plugin.models.config import config_from_dict
+    from elastic_plugin.parallel import Layout, initialize_layout
+
+    meta = json.loads((ckpt / "elastic_meta.json").read_text())
+    initialize_layout(Layout())
+    model_cfg = config_from_dict(meta["config"]).model
+    resolved = ElasticConfig.from_dict(meta["config"]["elastic"]).resolve(model_cfg)
+    chunks, state, _ = build_elastic_chunks(ckpt, Layout(), resolved, wrap_ddp=False)
+    model = chunks[0].eval()
+    tokens = _tokens(vocab)
+    position = torch.arange(TOKENS).expand(2, TOKENS)
+    out = {}
+    with torch.no_grad():
+        for label, choice in meta["elastic"]["choices"].items():
+            state.set_sizes(choice)
+            out[label] = model(tokens, position, None).clone()
+        state.clear()
+        out["full"] = model(tokens, position, None).clone()
+    return out
+
+
+def hf_logits(path: Path, vocab: int) -> torch.Tensor:
+    from elastic_plugin.export.hf import load_hf_model
+
+    with torch.no_grad():
+        return load_hf_model(path)(_tokens(vocab)).logits
+
+
+def hf_export_case(config_path: str, workdir: str) -> dict[str, Any]:
+    """1 rank: train, take references, export 0.4 (homogeneous) and 0.77 (per layer) in fp32,
+    bf16, FP8 and NVFP4, and compare each with the elastic model; then an interrupted export."""
+    from elastic_plugin.elastic.extract import extract_nested
+    from elastic_plugin.models.config import ConfigError, load_config
+
+    work = Path(workdir)
+    vocab = load_config(config_path).model.vocab_size
+    ckpt = train_checkpoint(config_path, work)
+    refs = elastic_references(ckpt, vocab)
+    rows = []
+    for budget in (0.4, 0.77):
+        for dtype, quantize in (("fp32", None), ("bf16", None), ("bf16", "fp8"),
+                                ("bf16", "nvfp4")):
+            out = work / f"hf_{budget:g}_{quantize or dtype}"
+            summary = extract_nested(ckpt, budget, out, fmt="hf", dtype=dtype, quantize=quantize)
+            ref = refs[f"{budget:g}"]
+            logits = hf_logits(out, vocab)
+            rows.append({"budget": budget, "dtype": dtype, "quantize": quantize,
+                         "summary": summary, "files": sorted(p.name for p in out.iterdir()),
+                         "config": json.loads((out / "config.json").read_text()),
+                         "diff": (logits - ref).abs().max().item(),
+                         "rel": ((logits - ref).norm() / ref.norm()).item(),
+                         "vs_full": (ref - refs["full"]).abs().max().item()})
+    try:
+        extract_nested(ckpt, 0.77, work / "megatron_per_layer")
+        per_layer_megatron = ""
+    except ConfigError as exc:
+        per_layer_megatron = str(exc)
+
+    # interrupted: the safetensors write dies after creating a file in <out>.tmp
+    import safetensors.torch as st
+
+    original = st.save_file
+
+    def dying_save(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"partial")
+        raise RuntimeError("killed mid-save")
+
+    st.save_file = dying_save
+    out = work / "interrupted"
+    try:
+        extract_nested(ckpt, 0.4, out, fmt="hf")
+        interrupted = "no error"
+    except RuntimeError as exc:
+        interrupted = str(exc)
+    finally:
+        st.save_file = original
+    after = {"out": out.exists(), "tmp": out.with_name(out.name + ".tmp").exists()}
+    extract_nested(ckpt, 0.4, out, fmt="hf", dtype="fp32")
+    rerun = (hf_logits(out, vocab) - refs["0.4"]).abs().max().item()
+    return {"rows": rows, "per_layer_megatron": per_layer_megatron, "interrupted": interrupted,
+            "after_crash": after, "rerun_diff": rerun,
+            "rerun_tmp": out.with_name(out.name + ".tmp").exists()}
