@@ -1,0 +1,80 @@
+"""Elastic budget control: think with a small nested model, answer with a larger one.
+
+Thinking tokens are cheap with a small model; the answer benefits from the big one (DESIGN.md
+§6). The two models share weights but not caches (their widths differ), so the switch
+re-prefills prompt + thinking with the answering model. A sequence whose thinking reaches
+``max_think_tokens`` without closing gets ``</think>`` appended (budget forcing), so the
+answering model always starts right after a closed thinking block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from elastic_plugin.inference.generate import GenerationResult, generate
+from elastic_plugin.inference.steps import check_model
+from elastic_plugin.models.config import ConfigError
+
+__all__ = ["BudgetControlResult", "budget_control_generate"]
+
+
+@dataclass
+class BudgetControlResult:
+    """Per prompt: the thinking tokens (ending with ``</think>``), whether it was forced
+    (``think_forced``), the answer tokens, and both phases' own results (timings inside;
+    ``answer.prefill_s`` is the re-prefill of prompt + thinking)."""
+
+    prompts: list[list[int]]
+    thinking: list[list[int]]
+    think_forced: list[bool]
+    answers: list[list[int]]
+    think: GenerationResult
+    answer: GenerationResult
+
+    @property
+    def sequences(self) -> list[list[int]]:
+        return [p + t + a for p, t, a in zip(self.prompts, self.thinking, self.answers)]
+
+
+def budget_control_generate(think_model: torch.nn.Module, answer_model: torch.nn.Module,
+                            prompts: Sequence[Sequence[int]], think_close: int,
+                            max_think_tokens: int, max_answer_tokens: int, *,
+                            answer_stop_tokens: Iterable[int] = (), greedy: bool = True,
+                            temperature: float = 1.0, top_k: int | None = None,
+                            top_p: float | None = None, seed: int = 0,
+                            max_length: int | None = None) -> BudgetControlResult:
+    """Think with ``think_model`` until ``think_close`` (``</think>``'s id) or
+    ``max_think_tokens``, then answer with ``answer_model`` for up to ``max_answer_tokens``
+    (stopping at ``answer_stop_tokens``). Prompts usually end with ``<think>``. Sampling
+    settings apply to both phases (the answer phase draws from ``seed + 1``). ``max_length``
+    bounds prompt + thinking + answer (default and limit: the smaller model context)."""
+    think_inner, answer_inner = check_model(think_model), check_model(answer_model)
+    vocab = int(think_inner.vocab_size)
+    if int(answer_inner.vocab_size) != vocab:
+        raise ConfigError(f"think_model and answer_model must share a vocabulary; got "
+                          f"{vocab} and {int(answer_inner.vocab_size)} tokens")
+    if (isinstance(think_close, bool) or not isinstance(think_close, int)
+            or not 0 <= think_close < vocab):
+        raise ConfigError(f"think_close={think_close!r}: must be a token id in [0, {vocab})")
+    context = min(int(think_inner.max_sequence_length), int(answer_inner.max_sequence_length))
+    max_length = context if max_length is None else max_length
+    if (isinstance(max_length, bool) or not isinstance(max_length, int)
+            or not 3 <= max_length <= context):
+        raise ConfigError(f"max_length={max_length!r}: must be an int in [3, {context}] (the "
+                          f"smaller max_sequence_length of the two models)")
+    sampling = dict(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
+    # leave room for a forced </think> and at least one answer token
+    think = generate(think_model, prompts, max_think_tokens, stop_tokens=[think_close],
+                     seed=seed, max_length=max_length - 2, **sampling)
+    thinking, forced = [], []
+    for tokens in think.tokens:
+        closed = bool(tokens) and tokens[-1] == think_close
+        thinking.append(tokens if closed else tokens + [think_close])
+        forced.append(not closed)
+    answer = generate(answer_model, [p + t for p, t in zip(think.prompts, thinking)],
+                      max_answer_tokens, stop_tokens=answer_stop_tokens, seed=seed + 1,
+                      max_length=max_length, **sampling)
+    return BudgetControlResult(think.prompts, thinking, forced, answer.tokens, think, answer)

@@ -1,0 +1,170 @@
+"""Batched incremental generation: per-prompt prefill, then one batched decode step per token.
+
+Prompts of different lengths are prefilled one by one into their own cache rows (a Mamba state
+must end exactly at the prompt's last token, so padding is not an option); decode steps then run
+all unfinished rows together, each at its own position. A row that emits a stop token, reaches
+``max_new_tokens`` or fills ``max_length`` is frozen: later steps leave its cache untouched.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from elastic_plugin.inference.cache import InferenceCache
+from elastic_plugin.inference.sampling import Sampler
+from elastic_plugin.inference.steps import check_model, extend
+from elastic_plugin.models.config import ConfigError
+
+__all__ = ["GenerationResult", "STOP_REASONS", "check_generation_input", "generate", "stop_reason"]
+
+STOP_REASONS = ("stop_token", "max_new_tokens", "max_length")
+
+
+@dataclass
+class GenerationResult:
+    """Generated tokens per prompt (a stop token, when hit, is the last one), why each sequence
+    stopped (one of ``STOP_REASONS``), and timings: ``prefill_s`` (all prompts, including the
+    first new token's logits), ``decode_s`` (the batched decode steps), ``tokens_per_s``
+    (all generated tokens / (prefill_s + decode_s)) and ``decode_tokens_per_s`` (tokens from
+    decode steps / decode_s)."""
+
+    prompts: list[list[int]]
+    tokens: list[list[int]]
+    stop_reasons: list[str]
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def num_generated(self) -> list[int]:
+        return [len(t) for t in self.tokens]
+
+    @property
+    def sequences(self) -> list[list[int]]:
+        """Prompt + generated tokens per sequence."""
+        return [p + t for p, t in zip(self.prompts, self.tokens)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        total = self.prefill_s + self.decode_s
+        return sum(self.num_generated) / total if total > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decoded = sum(max(n - 1, 0) for n in self.num_generated)
+        return decoded / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_generation_input(prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                           stop_tokens: Iterable[int], max_length: int | None,
+                           vocab_size: int, max_sequence_length: int
+                           ) -> tuple[list[list[int]], set[int], int]:
+    """Everything that can be wrong with a request, found before any compute; returns the
+    prompts as int lists, the stop-token set and the effective ``max_length``."""
+    if isinstance(prompts, torch.Tensor):
+        prompts = prompts.tolist()
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ConfigError("prompts: must be a non-empty list of token-id lists")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens!r}: must be an int >= 1")
+    if max_length is None:
+        max_length = max_sequence_length
+    if not _is_int(max_length) or not 2 <= max_length <= max_sequence_length:
+        raise ConfigError(f"max_length={max_length!r}: must be an int in [2, "
+                          f"{max_sequence_length}] (the model's max_sequence_length)")
+    out: list[list[int]] = []
+    for i, prompt in enumerate(prompts):
+        ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+            raise ConfigError(f"prompts[{i}]: must be a list of token ids, "
+                              f"got {type(prompt).__name__}")
+        if not ids:
+            raise ConfigError(f"prompts[{i}] is empty: a prompt needs at least one token")
+        if len(ids) >= max_length:
+            limit = ("the model's max_sequence_length" if max_length == max_sequence_length
+                     else f"max_length (model max_sequence_length {max_sequence_length})")
+            raise ConfigError(f"prompts[{i}] has {len(ids)} tokens; {limit} is {max_length}, so "
+                              f"a prompt may have at most {max_length - 1} tokens")
+        bad = [t for t in ids if not _is_int(t) or not 0 <= t < vocab_size]
+        if bad:
+            raise ConfigError(f"prompts[{i}]: token ids {bad[:5]} are outside the vocabulary "
+                              f"[0, {vocab_size})")
+        out.append(list(ids))
+    stops = list(stop_tokens or ())
+    bad = [t for t in stops if not _is_int(t) or not 0 <= t < vocab_size]
+    if bad:
+        raise ConfigError(f"stop_tokens: {bad} are outside the vocabulary [0, {vocab_size})")
+    return out, set(stops), max_length
+
+
+def stop_reason(token: int, generated: int, prompt_length: int, stops: set[int],
+                max_new_tokens: int, max_length: int) -> str | None:
+    """Why a sequence stops after emitting ``token`` as its ``generated``-th token (None: go on)."""
+    if token in stops:
+        return "stop_token"
+    if generated >= max_new_tokens:
+        return "max_new_tokens"
+    if prompt_length + generated >= max_length:
+        return "max_length"
+    return None
+
+
+def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+             greedy: bool = True, temperature: float = 1.0, top_k: int | None = None,
+             top_p: float | None = None, seed: int = 0, stop_tokens: Iterable[int] = (),
+             max_length: int | None = None) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` tokens after each prompt with KV / conv / SSM caches.
+
+    ``model``: a plain TP=PP=EP=1 ``HybridModel`` (for a nested model of an elastic one, see
+    ``nested_model`` / ``load_nested_model``). ``greedy`` takes the argmax; ``greedy=False``
+    samples with ``temperature``, ``top_k``, ``top_p`` from a generator seeded with ``seed``.
+    A sequence stops after emitting one of ``stop_tokens``, after ``max_new_tokens``, or when
+    prompt + generated reach ``max_length`` (default: the model's max_sequence_length).
+    Raises ``ConfigError`` for bad input before any compute.
+    """
+    inner = check_model(model)
+    vocab = int(inner.vocab_size)
+    prompts, stops, max_length = check_generation_input(
+        prompts, max_new_tokens, stop_tokens, max_length, vocab, int(inner.max_sequence_length))
+    sampler = Sampler(greedy, temperature, top_k, top_p).check(vocab)
+    if not _is_int(seed):
+        raise ConfigError(f"seed={seed!r}: must be an int")
+    device = next(inner.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    batch = len(prompts)
+    # the last generated token is never fed back, so the cache needs max_length - 1 positions
+    cache = InferenceCache.allocate(inner, batch, max_length - 1)
+
+    begin = time.perf_counter()
+    last = [extend(inner, cache, torch.tensor([p], device=device), rows=[i], last_only=True)[0, -1]
+            for i, p in enumerate(prompts)]
+    next_tokens = sampler(torch.stack(last), generator)
+    prefill_s = time.perf_counter() - begin
+
+    tokens: list[list[int]] = [[] for _ in range(batch)]
+    reasons: list[str | None] = [None] * batch
+    active = list(range(batch))
+    begin = time.perf_counter()
+    while True:
+        keep = []
+        for position, (row, token) in enumerate(zip(active, next_tokens.tolist())):
+            tokens[row].append(token)
+            reasons[row] = stop_reason(token, len(tokens[row]), len(prompts[row]), stops,
+                                       max_new_tokens, max_length)
+            if reasons[row] is None:
+                keep.append(position)
+        if not keep:
+            break
+        active = [active[k] for k in keep]
+        feed = next_tokens[keep][:, None]
+        logits = extend(inner, cache, feed, rows=active, last_only=True)[:, -1]
+        next_tokens = sampler(logits, generator)
+    decode_s = time.perf_counter() - begin
+    return GenerationResult(prompts, tokens, [str(r) for r in reasons], prefill_s, decode_s)

@@ -1,0 +1,148 @@
+"""The model to generate with: a nested model cut out of an elastic one in memory, or any
+checkpoint of this plugin loaded for TP=PP=EP=1.
+
+A nested model is a genuinely smaller plain ``HybridModel`` (``cost.model_for_choice``) holding
+the prefix blocks of the elastic weights (``slicing.sliced_state_dict`` in canonical order), the
+same recipe as zero-shot extraction (``elastic.extract``), without writing a checkpoint. Its
+caches are those of the smaller model (fewer K/V groups' heads, Mamba heads and channels, a
+narrower residual stream), so the cached step functions run it unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from elastic_plugin.models.config import ConfigError, ModelConfig, config_from_dict
+
+__all__ = ["load_nested_model", "load_nested_models", "nested_model"]
+
+
+def _uniform_choice(choice: Mapping[str, Any]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for axis, value in choice.items():
+        if isinstance(value, (list, tuple)):
+            if len(set(value)) != 1:
+                raise ConfigError(
+                    f"choice {axis}={list(value)}: per-layer sizes cannot be a plain Megatron "
+                    "model (every layer of a kind is built alike); use one size per axis")
+            value = value[0]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"choice {axis}={value!r}: must be an int size")
+        out[axis] = int(value)
+    return out
+
+
+def nested_model(model: torch.nn.Module, model_cfg: ModelConfig, choice: Mapping[str, Any]
+                 ) -> tuple[torch.nn.Module, ModelConfig]:
+    """``(plain smaller model, its config)`` of ``choice`` (axis -> size; axes left out stay
+    full), cut from ``model`` (elastic or plain, TP=PP=EP=1, importance-ordered). The elastic
+    model is left unchanged; call after Megatron's parallel state is initialized (as for
+    building ``model``)."""
+    from elastic_plugin.elastic.cost import model_for_choice
+    from elastic_plugin.elastic.slicing import sliced_state_dict
+    from elastic_plugin.importance.reorder import canonical_weights
+    from elastic_plugin.parallel import Layout, build_model_chunks
+
+    choice = _uniform_choice(choice)
+    small = model_for_choice(model_cfg, choice)
+    with canonical_weights(model), torch.no_grad():
+        state = sliced_state_dict(model, model_cfg, choice)
+    dtype = next(model.parameters()).dtype
+    rng = torch.get_rng_state()  # building draws init weights; keep the caller's RNG stream
+    try:
+        plain = build_model_chunks(small, Layout(), params_dtype=dtype, wrap_ddp=False)[0][0]
+    finally:
+        torch.set_rng_state(rng)
+    plain.load_state_dict(state, strict=True)
+    plain.to(next(model.parameters()).device)
+    plain.eval()
+    return plain, small
+
+
+def _match_budget(budget: float, budgets: list[float]) -> float | None:
+    return next((b for b in budgets if math.isclose(b, budget, rel_tol=1e-9, abs_tol=1e-12)),
+                None)
+
+
+def _checked_choices(ckpt_dir: str | Path, budgets: list[float | None]
+                     ) -> tuple[dict[str, Any], list[dict[str, int] | None]]:
+    """The checkpoint's meta and, per requested budget, its stored choice (None: the model as
+    stored, for a non-elastic checkpoint). Reads metadata only."""
+    from elastic_plugin.elastic.extract import homogeneous_choice
+    from elastic_plugin.elastic.meta import read_checkpoint_meta, read_elastic_meta
+
+    meta = read_checkpoint_meta(ckpt_dir)
+    if meta.get("kind") != "elastic":
+        for budget in budgets:
+            if budget is not None:
+                raise ConfigError(f"--budget {budget!r}: {ckpt_dir} is a {meta.get('kind')!r} "
+                                  "checkpoint, not an elastic one; it holds one model (drop "
+                                  "--budget)")
+        return meta, [None] * len(budgets)
+    meta = read_elastic_meta(ckpt_dir)
+    trained_budgets = [float(b) for b in meta["elastic"]["budgets"]]
+    trained = ", ".join(f"{b:g}" for b in trained_budgets)
+    choices = []
+    for budget in budgets:
+        if budget is None or isinstance(budget, bool) or not isinstance(budget, (int, float)):
+            raise ConfigError(f"--budget {budget!r}: {ckpt_dir} is an elastic checkpoint; "
+                              f"choose one of the trained budgets: {trained}")
+        match = _match_budget(float(budget), trained_budgets)
+        if match is None:
+            raise ConfigError(f"--budget {budget:g} was not trained; trained budgets: {trained}")
+        raw = meta["elastic"]["choices"].get(f"{match:g}")
+        if raw is None:
+            raise ConfigError(f"--ckpt {ckpt_dir}: no stored choice for budget {match:g}")
+        choices.append(homogeneous_choice(raw, match))
+    return meta, choices
+
+
+def load_nested_models(ckpt_dir: str | Path, budgets: list[float | None]
+                       ) -> list[tuple[torch.nn.Module, ModelConfig]]:
+    """:func:`load_nested_model` for several budgets of one checkpoint, read once (e.g. a small
+    thinking model and the full answering model for budget control). (Re)initializes
+    Megatron's parallel state for one rank (TP=PP=EP=1); budget 1.0 of an elastic checkpoint
+    and a non-elastic checkpoint return the loaded model itself."""
+    meta, choices = _checked_choices(ckpt_dir, list(budgets))
+    cfg = config_from_dict(meta["config"], source=f"--ckpt {ckpt_dir}")
+
+    from elastic_plugin.compat import enable_cpu_megatron
+
+    enable_cpu_megatron()
+    import torch.distributed as dist
+
+    from elastic_plugin.checkpointing import build_from_checkpoint
+    from elastic_plugin.parallel import Layout, init_distributed, initialize_layout
+
+    init_distributed()
+    if dist.get_world_size() != 1:
+        raise ConfigError(f"generation loads the model in one process; got a world of "
+                          f"{dist.get_world_size()} ranks (run it without torchrun)")
+    initialize_layout(Layout())
+    chunks, _, _ = build_from_checkpoint(ckpt_dir, Layout(), wrap_ddp=False)
+    full = chunks[0]
+    full.eval()
+    from elastic_plugin.elastic.cost import model_for_choice
+
+    def pick(choice):
+        if choice is None or model_for_choice(cfg.model, choice) == cfg.model:
+            return full, cfg.model  # the full budget: the loaded model itself, no copy
+        return nested_model(full, cfg.model, choice)
+
+    return [pick(choice) for choice in choices]
+
+
+def load_nested_model(ckpt_dir: str | Path, budget: float | None = None
+                      ) -> tuple[torch.nn.Module, ModelConfig]:
+    """``(model, model_cfg)`` to generate with, loaded for TP=PP=EP=1 in this process.
+
+    An elastic checkpoint needs a trained ``budget`` (its stored choice is cut out with
+    :func:`nested_model`); an extracted or plain checkpoint is loaded as it is (``budget``
+    must then be None). Bad input -> ``ConfigError`` naming ``--ckpt`` / ``--budget``, raised
+    before any weights are read.
+    """
+    return load_nested_models(ckpt_dir, [budget])[0]
