@@ -295,6 +295,33 @@ def test_budget_control_thinks_small_and_answers_full(elastic):
         budget_control_generate(small, model, prompts, 128, 8, 5)
 
 
+def test_capped_thinking_forces_close_and_continues_on_the_same_cache(tiny):
+    """The standard baseline: a row that has not closed its thinking after ``cap`` tokens emits
+    ``</think>`` instead, then continues greedily; by full recompute of prompt + forced
+    sequence, every later token is the argmax (the cache was not disturbed)."""
+    from elastic_plugin.inference import capped_thinking_generate, generate, recompute_generate
+
+    model, cfg = tiny
+    prompts = random_prompts([6, 11, 3], cfg.vocab_size, seed=21)
+    free = generate(model, prompts, 10).tokens
+    close = free[0][2]  # row 0 closes by itself at its third token
+    cap = 5
+    result = capped_thinking_generate(model, prompts, close, cap, 4)
+    for row, tokens in enumerate(result.tokens):
+        if close in free[row][:cap]:
+            end = free[row].index(close) + 1
+            assert tokens[:end] == free[row][:end]
+        else:
+            assert tokens[:cap] == free[row][:cap] and tokens[cap] == close
+            end = cap + 1
+        assert len(tokens) - end <= 4
+        rest = recompute_generate(model, [prompts[row] + tokens[:end]], len(tokens) - end)
+        assert tokens[end:] == rest.tokens[0]
+    assert any(close not in free[row][:cap] for row in range(3))
+    with pytest.raises(ConfigError, match="max_think_tokens=0"):
+        capped_thinking_generate(model, prompts, close, 0, 4)
+
+
 # ------------------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("kwargs, match", [
     ({"prompts": [[1, 2], [3] * 256]}, r"prompts\[1\] has 256 tokens.*max_sequence_length is 256"),

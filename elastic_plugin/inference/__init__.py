@@ -5,10 +5,12 @@ attention layers and conv + SSM state caches for Mamba layers (``InferenceCache`
 ``generate`` does batched greedy or seeded sampling generation with stop tokens;
 ``nested_model`` / ``load_nested_model`` give the plain model of an elastic checkpoint's budget;
 ``recompute_generate`` is the cache-free reference (a full forward per token);
-``budget_control_generate`` thinks with a small nested model and answers with a larger one.
+``budget_control_generate`` thinks with a small nested model and answers with a larger one;
+``capped_thinking_generate`` is the standard baseline (one model, thinking capped).
 """
 
-from elastic_plugin.inference.budget_control import BudgetControlResult, budget_control_generate
+from elastic_plugin.inference.budget_control import (BudgetControlResult, budget_control_generate,
+                                                    capped_thinking_generate)
 from elastic_plugin.inference.cache import InferenceCache
 from elastic_plugin.inference.generate import GenerationResult, generate
 from elastic_plugin.inference.nested import load_nested_model, load_nested_models, nested_model
@@ -17,6 +19,6 @@ from elastic_plugin.inference.sampling import Sampler
 from elastic_plugin.inference.steps import decode_step, extend, prefill
 
 __all__ = ["BudgetControlResult", "GenerationResult", "InferenceCache", "Sampler",
-           "budget_control_generate", "decode_step", "extend", "full_logits", "generate",
+           "budget_control_generate", "capped_thinking_generate", "decode_step", "extend", "full_logits", "generate",
            "load_nested_model", "load_nested_models", "nested_model", "prefill",
            "recompute_generate"]

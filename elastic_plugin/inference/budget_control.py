@@ -18,7 +18,7 @@ from elastic_plugin.inference.generate import GenerationResult, generate
 from elastic_plugin.inference.steps import check_model
 from elastic_plugin.models.config import ConfigError
 
-__all__ = ["BudgetControlResult", "budget_control_generate"]
+__all__ = ["BudgetControlResult", "budget_control_generate", "capped_thinking_generate"]
 
 
 @dataclass
@@ -78,3 +78,33 @@ def budget_control_generate(think_model: torch.nn.Module, answer_model: torch.nn
                       max_answer_tokens, stop_tokens=answer_stop_tokens, seed=seed + 1,
                       max_length=max_length, **sampling)
     return BudgetControlResult(think.prompts, thinking, forced, answer.tokens, think, answer)
+
+
+def capped_thinking_generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
+                             think_close: int, max_think_tokens: int, max_answer_tokens: int, *,
+                             answer_stop_tokens: Iterable[int] = (), greedy: bool = True,
+                             temperature: float = 1.0, top_k: int | None = None,
+                             top_p: float | None = None, seed: int = 0,
+                             max_length: int | None = None) -> GenerationResult:
+    """Standard budget control, the baseline of the elastic kind: one model, and a sequence
+    whose thinking reaches ``max_think_tokens`` without ``think_close`` gets ``think_close``
+    emitted in place of its next token; the answer continues on the same cache (no switch, no
+    re-prefill). Stops at ``answer_stop_tokens`` or after ``max_answer_tokens`` answer tokens."""
+    for name, value in (("max_think_tokens", max_think_tokens),
+                        ("max_answer_tokens", max_answer_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}={value!r}: must be an int >= 1")
+
+    def force_close(row: int, generated: list[int]) -> int | None:
+        if think_close not in generated and len(generated) == max_think_tokens:
+            return think_close
+        return None
+
+    def answer_done(row: int, generated: list[int]) -> bool:
+        return think_close in generated and \
+            len(generated) - generated.index(think_close) - 1 >= max_answer_tokens
+
+    return generate(model, prompts, max_think_tokens + 1 + max_answer_tokens,
+                    stop_tokens=answer_stop_tokens, seed=seed, max_length=max_length,
+                    override=force_close, finished=answer_done, greedy=greedy, temperature=temperature, top_k=top_k,
+                    top_p=top_p)

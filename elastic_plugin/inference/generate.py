@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -21,7 +21,7 @@ from elastic_plugin.models.config import ConfigError
 
 __all__ = ["GenerationResult", "STOP_REASONS", "check_generation_input", "generate", "stop_reason"]
 
-STOP_REASONS = ("stop_token", "max_new_tokens", "max_length")
+STOP_REASONS = ("stop_token", "max_new_tokens", "max_length", "policy")
 
 
 @dataclass
@@ -119,7 +119,9 @@ def stop_reason(token: int, generated: int, prompt_length: int, stops: set[int],
 def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              greedy: bool = True, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, seed: int = 0, stop_tokens: Iterable[int] = (),
-             max_length: int | None = None) -> GenerationResult:
+             max_length: int | None = None,
+             override: Callable[[int, list[int]], int | None] | None = None,
+             finished: Callable[[int, list[int]], bool] | None = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt with KV / conv / SSM caches.
 
     ``model``: a plain TP=PP=EP=1 ``HybridModel`` (for a nested model of an elastic one, see
@@ -127,6 +129,10 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_t
     samples with ``temperature``, ``top_k``, ``top_p`` from a generator seeded with ``seed``.
     A sequence stops after emitting one of ``stop_tokens``, after ``max_new_tokens``, or when
     prompt + generated reach ``max_length`` (default: the model's max_sequence_length).
+    ``override(row, generated_so_far)`` may return a token id to emit instead of the sampled
+    one (e.g. a forced ``</think>`` when thinking reaches a cap); the cache just continues.
+    ``finished(row, generated_so_far)`` returning True stops that row (reason ``"policy"``,
+    e.g. an answer-length cap counted from ``</think>``).
     Raises ``ConfigError`` for bad input before any compute.
     """
     inner = check_model(model)
@@ -155,9 +161,15 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_t
     while True:
         keep = []
         for position, (row, token) in enumerate(zip(active, next_tokens.tolist())):
+            forced = override(row, tokens[row]) if override is not None else None
+            if forced is not None:
+                token = int(forced)
+                next_tokens[position] = token
             tokens[row].append(token)
             reasons[row] = stop_reason(token, len(tokens[row]), len(prompts[row]), stops,
                                        max_new_tokens, max_length)
+            if reasons[row] is None and finished is not None and finished(row, tokens[row]):
+                reasons[row] = "policy"
             if reasons[row] is None:
                 keep.append(position)
         if not keep:
