@@ -1,0 +1,246 @@
+"""The demo's last stage: accuracy per nested model and precision, and budget control, measured.
+
+``evaluate_demo`` loads every trained budget of the elastic checkpoint (and, with an export
+directory, every HF export in BF16 / FP8 / NVFP4), answers the held-out problems with each, and
+runs the budget-control settings: the full model thinking freely (the reference), elastic budget
+control (think small, answer with a larger nested model) and standard budget control (the full
+model with its thinking capped). It writes ``report.json`` (schema: README, "report.json"),
+``report.md`` and three plots, and checks the issue's targets.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from elastic_plugin.elastic.meta import read_elastic_meta
+from elastic_plugin.models.config import ConfigError
+
+__all__ = ["evaluate_demo", "REPORT_JSON", "REPORT_MD", "TARGETS"]
+
+REPORT_JSON = "report.json"
+REPORT_MD = "report.md"
+PRECISIONS = ("bf16", "fp8", "nvfp4")
+CAP_FRACTIONS = (0.25, 0.5, 0.75)   # standard budget control: caps as fractions of the full
+#                                     model's mean thinking length
+TARGETS = {"speedup": 1.5, "accuracy_drop_points": 2.0, "retention": 0.9}
+
+
+def _label(budget: float) -> str:
+    return f"{budget:g}"
+
+
+def _valid_losses(ckpt: Path) -> dict[str, float]:
+    """The elastic run's last validation loss per budget (its metrics file next to the run)."""
+    metrics = ckpt.parent.parent / "elastic_metrics.jsonl"
+    last: dict[str, float] = {}
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            record = json.loads(line)
+            last.update(record.get("valid_loss") or {})
+    return last
+
+
+def _check_inputs(ckpt: Path, exports: Path | None, out: Path, num_problems: int,
+                  batch_size: int, latency_problems: int) -> dict[str, Any]:
+    meta = read_elastic_meta(ckpt)
+    for flag, value, low in (("--num-problems", num_problems, 1), ("--batch-size", batch_size, 1),
+                             ("--latency-problems", latency_problems, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"{flag}={value!r}: must be an int >= {low}")
+    prepared = (meta.get("data") or {}).get("prepared")
+    if not prepared or not Path(prepared).is_dir():
+        raise ConfigError(f"--ckpt {ckpt}: its data ({meta.get('data')}) is not a prepared task "
+                          f"directory here; evaluation needs the task's held-out problems")
+    if exports is not None and not (exports / "exports.json").is_file():
+        raise ConfigError(f"--exports {exports}: no exports.json (run `elastic-plugin export` first)")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a directory")
+    return meta
+
+
+def _settings(budgets: Sequence[float], mean_think: float) -> list:
+    from elastic_plugin.evaluation.settings import Setting
+
+    full = max(budgets)
+    out = []
+    for answer in sorted(budgets, reverse=True):
+        for think in sorted(budgets, reverse=True):
+            if think < answer:
+                out.append(Setting(f"think {_label(think)} -> answer {_label(answer)}",
+                                   think, answer))
+    caps = sorted({max(1, round(f * mean_think)) for f in CAP_FRACTIONS})
+    out += [Setting(f"full, thinking capped at {cap}", full, full, cap=cap) for cap in caps]
+    return out
+
+
+def evaluate_demo(ckpt_dir: str | Path, out_dir: str | Path, exports_dir: str | Path | None = None,
+                  num_problems: int = 200, batch_size: int = 50, latency_problems: int = 32,
+                  progress: bool = True) -> dict[str, Any]:
+    """Run the evaluation (see the module docstring); returns the report dict."""
+    import torch
+
+    from elastic_plugin.evaluation.models import load_budget_models, load_export_model
+    from elastic_plugin.evaluation.plots import draw_report_plots
+    from elastic_plugin.evaluation.problems import load_problems
+    from elastic_plugin.evaluation.settings import Setting, run_setting
+
+    ckpt, out = Path(ckpt_dir), Path(out_dir)
+    exports = Path(exports_dir) if exports_dir is not None else None
+    meta = _check_inputs(ckpt, exports, out, num_problems, batch_size, latency_problems)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny decode steps are dispatch-bound; 1 thread avoids spin stalls
+    try:
+        budgets = sorted((float(b) for b in meta["elastic"]["budgets"]), reverse=True)
+        problems = load_problems(meta["data"]["prepared"], num_problems)
+        models = load_budget_models(ckpt, budgets)
+        export_rows = json.loads((exports / "exports.json").read_text())["exports"] if exports else []
+        for row in export_rows:
+            if row["precision"] in PRECISIONS:
+                models[(row["budget"], row["precision"])], _ = load_export_model(row["path"])
+
+        def log(message: str) -> None:
+            if progress:
+                print(f"[evaluate {time.time() - started:6.1f}s] {message}", flush=True)
+
+        per_model = {}
+        for budget, precision in sorted(models, key=lambda k: (-k[0], k[1])):
+            name = f"budget {_label(budget)} ({precision})"
+            result = run_setting(Setting(name, budget, budget, precision=precision), models,
+                                 problems, batch_size,
+                                 latency_problems if precision == "fp32" else 0)
+            per_model[(budget, precision)] = result
+            log(f"{name}: accuracy {result['accuracy']:.3f}, thinking "
+                f"{result['think_tokens_mean']:.1f} tokens")
+        full = max(budgets)
+        reference = per_model[(full, "fp32")]
+        control = [reference | {"name": f"full ({_label(full)}) thinking freely"}]
+        for setting in _settings(budgets, reference["think_tokens_mean"]):
+            result = run_setting(setting, models, problems, batch_size, latency_problems)
+            control.append(result)
+            log(f"{setting.name}: accuracy {result['accuracy']:.3f}, latency "
+                f"{result['latency_ms_batch1']:.1f} ms")
+    finally:
+        torch.set_num_threads(threads)
+
+    report = _assemble(ckpt, meta, budgets, problems, per_model, control, export_rows,
+                       _valid_losses(ckpt))
+    report["plots"] = [str(p) for p in draw_report_plots(report, ckpt, out)]
+    report["seconds"] = round(time.time() - started, 1)
+    (out / REPORT_JSON).write_text(json.dumps(report, indent=2) + "\n")
+    (out / REPORT_MD).write_text(markdown(report))
+    return report
+
+
+def _assemble(ckpt: Path, meta: dict[str, Any], budgets: list[float], problems,
+              per_model: dict, control: list[dict], export_rows: list[dict],
+              valid: dict[str, float]) -> dict[str, Any]:
+    params = _params(ckpt, meta, budgets)
+    rows = []
+    for budget in budgets:
+        fp32 = per_model[(budget, "fp32")]
+        row = {"budget": budget, "params": params[_label(budget)],
+               "choice": meta["elastic"]["choices"].get(_label(budget)),
+               "valid_loss": valid.get(_label(budget)),
+               "accuracy": {p: per_model[(budget, p)]["accuracy"] for p in ("fp32", *PRECISIONS)
+                            if (budget, p) in per_model},
+               "think_tokens_mean": fp32["think_tokens_mean"],
+               "latency_ms_batch1": fp32["latency_ms_batch1"],
+               "latency_ms_batched": fp32["latency_ms_batched"],
+               "export": {r["precision"]: {"bytes": r["bytes"], "valid_loss": r.get("valid_loss")}
+                          for r in export_rows if r["budget"] == budget}}
+        rows.append(row)
+    return {"task": problems.examples[0].task, "problems": len(problems),
+            "checkpoint": str(ckpt), "teacher_valid_loss": meta.get("teacher_valid_loss"),
+            "budgets": rows, "budget_control": [_strip(c) for c in control],
+            "targets": _targets(rows, control)}
+
+
+def _strip(result: dict[str, Any]) -> dict[str, Any]:
+    keep = ("name", "kind", "think", "answer", "cap", "precision", "accuracy",
+            "think_tokens_mean", "answer_tokens_mean", "latency_ms_batch1",
+            "latency_ms_batch1_mean", "latency_ms_batched", "examples")
+    return {k: result.get(k) for k in keep}
+
+
+def _params(ckpt: Path, meta: dict[str, Any], budgets: list[float]) -> dict[str, dict[str, int]]:
+    from elastic_plugin.elastic.cost import model_for_choice
+    from elastic_plugin.elastic.extract import homogeneous_choice
+    from elastic_plugin.models.config import config_from_dict
+    from elastic_plugin.models.counting import count_parameters
+
+    model = config_from_dict(meta["config"], source=f"--ckpt {ckpt}").model
+    out = {}
+    for budget in budgets:
+        choice = homogeneous_choice(meta["elastic"]["choices"][_label(budget)], budget)
+        counts = count_parameters(model_for_choice(model, choice))
+        out[_label(budget)] = {"total": counts.total, "active": counts.active}
+    return out
+
+
+def _targets(rows: list[dict], control: list[dict]) -> dict[str, Any]:
+    """The issue's targets: think 0.4 -> answer 1.0 vs the full model thinking (batch-1
+    latency >= 1.5x lower at <= 2 points lower accuracy); 0.77 keeps >= 90% of the full
+    model's accuracy; the smallest budget's recovery, reported as it is."""
+    full, smallest = rows[0], rows[-1]
+    reference = control[0]
+    out: dict[str, Any] = {}
+    elastic = [c for c in control if c["kind"] == "elastic" and c["answer"] == full["budget"]
+               and c["think"] == smallest["budget"]]
+    if elastic:
+        e = elastic[0]
+        speedup = reference["latency_ms_batch1"] / e["latency_ms_batch1"]
+        drop = 100 * (reference["accuracy"] - e["accuracy"])
+        out["budget_control"] = {
+            "setting": e["name"], "speedup_batch1": speedup,
+            "speedup_batched": reference["latency_ms_batched"] / e["latency_ms_batched"],
+            "accuracy_drop_points": drop,
+            "target": f">= {TARGETS['speedup']}x lower latency at <= "
+                      f"{TARGETS['accuracy_drop_points']} points lower accuracy",
+            "met": speedup >= TARGETS["speedup"] and drop <= TARGETS["accuracy_drop_points"]}
+    for row in rows[1:]:
+        retention = row["accuracy"]["fp32"] / full["accuracy"]["fp32"] \
+            if full["accuracy"]["fp32"] else None
+        entry = {"retention": retention, "accuracy": row["accuracy"]["fp32"],
+                 "full_accuracy": full["accuracy"]["fp32"]}
+        if abs(row["budget"] - 0.77) < 1e-9:
+            entry |= {"target": f">= {TARGETS['retention']:.0%} of the full model's accuracy",
+                      "met": retention is not None and retention >= TARGETS["retention"]}
+        out[f"retention_{_label(row['budget'])}"] = entry
+    return out
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"# Elastic nested models on `{report['task']}`", "",
+             f"{report['problems']} held-out problems, scored by reasoning-gym; teacher "
+             f"validation loss {report['teacher_valid_loss']}.", "",
+             "## Nested models", "",
+             "| budget | params (total / active) | valid loss | accuracy fp32 | bf16 | fp8 | nvfp4 "
+             "| thinking tokens | latency batch 1 (ms) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in report["budgets"]:
+        acc = r["accuracy"]
+        cell = lambda p: f"{100 * acc[p]:.1f}%" if p in acc else "-"  # noqa: E731
+        loss = f"{r['valid_loss']:.4f}" if r["valid_loss"] is not None else "-"
+        lines.append(f"| {_label(r['budget'])} | {r['params']['total']:,} / "
+                     f"{r['params']['active']:,} | {loss} | {cell('fp32')} | {cell('bf16')} | "
+                     f"{cell('fp8')} | {cell('nvfp4')} | {r['think_tokens_mean']:.1f} | "
+                     f"{r['latency_ms_batch1']:.1f} |")
+    lines += ["", "## Budget control", "",
+              "| setting | accuracy | thinking tokens | answer tokens | latency batch 1 (ms) | "
+              "latency batched (ms/problem) |", "|---|---|---|---|---|---|"]
+    for c in report["budget_control"]:
+        lines.append(f"| {c['name']} | {100 * c['accuracy']:.1f}% | {c['think_tokens_mean']:.1f} | "
+                     f"{c['answer_tokens_mean']:.1f} | {c['latency_ms_batch1']:.1f} | "
+                     f"{c['latency_ms_batched']:.2f} |")
+    lines += ["", "## Targets", ""]
+    for name, t in report["targets"].items():
+        verdict = "" if "met" not in t else (" — **met**" if t["met"] else " — **missed**")
+        body = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                         for k, v in t.items() if k != "met")
+        lines.append(f"- {name}: {body}{verdict}")
+    lines += ["", *[f"![{Path(p).stem}]({Path(p).name})" for p in report.get("plots", [])], ""]
+    return "\n".join(lines)

@@ -1,0 +1,94 @@
+"""One way of answering the problems (a setting), run and measured.
+
+Settings: one model thinking and answering freely; **elastic budget control** (think with the
+nested model of ``think``, answer with ``answer``: the answering model re-prefills prompt +
+thinking); and **standard budget control** (one model, thinking capped at ``cap`` tokens, then
+``</think>`` forced and the answer continues on the same cache). Each is measured for accuracy
+and token counts over all problems (batched), and for latency per problem at batch size 1 over a
+subset (what one user waits) as well as per problem in the batched run (throughput).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from elastic_plugin.evaluation.problems import Problems, score_completions
+
+__all__ = ["Setting", "run_setting"]
+
+MAX_THINK_TOKENS = 96
+MAX_ANSWER_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Setting:
+    """``think``/``answer``: budgets of the two phases (equal: one model); ``cap``: the
+    thinking cap of standard budget control (None: free); ``precision`` of the weights."""
+
+    name: str
+    think: float
+    answer: float
+    cap: int | None = None
+    precision: str = "fp32"
+
+    @property
+    def kind(self) -> str:
+        if self.cap is not None:
+            return "capped"
+        return "single" if self.think == self.answer else "elastic"
+
+
+def _completions(setting: Setting, models: dict, problems: Problems) -> list[list[int]]:
+    from elastic_plugin.inference import (budget_control_generate, capped_thinking_generate,
+                                          generate)
+
+    think = models[(setting.think, setting.precision)]
+    answer = models[(setting.answer, setting.precision)]
+    stops = [problems.eod]
+    if setting.kind == "single":
+        result = generate(think, problems.prompts, MAX_THINK_TOKENS + MAX_ANSWER_TOKENS,
+                          stop_tokens=stops)
+        return result.tokens
+    if setting.kind == "capped":
+        return capped_thinking_generate(think, problems.prompts, problems.think_close,
+                                        setting.cap, MAX_ANSWER_TOKENS,
+                                        answer_stop_tokens=stops).tokens
+    result = budget_control_generate(think, answer, problems.prompts, problems.think_close,
+                                     MAX_THINK_TOKENS, MAX_ANSWER_TOKENS,
+                                     answer_stop_tokens=stops)
+    return [t + a for t, a in zip(result.thinking, result.answers)]
+
+
+def run_setting(setting: Setting, models: dict, problems: Problems, batch_size: int,
+                latency_problems: int) -> dict[str, Any]:
+    """Accuracy over ``problems`` in batches of ``batch_size``; latency per problem at batch 1
+    over the first ``latency_problems`` (median of per-problem times, and their mean)."""
+    completions: list[list[int]] = []
+    began = time.perf_counter()
+    with torch.no_grad():
+        for start in range(0, len(problems), batch_size):
+            completions += _completions(setting, models, problems.slice(start, start + batch_size))
+        batched_s = time.perf_counter() - began
+        single: list[float] = []
+        for index in range(min(latency_problems, len(problems))):
+            began = time.perf_counter()
+            _completions(setting, models, problems.slice(index, index + 1))
+            single.append(time.perf_counter() - began)
+    scored = score_completions(problems, completions)
+    return {
+        **asdict(setting), "kind": setting.kind, "problems": len(problems),
+        "accuracy": scored.accuracy,
+        "think_tokens_mean": statistics.fmean(scored.think_tokens),
+        "answer_tokens_mean": statistics.fmean(scored.answer_tokens),
+        "latency_ms_batch1": 1e3 * statistics.median(single) if single else None,
+        "latency_ms_batch1_mean": 1e3 * statistics.fmean(single) if single else None,
+        "latency_ms_batched": 1e3 * batched_s / len(problems),
+        "examples": [{"prompt": e.prompt, "expected": e.answer, "answer": a, "correct": c}
+                     for e, a, c in list(zip(problems.examples, scored.answers,
+                                             scored.correct))[:3]],
+    }
