@@ -1,0 +1,98 @@
+"""The demo evaluation: completions scored by reasoning-gym (answer after ``</think>``, token
+counts), a setting run on a tiny model against plain generation, and bad input for
+``elastic-plugin evaluate`` (the end-to-end report runs in tests/test_elastic_cli.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.inference,
+              pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning")]
+
+
+@pytest.fixture(scope="module")
+def problems():
+    from elastic_plugin.data.tasks import generate_examples
+    from elastic_plugin.data.tokenizer import train_tokenizer
+    from elastic_plugin.evaluation.problems import Problems
+
+    examples, _ = generate_examples("products", num=6, seed=3)
+    tokenizer = train_tokenizer([e.text for e in examples] + ["0123456789*=,"])
+    prompts = [[tokenizer.eod, *tokenizer.tokenize(e.prompt)] for e in examples]
+    return Problems(examples, prompts, tokenizer.eod, tokenizer.think_close, tokenizer)
+
+
+def test_completions_are_scored_on_the_answer_with_token_counts(problems):
+    from elastic_plugin.evaluation.problems import score_completions
+
+    tok = problems.tokenizer
+    e0, e1, e2 = problems.examples[:3]
+    right = tok.tokenize(f"<think>{e0.thinking}</think>{e0.answer}") + [tok.eod] + tok.tokenize("99")
+    wrong = tok.tokenize(f"<think>{e1.thinking}</think>{int(e1.answer) + 1}")
+    unclosed = tok.tokenize(f"<think>{e2.thinking},{e2.answer}")
+    scored = score_completions(problems.slice(0, 3), [right, wrong, unclosed])
+    assert scored.correct == [True, False, False]
+    think0 = len(tok.tokenize(f"<think>{e0.thinking}</think>"))
+    assert scored.think_tokens[0] == think0
+    assert scored.answer_tokens[0] == len(tok.tokenize(e0.answer))  # stops at <eod>
+    assert scored.think_tokens[2] == len(unclosed) and scored.answer_tokens[2] == 0
+    assert scored.answers[0] == e0.answer and scored.accuracy == pytest.approx(1 / 3)
+
+
+def test_a_setting_runs_what_generate_runs(problems):
+    """On a tiny random model (its vocabulary holds the tokenizer's ids): the single-model
+    setting scores exactly plain greedy generation; capped thinking never thinks longer than
+    the cap + the forced </think>; latency fields are measured."""
+    from elastic_plugin.evaluation.problems import score_completions
+    from elastic_plugin.evaluation.settings import (MAX_ANSWER_TOKENS, MAX_THINK_TOKENS, Setting,
+                                                    run_setting)
+    from elastic_plugin.inference import generate
+    from elastic_plugin.testing.inference_cases import tiny_inference_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, _ = tiny_inference_model(seed=2)
+        models = {(1.0, "fp32"): model}
+        single = run_setting(Setting("full", 1.0, 1.0), models, problems, batch_size=4,
+                             latency_problems=2)
+        plain = generate(model, problems.prompts, MAX_THINK_TOKENS + MAX_ANSWER_TOKENS,
+                         stop_tokens=[problems.eod])
+        assert single["accuracy"] == score_completions(problems, plain.tokens).accuracy
+        assert single["kind"] == "single" and single["problems"] == 6
+        assert single["latency_ms_batch1"] > 0 and single["latency_ms_batched"] > 0
+        capped = run_setting(Setting("capped", 1.0, 1.0, cap=3), models, problems, 4, 0)
+        assert capped["kind"] == "capped" and capped["think_tokens_mean"] <= 4
+        assert capped["latency_ms_batch1"] is None
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_evaluate_rejects_bad_input_before_loading(tmp_path, monkeypatch, capsys):
+    import elastic_plugin.evaluation.models as models
+    from elastic_plugin.cli import main
+    from tests.test_elastic_extract import _fake_ckpt
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("bad input reached the work")
+
+    monkeypatch.setattr(models, "load_budget_models", refuse)
+    no_data = _fake_ckpt(tmp_path / "no_data")
+    (tmp_path / "data").mkdir()
+    good = _fake_ckpt(tmp_path / "good", data={"prepared": str(tmp_path / "data")})
+    (tmp_path / "exports").mkdir()
+    out = tmp_path / "out"
+    for argv, message in (
+            (["--ckpt", str(tmp_path / "nope")], "no such checkpoint directory"),
+            (["--ckpt", str(no_data)], "is not a prepared task directory"),
+            (["--ckpt", str(good), "--num-problems", "0"], "--num-problems=0: must be an int >= 1"),
+            (["--ckpt", str(good), "--batch-size", "-2"], "--batch-size=-2"),
+            (["--ckpt", str(good), "--exports", str(tmp_path / "exports")], "no exports.json")):
+        assert main(["evaluate", "--out", str(out), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("elastic-plugin evaluate: error:") and message in err, err
+    assert not out.exists()
