@@ -113,6 +113,18 @@ def test_stop_and_resume_under_pipeline_parallel(rank_pools, tmp_path):
         _assert_same_trace(result)
 
 
+def test_frozen_router_fixes_the_choices_and_survives_resume(rank_pools, tmp_path):
+    """router.freeze_after=2: from iteration 3 on, every budget keeps the choice the router made
+    then (the table no longer moves), the checkpoint records
+    it, and stop-at-3 + resume reproduces the uninterrupted run."""
+    (result,) = rank_pools.get(1).run(f"{CASES}:train_and_resume", config_path=CONFIG,
+                                      workdir=str(tmp_path), iters=6, stop=3, freeze_after=2)
+    _assert_same_trace(result)
+    per_iteration = dict(result["choices_per_iteration"])
+    assert all(per_iteration[i] == per_iteration[3] for i in range(3, 7))
+    assert result["frozen_meta"] == per_iteration[3] == result["choices_full"]
+
+
 def test_every_rank_routes_identically_over_many_steps(rank_pools, tmp_path):
     """TP=2 x PP=2, heterogeneous (per-layer) router: 50 iterations x 2 micro-batches, the same
     budget and the same per-layer choice on all four ranks, and budgets actually vary."""

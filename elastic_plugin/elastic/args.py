@@ -71,6 +71,9 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
      dict(type=float, nargs=2, metavar=("START", "END"), help="router logit scale")),
     ("--elastic-anneal-iters", "router.anneal_iters",
      dict(type=int, metavar="N", help="iterations to anneal over (default: the whole run)")),
+    ("--elastic-router-freeze-after", "router.freeze_after",
+     dict(type=int, metavar="N", help="after N iterations fix each budget's choice (the "
+                                      "router's hard choice then); the rest trains those models")),
     ("--elastic-soft-masks", "router.hard",
      dict(action=argparse.BooleanOptionalAction, help="soft masks instead of straight-through "
                                                       "hard masks")),

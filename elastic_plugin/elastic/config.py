@@ -130,6 +130,7 @@ class RouterConfig:
     temperature: tuple[float, float] = (1.0, 0.05)   # (start, end)
     logit_scale: tuple[float, float] = (1.0, 10.0)   # (start, end)
     anneal_iters: int | None = None                  # None: anneal over the whole run
+    freeze_after: int | None = None                  # fix each budget's choice after N iterations
     hard: bool = True                                # straight-through hard masks; False: soft
     lr_mult: float = 100.0                           # router lr / model lr
 
@@ -138,6 +139,7 @@ class RouterConfig:
         object.__setattr__(self, "logit_scale", _pair("router.logit_scale", self.logit_scale))
         _positive_int("router.hidden_size", self.hidden_size)
         _positive_int("router.anneal_iters", self.anneal_iters, allow_none=True)
+        _positive_int("router.freeze_after", self.freeze_after, allow_none=True)
         _bool("router.hard", self.hard)
         object.__setattr__(self, "lr_mult", _number("router.lr_mult", self.lr_mult, 0.0, True))
 

@@ -67,6 +67,7 @@ class ElasticStep:
     teacher_chunks: list[torch.nn.Module] | None = None  # None: the model at full budget
     iteration: int = 1
     trace: list | None = None  # when a list: (iteration, global micro-batch, budget, choice) per route
+    frozen: dict[int, dict[str, torch.Tensor]] | None = None  # budget index -> fixed one-hot choice
     _mb: int = 0
     _teacher_logits: list[torch.Tensor] = field(default_factory=list)
 
@@ -87,17 +88,38 @@ class ElasticStep:
         """The router's (noisy, annealed) choice for micro-batch ``local``; activates it."""
         index = self.budget_index(local)
         budget = self.sampler.budgets[index]
-        router = router_of(model)
-        encoding = budget_encoding(budget, router.budgets)
-        generator = self.sampler.noise_generator(self.iteration, self.global_microbatch(local))
-        hard = self.cfg.router.hard or self.cfg.mode == SLICED
-        probs = router(encoding, self.temperature.value(self.iteration - 1),
-                       self.logit_scale.value(self.iteration - 1), hard, generator)
+        if self.frozen is not None:  # the router is frozen: a fixed nested model per budget
+            device = next(model.parameters()).device
+            probs = {name: p.to(device) for name, p in self.frozen[index].items()}
+        else:
+            router = router_of(model)
+            encoding = budget_encoding(budget, router.budgets)
+            generator = self.sampler.noise_generator(self.iteration, self.global_microbatch(local))
+            hard = self.cfg.router.hard or self.cfg.mode == SLICED
+            probs = router(encoding, self.temperature.value(self.iteration - 1),
+                           self.logit_scale.value(self.iteration - 1), hard, generator)
         self.state.set_choice(probs, self.cfg.mode, with_masks=True)
         if self.trace is not None:
             self.trace.append((self.iteration, self.global_microbatch(local), index,
                                {k: v.detach().argmax(-1).tolist() for k, v in probs.items()}))
         return index, probs
+
+    def freeze(self, table: dict[str, dict[str, Any]]) -> None:
+        """Route every budget to its fixed choice from now on (``table``: budget label -> axis
+        -> size, per layer when heterogeneous): no noise, no router gradient."""
+        resolved = self.state.resolved
+        frozen = {}
+        for index, budget in enumerate(resolved.budgets):
+            sizes = table[f"{budget:g}"]
+            probs = {}
+            for name, spec in resolved.axes.items():
+                value = sizes[name]
+                picks = [spec.candidates.index(v) for v in (value if isinstance(value, list)
+                                                            else [value])]
+                probs[name] = torch.nn.functional.one_hot(
+                    torch.tensor(picks), len(spec.candidates)).to(torch.float32)
+            frozen[index] = probs
+        self.frozen = frozen
 
     # ------------------------------------------------------------------ teacher
     def _teacher_forward_step(self, data_iterator, model):

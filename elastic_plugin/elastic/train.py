@@ -202,6 +202,18 @@ def train_elastic(
         teacher_chunks=teacher_chunks,
     )
     router = router_of(chunks[0])
+    frozen_table = (meta_src.get("elastic") or {}).get("frozen_choices") if start_iter > 1 else None
+    if frozen_table:
+        step.freeze(frozen_table)
+
+    def current_table() -> dict[str, dict[str, Any]]:
+        """The choice per budget: fixed once the router is frozen, else the router's answer."""
+        return frozen_table or choice_table(router, resolved)
+
+    def meta_now() -> dict[str, Any]:
+        return _meta(cfg, ecfg, layout, resolved, current_table(), iteration, consumed,
+                     teacher_valid, frozen=bool(frozen_table)) | dict(extra_meta or {})
+
     metrics = ElasticMetrics(out_dir, resolved.budgets, log_rank=0,
                              full_sizes={n: s.full for n, s in resolved.axes.items()})
     if _is_rank0():
@@ -228,8 +240,12 @@ def train_elastic(
     start = time.time()
     last = sched.train_iters if stop_after is None else min(sched.train_iters, start_iter - 1 + stop_after)
     iteration = start_iter - 1
+    freeze_after = ecfg.router.freeze_after
     for iteration in range(start_iter, last + 1):
         step.iteration = iteration
+        if freeze_after is not None and iteration > freeze_after and not frozen_table:
+            frozen_table = choice_table(router, resolved)
+            step.freeze(frozen_table)
         result = step.train_step(chunks, optimizer, train_iterator, sched.seq_length,
                                  sched.micro_batch_size)
         scheduler.step(increment=1)
@@ -249,7 +265,7 @@ def train_elastic(
                 "train_loss": kd,
                 "budget_loss": {budget_label(b): float(totals[i, 2] / totals[i, 3])
                                 for i, b in enumerate(resolved.budgets) if totals[i, 3] > 0},
-                "choices": choice_table(router, resolved),
+                "choices": current_table(),
                 "temperature": step.temperature.value(iteration - 1),
                 "logit_scale": step.logit_scale.value(iteration - 1),
                 "lr": optimizer.param_groups[0]["lr"],
@@ -258,8 +274,7 @@ def train_elastic(
             }
         if valid_factory is not None and (iteration % sched.eval_interval == 0
                                           or iteration == sched.train_iters):
-            valid = evaluate_budgets(chunks, state, choice_table(router, resolved),
-                                     valid_factory, sched)
+            valid = evaluate_budgets(chunks, state, current_table(), valid_factory, sched)
             record["valid_loss"] = valid
         if record:
             metrics.log(iteration, record)
@@ -269,15 +284,11 @@ def train_elastic(
             if record.get("train_loss"):
                 bar.set_postfix({k: f"{v:.3f}" for k, v in record["train_loss"].items()})
         if sched.save_interval and iteration % sched.save_interval == 0 and iteration != last:
-            _save(chunks, optimizer, scheduler, ckpt_dir,
-                  _meta(cfg, ecfg, layout, resolved, router, iteration, consumed, teacher_valid)
-                  | dict(extra_meta or {}))
+            _save(chunks, optimizer, scheduler, ckpt_dir, meta_now())
     if bar is not None:
         bar.close()
-    table = choice_table(router, resolved)
-    saved = _save(chunks, optimizer, scheduler, ckpt_dir,
-                  _meta(cfg, ecfg, layout, resolved, router, iteration, consumed, teacher_valid)
-                  | dict(extra_meta or {}))
+    table = current_table()
+    saved = _save(chunks, optimizer, scheduler, ckpt_dir, meta_now())
     plots = [str(p) for p in metrics.plot()] if _is_rank0() else []
     counts = {metric: ElasticCost(model_cfg, resolved, metric=f"{metric}_params")
               for metric in ("total", "active")}
@@ -288,12 +299,12 @@ def train_elastic(
                       teacher_valid, table, plots, time.time() - start, params)
 
 
-def _meta(cfg, ecfg: ElasticConfig, layout: Layout, resolved: ResolvedElastic, router,
-          iteration: int, consumed: int, teacher_valid: float | None) -> dict[str, Any]:
+def _meta(cfg, ecfg: ElasticConfig, layout: Layout, resolved: ResolvedElastic,
+          table: dict[str, dict[str, Any]], iteration: int, consumed: int,
+          teacher_valid: float | None, frozen: bool = False) -> dict[str, Any]:
     from elastic_plugin.elastic.cost import ElasticCost
 
     cost = ElasticCost(cfg.model, resolved)
-    table = choice_table(router, resolved)
     return {
         "kind": "elastic",
         "iteration": iteration,
@@ -307,6 +318,7 @@ def _meta(cfg, ecfg: ElasticConfig, layout: Layout, resolved: ResolvedElastic, r
                          "unit": s.unit} for n, s in resolved.axes.items()},
             "choices": table,
             "cost_fraction": {b: cost.of_choice(sizes) / cost.full for b, sizes in table.items()},
+            **({"frozen_choices": table} if frozen else {}),
         },
         "teacher_valid_loss": teacher_valid,
     }

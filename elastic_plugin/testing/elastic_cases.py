@@ -264,9 +264,14 @@ def _synthetic_iterator(vocab: int, micro_batch: int, consumed: int):
 
 
 def train_and_resume(config_path: str, workdir: str, iters: int = 6, stop: int = 3,
-                     tp: int = 1, pp: int = 1, sequence_parallel: bool = False) -> dict[str, Any]:
+                     tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
+                     freeze_after: int | None = None) -> dict[str, Any]:
     """The loss trace of an uninterrupted run vs. a run stopped after ``stop`` iterations and
-    resumed from its checkpoint (optimizer, LR schedule, router, data position)."""
+    resumed from its checkpoint (optimizer, LR schedule, router, data position); with
+    ``freeze_after`` the router freezes after that many iterations (the frozen choices must
+    survive the resume)."""
+    import dataclasses
+
     from elastic_plugin.elastic.train import ElasticSchedule, train_elastic
     from elastic_plugin.parallel import Layout
 
@@ -275,6 +280,9 @@ def train_and_resume(config_path: str, workdir: str, iters: int = 6, stop: int =
     if not (work / "init" / "elastic_meta.json").is_file():
         write_init_checkpoint(cfg, work / "init")
     ecfg = _elastic_config(cfg.model, "sliced", False)
+    if freeze_after is not None:
+        ecfg = dataclasses.replace(ecfg, router=dataclasses.replace(ecfg.router,
+                                                                    freeze_after=freeze_after))
     layout = Layout(tp=tp, pp=pp, sequence_parallel=sequence_parallel)
     sched = ElasticSchedule(train_iters=iters, lr=2e-3, min_lr=2e-4, lr_warmup_iters=2,
                             global_batch_size=8, micro_batch_size=4, seq_length=SEQ_LEN,
@@ -292,6 +300,11 @@ def train_and_resume(config_path: str, workdir: str, iters: int = 6, stop: int =
     return {"full": trace(full), "resumed": trace(part) + trace(rest),
             "full_valid": full.final_valid, "resumed_valid": rest.final_valid,
             "choices_full": full.choices, "choices_resumed": rest.choices,
+            "choices_per_iteration": [(h["iteration"], h["choices"]) for h in full.history
+                                      if "choices" in h],
+            "frozen_meta": json.loads((work / "full" / "checkpoints" / "elastic" /
+                                       "elastic_meta.json").read_text())["elastic"].get(
+                                           "frozen_choices"),
             "iterations": (part.iterations, rest.iterations)}
 
 
