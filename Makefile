@@ -1,6 +1,6 @@
 # Two commands for a new user on a fresh machine:
 #   make demo   - the main job on the built-in tiny default (teacher -> importance -> reorder -> elastic
-#                 -> export of every nested model in BF16/FP8/NVFP4)
+#                 -> export of every nested model in BF16/FP8/NVFP4 -> accuracy + budget control report)
 #   make test   - the test suite
 # Both create .venv (Python 3.12, pinned requirements) and build the extension when missing or stale.
 
@@ -17,7 +17,7 @@ STAMPS := $(VENV)/.stamps
 .PHONY: demo test test-fast bench venv install clean help
 
 help:
-	@echo "make demo [QUICK=1] [OUT=dir]  - tiny teacher -> importance -> reorder -> elastic training of 3 budgets -> exports"
+	@echo "make demo [QUICK=1] [OUT=dir]  - tiny teacher -> importance -> reorder -> elastic training of 3 budgets -> exports -> report"
 	@echo "make test                      - run the test suite"
 	@echo "make bench                     - run the benchmarks (ratios, side by side)"
 
@@ -44,6 +44,8 @@ demo: $(STAMPS)/install
 	rm -rf $(OUT)/exports  # derived from the elastic checkpoint: rebuilt on every run
 	$(VENV)/bin/elastic-plugin export --ckpt $(OUT)/checkpoints/elastic --out $(OUT)/exports \
 		--eval-sequences $(if $(QUICK),16,64)
+	$(VENV)/bin/elastic-plugin evaluate --ckpt $(OUT)/checkpoints/elastic --exports $(OUT)/exports --out $(OUT) \
+		$(if $(QUICK),--num-problems 32 --latency-problems 4,)
 
 test: $(STAMPS)/install
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -57,23 +57,13 @@ def _checkpoint(name: str, work: Path) -> Path:
     from elastic_plugin.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
-    from elastic_plugin.elastic.schedule import ElasticSchedule
-    from elastic_plugin.elastic.train import train_elastic
     from elastic_plugin.parallel import Layout, init_distributed, initialize_layout
     from elastic_plugin.testing import elastic_cases as ec
 
     init_distributed()
     initialize_layout(Layout())
     cfg = _experiment(name)
-    ec.write_init_checkpoint(cfg, work / "init")
-    ecfg = ec._elastic_config(cfg.model, "sliced", False)
-    sched = ElasticSchedule(train_iters=1, lr=1e-3, min_lr=1e-4, lr_warmup_iters=0,
-                            global_batch_size=2, micro_batch_size=2, seq_length=ec.SEQ_LEN,
-                            log_interval=1, eval_interval=1, eval_iters=1)
-    run = train_elastic(cfg, ecfg, Layout(), work / "init", work / "run",
-                        lambda c: ec._synthetic_iterator(cfg.model.vocab_size, 2, c), None, sched,
-                        progress=False)
-    ckpt = Path(run.checkpoint_dir)
+    ckpt = ec.train_tiny_elastic(cfg, work, iters=1, batch=2, lr=1e-3)
     meta = json.loads((ckpt / "elastic_meta.json").read_text())
     meta["elastic"]["choices"]["0.4"] = {axis: min(spec["candidates"])
                                          for axis, spec in meta["elastic"]["axes"].items()}

@@ -63,26 +63,15 @@ def extract_case(workdir: str) -> dict:
     from elastic_plugin.elastic.config import ElasticConfig
     from elastic_plugin.elastic.extract import extract_nested
     from elastic_plugin.elastic.model import build_elastic_chunks, router_of
-    from elastic_plugin.elastic.schedule import ElasticSchedule
-    from elastic_plugin.elastic.train import train_elastic
     from elastic_plugin.models.config import ConfigError
     from elastic_plugin.parallel import Layout, initialize_layout
     from elastic_plugin.testing import elastic_cases as ec
 
     work = Path(workdir)
     cfg = ec._experiment(CONFIG, None)
-    ec.write_init_checkpoint(cfg, work / "init")
-    ecfg = ec._elastic_config(cfg.model, "sliced", False)
-    sched = ElasticSchedule(train_iters=2, lr=2e-2, min_lr=2e-3, lr_warmup_iters=0,
-                            global_batch_size=4, micro_batch_size=4, seq_length=ec.SEQ_LEN,
-                            log_interval=1, eval_interval=2, eval_iters=1)
-    run = train_elastic(cfg, ecfg, Layout(), work / "init", work / "run",
-                        lambda c: ec._synthetic_iterator(cfg.model.vocab_size, 4, c), None, sched,
-                        progress=False)
-    ckpt = Path(run.checkpoint_dir)
+    # extraction follows the stored table
+    ckpt = ec.train_tiny_elastic(cfg, work, choices={"0.4": SMALL})
     meta = json.loads((ckpt / "elastic_meta.json").read_text())
-    meta["elastic"]["choices"]["0.4"] = SMALL  # extraction follows the stored table
-    (ckpt / "elastic_meta.json").write_text(json.dumps(meta))
     vocab = cfg.model.vocab_size
 
     initialize_layout(Layout())

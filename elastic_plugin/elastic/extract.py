@@ -47,19 +47,22 @@ def _trained_budget(budget: float, budgets: Sequence[float]) -> float | None:
     return next((b for b in budgets if math.isclose(b, budget, rel_tol=1e-9, abs_tol=1e-12)), None)
 
 
-def homogeneous_choice(choice: Mapping[str, Any], budget: float) -> dict[str, int]:
+def homogeneous_choice(choice: Mapping[str, Any], budget: float | None = None) -> dict[str, int]:
     """One size per axis; per-layer lists must be uniform (plain Megatron builds every layer of
     a kind from one config, so per-layer widths cannot be a Megatron model)."""
+    where = f"--budget {budget:g}: " if budget is not None else ""
     out: dict[str, int] = {}
     for axis, value in choice.items():
         if isinstance(value, (list, tuple)):
             if len(set(value)) != 1:
                 raise ConfigError(
-                    f"--budget {budget:g}: the nested model has per-layer sizes ({axis}={list(value)}); "
+                    f"{where}the nested model has per-layer sizes ({axis}={list(value)}); "
                     "plain Megatron-Core builds every layer of a kind alike, so it cannot hold this "
                     "model (use --format hf: the Hugging Face NemotronH export keeps per-layer "
                     "widths)")
             value = value[0]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}choice {axis}={value!r}: must be an int size")
         out[axis] = int(value)
     return out
 

@@ -21,21 +21,6 @@ from elastic_plugin.models.config import ConfigError, ModelConfig, config_from_d
 __all__ = ["load_nested_model", "load_nested_models", "nested_model"]
 
 
-def _uniform_choice(choice: Mapping[str, Any]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for axis, value in choice.items():
-        if isinstance(value, (list, tuple)):
-            if len(set(value)) != 1:
-                raise ConfigError(
-                    f"choice {axis}={list(value)}: per-layer sizes cannot be a plain Megatron "
-                    "model (every layer of a kind is built alike); use one size per axis")
-            value = value[0]
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"choice {axis}={value!r}: must be an int size")
-        out[axis] = int(value)
-    return out
-
-
 def nested_model(model: torch.nn.Module, model_cfg: ModelConfig, choice: Mapping[str, Any]
                  ) -> tuple[torch.nn.Module, ModelConfig]:
     """``(plain smaller model, its config)`` of ``choice`` (axis -> size; axes left out stay
@@ -43,11 +28,12 @@ def nested_model(model: torch.nn.Module, model_cfg: ModelConfig, choice: Mapping
     model is left unchanged; call after Megatron's parallel state is initialized (as for
     building ``model``)."""
     from elastic_plugin.elastic.cost import model_for_choice
+    from elastic_plugin.elastic.extract import homogeneous_choice
     from elastic_plugin.elastic.slicing import sliced_state_dict
     from elastic_plugin.importance.reorder import canonical_weights
     from elastic_plugin.parallel import Layout, build_model_chunks
 
-    choice = _uniform_choice(choice)
+    choice = homogeneous_choice(choice)
     small = model_for_choice(model_cfg, choice)
     with canonical_weights(model), torch.no_grad():
         state = sliced_state_dict(model, model_cfg, choice)

@@ -129,6 +129,30 @@ def write_init_checkpoint(cfg, path: Path, seed: int = 1234) -> None:
                                    "layout": asdict(Layout())})
 
 
+def train_tiny_elastic(cfg, work: Path, iters: int = 2, batch: int = 4, lr: float = 2e-2,
+                       choices: dict[str, Any] | None = None) -> Path:
+    """A briefly trained elastic checkpoint of ``cfg``'s model on synthetic tokens (random init
+    saved as reordered, ``iters`` iterations on one rank); ``choices`` (budget label -> sizes)
+    overwrite the stored table, as a converged router would have chosen. Returns its path."""
+    from elastic_plugin.elastic.schedule import ElasticSchedule
+    from elastic_plugin.elastic.train import train_elastic
+    from elastic_plugin.parallel import Layout
+
+    write_init_checkpoint(cfg, work / "init")
+    sched = ElasticSchedule(train_iters=iters, lr=lr, min_lr=lr / 10, lr_warmup_iters=0,
+                            global_batch_size=batch, micro_batch_size=batch, seq_length=SEQ_LEN,
+                            log_interval=1, eval_interval=iters, eval_iters=1)
+    run = train_elastic(cfg, _elastic_config(cfg.model, "sliced", False), Layout(), work / "init",
+                        work / "run", lambda c: _synthetic_iterator(cfg.model.vocab_size, batch, c),
+                        None, sched, progress=False)
+    ckpt = Path(run.checkpoint_dir)
+    if choices:
+        meta = json.loads((ckpt / "elastic_meta.json").read_text())
+        meta["elastic"]["choices"].update(choices)
+        (ckpt / "elastic_meta.json").write_text(json.dumps(meta))
+    return ckpt
+
+
 def _reads_data() -> bool:
     from megatron.core import parallel_state as ps
 

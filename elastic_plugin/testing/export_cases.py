@@ -24,28 +24,11 @@ def _tokens(vocab: int) -> torch.Tensor:
 
 
 def train_checkpoint(config_path: str, work: Path) -> Path:
-    """Two elastic iterations of the tiny model, then the choice table set to SMALL / PER_LAYER
-    (two iterations leave the router near its start, which barely shrinks anything)."""
-    from elastic_plugin.elastic.schedule import ElasticSchedule
-    from elastic_plugin.elastic.train import train_elastic
-    from elastic_plugin.parallel import Layout
+    """Two elastic iterations of the tiny model, with the choice table set to SMALL / PER_LAYER."""
     from elastic_plugin.testing import elastic_cases as ec
 
-    cfg = ec._experiment(config_path, None)
-    ec.write_init_checkpoint(cfg, work / "init")
-    ecfg = ec._elastic_config(cfg.model, "sliced", False)
-    sched = ElasticSchedule(train_iters=2, lr=2e-2, min_lr=2e-3, lr_warmup_iters=0,
-                            global_batch_size=4, micro_batch_size=4, seq_length=ec.SEQ_LEN,
-                            log_interval=1, eval_interval=2, eval_iters=1)
-    run = train_elastic(cfg, ecfg, Layout(), work / "init", work / "run",
-                        lambda c: ec._synthetic_iterator(cfg.model.vocab_size, 4, c), None, sched,
-                        progress=False)
-    ckpt = Path(run.checkpoint_dir)
-    meta = json.loads((ckpt / "elastic_meta.json").read_text())
-    meta["elastic"]["choices"]["0.4"] = SMALL
-    meta["elastic"]["choices"]["0.77"] = PER_LAYER
-    (ckpt / "elastic_meta.json").write_text(json.dumps(meta))
-    return ckpt
+    return ec.train_tiny_elastic(ec._experiment(config_path, None), work,
+                                 choices={"0.4": SMALL, "0.77": PER_LAYER})
 
 
 def elastic_references(ckpt: Path, vocab: int) -> dict[str, torch.Tensor]:
