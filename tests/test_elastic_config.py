@@ -59,7 +59,7 @@ FULL = {
     "sizes": {"ffn": [1.0, 0.5], "experts": [8, 4], "embedding": [128, 0.5]},
     "heterogeneous": True,
     "router": {"hidden_size": 64, "temperature": [2.0, 0.1], "logit_scale": [1.0, 5.0],
-               "anneal_iters": 300, "hard": False, "lr_mult": 50.0},
+               "anneal_iters": 300, "freeze_after": 250, "hard": False, "lr_mult": 50.0},
     "curriculum": [{"iters": 200, "budget_probs": None, "seq_length": None},
                    {"iters": 100, "budget_probs": [0.7, 0.3], "seq_length": 256}],
     "mode": "masked",
@@ -75,6 +75,7 @@ def test_from_dict_to_dict_round_trip():
     cfg = ElasticConfig.from_dict(FULL, source="x.yaml")
     assert cfg.budgets == (1.0, 0.6) and cfg.memory.precision == "fp8"
     assert cfg.router.temperature == (2.0, 0.1) and cfg.router.hard is False
+    assert cfg.router.freeze_after == 250
     assert cfg.curriculum == (CurriculumStage(200), CurriculumStage(100, (0.7, 0.3), 256))
     assert cfg.sizes["embedding"] == (128, 0.5)
     assert cfg.to_dict() == FULL
