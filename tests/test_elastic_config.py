@@ -473,6 +473,7 @@ def test_every_flag_round_trip():
             "--elastic-heterogeneous", "--elastic-router-hidden-size", "64",
             "--elastic-router-lr-mult", "50", "--elastic-temperature", "2.0", "0.1",
             "--elastic-logit-scale", "1", "5", "--elastic-anneal-iters", "300",
+            "--elastic-router-freeze-after", "250",
             "--elastic-soft-masks", "--elastic-curriculum", "200,100:0.7/0.3:256",
             "--elastic-mode", "masked", "--elastic-teacher", "self",
             "--elastic-kd-temperature", "2", "--elastic-budget-loss-weight", "0.5",
