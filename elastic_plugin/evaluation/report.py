@@ -22,6 +22,7 @@ __all__ = ["evaluate_demo", "REPORT_JSON", "REPORT_MD", "TARGETS"]
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
+HELDOUT_FILE = "heldout.jsonl"  # = data.prepare.HELDOUT_FILE (that module imports Megatron)
 PRECISIONS = ("bf16", "fp8", "nvfp4")
 CAP_FRACTIONS = (0.25, 0.5, 0.75)   # standard budget control: caps as fractions of the full
 #                                     model's mean thinking length
@@ -50,8 +51,7 @@ def _check_inputs(ckpt: Path, exports: Path | None, out: Path, num_problems: int
                              ("--latency-problems", latency_problems, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(f"{flag}={value!r}: must be an int >= {low}")
-    prepared = (meta.get("data") or {}).get("prepared")
-    if not prepared or not Path(prepared).is_dir():
+    if _prepared_dir(meta) is None:
         raise ConfigError(f"--ckpt {ckpt}: its data ({meta.get('data')}) is not a prepared task "
                           f"directory here; evaluation needs the task's held-out problems")
     if exports is not None and not (exports / "exports.json").is_file():
@@ -59,6 +59,18 @@ def _check_inputs(ckpt: Path, exports: Path | None, out: Path, num_problems: int
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a directory")
     return meta
+
+
+def _prepared_dir(meta: dict[str, Any]) -> str | None:
+    """The prepared task directory the checkpoint was trained on: recorded as such, or the
+    folder of its data prefix (elastic-train records the teacher's prepared data by prefix)."""
+    data = meta.get("data") or {}
+    candidates = [data.get("prepared")] + [str(Path(p).parent) for p in (
+        data.get("valid_data_path"), data.get("data_path")) if p]
+    for candidate in candidates:
+        if candidate and (Path(candidate) / HELDOUT_FILE).is_file():
+            return candidate
+    return None
 
 
 def _settings(budgets: Sequence[float], mean_think: float) -> list:
@@ -96,7 +108,7 @@ def evaluate_demo(ckpt_dir: str | Path, out_dir: str | Path, exports_dir: str | 
     torch.set_num_threads(1)  # tiny decode steps are dispatch-bound; 1 thread avoids spin stalls
     try:
         budgets = sorted((float(b) for b in meta["elastic"]["budgets"]), reverse=True)
-        problems = load_problems(meta["data"]["prepared"], num_problems)
+        problems = load_problems(_prepared_dir(meta), num_problems)
         models = load_budget_models(ckpt, budgets)
         export_rows = json.loads((exports / "exports.json").read_text())["exports"] if exports else []
         for row in export_rows:
