@@ -303,7 +303,7 @@ def test_elastic_train_under_torchrun_tp2_sp_checkpoints_plots_and_resumes(pipel
     assert json_out(again)["already_finished"] is True
 
     # every nested model, exported from the TP=2+SP checkpoint by one process, and measured
-    assert meta["data"]["prepared"] and Path(meta["tokenizer"]).is_file()
+    assert meta["data"]["valid_data_path"] and Path(meta["tokenizer"]).is_file()
     exports = tmp_path / "exports"
     proc = run_cli("export", "--ckpt", str(out / "checkpoints" / "elastic"), "--out", str(exports),
                    "--eval-sequences", "4")
@@ -326,6 +326,28 @@ def test_elastic_train_under_torchrun_tp2_sp_checkpoints_plots_and_resumes(pipel
         assert sizes["nested_bytes"] == rows[(1.0, precision)]["bytes"] and sizes["saving"] > 0.3
     assert "One nested checkpoint vs separate" in (exports / "exports.md").read_text()
     assert (exports / "exports.png").stat().st_size > 10_000
+
+    # the demo report: accuracy per budget and precision, budget control, targets, plots
+    proc = run_cli("evaluate", "--ckpt", str(out / "checkpoints" / "elastic"), "--exports",
+                   str(exports), "--out", str(tmp_path / "report"), "--num-problems", "6",
+                   "--batch-size", "3", "--latency-problems", "1", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["task"] == "products" and report["problems"] == 6
+    assert [r["budget"] for r in report["budgets"]] == [1.0, 0.77, 0.4]
+    for row in report["budgets"]:
+        assert set(row["accuracy"]) == {"fp32", "bf16", "fp8", "nvfp4"}
+        assert all(0 <= a <= 1 for a in row["accuracy"].values())
+        assert row["latency_ms_batch1"] > 0 and row["export"]["nvfp4"]["bytes"] > 0
+    kinds = [c["kind"] for c in report["budget_control"]]
+    assert kinds[0] == "single" and kinds.count("elastic") == 3 and "capped" in kinds
+    reference = report["budget_control"][0]
+    assert reference["accuracy"] == report["budgets"][0]["accuracy"]["fp32"]
+    assert report["targets"]["budget_control"]["setting"] == "think 0.4 -> answer 1"
+    assert "met" in report["targets"]["retention_0.77"]
+    assert {Path(p).name for p in report["plots"]} == {
+        "accuracy_vs_params.png", "loss_per_budget.png", "accuracy_vs_latency.png"}
+    assert "## Budget control" in (tmp_path / "report" / "report.md").read_text()
 
 
 # ------------------------------------------------------------------------------ Megatron-LM script

@@ -82,6 +82,7 @@ def test_evaluate_rejects_bad_input_before_loading(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(models, "load_budget_models", refuse)
     no_data = _fake_ckpt(tmp_path / "no_data")
     (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "heldout.jsonl").write_text("")
     good = _fake_ckpt(tmp_path / "good", data={"prepared": str(tmp_path / "data")})
     (tmp_path / "exports").mkdir()
     out = tmp_path / "out"
