@@ -4,7 +4,6 @@ counts), a setting run on a tiny model against plain generation, and bad input f
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch

@@ -19,6 +19,19 @@ def _pyplot():
     return plt
 
 
+def _finish(fig, ax, path: Path, xlabel: str, ylabel: str, title: str,
+            legend_size: int | None = None) -> Path:
+    """Labels, legend, save, close: the same ending for every figure."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    _pyplot().close(fig)
+    return path
+
+
 def _accuracy_vs_params(report: dict[str, Any], path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -32,14 +45,8 @@ def _accuracy_vs_params(report: dict[str, Any], path: Path) -> Path:
             for active, acc, budget in points:
                 ax.annotate(f"{budget:g}", (active, acc), textcoords="offset points",
                             xytext=(4, 4), fontsize=8)
-    ax.set_xlabel("active parameters")
-    ax.set_ylabel("accuracy (%)")
-    ax.set_title(f"Nested models on {report['task']}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, "active parameters", "accuracy (%)",
+                   f"Nested models on {report['task']}")
 
 
 def _loss_per_budget(metrics: Path, path: Path) -> Path | None:
@@ -60,15 +67,8 @@ def _loss_per_budget(metrics: Path, path: Path) -> Path | None:
             ax.plot(*zip(*train), color=color, alpha=0.5, label=f"{budget} train (KD)")
         if valid:
             ax.plot(*zip(*valid), "o-", color=color, label=f"{budget} valid")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("loss")
     ax.set_yscale("log")
-    ax.set_title("Loss per budget over elastic training")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, "iteration", "loss", "Loss per budget over elastic training", 7)
 
 
 def _accuracy_vs_latency(report: dict[str, Any], path: Path) -> Path:
@@ -87,14 +87,8 @@ def _accuracy_vs_latency(report: dict[str, Any], path: Path) -> Path:
         seen.add(row["kind"])
         ax.annotate(row["name"], (row["latency_ms_batch1"], 100 * row["accuracy"]), fontsize=6,
                     textcoords="offset points", xytext=(4, 2))
-    ax.set_xlabel("latency per problem, batch 1 (ms)")
-    ax.set_ylabel("accuracy (%)")
-    ax.set_title("Budget control: accuracy vs latency")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path, "latency per problem, batch 1 (ms)", "accuracy (%)",
+                   "Budget control: accuracy vs latency", 7)
 
 
 def draw_report_plots(report: dict[str, Any], ckpt: Path, out: Path) -> list[Path]:
