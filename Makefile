@@ -40,7 +40,7 @@ demo: $(STAMPS)/install
 	$(VENV)/bin/elastic-plugin reorder --ckpt $(OUT)/checkpoints/teacher --scores $(OUT)/importance.pt \
 		--out $(OUT)/checkpoints/reordered
 	$(VENV)/bin/elastic-plugin elastic-train --ckpt $(OUT)/checkpoints/reordered --config $(ELASTIC_CONFIG) \
-		--out $(OUT) $(if $(QUICK),--quick,--train-iters 1000)
+		--out $(OUT) $(if $(QUICK),--quick,--train-iters 1500)
 	rm -rf $(OUT)/exports  # derived from the elastic checkpoint: rebuilt on every run
 	$(VENV)/bin/elastic-plugin export --ckpt $(OUT)/checkpoints/elastic --out $(OUT)/exports \
 		--eval-sequences $(if $(QUICK),16,64)

@@ -289,3 +289,42 @@ def test_sampler_validation():
         BudgetSampler(BUDGETS, [Stage(0, None, None)], 0, 10)
     with pytest.raises(ConfigError, match="1-based"):
         BudgetSampler(BUDGETS, None, 0, 10).stage(0)
+
+
+def test_frozen_choice_is_the_most_likely_one_within_budget(tiny):
+    """At freeze, each budget gets the highest joint-probability homogeneous choice whose cost
+    is within 5% of the budget (checked here by an independent scan of every choice); with no
+    tolerance it falls back to the choice closest to the budget."""
+    import itertools
+
+    from elastic_plugin.elastic.config import ElasticConfig
+    from elastic_plugin.elastic.cost import ElasticCost
+    from elastic_plugin.elastic.freeze import constrained_choice, constrained_table
+    from elastic_plugin.elastic.model import make_router
+
+    resolved = ElasticConfig.from_dict({
+        "budgets": [1.0, 0.77, 0.4],
+        "sizes": {"embedding": [1.0, 0.75, 0.5], "ffn": [1.0, 0.5], "experts": [1.0, 0.5],
+                  "mamba_heads": [1.0, 0.5]}}).resolve(tiny)
+    router, cost = make_router(resolved, seed=3), ElasticCost(tiny, resolved)
+    with torch.no_grad():
+        for p in router.parameters():  # a router with opinions (not the near-uniform init)
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    table = constrained_table(router, resolved, cost)
+    names = list(resolved.axes)
+    for budget in resolved.budgets:
+        with torch.no_grad():
+            logits = router.logits(router.encode(budget))
+        scored = []
+        for sizes in itertools.product(*(resolved.axes[n].candidates for n in names)):
+            choice = dict(zip(names, sizes))
+            fraction = cost.of_choice(choice) / cost.full
+            logp = sum(torch.log_softmax(logits[n][0].double(), -1)[
+                resolved.axes[n].candidates.index(s)].item() for n, s in choice.items())
+            scored.append((abs(fraction / budget - 1), logp, choice))
+        feasible = [s for s in scored if s[0] <= 0.05]
+        assert feasible, budget
+        assert table[f"{budget:g}"] == max(feasible, key=lambda s: s[1])[2]
+        nearest = min(scored, key=lambda s: s[0])[2]
+        assert constrained_choice(router, resolved, cost, budget, tolerance=0.0) == nearest \
+            or abs(cost.of_choice(nearest) / cost.full / budget - 1) == 0.0

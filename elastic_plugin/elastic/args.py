@@ -73,7 +73,8 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
      dict(type=int, metavar="N", help="iterations to anneal over (default: the whole run)")),
     ("--elastic-router-freeze-after", "router.freeze_after",
      dict(type=int, metavar="N", help="after N iterations fix each budget's choice (the "
-                                      "router's hard choice then); the rest trains those models")),
+                                      "router's most likely one within 5%% of the budget); the "
+                                      "rest trains those models")),
     ("--elastic-soft-masks", "router.hard",
      dict(action=argparse.BooleanOptionalAction, help="soft masks instead of straight-through "
                                                       "hard masks")),

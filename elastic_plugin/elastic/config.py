@@ -130,7 +130,7 @@ class RouterConfig:
     temperature: tuple[float, float] = (1.0, 0.05)   # (start, end)
     logit_scale: tuple[float, float] = (1.0, 10.0)   # (start, end)
     anneal_iters: int | None = None                  # None: anneal over the whole run
-    freeze_after: int | None = None                  # fix each budget's choice after N iterations
+    freeze_after: int | None = None                  # then fix each budget's choice (freeze.py)
     hard: bool = True                                # straight-through hard masks; False: soft
     lr_mult: float = 100.0                           # router lr / model lr
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from elastic_plugin.elastic.config import ElasticConfig, ResolvedElastic
 from elastic_plugin.elastic.cost import ElasticCost
+from elastic_plugin.elastic.freeze import constrained_table
 from elastic_plugin.elastic.model import build_elastic_chunks, router_of, router_param_groups
 from elastic_plugin.elastic.router import AnnealSchedule
 from elastic_plugin.elastic.sampling import BudgetSampler, Stage
@@ -244,7 +245,8 @@ def train_elastic(
     for iteration in range(start_iter, last + 1):
         step.iteration = iteration
         if freeze_after is not None and iteration > freeze_after and not frozen_table:
-            frozen_table = choice_table(router, resolved)
+            frozen_table = (choice_table(router, resolved) if ecfg.heterogeneous
+                            else constrained_table(router, resolved, step.cost))
             step.freeze(frozen_table)
         result = step.train_step(chunks, optimizer, train_iterator, sched.seq_length,
                                  sched.micro_batch_size)
