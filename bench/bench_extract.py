@@ -130,11 +130,9 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = run(args.quick, args.reps)
-    print(f"{'case':<24}{'MB':>8}{'extract ms':>12}{'copy ms':>10}{'extract/copy':>14}"
-          f"{'extract MB/s':>14}{'copy MB/s':>11}")
-    for r in rows:
-        print(f"{r['name']:<24}{r['MB']:>8.3f}{r['extract_ms']:>12.1f}{r['copy_ms']:>10.2f}"
-              f"{r['extract/copy']:>14.1f}{r['extract_MB/s']:>14.1f}{r['copy_MB/s']:>11.1f}")
+    from run_all import print_table
+
+    print_table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -87,10 +87,9 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = run(args.quick, args.reps, args.threads)
-    print(f"{'case':<24}{'cached tok/s':>14}{'recompute tok/s':>17}{'decode x':>10}{'total x':>9}")
-    for r in rows:
-        print(f"{r['name']:<24}{r['cached_tok/s']:>14.1f}{r['recompute_tok/s']:>17.1f}"
-              f"{r['decode_speedup']:>10.2f}{r['total_speedup']:>9.2f}")
+    from run_all import print_table
+
+    print_table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -261,7 +261,7 @@ def _counts(plan: ExtractPlan, choice: Mapping[str, Any]) -> dict[str, int]:
 
 
 def _write_megatron(plan: ExtractPlan, full, source_meta: dict[str, Any],
-                    choice: dict[str, int]) -> dict[str, Any]:
+                    choice: dict[str, int], provenance: dict[str, Any]) -> dict[str, Any]:
     from elastic_plugin.checkpointing import save_checkpoint
     from elastic_plugin.elastic.cost import model_for_choice
     from elastic_plugin.importance.reorder import STRIDED_ATTR
@@ -278,12 +278,13 @@ def _write_megatron(plan: ExtractPlan, full, source_meta: dict[str, Any],
     # a prefix of an importance order is still importance-ordered (canonical on disk)
     setattr(plain, STRIDED_ATTR, bool(source_meta.get("reordered")))
     out_meta = {"kind": EXTRACTED_KIND, "config": config,
-                "layout": dataclasses.asdict(Layout()), **_provenance(plan, choice)}
+                "layout": dataclasses.asdict(Layout()), **provenance}
     saved = save_checkpoint([plain], plan.out, out_meta)
     return {"out": str(saved.resolve()), "bytes": _dir_bytes(saved)}
 
 
-def _write_hf(plan: ExtractPlan, full, choice: dict[str, Any]) -> dict[str, Any]:
+def _write_hf(plan: ExtractPlan, full, choice: dict[str, Any],
+              provenance: dict[str, Any]) -> dict[str, Any]:
     from elastic_plugin.checkpointing import fresh_temporary, publish_directory
     from elastic_plugin.export.hf import hf_config, megatron_to_hf, write_hf_checkpoint
 
@@ -298,7 +299,7 @@ def _write_hf(plan: ExtractPlan, full, choice: dict[str, Any]) -> dict[str, Any]
     write_hf_checkpoint(tmp, tensors, config, plan.dtype, plan.meta.get("tokenizer"),
                         quant_config, {EXPORT_META: {
                             "kind": "hf", "dtype": plan.dtype, "quantize": plan.quantize,
-                            "model": dataclasses.asdict(plan.model), **_provenance(plan, choice)}})
+                            "model": dataclasses.asdict(plan.model), **provenance}})
     publish_directory(tmp, plan.out)
     return {"out": str(plan.out.resolve()), "bytes": _dir_bytes(plan.out)}
 
@@ -330,14 +331,16 @@ def run_extraction(plan: ExtractPlan, source=None) -> dict[str, Any]:
     full, source_meta = source if source is not None else load_source(plan)
     interpolated = plan.choice is None
     choice = _interpolated_choice(plan) if interpolated else plan.choice
+    if plan.fmt == "megatron" and interpolated:
+        choice = homogeneous_choice(choice, plan.budget)
+    provenance = _provenance(plan, choice)
     if plan.fmt == "megatron":
-        choice = homogeneous_choice(choice, plan.budget) if interpolated else choice
-        written = _write_megatron(plan, full, source_meta, choice)
+        written = _write_megatron(plan, full, source_meta, choice, provenance)
     else:
-        written = _write_hf(plan, full, choice)
+        written = _write_hf(plan, full, choice, provenance)
     return {**written, "format": plan.fmt, "dtype": plan.dtype, "quantize": plan.quantize,
             "budget": plan.budget, "interpolated": interpolated, "choice": choice,
-            "params": _counts(plan, choice)}
+            "params": provenance["params"]}
 
 
 def extract_nested(ckpt_dir: str | Path, budget: float, out_dir: str | Path,

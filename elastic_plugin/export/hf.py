@@ -273,8 +273,8 @@ def write_hf_checkpoint(out_dir: str | Path, tensors: Mapping[str, torch.Tensor]
 def _keep_fp32(name: str) -> bool:
     """Tensors NemotronH keeps in float32 whatever the model dtype: the router and its bias,
     and quantization scales."""
-    return name.endswith(("gate.weight", "e_score_correction_bias", "weight_scale_2",
-                          "input_scale")) or (name.endswith("weight_scale") and "." in name)
+    return name.endswith(("gate.weight", "e_score_correction_bias", "weight_scale",
+                          "weight_scale_2", "input_scale"))
 
 
 def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32):
