@@ -59,7 +59,8 @@ FULL = {
     "sizes": {"ffn": [1.0, 0.5], "experts": [8, 4], "embedding": [128, 0.5]},
     "heterogeneous": True,
     "router": {"hidden_size": 64, "temperature": [2.0, 0.1], "logit_scale": [1.0, 5.0],
-               "anneal_iters": 300, "freeze_after": 250, "hard": False, "lr_mult": 50.0},
+               "anneal_iters": 300, "freeze_after": 250, "freeze_select": "likelihood",
+               "freeze_candidates": 8, "hard": False, "lr_mult": 50.0},
     "curriculum": [{"iters": 200, "budget_probs": None, "seq_length": None},
                    {"iters": 100, "budget_probs": [0.7, 0.3], "seq_length": 256}],
     "mode": "masked",
@@ -473,7 +474,8 @@ def test_every_flag_round_trip():
             "--elastic-heterogeneous", "--elastic-router-hidden-size", "64",
             "--elastic-router-lr-mult", "50", "--elastic-temperature", "2.0", "0.1",
             "--elastic-logit-scale", "1", "5", "--elastic-anneal-iters", "300",
-            "--elastic-router-freeze-after", "250",
+            "--elastic-router-freeze-after", "250", "--elastic-router-freeze-select",
+            "likelihood", "--elastic-router-freeze-candidates", "8",
             "--elastic-soft-masks", "--elastic-curriculum", "200,100:0.7/0.3:256",
             "--elastic-mode", "masked", "--elastic-teacher", "self",
             "--elastic-kd-temperature", "2", "--elastic-budget-loss-weight", "0.5",
@@ -490,10 +492,24 @@ def test_every_flag_round_trip():
     (["--elastic-ffn-sizes", "1.5"], "--elastic-ffn-sizes", r"fractions in \(0, 1\]"),
     (["--elastic-temperature", "1", "0"], "--elastic-temperature", "> 0"),
     (["--elastic-anneal-iters", "0"], "--elastic-anneal-iters", "positive integer"),
+    (["--elastic-router-freeze-select", "best"], "--elastic-router-freeze-select",
+     "likelihood, loss"),
+    (["--elastic-router-freeze-select", "loss"], "--elastic-router-freeze-select",
+     "needs router.freeze_after"),
+    (["--elastic-router-freeze-after", "5", "--elastic-router-freeze-candidates", "0"],
+     "--elastic-router-freeze-candidates", "positive integer"),
 ])
 def test_bad_flags_name_the_flag(argv, flag, allowed):
     with pytest.raises(ConfigError, match=f"^{flag}: .*{allowed}"):
         elastic_config_from_args(_parse(argv))
+
+
+def test_loss_freeze_needs_homogeneous_choices():
+    with pytest.raises(ConfigError, match=r"^run.yaml: elastic.router.freeze_select=loss searches "
+                                          r"homogeneous choices; allowed with heterogeneous=true: "
+                                          r"likelihood"):
+        ElasticConfig.from_dict({"heterogeneous": True, "router": {
+            "freeze_after": 5, "freeze_select": "loss"}}, source="run.yaml")
 
 
 def test_resolve_errors_name_flag_or_file(tiny, tmp_path):

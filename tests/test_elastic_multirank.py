@@ -125,6 +125,29 @@ def test_frozen_router_fixes_the_choices_and_survives_resume(rank_pools, tmp_pat
     assert result["frozen_meta"] == per_iteration[3] == result["choices_full"]
 
 
+def test_loss_selected_freeze_under_pipeline_parallel(rank_pools, tmp_path):
+    """router.freeze_select=loss on PP=2: both stages measure the router's 4 most likely
+    feasible choices per budget on validation data, keep the same lowest-loss one (never worse
+    than the router's own pick), record the search in the checkpoint, and stop-at-3 + resume
+    reproduces the uninterrupted run (the table is restored, not searched again)."""
+    results = rank_pools.get(2).run(f"{CASES}:train_and_resume", config_path=CONFIG,
+                                    workdir=str(tmp_path), iters=6, stop=3, pp=2,
+                                    freeze_after=2, freeze_select="loss", freeze_candidates=4)
+    assert results[0]["choices_full"] == results[1]["choices_full"]
+    for result in results:
+        _assert_same_trace(result)
+        per_iteration = dict(result["choices_per_iteration"])
+        assert all(per_iteration[i] == per_iteration[3] for i in range(3, 7))
+        assert result["frozen_meta"] == per_iteration[3] == result["choices_full"]
+        search = result["freeze_search"]
+        assert search == result["freeze_search_resumed"]
+        assert set(search) == {"1", "0.77", "0.4"}
+        for label, record in search.items():
+            assert 1 <= record["candidates"] <= 4
+            assert record["loss"] <= record["router_choice_loss"]
+            assert abs(record["cost_fraction"] / float(label) - 1) <= 0.05
+
+
 def test_every_rank_routes_identically_over_many_steps(rank_pools, tmp_path):
     """TP=2 x PP=2, heterogeneous (per-layer) router: 50 iterations x 2 micro-batches, the same
     budget and the same per-layer choice on all four ranks, and budgets actually vary."""

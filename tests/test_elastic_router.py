@@ -328,3 +328,59 @@ def test_frozen_choice_is_the_most_likely_one_within_budget(tiny):
         nearest = min(scored, key=lambda s: s[0])[2]
         assert constrained_choice(router, resolved, cost, budget, tolerance=0.0) == nearest \
             or abs(cost.of_choice(nearest) / cost.full / budget - 1) == 0.0
+
+
+def test_loss_selected_freeze_keeps_the_lowest_loss_among_the_likeliest(tiny):
+    """freeze_select=loss: per budget, the router's N most likely feasible choices (all when
+    None) are measured and the lowest loss wins; with N=1 it is the likelihood freeze; the
+    record names the winner's loss, the router's own pick's loss and the cost fraction."""
+    from elastic_plugin.elastic.config import ElasticConfig
+    from elastic_plugin.elastic.cost import ElasticCost
+    from elastic_plugin.elastic.freeze import (by_likelihood, constrained_table,
+                                               feasible_choices, loss_selected_table)
+    from elastic_plugin.elastic.model import make_router
+
+    resolved = ElasticConfig.from_dict({
+        "budgets": [1.0, 0.77, 0.4],
+        "sizes": {"embedding": [1.0, 0.75, 0.5], "ffn": [1.0, 0.5], "experts": [1.0, 0.5],
+                  "mamba_heads": [1.0, 0.5]}}).resolve(tiny)
+    router, cost = make_router(resolved, seed=3), ElasticCost(tiny, resolved)
+    with torch.no_grad():
+        for p in router.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+
+    def fake_loss(choice):  # an arbitrary fixed value per choice (no ties)
+        import random
+
+        return random.Random(repr(sorted(choice.items()))).random()
+
+    measured = []
+
+    def evaluate(table):
+        measured.append(dict(table))
+        return {key: fake_loss(choice) for key, choice in table.items()}
+
+    table, search = loss_selected_table(router, resolved, cost, evaluate)
+    assert len(measured) == len(resolved.budgets)
+    for budget in resolved.budgets:
+        label = f"{budget:g}"
+        feasible = feasible_choices(resolved, cost, budget)
+        assert all(abs(cost.of_choice(c) / cost.full / budget - 1) <= 0.05 for c in feasible)
+        assert table[label] == min(feasible, key=fake_loss)
+        ranked = by_likelihood(router, resolved, budget, feasible)
+        assert search[label]["candidates"] == len(feasible)
+        assert search[label]["loss"] == pytest.approx(fake_loss(table[label]))
+        assert search[label]["router_choice_loss"] == pytest.approx(fake_loss(ranked[0]))
+        assert ranked[search[label]["router_rank_of_choice"]] == table[label]
+    some = [b for b in resolved.budgets if len(feasible_choices(resolved, cost, b)) > 2]
+    assert some and any(table[f"{b:g}"] != constrained_table(router, resolved, cost)[f"{b:g}"]
+                        for b in some)  # the measured pick differs from the likeliest somewhere
+
+    top2, _ = loss_selected_table(router, resolved, cost, evaluate, candidates=2)
+    one, _ = loss_selected_table(router, resolved, cost, evaluate, candidates=1)
+    assert one == constrained_table(router, resolved, cost)
+    for budget in resolved.budgets:
+        ranked = by_likelihood(router, resolved, budget, feasible_choices(resolved, cost, budget))
+        assert top2[f"{budget:g}"] == min(ranked[:2], key=fake_loss)
+    with pytest.raises(RuntimeError, match="no validation loss came back for budget 1"):
+        loss_selected_table(router, resolved, cost, lambda table: {k: None for k in table})

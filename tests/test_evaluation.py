@@ -66,6 +66,30 @@ def test_a_setting_runs_what_generate_runs(problems):
         capped = run_setting(Setting("capped", 1.0, 1.0, cap=3), models, problems, 4, 0)
         assert capped["kind"] == "capped" and capped["think_tokens_mean"] <= 4
         assert capped["latency_ms_batch1"] is None
+        # interleaved batch-1 latency: every setting times the same problems, in rotating order
+        calls = []
+        import elastic_plugin.evaluation.settings as settings_module
+
+        original = settings_module._completions
+
+        def recording(setting, models_, problems_):
+            calls.append((setting.name, len(problems_)))
+            return original(setting, models_, problems_)
+
+        settings_module._completions = recording
+        try:
+            latency = settings_module.interleaved_latencies(
+                [Setting("full", 1.0, 1.0), Setting("capped", 1.0, 1.0, cap=3)], models,
+                problems, 3)
+        finally:
+            settings_module._completions = original
+        assert set(latency) == {"full", "capped"}
+        assert all(v["latency_ms_batch1"] > 0 and v["latency_ms_batch1_mean"] > 0
+                   for v in latency.values())
+        timed = calls[2:]  # after one warm-up call per setting
+        assert len(timed) == 6 and all(n == 1 for _, n in timed)
+        assert [name for name, _ in timed] == ["full", "capped", "capped", "full", "full",
+                                               "capped"]
     finally:
         torch.set_num_threads(threads)
 

@@ -101,6 +101,47 @@ def test_cached_logits_equal_full_forward(tiny, position_embedding):
         assert not torch.equal(state[1], before[index][1])
 
 
+def test_ragged_prefill_equals_full_forward(tiny):
+    """extend_ragged: rows of different lengths advance together up to each distinct length;
+    every row's last logits equal the full forward's, rows end exactly at their own length, and
+    it takes one forward per distinct length (not per row). A second ragged extend continues."""
+    from elastic_plugin.inference import InferenceCache, extend_ragged
+    from elastic_plugin.inference import steps
+
+    model, cfg = tiny
+    gen = torch.Generator().manual_seed(8)
+    tokens = torch.randint(0, cfg.vocab_size, (5, 40), generator=gen)
+    full = _full(model, tokens)
+    lengths = [7, 1, 19, 7, 30]
+    cache = InferenceCache.allocate(model, 6, 64)  # row 5 stays empty
+    calls = []
+    original = steps.extend
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("rows"))
+        return original(*args, **kwargs)
+
+    steps.extend = counting
+    try:
+        last = extend_ragged(model, cache, [tokens[i, :n].tolist() for i, n in enumerate(lengths)],
+                             rows=[0, 1, 2, 3, 4])
+    finally:
+        steps.extend = original
+    assert len(calls) == len(set(lengths)) == 4
+    assert calls[0] == [0, 1, 2, 3, 4] and calls[-1] == [4]
+    expected = torch.stack([full[i, n - 1] for i, n in enumerate(lengths)])
+    assert (last - expected).abs().max().item() <= TOL
+    assert cache.lengths.tolist() == lengths + [0]
+    # level rows continue with a second ragged feed
+    more = extend_ragged(model, cache, [tokens[0, 7:9].tolist(), tokens[3, 7:20].tolist()],
+                         rows=[0, 3])
+    assert (more - torch.stack([full[0, 8], full[3, 19]])).abs().max().item() <= TOL
+    with pytest.raises(ConfigError, match=r"rows \[0, 2\] hold different numbers of tokens"):
+        extend_ragged(model, cache, [[1], [2]], rows=[0, 2])
+    with pytest.raises(ConfigError, match="2 sequences for 1 rows"):
+        extend_ragged(model, cache, [[1], [2]], rows=[5])
+
+
 def test_cache_shapes(tiny):
     from elastic_plugin.inference import InferenceCache
 

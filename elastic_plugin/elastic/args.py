@@ -17,6 +17,7 @@ import yaml
 from elastic_plugin.elastic.config import (
     BUDGET_METRICS,
     ELASTIC_AXES,
+    FREEZE_SELECTS,
     MODES,
     PRECISIONS,
     TEACHERS,
@@ -75,6 +76,14 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
      dict(type=int, metavar="N", help="after N iterations fix each budget's choice (the "
                                       "router's most likely one within 5%% of the budget); the "
                                       "rest trains those models")),
+    ("--elastic-router-freeze-select", "router.freeze_select",
+     dict(metavar="|".join(FREEZE_SELECTS),
+          help="how the freeze picks each budget's model: the router's likelihood, or the lowest "
+               "validation loss among the feasible choices (elastic/freeze.py)")),
+    ("--elastic-router-freeze-candidates", "router.freeze_candidates",
+     dict(type=int, metavar="N", help="with --elastic-router-freeze-select loss: evaluate the "
+                                      "router's N most likely feasible choices per budget "
+                                      "(default: all)")),
     ("--elastic-soft-masks", "router.hard",
      dict(action=argparse.BooleanOptionalAction, help="soft masks instead of straight-through "
                                                       "hard masks")),

@@ -37,6 +37,7 @@ BUDGET_METRICS: tuple[str, ...] = ("total_params", "active_params", "memory")
 PRECISIONS: tuple[str, ...] = ("bf16", "fp8", "nvfp4")
 MODES: tuple[str, ...] = ("sliced", "masked")
 TEACHERS: tuple[str, ...] = ("frozen", "self")
+FREEZE_SELECTS: tuple[str, ...] = ("likelihood", "loss")
 _REL_TOL = 1e-9
 
 
@@ -131,6 +132,8 @@ class RouterConfig:
     logit_scale: tuple[float, float] = (1.0, 10.0)   # (start, end)
     anneal_iters: int | None = None                  # None: anneal over the whole run
     freeze_after: int | None = None                  # then fix each budget's choice (freeze.py)
+    freeze_select: str = "likelihood"                # how: router likelihood, or measured loss
+    freeze_candidates: int | None = None             # loss: the router's top-N per budget (None: all)
     hard: bool = True                                # straight-through hard masks; False: soft
     lr_mult: float = 100.0                           # router lr / model lr
 
@@ -140,6 +143,8 @@ class RouterConfig:
         _positive_int("router.hidden_size", self.hidden_size)
         _positive_int("router.anneal_iters", self.anneal_iters, allow_none=True)
         _positive_int("router.freeze_after", self.freeze_after, allow_none=True)
+        _choice("router.freeze_select", self.freeze_select, FREEZE_SELECTS)
+        _positive_int("router.freeze_candidates", self.freeze_candidates, allow_none=True)
         _bool("router.hard", self.hard)
         object.__setattr__(self, "lr_mult", _number("router.lr_mult", self.lr_mult, 0.0, True))
 
@@ -236,6 +241,14 @@ class ElasticConfig:
             raise ElasticConfigError("memory", f"={self.memory!r}; allowed: a MemorySpec")
         if not isinstance(self.router, RouterConfig):
             raise ElasticConfigError("router", f"={self.router!r}; allowed: a RouterConfig")
+        if self.router.freeze_select == "loss":
+            if self.router.freeze_after is None:
+                raise ElasticConfigError("router.freeze_select", "=loss needs router.freeze_after "
+                                                                 "(the iteration to search at)")
+            if self.heterogeneous:
+                raise ElasticConfigError("router.freeze_select", "=loss searches homogeneous "
+                                                                 "choices; allowed with "
+                                                                 "heterogeneous=true: likelihood")
         object.__setattr__(self, "kd_temperature",
                            _number("kd_temperature", self.kd_temperature, 0.0, True))
         object.__setattr__(self, "budget_loss_weight",

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from elastic_plugin.elastic.config import ElasticConfig, ResolvedElastic
 from elastic_plugin.elastic.cost import ElasticCost
-from elastic_plugin.elastic.freeze import constrained_table
+from elastic_plugin.elastic.freeze import constrained_table, loss_selected_table
 from elastic_plugin.elastic.model import build_elastic_chunks, router_of, router_param_groups
 from elastic_plugin.elastic.router import AnnealSchedule
 from elastic_plugin.elastic.sampling import BudgetSampler, Stage
@@ -156,6 +156,10 @@ def train_elastic(
     sched.check()
     model_cfg = cfg.model
     resolved = ecfg.resolve(model_cfg, layout.tp, layout.ep)
+    if ecfg.router.freeze_select == "loss" and valid_factory is None:
+        raise ConfigError("elastic.router.freeze_select=loss measures candidates on validation "
+                          "data; give validation data (--valid-data-path, or a prepared task) or "
+                          "use freeze_select=likelihood")
     if ecfg.mode == "sliced" and not ecfg.router.hard:
         raise ConfigError("elastic.mode=sliced needs hard router choices (elastic.router.hard=true); "
                           "soft masks need elastic.mode=masked")
@@ -203,7 +207,9 @@ def train_elastic(
         teacher_chunks=teacher_chunks,
     )
     router = router_of(chunks[0])
-    frozen_table = (meta_src.get("elastic") or {}).get("frozen_choices") if start_iter > 1 else None
+    elastic_src = (meta_src.get("elastic") or {}) if start_iter > 1 else {}
+    frozen_table = elastic_src.get("frozen_choices")
+    freeze_search = elastic_src.get("freeze_search")
     if frozen_table:
         step.freeze(frozen_table)
 
@@ -213,7 +219,8 @@ def train_elastic(
 
     def meta_now() -> dict[str, Any]:
         return _meta(cfg, ecfg, layout, resolved, current_table(), iteration, consumed,
-                     teacher_valid, frozen=bool(frozen_table)) | dict(extra_meta or {})
+                     teacher_valid, frozen=bool(frozen_table),
+                     freeze_search=freeze_search) | dict(extra_meta or {})
 
     metrics = ElasticMetrics(out_dir, resolved.budgets, log_rank=0,
                              full_sizes={n: s.full for n, s in resolved.axes.items()})
@@ -245,8 +252,10 @@ def train_elastic(
     for iteration in range(start_iter, last + 1):
         step.iteration = iteration
         if freeze_after is not None and iteration > freeze_after and not frozen_table:
-            frozen_table = (choice_table(router, resolved) if ecfg.heterogeneous
-                            else constrained_table(router, resolved, step.cost))
+            frozen_table, freeze_search = _freeze_table(
+                ecfg, router, resolved, step.cost,
+                lambda table: evaluate_budgets(chunks, state, table, valid_factory, sched),
+                log=(bar.write if bar is not None else None))
             step.freeze(frozen_table)
         result = step.train_step(chunks, optimizer, train_iterator, sched.seq_length,
                                  sched.micro_batch_size)
@@ -301,9 +310,22 @@ def train_elastic(
                       teacher_valid, table, plots, time.time() - start, params)
 
 
+def _freeze_table(ecfg: ElasticConfig, router, resolved: ResolvedElastic, cost,
+                  evaluate: Callable, log: Callable[[str], None] | None = None
+                  ) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
+    """The table the router freezes to (``elastic/freeze.py``), and the loss search's record."""
+    if ecfg.heterogeneous:
+        return choice_table(router, resolved), None
+    if ecfg.router.freeze_select == "loss":
+        return loss_selected_table(router, resolved, cost, evaluate,
+                                   ecfg.router.freeze_candidates, log=log)
+    return constrained_table(router, resolved, cost), None
+
+
 def _meta(cfg, ecfg: ElasticConfig, layout: Layout, resolved: ResolvedElastic,
           table: dict[str, dict[str, Any]], iteration: int, consumed: int,
-          teacher_valid: float | None, frozen: bool = False) -> dict[str, Any]:
+          teacher_valid: float | None, frozen: bool = False,
+          freeze_search: dict[str, Any] | None = None) -> dict[str, Any]:
     from elastic_plugin.elastic.cost import ElasticCost
 
     cost = ElasticCost(cfg.model, resolved)
@@ -321,6 +343,7 @@ def _meta(cfg, ecfg: ElasticConfig, layout: Layout, resolved: ResolvedElastic,
             "choices": table,
             "cost_fraction": {b: cost.of_choice(sizes) / cost.full for b, sizes in table.items()},
             **({"frozen_choices": table} if frozen else {}),
+            **({"freeze_search": freeze_search} if freeze_search else {}),
         },
         "teacher_valid_loss": teacher_valid,
     }

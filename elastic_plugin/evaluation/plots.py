@@ -71,7 +71,7 @@ def _loss_per_budget(metrics: Path, path: Path) -> Path | None:
     return _finish(fig, ax, path, "iteration", "loss", "Loss per budget over elastic training", 7)
 
 
-def _accuracy_vs_latency(report: dict[str, Any], path: Path) -> Path:
+def _accuracy_vs_latency(report: dict[str, Any], path: Path) -> Path | None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     styles = {"single": ("o", "one model"), "elastic": ("*", "elastic budget control"),
@@ -79,6 +79,10 @@ def _accuracy_vs_latency(report: dict[str, Any], path: Path) -> Path:
     rows = report["budget_control"] + [
         {"name": f"budget {r['budget']:g}", "kind": "single", "accuracy": r["accuracy"]["fp32"],
          "latency_ms_batch1": r["latency_ms_batch1"]} for r in report["budgets"][1:]]
+    rows = [r for r in rows if r.get("latency_ms_batch1") is not None]
+    if not rows:  # --latency-problems 0: nothing was timed
+        plt.close(fig)
+        return None
     seen = set()
     for row in rows:
         marker, label = styles[row["kind"]]

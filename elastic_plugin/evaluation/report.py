@@ -97,7 +97,7 @@ def evaluate_demo(ckpt_dir: str | Path, out_dir: str | Path, exports_dir: str | 
     from elastic_plugin.evaluation.models import load_budget_models, load_export_model
     from elastic_plugin.evaluation.plots import draw_report_plots
     from elastic_plugin.evaluation.problems import load_problems
-    from elastic_plugin.evaluation.settings import Setting, run_setting
+    from elastic_plugin.evaluation.settings import Setting, interleaved_latencies, run_setting
 
     ckpt, out = Path(ckpt_dir), Path(out_dir)
     exports = Path(exports_dir) if exports_dir is not None else None
@@ -119,23 +119,32 @@ def evaluate_demo(ckpt_dir: str | Path, out_dir: str | Path, exports_dir: str | 
             if progress:
                 print(f"[evaluate {time.time() - started:6.1f}s] {message}", flush=True)
 
-        per_model = {}
+        per_model, singles = {}, []
         for budget, precision in sorted(models, key=lambda k: (-k[0], k[1])):
-            name = f"budget {_label(budget)} ({precision})"
-            result = run_setting(Setting(name, budget, budget, precision=precision), models,
-                                 problems, batch_size,
-                                 latency_problems if precision == "fp32" else 0)
+            setting = Setting(f"budget {_label(budget)} ({precision})", budget, budget,
+                              precision=precision)
+            result = run_setting(setting, models, problems, batch_size, 0)
             per_model[(budget, precision)] = result
-            log(f"{name}: accuracy {result['accuracy']:.3f}, thinking "
+            singles += [setting] if precision == "fp32" else []
+            log(f"{setting.name}: accuracy {result['accuracy']:.3f}, thinking "
                 f"{result['think_tokens_mean']:.1f} tokens")
         full = max(budgets)
         reference = per_model[(full, "fp32")]
-        control = [reference | {"name": f"full ({_label(full)}) thinking freely"}]
-        for setting in _settings(budgets, reference["think_tokens_mean"]):
-            result = run_setting(setting, models, problems, batch_size, latency_problems)
+        control, settings = [reference], _settings(budgets, reference["think_tokens_mean"])
+        for setting in settings:
+            result = run_setting(setting, models, problems, batch_size, 0)
             control.append(result)
-            log(f"{setting.name}: accuracy {result['accuracy']:.3f}, latency "
-                f"{result['latency_ms_batch1']:.1f} ms")
+            log(f"{setting.name}: accuracy {result['accuracy']:.3f}")
+        log(f"latency at batch 1: {len(singles + settings)} settings interleaved over "
+            f"{min(latency_problems, len(problems))} problems")
+        latency = interleaved_latencies(singles + settings, models, problems, latency_problems)
+        for result in [*per_model.values(), *control[1:]]:
+            result.update(latency.get(result["name"], {}))
+        control[0] = reference | {"name": f"full ({_label(full)}) thinking freely"}
+        for result in control[1:]:
+            log(f"{result['name']}: latency {result.get('latency_ms_batch1') or float('nan'):.1f} "
+                f"ms at batch 1 (full model thinking: "
+                f"{reference.get('latency_ms_batch1') or float('nan'):.1f} ms)")
     finally:
         torch.set_num_threads(threads)
 
@@ -205,7 +214,8 @@ def _targets(rows: list[dict], control: list[dict]) -> dict[str, Any]:
                and c["think"] == smallest["budget"]]
     if elastic:
         e = elastic[0]
-        speedup = reference["latency_ms_batch1"] / e["latency_ms_batch1"]
+        measured = reference.get("latency_ms_batch1") and e.get("latency_ms_batch1")
+        speedup = reference["latency_ms_batch1"] / e["latency_ms_batch1"] if measured else None
         drop = 100 * (reference["accuracy"] - e["accuracy"])
         out["budget_control"] = {
             "setting": e["name"], "speedup_batch1": speedup,
@@ -213,7 +223,8 @@ def _targets(rows: list[dict], control: list[dict]) -> dict[str, Any]:
             "accuracy_drop_points": drop,
             "target": f">= {TARGETS['speedup']}x lower latency at <= "
                       f"{TARGETS['accuracy_drop_points']} points lower accuracy",
-            "met": speedup >= TARGETS["speedup"] and drop <= TARGETS["accuracy_drop_points"]}
+            "met": (speedup is not None and speedup >= TARGETS["speedup"]
+                    and drop <= TARGETS["accuracy_drop_points"])}
     for row in rows[1:]:
         retention = row["accuracy"]["fp32"] / full["accuracy"]["fp32"] \
             if full["accuracy"]["fp32"] else None
@@ -224,6 +235,10 @@ def _targets(rows: list[dict], control: list[dict]) -> dict[str, Any]:
                       "met": retention is not None and retention >= TARGETS["retention"]}
         out[f"retention_{_label(row['budget'])}"] = entry
     return out
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -240,13 +255,13 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {_label(r['budget'])} | {r['params']['total']:,} / "
                      f"{r['params']['active']:,} | {loss} | {cell('fp32')} | {cell('bf16')} | "
                      f"{cell('fp8')} | {cell('nvfp4')} | {r['think_tokens_mean']:.1f} | "
-                     f"{r['latency_ms_batch1']:.1f} |")
+                     f"{_ms(r['latency_ms_batch1'])} |")
     lines += ["", "## Budget control", "",
               "| setting | accuracy | thinking tokens | answer tokens | latency batch 1 (ms) | "
               "latency batched (ms/problem) |", "|---|---|---|---|---|---|"]
     for c in report["budget_control"]:
         lines.append(f"| {c['name']} | {100 * c['accuracy']:.1f}% | {c['think_tokens_mean']:.1f} | "
-                     f"{c['answer_tokens_mean']:.1f} | {c['latency_ms_batch1']:.1f} | "
+                     f"{c['answer_tokens_mean']:.1f} | {_ms(c['latency_ms_batch1'])} | "
                      f"{c['latency_ms_batched']:.2f} |")
     lines += ["", "## Targets", ""]
     for name, t in report["targets"].items():

@@ -19,7 +19,7 @@ import torch
 
 from elastic_plugin.evaluation.problems import Problems, score_completions
 
-__all__ = ["Setting", "run_setting"]
+__all__ = ["Setting", "interleaved_latencies", "run_setting"]
 
 MAX_THINK_TOKENS = 96
 MAX_ANSWER_TOKENS = 16
@@ -64,13 +64,23 @@ def _completions(setting: Setting, models: dict, problems: Problems) -> list[lis
     return [t + a for t, a in zip(result.thinking, result.answers)]
 
 
+def _warm_up(setting: Setting, models: dict, problems: Problems, batch_size: int) -> None:
+    """One untimed pass at batch 1 and one over a small ragged batch. Why: Megatron fuses some
+    element-wise functions with ``torch.compile``, which compiles on first use and again when
+    shapes change; without this the first setting measured pays those compilations (measured:
+    the full model's batched time per problem doubled)."""
+    _completions(setting, models, problems.slice(0, 1))
+    _completions(setting, models, problems.slice(0, min(batch_size, len(problems), 8)))
+
+
 def run_setting(setting: Setting, models: dict, problems: Problems, batch_size: int,
                 latency_problems: int) -> dict[str, Any]:
     """Accuracy over ``problems`` in batches of ``batch_size``; latency per problem at batch 1
     over the first ``latency_problems`` (median of per-problem times, and their mean)."""
     completions: list[list[int]] = []
-    began = time.perf_counter()
     with torch.no_grad():
+        _warm_up(setting, models, problems, batch_size)
+        began = time.perf_counter()
         for start in range(0, len(problems), batch_size):
             completions += _completions(setting, models, problems.slice(start, start + batch_size))
         batched_s = time.perf_counter() - began
@@ -92,3 +102,27 @@ def run_setting(setting: Setting, models: dict, problems: Problems, batch_size: 
                      for e, a, c in list(zip(problems.examples, scored.answers,
                                              scored.correct))[:3]],
     }
+
+
+def interleaved_latencies(settings: list[Setting], models: dict, problems: Problems,
+                          count: int) -> dict[str, dict[str, float]]:
+    """Per setting name: the median and mean time to answer one problem at batch 1
+    (``latency_ms_batch1`` / ``latency_ms_batch1_mean``) over the first ``count`` problems.
+
+    Why interleaved: the settings are compared with each other, and this machine's speed drifts
+    over minutes; so every problem is answered by every setting in turn (the order rotating
+    from problem to problem), and a slow spell hits all settings alike."""
+    times: dict[str, list[float]] = {s.name: [] for s in settings}
+    with torch.no_grad():
+        for setting in settings:
+            _completions(setting, models, problems.slice(0, 1))  # warm-up, untimed
+        for index in range(min(count, len(problems))):
+            one = problems.slice(index, index + 1)
+            shift = index % len(settings)
+            for setting in settings[shift:] + settings[:shift]:
+                began = time.perf_counter()
+                _completions(setting, models, one)
+                times[setting.name].append(time.perf_counter() - began)
+    return {name: {"latency_ms_batch1": 1e3 * statistics.median(t),
+                   "latency_ms_batch1_mean": 1e3 * statistics.fmean(t)}
+            for name, t in times.items() if t}

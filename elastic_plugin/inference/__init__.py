@@ -1,6 +1,6 @@
 """Incremental generation for Megatron-Core hybrid models (Mamba-2 / attention / MLP / MoE).
 
-``prefill`` / ``decode_step`` / ``extend`` run a plain ``HybridModel`` with a KV cache for
+``prefill`` / ``decode_step`` / ``extend`` / ``extend_ragged`` run a plain ``HybridModel`` with a KV cache for
 attention layers and conv + SSM state caches for Mamba layers (``InferenceCache``);
 ``generate`` does batched greedy or seeded sampling generation with stop tokens;
 ``nested_model`` / ``load_nested_model`` give the plain model of an elastic checkpoint's budget;
@@ -16,9 +16,10 @@ from elastic_plugin.inference.generate import GenerationResult, generate
 from elastic_plugin.inference.nested import load_nested_model, load_nested_models, nested_model
 from elastic_plugin.inference.reference import full_logits, recompute_generate
 from elastic_plugin.inference.sampling import Sampler
-from elastic_plugin.inference.steps import decode_step, extend, prefill
+from elastic_plugin.inference.steps import decode_step, extend, extend_ragged, prefill
 
 __all__ = ["BudgetControlResult", "GenerationResult", "InferenceCache", "Sampler",
-           "budget_control_generate", "capped_thinking_generate", "decode_step", "extend", "full_logits", "generate",
+           "budget_control_generate", "capped_thinking_generate", "decode_step", "extend",
+           "extend_ragged", "full_logits", "generate",
            "load_nested_model", "load_nested_models", "nested_model", "prefill",
            "recompute_generate"]

@@ -1,8 +1,9 @@
-"""Batched incremental generation: per-prompt prefill, then one batched decode step per token.
+"""Batched incremental generation: a ragged prefill, then one batched decode step per token.
 
-Prompts of different lengths are prefilled one by one into their own cache rows (a Mamba state
-must end exactly at the prompt's last token, so padding is not an option); decode steps then run
-all unfinished rows together, each at its own position. A row that emits a stop token, reaches
+Prompts of different lengths are prefilled into their own cache rows without padding (a Mamba
+state must end exactly at the prompt's last token): rows advance together up to each distinct
+prompt length (``steps.extend_ragged``); decode steps then run all unfinished rows together,
+each at its own position. A row that emits a stop token, reaches
 ``max_new_tokens`` or fills ``max_length`` is frozen: later steps leave its cache untouched.
 """
 
@@ -16,7 +17,7 @@ import torch
 
 from elastic_plugin.inference.cache import InferenceCache
 from elastic_plugin.inference.sampling import Sampler
-from elastic_plugin.inference.steps import check_model, extend
+from elastic_plugin.inference.steps import check_model, extend, extend_ragged
 from elastic_plugin.models.config import ConfigError
 
 __all__ = ["GenerationResult", "STOP_REASONS", "check_generation_input", "generate", "stop_reason"]
@@ -149,9 +150,7 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_t
     cache = InferenceCache.allocate(inner, batch, max_length - 1)
 
     begin = time.perf_counter()
-    last = [extend(inner, cache, torch.tensor([p], device=device), rows=[i], last_only=True)[0, -1]
-            for i, p in enumerate(prompts)]
-    next_tokens = sampler(torch.stack(last), generator)
+    next_tokens = sampler(extend_ragged(inner, cache, prompts, list(range(batch))), generator)
     prefill_s = time.perf_counter() - begin
 
     tokens: list[list[int]] = [[] for _ in range(batch)]

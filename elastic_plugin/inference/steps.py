@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from elastic_plugin.inference.cache import InferenceCache, layer_kind
 from elastic_plugin.models.config import ConfigError
 
-__all__ = ["check_model", "decode_step", "extend", "prefill"]
+__all__ = ["check_model", "decode_step", "extend", "extend_ragged", "prefill"]
 
 
 # ------------------------------------------------------------------------------ model checks
@@ -259,12 +259,46 @@ def extend(model: torch.nn.Module, cache: InferenceCache, tokens: torch.Tensor,
     return logits.transpose(0, 1).contiguous()
 
 
+def extend_ragged(model: torch.nn.Module, cache: InferenceCache,
+                  sequences: Sequence[Sequence[int]], rows: Sequence[int]) -> torch.Tensor:
+    """Feed ``sequences[i]`` (lengths may differ) after what row ``rows[i]`` holds; returns
+    each row's logits after its last token ``[len(rows), vocab]``.
+
+    Why not one ``extend`` per row: that is one forward per sequence. Rows that hold the same
+    number of tokens advance together instead: sorted by length, every row feeds the segment
+    up to the next distinct length in one batched ``extend`` (rows that are done drop out), so
+    a batch costs one forward per distinct length. Padding is never fed (a Mamba state must end
+    exactly at each sequence's last token)."""
+    if len(sequences) != len(rows) or not rows:
+        raise ConfigError(f"extend_ragged: {len(sequences)} sequences for {len(rows)} rows")
+    device = cache.lengths.device
+    rows_t = torch.as_tensor(list(rows), dtype=torch.long, device=device)
+    held = cache.lengths[rows_t]
+    if bool((held != held[0]).any()):
+        raise ConfigError(f"extend_ragged: rows {list(rows)} hold different numbers of tokens "
+                          f"({held.tolist()}); feed rows that are level")
+    lengths = [len(s) for s in sequences]
+    if min(lengths) < 1:
+        raise ConfigError("extend_ragged: every sequence needs at least one token")
+    last: list[torch.Tensor | None] = [None] * len(rows)
+    done = 0
+    for end in sorted(set(lengths)):
+        members = [i for i, n in enumerate(lengths) if n >= end]
+        feed = torch.tensor([list(sequences[i][done:end]) for i in members], device=device)
+        logits = extend(model, cache, feed, rows=[rows[i] for i in members], last_only=True)
+        for position, i in enumerate(members):
+            if lengths[i] == end:
+                last[i] = logits[position, -1]
+        done = end
+    return torch.stack(last)
+
+
 def prefill(model: torch.nn.Module, tokens: torch.Tensor, max_length: int | None = None
             ) -> tuple[torch.Tensor, InferenceCache]:
     """Run ``tokens`` [b, s] (equal-length prompts) through a fresh cache of ``max_length``
     tokens per row (the model's max_sequence_length when None); returns ``(logits [b, s,
     vocab], cache)``. Prompts of different lengths: ``InferenceCache.allocate`` once, then
-    ``extend(model, cache, prompt[None], rows=[i])`` per prompt (what ``generate`` does)."""
+    :func:`extend_ragged` (what ``generate`` does)."""
     inner = check_model(model)
     if tokens.dim() != 2:
         raise ConfigError(f"tokens must be [batch, seq], got {tuple(tokens.shape)}")

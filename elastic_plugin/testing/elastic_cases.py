@@ -289,11 +289,12 @@ def _synthetic_iterator(vocab: int, micro_batch: int, consumed: int):
 
 def train_and_resume(config_path: str, workdir: str, iters: int = 6, stop: int = 3,
                      tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
-                     freeze_after: int | None = None) -> dict[str, Any]:
+                     freeze_after: int | None = None, freeze_select: str = "likelihood",
+                     freeze_candidates: int | None = None) -> dict[str, Any]:
     """The loss trace of an uninterrupted run vs. a run stopped after ``stop`` iterations and
     resumed from its checkpoint (optimizer, LR schedule, router, data position); with
-    ``freeze_after`` the router freezes after that many iterations (the frozen choices must
-    survive the resume)."""
+    ``freeze_after`` the router freezes after that many iterations, picking each budget's model
+    by ``freeze_select`` (the frozen choices must survive the resume)."""
     import dataclasses
 
     from elastic_plugin.elastic.train import ElasticSchedule, train_elastic
@@ -305,8 +306,9 @@ def train_and_resume(config_path: str, workdir: str, iters: int = 6, stop: int =
         write_init_checkpoint(cfg, work / "init")
     ecfg = _elastic_config(cfg.model, "sliced", False)
     if freeze_after is not None:
-        ecfg = dataclasses.replace(ecfg, router=dataclasses.replace(ecfg.router,
-                                                                    freeze_after=freeze_after))
+        ecfg = dataclasses.replace(ecfg, router=dataclasses.replace(
+            ecfg.router, freeze_after=freeze_after, freeze_select=freeze_select,
+            freeze_candidates=freeze_candidates))
     layout = Layout(tp=tp, pp=pp, sequence_parallel=sequence_parallel)
     sched = ElasticSchedule(train_iters=iters, lr=2e-3, min_lr=2e-4, lr_warmup_iters=2,
                             global_batch_size=8, micro_batch_size=4, seq_length=SEQ_LEN,
@@ -326,10 +328,15 @@ def train_and_resume(config_path: str, workdir: str, iters: int = 6, stop: int =
             "choices_full": full.choices, "choices_resumed": rest.choices,
             "choices_per_iteration": [(h["iteration"], h["choices"]) for h in full.history
                                       if "choices" in h],
-            "frozen_meta": json.loads((work / "full" / "checkpoints" / "elastic" /
-                                       "elastic_meta.json").read_text())["elastic"].get(
-                                           "frozen_choices"),
+            "frozen_meta": _elastic_meta(work / "full").get("frozen_choices"),
+            "freeze_search": _elastic_meta(work / "full").get("freeze_search"),
+            "freeze_search_resumed": _elastic_meta(work / "part").get("freeze_search"),
             "iterations": (part.iterations, rest.iterations)}
+
+
+def _elastic_meta(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "checkpoints" / "elastic" / "elastic_meta.json").read_text()
+                      )["elastic"]
 
 
 def route_trace(config_path: str, workdir: str, iters: int = 50, tp: int = 1, pp: int = 1,

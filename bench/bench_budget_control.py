@@ -1,0 +1,161 @@
+"""Where elastic budget control pays off: a nested model's decode cost, and think-small /
+answer-full vs the full model thinking, side by side, as the model widens and the batch grows.
+
+For the tiny hybrid model at width multipliers ``WIDTHS`` (hidden, FFN, expert FFN, heads and
+Mamba heads all scaled) and batch sizes ``BATCHES``, with random weights (timings do not depend
+on the values): the full model and its nested model at the demo's 0.4 choice (embedding 3/4,
+FFN 1/2, shared FFN 1/2, attention heads 1/2, Mamba head dim 1/2, experts 1/2). Each row, with
+interleaved repetitions (medians):
+
+* ``step_ratio``: one decode step of the nested model / one of the full model (1.0 = no saving;
+  the active-parameter ratio is the ideal a memory- or compute-bound step would reach);
+* ``control_speedup``: the full model generating ``THINK + ANSWER`` tokens / budget control (the
+  nested model generates ``THINK`` tokens, the full model re-prefills prompt + thinking and
+  generates ``ANSWER``). ``THINK`` / ``ANSWER`` are the products demo's mean token counts;
+* ``ragged_speedup``: prefilling the batch's prompt + thinking (lengths spread like the demo's)
+  per row vs ``extend_ragged`` (rows advance together to each distinct length).
+
+On a 2-core CPU the tiny model is dispatch-bound (``step_ratio`` near 1 at batch 1), which is
+why the demo's batch-1 latency target is out of reach there; the rows show how far width and
+batch move it. Run: ``python bench/bench_budget_control.py [--quick] [--reps N]`` or
+``python bench/run_all.py --only budget_control``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+WIDTHS = (1, 2, 4)
+BATCHES = (1, 32)
+THINK, ANSWER = 20, 4          # products demo: 20.3 thinking / 3.8 answer tokens per problem
+PROMPT = 8
+SMALL = {"embedding": 0.75, "ffn": 0.5, "shared_ffn": 0.5, "attention_heads": 0.5,
+         "mamba_heads": 1.0, "mamba_head_dim": 0.5, "experts": 0.5}
+
+
+def _models(width: int):
+    from elastic_plugin.elastic.cost import model_for_choice
+    from elastic_plugin.inference import nested_model
+    from elastic_plugin.models.counting import count_parameters
+    from elastic_plugin.testing.inference_cases import tiny_config, tiny_inference_model
+
+    base = tiny_config()
+    overrides = dict(hidden_size=base.hidden_size * width,
+                     ffn_hidden_size=base.ffn_hidden_size * width,
+                     moe_ffn_hidden_size=base.moe_ffn_hidden_size * width,
+                     moe_shared_expert_intermediate_size=(
+                         base.moe_shared_expert_intermediate_size * width),
+                     mamba_num_heads=base.mamba_num_heads * width,
+                     num_attention_heads=base.num_attention_heads * width,
+                     num_query_groups=base.num_query_groups * width)
+    full, cfg = tiny_inference_model(seed=1, **overrides)
+    full_sizes = {"embedding": cfg.hidden_size, "ffn": cfg.ffn_hidden_size,
+                  "shared_ffn": cfg.moe_shared_expert_intermediate_size,
+                  "attention_heads": cfg.num_attention_heads, "mamba_heads": cfg.mamba_num_heads,
+                  "mamba_head_dim": cfg.mamba_head_dim, "experts": cfg.num_moe_experts}
+    choice = {axis: int(full_sizes[axis] * f) for axis, f in SMALL.items()}
+    small, small_cfg = nested_model(full, cfg, choice)
+    active = (count_parameters(model_for_choice(cfg, choice)).active
+              / count_parameters(cfg).active)
+    return full, small, cfg, active
+
+
+def _timed(fn) -> float:
+    began = time.perf_counter()
+    fn()
+    return time.perf_counter() - began
+
+
+def run(quick: bool = False, reps: int | None = None, threads: int = 1) -> list[dict]:
+    from elastic_plugin.inference import InferenceCache, extend, extend_ragged, generate
+    from elastic_plugin.testing.inference_cases import random_prompts
+
+    reps = reps or (2 if quick else 5)
+    widths = WIDTHS[:2] if quick else WIDTHS
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    rows = []
+    try:
+        for width in widths:
+            full, small, cfg, active = _models(width)
+            for batch in BATCHES:
+                prompts = random_prompts([PROMPT] * batch, cfg.vocab_size, seed=batch)
+                thought = random_prompts([PROMPT + THINK - 3 + (i % 7) for i in range(batch)],
+                                         cfg.vocab_size, seed=batch + 1)
+
+                def step(model):
+                    cache = InferenceCache.allocate(model, batch, PROMPT + 2)
+                    extend(model, cache, torch.tensor(prompts))
+                    return lambda: extend(model, cache, torch.tensor(prompts)[:, :1],
+                                          last_only=True)
+
+                def per_row():
+                    cache = InferenceCache.allocate(full, batch, PROMPT + THINK + 8)
+                    for i, seq in enumerate(thought):
+                        extend(full, cache, torch.tensor([seq]), rows=[i], last_only=True)
+
+                def ragged():
+                    cache = InferenceCache.allocate(full, batch, PROMPT + THINK + 8)
+                    extend_ragged(full, cache, thought, list(range(batch)))
+
+                def control():
+                    think = generate(small, prompts, THINK)
+                    generate(full, [p + t for p, t in zip(prompts, think.tokens)], ANSWER)
+
+                candidates = {"full_step": None, "small_step": None,
+                              "full_thinks": lambda: generate(full, prompts, THINK + ANSWER),
+                              "control": control, "per_row": per_row, "ragged": ragged}
+                times: dict[str, list[float]] = {k: [] for k in candidates}
+                for rep in range(reps + 1):  # the first round warms up
+                    fs, ss = step(full), step(small)
+                    fns = dict(candidates, full_step=fs, small_step=ss)
+                    order = list(fns.items())
+                    order = order[rep % len(order):] + order[:rep % len(order)]
+                    for name, fn in order:
+                        elapsed = _timed(fn)
+                        if rep:
+                            times[name].append(elapsed)
+                med = {k: statistics.median(v) for k, v in times.items()}
+                rows.append({
+                    "name": f"budget_control/w{width}/b{batch}",
+                    "active_ratio": active,
+                    "full_step_ms": 1e3 * med["full_step"],
+                    "step_ratio": med["small_step"] / med["full_step"],
+                    "control_speedup": med["full_thinks"] / med["control"],
+                    "ragged_speedup": med["per_row"] / med["ragged"],
+                })
+        return rows
+    finally:
+        torch.set_num_threads(saved)
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = run(args.quick, args.reps, args.threads)
+    from run_all import print_table
+
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
