@@ -39,6 +39,7 @@ demo: $(STAMPS)/install
 		--num-samples $(if $(QUICK),64,512) --micro-batch-size 16 --plot $(OUT)/importance.png
 	$(VENV)/bin/elastic-plugin reorder --ckpt $(OUT)/checkpoints/teacher --scores $(OUT)/importance.pt \
 		--out $(OUT)/checkpoints/reordered
+	rm -rf $(OUT)/checkpoints/elastic  # trained from this run's teacher: a rerun starts it afresh
 	$(VENV)/bin/elastic-plugin elastic-train --ckpt $(OUT)/checkpoints/reordered --config $(ELASTIC_CONFIG) \
 		--out $(OUT) $(if $(QUICK),--quick,--train-iters 1500)
 	rm -rf $(OUT)/exports  # derived from the elastic checkpoint: rebuilt on every run

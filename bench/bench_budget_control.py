@@ -27,7 +27,6 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -65,7 +64,7 @@ def _models(width: int):
                   "attention_heads": cfg.num_attention_heads, "mamba_heads": cfg.mamba_num_heads,
                   "mamba_head_dim": cfg.mamba_head_dim, "experts": cfg.num_moe_experts}
     choice = {axis: int(full_sizes[axis] * f) for axis, f in SMALL.items()}
-    small, small_cfg = nested_model(full, cfg, choice)
+    small, _ = nested_model(full, cfg, choice)
     active = (count_parameters(model_for_choice(cfg, choice)).active
               / count_parameters(cfg).active)
     return full, small, cfg, active

@@ -13,9 +13,8 @@
 // (import, extraction), not a per-step cost, so a fused launch is not worth its
 // complexity yet.  The CUDA entry is registered from this C++ file, so it also serves
 // builds whose ordered_gather CUDA kernel is the PyTorch fallback.
+#include "gather_rows_cpu.h"
 #include "ordered_gather.h"
-
-#include "cpu_simd.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -33,15 +32,7 @@ namespace {
 
 // Bytes per parallel task: large enough to amortize scheduling, small enough to balance.
 constexpr int64_t kTaskBytes = 64 * 1024;
-// Last-dim gathers prefetch the source row this many rows ahead (random reads in a row
-// defeat the hardware prefetcher; see gather_cpu.cpp for the measurement).
-constexpr int64_t kPrefetchRows = 2;
-// Bytes of one kept row copied at a time when rows are strided in memory.
-constexpr int64_t kStridedTileBytes = 128;
-
-struct alignas(8) Bytes16 {
-  uint64_t lo, hi;
-};
+using cpu::Bytes16;
 
 // One tensor of the batch, ready to copy.
 struct Job;
@@ -92,67 +83,8 @@ std::vector<int64_t> check_many_args(at::TensorList tensors, const at::Tensor& p
 // Copies output rows [begin, end) of one job.  T is an unsigned type of the element size.
 template <typename T>
 void copy_rows(const Job& job, const int64_t* perm, const int32_t* idx32, int64_t begin, int64_t end) {
-  const GatherPlan& p = job.plan;
-  const T* src = static_cast<const T*>(job.src.const_data_ptr());
-  T* out = static_cast<T*>(job.out.data_ptr());
-  const int64_t* outer_tab = p.outer_table.defined() ? p.outer_table.const_data_ptr<int64_t>() : nullptr;
-  const int64_t* inner_tab = p.inner_table.defined() ? p.inner_table.const_data_ptr<int64_t>() : nullptr;
-  const int64_t inner = p.inner;
-  const int64_t row_bytes = inner * static_cast<int64_t>(sizeof(T));
-  const auto outer_offset = [&](int64_t o) { return outer_tab ? outer_tab[o] : o * p.outer_stride; };
-
-  int64_t o = begin / p.k;
-  int64_t j = begin - o * p.k;
-  int64_t r = begin;
-  while (r < end) {
-    const int64_t j_end = std::min(p.k, j + (end - r));
-    const T* base = src + outer_offset(o);
-    T* dst = out + r * inner;
-    if (inner == 1 && p.dim_stride == 1) {
-      // Last (collapsed) dim, dense rows: one element per kept entry, next rows prefetched.
-      const char* next = o + kPrefetchRows < p.outer
-                             ? reinterpret_cast<const char*>(src + outer_offset(o + kPrefetchRows))
-                             : nullptr;
-      const int64_t next_bytes = p.n * static_cast<int64_t>(sizeof(T));
-      if (job.simd_fn != nullptr) {
-        job.simd_fn(dst, base, idx32 + j, j_end - j, p.n, next, next_bytes);
-      } else {
-        if (next != nullptr) {
-          for (int64_t b = 0; b < next_bytes; b += 64) __builtin_prefetch(next + b);
-        }
-        for (int64_t jj = j; jj < j_end; ++jj) dst[jj - j] = base[perm[jj]];
-      }
-    } else if (inner == 1) {
-      for (int64_t jj = j; jj < j_end; ++jj) dst[jj - j] = base[perm[jj] * p.dim_stride];
-    } else if (p.inner_contiguous()) {
-      for (int64_t jj = j; jj < j_end; ++jj, dst += inner) {
-        std::memcpy(dst, base + perm[jj] * p.dim_stride, row_bytes);
-      }
-    } else {
-      // Strided rows: tiles of kStridedTileBytes per kept row, so each output cache line
-      // is written whole while the few source rows of a tile stay in cache.
-      constexpr int64_t tile = std::max<int64_t>(8, kStridedTileBytes / static_cast<int64_t>(sizeof(T)));
-      const int64_t si = p.inner_stride;
-      for (int64_t i0 = 0; i0 < inner; i0 += tile) {
-        const int64_t i1 = std::min(inner, i0 + tile);
-        T* d = dst + i0;
-        for (int64_t jj = j; jj < j_end; ++jj, d += inner) {
-          const T* row = base + perm[jj] * p.dim_stride;
-          if (inner_tab) {
-            for (int64_t i = i0; i < i1; ++i) d[i - i0] = row[inner_tab[i]];
-          } else {
-            for (int64_t i = i0; i < i1; ++i) d[i - i0] = row[i * si];
-          }
-        }
-      }
-    }
-    r += j_end - j;
-    j = j_end;
-    if (j == p.k) {
-      j = 0;
-      ++o;
-    }
-  }
+  cpu::copy_kept_rows<T>(job.plan, static_cast<const T*>(job.src.const_data_ptr()),
+                         static_cast<T*>(job.out.data_ptr()), perm, idx32, job.simd_fn, begin, end);
 }
 
 CopyRowsFn pick_copy_rows(const at::Tensor& src) {

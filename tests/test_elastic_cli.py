@@ -62,7 +62,7 @@ def test_tiny_elastic_config_loads_resolves_and_keeps_the_tiny_model():
     ecfg = ElasticConfig.from_dict(cfg.elastic, source=str(TINY_ELASTIC))
     assert ecfg.budgets == (1.0, 0.77, 0.4) and ecfg.budget_metric == "total_params"
     assert [s.budget_probs for s in ecfg.curriculum] == [None, (0.2, 0.3, 0.5)]
-    assert ecfg.router.freeze_after == 500 and sum(s.iters for s in ecfg.curriculum) == 1500
+    assert ecfg.router.freeze_after == 500 and ecfg.router.freeze_select == "loss" and sum(s.iters for s in ecfg.curriculum) == 1500
     for tp, ep in ((1, 1), (2, 2)):
         resolved = ecfg.resolve(cfg.model, tp, ep)
         assert resolved.axes["ffn"].candidates == (256, 192, 128)

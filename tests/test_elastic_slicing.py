@@ -226,3 +226,56 @@ def test_model_not_matching_config(setup):
     other = dataclasses.replace(cfg, hybrid_layer_pattern="M*E-M*E-M*")
     with pytest.raises(ConfigError, match="does not describe the model"):
         sliced_state_dict(model, other, {})
+
+
+def test_slicing_and_reorder_run_on_the_csrc_gather_ops(setup, monkeypatch):
+    """Extraction slices every tensor with ``ops.ordered_gather`` (the importance-ordered
+    slicing kernel) and reordering moves a whole residual stream / Mamba block with one
+    ``ops.ordered_gather_many`` call; results are those of plain ``index_select``: a reordered
+    copy of the model computes the same logits, and undoing the permutation restores every
+    weight bit for bit."""
+    import elastic_plugin.ops as ops
+    from elastic_plugin.elastic.slicing import sliced_state_dict
+    from elastic_plugin.importance.reorder import Permutations, _within_groups, apply_permutations
+
+    cfg, model, state, _, tokens, position = setup
+    calls = {"ordered_gather": 0, "ordered_gather_many": []}
+    gather, gather_many = ops.ordered_gather, ops.ordered_gather_many
+
+    def counting_gather(*args, **kwargs):
+        calls["ordered_gather"] += 1
+        return gather(*args, **kwargs)
+
+    def counting_many(tensors, *args, **kwargs):
+        calls["ordered_gather_many"].append(len(tensors))
+        return gather_many(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "ordered_gather", counting_gather)
+    monkeypatch.setattr(ops, "ordered_gather_many", counting_many)
+    sliced = sliced_state_dict(model, cfg, SMALL)
+    assert calls["ordered_gather"] >= len([k for k, v in sliced.items() if torch.is_tensor(v)
+                                           and not k.endswith("_extra_state")]) // 2
+
+    state.clear()
+    plain = _plain(cfg)
+    plain.load_state_dict({k: v for k, v in model.state_dict().items()}, strict=True)
+    original = {k: v.clone() for k, v in plain.state_dict().items() if torch.is_tensor(v)}
+    gen = torch.Generator().manual_seed(4)
+    perms = Permutations(embedding=torch.randperm(cfg.hidden_size, generator=gen))
+    for number, layer in enumerate(plain.decoder.layers, start=1):
+        if type(layer).__name__ == "MambaLayer":
+            perms.mamba_channels[number] = torch.randperm(cfg.mamba_head_dim, generator=gen)
+            perms.mamba_heads[number] = _within_groups(
+                torch.rand(cfg.mamba_num_heads, generator=gen), cfg.mamba_num_groups)
+        if type(layer).__name__ == "MLPLayer":
+            perms.ffn[number] = torch.randperm(cfg.ffn_hidden_size, generator=gen)
+    with torch.no_grad():
+        before = plain(tokens, position, None)
+        apply_permutations(plain, perms)
+        after = plain(tokens, position, None)
+    assert (after - before).abs().max().item() <= TOL
+    residual_tensors = max(calls["ordered_gather_many"])
+    assert residual_tensors >= 20  # every norm, linear input/output and embedding in one call
+    moved = [k for k, v in plain.state_dict().items() if torch.is_tensor(v) and k in original
+             and v.shape == original[k].shape and not torch.equal(v, original[k])]
+    assert len(moved) >= residual_tensors

@@ -22,7 +22,7 @@ from typing import Mapping, Sequence
 import torch
 
 from elastic_plugin.elastic.config import _multiple_name, model_axes
-from elastic_plugin.elastic.linear import Index, select
+from elastic_plugin.elastic.linear import Index
 from elastic_plugin.elastic.model import ROUTER_ATTR
 from elastic_plugin.models.config import ConfigError, ModelConfig
 
@@ -211,9 +211,22 @@ def _plan(inner: torch.nn.Module, sizes: dict[str, dict[int | None, int]]) -> _P
 
 
 def _apply(tensor: torch.Tensor, rule: Rule) -> torch.Tensor:
+    """A fresh contiguous copy of the rule's block: each (dim, prefix length or index set) is one
+    ``ordered_gather`` of the canonical (importance) order, the csrc slicing kernel."""
+    from elastic_plugin.ops import ordered_gather
+
+    out = tensor.detach()
+    copied = False
     for dim, index in rule:
-        tensor = select(tensor, dim, index)
-    return tensor.detach().clone(memory_format=torch.contiguous_format)
+        if index is None:
+            continue
+        if isinstance(index, int):
+            perm, keep = torch.arange(out.shape[dim], device=out.device), index
+        else:
+            perm = index.to(device=out.device, dtype=torch.long)
+            keep = perm.numel()
+        out, copied = ordered_gather(out, perm, keep, dim), True
+    return out if copied else out.clone(memory_format=torch.contiguous_format)
 
 
 # ------------------------------------------------------------------------------ public

@@ -91,12 +91,31 @@ def strided_index(num_units: int, shards: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------ tensor helpers
 def _permute_(tensor: torch.Tensor, dim: int, index: torch.Tensor) -> None:
-    tensor.data.copy_(tensor.data.index_select(dim, index.to(tensor.device)))
+    _permute_many_([(tensor, dim)], index)
+
+
+def _permute_many_(targets: list[tuple[torch.Tensor, int]], index: torch.Tensor) -> None:
+    """Apply one permutation to several tensors, each along its own dim, in place: one
+    ``ordered_gather_many`` call per device (the csrc kernel copies them in one parallel
+    region and checks ``index`` once)."""
+    from elastic_plugin.ops import ordered_gather_many
+
+    by_device: dict[torch.device, list[tuple[torch.Tensor, int]]] = {}
+    for tensor, dim in targets:
+        by_device.setdefault(tensor.device, []).append((tensor, dim))
+    for device, group in by_device.items():
+        perm = index.to(device=device, dtype=torch.long)
+        gathered = ordered_gather_many([t.data for t, _ in group], perm, perm.numel(),
+                                       [d for _, d in group])
+        for (tensor, _), new in zip(group, gathered):
+            tensor.data.copy_(new)
 
 
 def _global_permute_(tensors: list[torch.Tensor], dim: int, full_index: torch.Tensor,
                      group) -> None:
     """Permute an axis sharded contiguously over ``group``: gather, reindex, keep our block."""
+    from elastic_plugin.ops import ordered_gather
+
     size = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     for tensor in tensors:
@@ -107,7 +126,8 @@ def _global_permute_(tensors: list[torch.Tensor], dim: int, full_index: torch.Te
             full = torch.cat(parts, dim=dim)
         else:
             full = local
-        permuted = full.index_select(dim, full_index.to(full.device))
+        perm = full_index.to(device=full.device, dtype=torch.long)
+        permuted = ordered_gather(full, perm, perm.numel(), dim)
         n_local = local.shape[dim]
         tensor.data.copy_(permuted.narrow(dim, rank * n_local, n_local))
 
@@ -125,6 +145,7 @@ def _hidden_(model: torch.nn.Module, perm: torch.Tensor) -> None:
     from elastic_plugin.models.norms import LocalRMSNorm
 
     seen: set[int] = set()
+    targets: list[tuple[torch.Tensor, int]] = []
     for module in model.modules():
         if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm, LocalRMSNorm)):
             tensors = [(module.weight, 0)] + ([(module.bias, 0)] if getattr(module, "bias", None) is not None else [])
@@ -142,7 +163,8 @@ def _hidden_(model: torch.nn.Module, perm: torch.Tensor) -> None:
             if tensor is None or id(tensor) in seen:  # tied embeddings: permute once
                 continue
             seen.add(id(tensor))
-            _permute_(tensor, dim, perm)
+            targets.append((tensor, dim))
+    _permute_many_(targets, perm)  # the whole residual stream in one call
 
 
 def _mlp_neurons_(mlp: torch.nn.Module, full: torch.Tensor, group) -> None:
@@ -214,9 +236,10 @@ def _mamba_(mixer: torch.nn.Module, head_perm: torch.Tensor, channel_perm: torch
     if hasattr(mixer, "_A_neg_exp_cache_stale"):
         mixer._A_neg_exp_cache_stale = True  # Megatron caches -exp(A_log)
     _permute_(mixer.D, 0, channels if mixer.D.numel() == d_inner else local)
+    by_channel = [(mixer.out_proj.weight, 1)]
     if getattr(mixer, "norm", None) is not None and getattr(mixer.norm, "weight", None) is not None:
-        _permute_(mixer.norm.weight, 0, channels)
-    _permute_(mixer.out_proj.weight, 1, channels)
+        by_channel.append((mixer.norm.weight, 0))
+    _permute_many_(by_channel, channels)
 
 
 def _ep_group_and_size():
