@@ -122,19 +122,9 @@ def run(quick: bool = False, reps: int | None = None, models: tuple[str, ...] | 
 
 
 def main() -> None:
-    import argparse
+    from run_all import bench_main
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--reps", type=int, default=None)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    rows = run(args.quick, args.reps)
-    from run_all import print_table
-
-    print_table(rows)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    bench_main(run, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Run: ``python bench/bench_generate.py [--quick] [--reps N] [--threads T] [--json
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -78,20 +77,9 @@ def run(quick: bool = False, reps: int | None = None, threads: int = 1) -> list[
 
 
 def main() -> None:
-    import argparse
+    from run_all import bench_main
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--reps", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    rows = run(args.quick, args.reps, args.threads)
-    from run_all import print_table
-
-    print_table(rows)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    bench_main(run, __doc__.splitlines()[0], threads=True)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,23 @@ def print_table(rows: list[dict], file=sys.stdout) -> None:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))), file=file)
 
 
+def bench_main(run, description: str, threads: bool = False) -> None:
+    """The command line of one ``bench_*.py``: ``--quick``, ``--reps N`` (and ``--threads T``
+    when ``run`` takes it), ``--json PATH``; prints the rows as one table."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--reps", type=int, default=None)
+    if threads:
+        parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = (run(args.quick, args.reps, args.threads) if threads
+            else run(args.quick, args.reps))
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
 def run_benchmarks(names: list[str], device: str | None, reps: int | None) -> list[dict]:
     rows: list[dict] = []
     for name in names:

@@ -291,15 +291,11 @@ def test_sampler_validation():
         BudgetSampler(BUDGETS, None, 0, 10).stage(0)
 
 
-def test_frozen_choice_is_the_most_likely_one_within_budget(tiny):
-    """At freeze, each budget gets the highest joint-probability homogeneous choice whose cost
-    is within 5% of the budget (checked here by an independent scan of every choice); with no
-    tolerance it falls back to the choice closest to the budget."""
-    import itertools
-
+def _opinionated_router(tiny):
+    """(resolved config, router, cost) over a 3 x 2 x 2 x 2 grid (and default axes), the
+    router perturbed so it has opinions (not the near-uniform init)."""
     from elastic_plugin.elastic.config import ElasticConfig
     from elastic_plugin.elastic.cost import ElasticCost
-    from elastic_plugin.elastic.freeze import constrained_choice, constrained_table
     from elastic_plugin.elastic.model import make_router
 
     resolved = ElasticConfig.from_dict({
@@ -308,8 +304,20 @@ def test_frozen_choice_is_the_most_likely_one_within_budget(tiny):
                   "mamba_heads": [1.0, 0.5]}}).resolve(tiny)
     router, cost = make_router(resolved, seed=3), ElasticCost(tiny, resolved)
     with torch.no_grad():
-        for p in router.parameters():  # a router with opinions (not the near-uniform init)
+        for p in router.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    return resolved, router, cost
+
+
+def test_frozen_choice_is_the_most_likely_one_within_budget(tiny):
+    """At freeze, each budget gets the highest joint-probability homogeneous choice whose cost
+    is within 5% of the budget (checked here by an independent scan of every choice); with no
+    tolerance it falls back to the choice closest to the budget."""
+    import itertools
+
+    from elastic_plugin.elastic.freeze import constrained_choice, constrained_table
+
+    resolved, router, cost = _opinionated_router(tiny)
     table = constrained_table(router, resolved, cost)
     names = list(resolved.axes)
     for budget in resolved.budgets:
@@ -334,20 +342,10 @@ def test_loss_selected_freeze_keeps_the_lowest_loss_among_the_likeliest(tiny):
     """freeze_select=loss: per budget, the router's N most likely feasible choices (all when
     None) are measured and the lowest loss wins; with N=1 it is the likelihood freeze; the
     record names the winner's loss, the router's own pick's loss and the cost fraction."""
-    from elastic_plugin.elastic.config import ElasticConfig
-    from elastic_plugin.elastic.cost import ElasticCost
     from elastic_plugin.elastic.freeze import (by_likelihood, constrained_table,
                                                feasible_choices, loss_selected_table)
-    from elastic_plugin.elastic.model import make_router
 
-    resolved = ElasticConfig.from_dict({
-        "budgets": [1.0, 0.77, 0.4],
-        "sizes": {"embedding": [1.0, 0.75, 0.5], "ffn": [1.0, 0.5], "experts": [1.0, 0.5],
-                  "mamba_heads": [1.0, 0.5]}}).resolve(tiny)
-    router, cost = make_router(resolved, seed=3), ElasticCost(tiny, resolved)
-    with torch.no_grad():
-        for p in router.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    resolved, router, cost = _opinionated_router(tiny)
 
     def fake_loss(choice):  # an arbitrary fixed value per choice (no ties)
         import random
