@@ -76,7 +76,8 @@ def _warm_up(setting: Setting, models: dict, problems: Problems, batch_size: int
 def run_setting(setting: Setting, models: dict, problems: Problems, batch_size: int,
                 latency_problems: int) -> dict[str, Any]:
     """Accuracy over ``problems`` in batches of ``batch_size``; latency per problem at batch 1
-    over the first ``latency_problems`` (median of per-problem times, and their mean)."""
+    over the first ``latency_problems`` (:func:`interleaved_latencies` of this one setting;
+    None when 0)."""
     completions: list[list[int]] = []
     with torch.no_grad():
         _warm_up(setting, models, problems, batch_size)
@@ -84,19 +85,16 @@ def run_setting(setting: Setting, models: dict, problems: Problems, batch_size: 
         for start in range(0, len(problems), batch_size):
             completions += _completions(setting, models, problems.slice(start, start + batch_size))
         batched_s = time.perf_counter() - began
-        single: list[float] = []
-        for index in range(min(latency_problems, len(problems))):
-            began = time.perf_counter()
-            _completions(setting, models, problems.slice(index, index + 1))
-            single.append(time.perf_counter() - began)
+    latency = interleaved_latencies([setting], models, problems, latency_problems).get(
+        setting.name, {})
     scored = score_completions(problems, completions)
     return {
         **asdict(setting), "kind": setting.kind, "problems": len(problems),
         "accuracy": scored.accuracy,
         "think_tokens_mean": statistics.fmean(scored.think_tokens),
         "answer_tokens_mean": statistics.fmean(scored.answer_tokens),
-        "latency_ms_batch1": 1e3 * statistics.median(single) if single else None,
-        "latency_ms_batch1_mean": 1e3 * statistics.fmean(single) if single else None,
+        "latency_ms_batch1": latency.get("latency_ms_batch1"),
+        "latency_ms_batch1_mean": latency.get("latency_ms_batch1_mean"),
         "latency_ms_batched": 1e3 * batched_s / len(problems),
         "examples": [{"prompt": e.prompt, "expected": e.answer, "answer": a, "correct": c}
                      for e, a, c in list(zip(problems.examples, scored.answers,
@@ -113,6 +111,8 @@ def interleaved_latencies(settings: list[Setting], models: dict, problems: Probl
     over minutes; so every problem is answered by every setting in turn (the order rotating
     from problem to problem), and a slow spell hits all settings alike."""
     times: dict[str, list[float]] = {s.name: [] for s in settings}
+    if count < 1:
+        return {}
     with torch.no_grad():
         for setting in settings:
             _completions(setting, models, problems.slice(0, 1))  # warm-up, untimed

@@ -95,20 +95,18 @@ def _permute_(tensor: torch.Tensor, dim: int, index: torch.Tensor) -> None:
 
 
 def _permute_many_(targets: list[tuple[torch.Tensor, int]], index: torch.Tensor) -> None:
-    """Apply one permutation to several tensors, each along its own dim, in place: one
-    ``ordered_gather_many`` call per device (the csrc kernel copies them in one parallel
-    region and checks ``index`` once)."""
+    """Apply one permutation to several tensors (one model chunk, so one device), each along
+    its own dim, in place: one ``ordered_gather_many`` call (the csrc kernel copies them in one
+    parallel region and checks ``index`` once)."""
     from elastic_plugin.ops import ordered_gather_many
 
-    by_device: dict[torch.device, list[tuple[torch.Tensor, int]]] = {}
-    for tensor, dim in targets:
-        by_device.setdefault(tensor.device, []).append((tensor, dim))
-    for device, group in by_device.items():
-        perm = index.to(device=device, dtype=torch.long)
-        gathered = ordered_gather_many([t.data for t, _ in group], perm, perm.numel(),
-                                       [d for _, d in group])
-        for (tensor, _), new in zip(group, gathered):
-            tensor.data.copy_(new)
+    if not targets:
+        return
+    perm = index.to(device=targets[0][0].device, dtype=torch.long)
+    gathered = ordered_gather_many([t.data for t, _ in targets], perm, perm.numel(),
+                                   [d for _, d in targets])
+    for (tensor, _), new in zip(targets, gathered):
+        tensor.data.copy_(new)
 
 
 def _global_permute_(tensors: list[torch.Tensor], dim: int, full_index: torch.Tensor,
