@@ -17,6 +17,7 @@ import yaml
 from elastic_plugin.elastic.config import (
     BUDGET_METRICS,
     ELASTIC_AXES,
+    FP8_GEMMS,
     FREEZE_SELECTS,
     MODES,
     PRECISIONS,
@@ -96,6 +97,12 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--elastic-budget-loss-weight", "budget_loss_weight", dict(type=float, metavar="W")),
     ("--elastic-ce-weight-full", "ce_weight_full",
      dict(type=float, metavar="W", help="CE weight on budget-1.0 micro-batches")),
+    ("--elastic-fp8-gemm", "fp8_gemm",
+     dict(metavar="|".join(FP8_GEMMS),
+          help="the student's block linears (attention, MLPs, experts, Mamba projections) run "
+               "their GEMM in FP8 E4M3 with per-tensor or per-row current scaling: "
+               "torch._scaled_mm on an FP8 GPU (sm_89+), an exact emulation elsewhere; backward "
+               "in the model dtype. The teacher, output layer and router stay in the model dtype")),
     ("--elastic-interpolate", "interpolate",
      dict(action=argparse.BooleanOptionalAction, help="allow untrained budgets at inference")),
 )

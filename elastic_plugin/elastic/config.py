@@ -38,6 +38,7 @@ PRECISIONS: tuple[str, ...] = ("bf16", "fp8", "nvfp4")
 MODES: tuple[str, ...] = ("sliced", "masked")
 TEACHERS: tuple[str, ...] = ("frozen", "self")
 FREEZE_SELECTS: tuple[str, ...] = ("likelihood", "loss")
+FP8_GEMMS: tuple[str, ...] = ("off", "tensor", "row")  # elastic.fp8: off, or the scale granularity
 _REL_TOL = 1e-9
 
 
@@ -212,6 +213,7 @@ class ElasticConfig:
     budget_loss_weight: float = 1.0
     ce_weight_full: float = 0.0
     interpolate: bool = False
+    fp8_gemm: str = "off"
     source: str = field(default="<dict>", compare=False, repr=False)
     origins: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -235,6 +237,7 @@ class ElasticConfig:
         _choice("budget_metric", self.budget_metric, BUDGET_METRICS)
         _choice("mode", self.mode, MODES)
         _choice("teacher", self.teacher, TEACHERS)
+        _choice("fp8_gemm", self.fp8_gemm, FP8_GEMMS)
         for name in ("heterogeneous", "interpolate"):
             _bool(name, getattr(self, name))
         if not isinstance(self.memory, MemorySpec):
@@ -309,6 +312,7 @@ class ElasticConfig:
             "budget_loss_weight": self.budget_loss_weight,
             "ce_weight_full": self.ce_weight_full,
             "interpolate": self.interpolate,
+            "fp8_gemm": self.fp8_gemm,
         }
 
     # --------------------------------------------------------------------------------- resolve

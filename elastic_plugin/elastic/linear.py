@@ -9,6 +9,9 @@ selected block. A prefix is taken as a strided view (no copy: BLAS reads it in p
 scattered index set (heads nested per query group) is gathered, which costs the active weight's
 size, not the full one. Gradients reach the full parameter through autograd, so Megatron's DDP
 hooks and optimizers see an ordinary (partly zero) gradient.
+
+Inside ``elastic.fp8.fp8_gemm`` the same communication runs around an FP8 GEMM of the active
+block (``elastic.fp8``) instead of Megatron's ``_forward_impl``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 from typing import Union
 
 import torch
+
+from elastic_plugin.elastic import fp8
 
 Index = Union[None, int, torch.Tensor]
 """Which units of a (local) dimension are active: None = all, int = that many leading units,
@@ -53,22 +58,38 @@ def column_parallel_forward(module, input_: torch.Tensor, out_index: Index = Non
     ``input_`` already holds only the active input columns. ``gather_output`` is not supported
     for a partial output (an elastic model keeps column outputs sharded, as Megatron's GPT does).
     """
-    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-
     if module.gather_output and out_index is not None:
         raise NotImplementedError(
             f"{type(module).__name__} with gather_output=True cannot produce a partial output")
     weight = active_weight(module.weight, out_index, in_index)
     bias_in, bias_out = _bias_parts(module, out_index)
+    if fp8.runs_fp8(module):
+        output = _fp8_column(module, input_, weight)
+        if bias_in is not None:
+            output = output + bias_in
+    else:
+        output = _megatron_column(module, input_, weight, bias_in)
+    if module.gather_output:
+        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+        output = gather_from_tensor_model_parallel_region(output, group=module.tp_group)
+    return output, bias_out
+
+
+def _megatron_column(module, input_: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """Megatron's own GEMM + communication (``_forward_impl``) on the active block."""
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
     if (module.allreduce_dgrad or module.sequence_parallel or module.explicit_expert_comm
             or getattr(module, "disable_grad_reduce", False)):
         input_parallel = input_
     else:
         input_parallel = copy_to_tensor_model_parallel_region(input_, group=module.tp_group)
-    output = module._forward_impl(
+    return module._forward_impl(
         input=input_parallel,
         weight=weight,
-        bias=bias_in,
+        bias=bias,
         # a slice of a parameter has no main_grad: let autograd route the gradient
         gradient_accumulation_fusion=module.gradient_accumulation_fusion and weight is module.weight,
         allreduce_dgrad=False if module.explicit_expert_comm else module.allreduce_dgrad,
@@ -77,11 +98,25 @@ def column_parallel_forward(module, input_: torch.Tensor, out_index: Index = Non
         wgrad_deferral_limit=None,
         tp_group=module.tp_group,
     )
-    if module.gather_output:
-        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-        output = gather_from_tensor_model_parallel_region(output, group=module.tp_group)
-    return output, bias_out
+
+def _fp8_column(module, input_: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The column-parallel GEMM in FP8, with the input communication Megatron's
+    ``_forward_impl`` would do (copy-to-TP: all-reduce of the input gradient; or the
+    sequence-parallel all-gather, whose backward is a reduce-scatter)."""
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    if module.explicit_expert_comm or getattr(module, "disable_grad_reduce", False):
+        input_parallel = input_
+    elif module.sequence_parallel:
+        input_parallel = gather_from_sequence_parallel_region(
+            input_, tensor_parallel_output_grad=True, group=module.tp_group)
+    else:
+        input_parallel = copy_to_tensor_model_parallel_region(input_, group=module.tp_group)
+    return fp8.fp8_linear(input_parallel, weight, fp8.active_recipe(), module.tp_group)
 
 
 def row_parallel_forward(module, input_: torch.Tensor, out_index: Index = None,
@@ -102,16 +137,20 @@ def row_parallel_forward(module, input_: torch.Tensor, out_index: Index = None,
     else:
         input_parallel = scatter_to_tensor_model_parallel_region(input_, group=module.tp_group)
     weight = active_weight(module.weight, out_index, in_index)
-    output = module._forward_impl(
-        input=input_parallel,
-        weight=weight,
-        bias=None,
-        gradient_accumulation_fusion=module.gradient_accumulation_fusion and weight is module.weight,
-        allreduce_dgrad=False,
-        sequence_parallel=False,
-        tp_group=module.tp_group,  # unused without SP/all-reduce; avoids Megatron's deprecation
-        grad_output_buffer=None,
-    )
+    if fp8.runs_fp8(module):
+        output = fp8.fp8_linear(input_parallel, weight, fp8.active_recipe(), module.tp_group,
+                                x_sharded=True, w_sharded=True)
+    else:
+        output = module._forward_impl(
+            input=input_parallel,
+            weight=weight,
+            bias=None,
+            gradient_accumulation_fusion=module.gradient_accumulation_fusion and weight is module.weight,
+            allreduce_dgrad=False,
+            sequence_parallel=False,
+            tp_group=module.tp_group,  # unused without SP/all-reduce; avoids Megatron's deprecation
+            grad_output_buffer=None,
+        )
     if module.explicit_expert_comm:
         pass
     elif module.sequence_parallel:

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from elastic_plugin.elastic import fp8
 from elastic_plugin.elastic.linear import (
     Index,
     column_parallel_forward,
@@ -87,8 +88,9 @@ class _ElasticColumn:
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         act: LinearActive | None = self._elastic_io()
-        if act is None or act.is_full:
+        if (act is None or act.is_full) and not fp8.runs_fp8(self):
             return self._elastic_base.forward(self, input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        act = act or LinearActive()
         if weight is not None:  # tied output layer: Megatron passes the embedding weight
             raise NotImplementedError("elastic output layers with tied embeddings")
         out, bias = column_parallel_forward(self, _mul(input_, act.in_mask), act.out_index,
@@ -103,8 +105,9 @@ class _ElasticRow:
 
     def forward(self, input_):
         act: LinearActive | None = self._elastic_io()
-        if act is None or act.is_full:
+        if (act is None or act.is_full) and not fp8.runs_fp8(self):
             return self._elastic_base.forward(self, input_)
+        act = act or LinearActive()
         out, bias = row_parallel_forward(self, _mul(input_, act.in_mask), act.out_index,
                                          act.in_index)
         return _mul(out, act.out_mask), bias
@@ -309,16 +312,21 @@ class _ElasticMambaMixer:
 
     def forward(self, hidden_states, *args, **kwargs):
         state = self._elastic_state
-        if not state.is_active:
+        # in FP8 the full width also runs the elastic forward: its in/out projections are
+        # Megatron linears that are not swapped, so only this path reaches the FP8 GEMM
+        in_fp8 = fp8.runs_fp8(self)
+        if not state.is_active and not in_fp8:
             return self._elastic_base.forward(self, hidden_states, *args, **kwargs)
         from elastic_plugin.elastic.mamba import elastic_mamba_forward
 
+        if not state.is_active:  # the full model (teacher / no budget) in FP8
+            return elastic_mamba_forward(self, hidden_states)
         layer = self._elastic_layer
         h_size, h_mask = state.hidden()
         per_group, head_mask = state.grouped_heads("mamba_heads", layer, self.config.mamba_num_groups)
         head_dim, channel_mask = state.plain("mamba_head_dim", layer)
         if (h_size is None and h_mask is None and per_group is None and head_mask is None
-                and head_dim is None and channel_mask is None):
+                and head_dim is None and channel_mask is None and not in_fp8):
             return self._elastic_base.forward(self, hidden_states, *args, **kwargs)
         return elastic_mamba_forward(
             self, hidden_states, hidden_active=h_size, heads_per_group=per_group,
@@ -405,6 +413,7 @@ def elastify(model: torch.nn.Module, state: ElasticState) -> torch.nn.Module:
         _bind_linear(inner.output_layer, "column",
                      lambda: (LinearActive(in_index=state.hidden()[0])
                               if state.is_active else None), state)
+        object.__setattr__(inner.output_layer, fp8.EXEMPT_ATTR, True)  # logits stay in the model dtype
     return model
 
 

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import torch
 
 from elastic_plugin.elastic.cost import ElasticCost
+from elastic_plugin.elastic.fp8 import fp8_gemm
 from elastic_plugin.elastic.losses import budget_loss, vocab_parallel_kl
 from elastic_plugin.elastic.model import finalize_router_grads, router_of
 from elastic_plugin.elastic.router import AnnealSchedule, budget_encoding, expected_sizes
@@ -178,8 +179,9 @@ class ElasticStep:
         self._mb += 1
         batch = get_batch(data_iterator)
         index, probs = self.route(model, local)
-        output = model(batch.get("tokens"), batch.get("position_ids"),
-                       batch.get("attention_mask"))
+        with fp8_gemm(self.cfg.fp8_gemm):  # the backward keeps the recipe it was traced with
+            output = model(batch.get("tokens"), batch.get("position_ids"),
+                           batch.get("attention_mask"))
         return output, partial(self._loss, local, index, probs, batch)
 
     def train_step(self, chunks, optimizer, data_iterator: Iterator[dict] | None,

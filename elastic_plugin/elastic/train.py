@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from elastic_plugin.elastic.config import ElasticConfig, ResolvedElastic
 from elastic_plugin.elastic.cost import ElasticCost
+from elastic_plugin.elastic.fp8 import fp8_gemm
 from elastic_plugin.elastic.freeze import constrained_table, loss_selected_table
 from elastic_plugin.elastic.model import build_elastic_chunks, router_of, router_param_groups
 from elastic_plugin.elastic.router import AnnealSchedule
@@ -95,13 +96,15 @@ def _world_sum_from_last_stage(values: torch.Tensor) -> torch.Tensor:
 def evaluate_budgets(chunks, state: ElasticState, table: dict[str, dict[str, Any]],
                      valid_factory: Callable[[], Iterator[dict] | None], sched: ElasticSchedule
                      ) -> dict[str, float | None]:
-    """Validation LM loss of every budget's nested model (sliced, the router's hard choice)."""
+    """Validation LM loss of every budget's nested model (sliced, the router's hard choice),
+    with the GEMM precision the student trains in (``elastic.fp8_gemm``)."""
     out: dict[str, float | None] = {}
     try:
         for label, sizes in table.items():
             state.set_sizes(sizes)
-            loss = eval_step(chunks, valid_factory(), sched.eval_iters, sched.seq_length,
-                             sched.micro_batch_size)
+            with fp8_gemm(state.resolved.config.fp8_gemm):
+                loss = eval_step(chunks, valid_factory(), sched.eval_iters, sched.seq_length,
+                                 sched.micro_batch_size)
             out[label] = _share_from_last_stage(loss)
     finally:
         state.clear()

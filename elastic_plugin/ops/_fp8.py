@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import operator
+from typing import Callable, Optional
 
 import torch
 
@@ -35,7 +36,13 @@ def _check_scaling(who: str, scaling: object) -> str:
     return scaling  # type: ignore[return-value]
 
 
-def quantize_e4m3(t: torch.Tensor, scaling: str = "tensor", dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+AmaxReduce = Optional[Callable[[torch.Tensor], torch.Tensor]]
+"""Applied to an operand's amax before the scales are taken (e.g. a MAX all-reduce over the
+tensor-parallel ranks that hold the other parts of the operand): returns the amax to use."""
+
+
+def quantize_e4m3(t: torch.Tensor, scaling: str = "tensor", dim: int = -1,
+                  amax_reduce: AmaxReduce = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``t`` to ``float8_e4m3fn``; return ``(fp8 values, fp32 scales)``.
 
     ``scales = amax / 448`` (1 where amax is 0), and ``fp8.float() * scales`` dequantizes.
@@ -46,6 +53,8 @@ def quantize_e4m3(t: torch.Tensor, scaling: str = "tensor", dim: int = -1) -> tu
             along ``dim``, i.e. amax reduced over ``dim`` and kept as size 1 there.
         dim: the dim shared by one scale for ``"row"`` (the GEMM's contraction dim: -1
             for x ``[tokens, k]`` and for a weight ``[n, k]``); ignored for ``"tensor"``.
+        amax_reduce: maps the local amax (0-d, or size 1 along ``dim``) to the one to scale by;
+            must keep its shape. ``None``: the local amax.
     """
     who = "quantize_e4m3"
     if not isinstance(t, torch.Tensor):
@@ -71,6 +80,12 @@ def quantize_e4m3(t: torch.Tensor, scaling: str = "tensor", dim: int = -1) -> tu
         shape = list(values.shape)
         shape[dim] = 1
         amax = values.new_zeros(shape)
+    if amax_reduce is not None:
+        reduced = amax_reduce(amax.contiguous())
+        if not isinstance(reduced, torch.Tensor) or reduced.shape != amax.shape:
+            raise ValueError(f"{who}: amax_reduce must return a tensor of the amax's shape "
+                             f"{list(amax.shape)}, got {getattr(reduced, 'shape', type(reduced).__name__)}")
+        amax = reduced
     scales = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
     # Clamp before the cast: out-of-range casts saturate in recent torch but are not promised to.
     fp8 = (values / scales).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
@@ -104,6 +119,8 @@ def fp8_prefix_linear(
     scaling: str = "tensor",
     out_dtype: torch.dtype | None = None,
     method: str = "auto",
+    x_amax_reduce: AmaxReduce = None,
+    w_amax_reduce: AmaxReduce = None,
 ) -> torch.Tensor:
     """``x[..., :k] @ weight[:n, :k].T`` with both operands quantized to FP8 E4M3.
 
@@ -116,6 +133,9 @@ def fp8_prefix_linear(
         method: ``"emulate"`` (fp32 matmul of the FP8 values, any device),
             ``"scaled_mm"`` (``torch._scaled_mm``; on CPU it exists but is slow, for tests),
             ``"auto"``: ``scaled_mm`` on an FP8-capable GPU when sizes allow, else emulate.
+        x_amax_reduce, w_amax_reduce: :data:`AmaxReduce` hooks for x's amax (0-d or
+            ``[tokens, 1]``) and the weight's (0-d or ``[n, 1]``): how a tensor-parallel
+            caller makes the scales of an operand sharded along k those of the whole operand.
 
     Returns:
         ``[..., n]`` tensor of ``out_dtype``.
@@ -134,8 +154,8 @@ def fp8_prefix_linear(
 
     out_shape = (*x.shape[:-1], n)
     x2d = x[..., :k].reshape(math.prod(x.shape[:-1]), k)  # not -1: k may be 0
-    x_fp8, x_scales = quantize_e4m3(x2d, scaling, dim=-1)  # [M, 1] per token, or 0-d
-    w_fp8, w_scales = quantize_e4m3(weight[:n, :k], scaling, dim=-1)  # [n, 1] per output row, or 0-d
+    x_fp8, x_scales = quantize_e4m3(x2d, scaling, dim=-1, amax_reduce=x_amax_reduce)  # [M, 1] or 0-d
+    w_fp8, w_scales = quantize_e4m3(weight[:n, :k], scaling, dim=-1, amax_reduce=w_amax_reduce)  # [n, 1]
     w_scales_t = w_scales.t() if scaling == "row" else w_scales  # [1, n] broadcasts over outputs
 
     use_scaled_mm = method == "scaled_mm" or (method == "auto" and _scaled_mm_usable(x, n, k, scaling, out_dtype))

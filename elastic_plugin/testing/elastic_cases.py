@@ -70,18 +70,19 @@ def _experiment(config_path: str, pattern: str | None):
                          source=cfg.source)
 
 
-def _elastic_config(model, mode: str, heterogeneous: bool):
+def _elastic_config(model, mode: str, heterogeneous: bool, fp8_gemm: str = "off"):
     from elastic_plugin.elastic.config import ElasticConfig, model_axes
 
     axes = model_axes(model)
-    raw = dict(ELASTIC, mode=mode, heterogeneous=heterogeneous,
+    raw = dict(ELASTIC, mode=mode, heterogeneous=heterogeneous, fp8_gemm=fp8_gemm,
                sizes={k: v for k, v in ELASTIC["sizes"].items() if k in axes})
     if mode == "masked":
         raw["router"] = {**raw["router"], "hard": False}
     return ElasticConfig.from_dict(raw)
 
 
-def _setup(config_path: str, workdir: Path, layout, pattern, mode, heterogeneous, seed):
+def _setup(config_path: str, workdir: Path, layout, pattern, mode, heterogeneous, seed,
+           fp8_gemm: str = "off"):
     """Elastic student (DDP), frozen teacher, optimizer and step driver for ``layout``."""
 
     from elastic_plugin.checkpointing import build_from_checkpoint
@@ -93,7 +94,7 @@ def _setup(config_path: str, workdir: Path, layout, pattern, mode, heterogeneous
     from elastic_plugin.parallel import build_optimizer, initialize_layout
 
     cfg = _experiment(config_path, pattern)
-    ecfg = _elastic_config(cfg.model, mode, heterogeneous)
+    ecfg = _elastic_config(cfg.model, mode, heterogeneous, fp8_gemm)
     resolved = ecfg.resolve(cfg.model, layout.tp, layout.ep)
     initialize_layout(layout, seed=seed)
     chunks, state, _ = build_elastic_chunks(workdir / "init", layout, resolved)
@@ -213,7 +214,7 @@ def _gather_losses(losses):
 
 def make_elastic_reference(config_path: str, workdir: str, pattern: str | None = None,
                            mode: str = "sliced", heterogeneous: bool = False,
-                           seed: int = 1234) -> dict[str, Any]:
+                           seed: int = 1234, fp8_gemm: str = "off") -> dict[str, Any]:
     """1 rank: the initial checkpoint, then the elastic steps' losses, choices and gradients."""
     from elastic_plugin.parallel import Layout
 
@@ -221,17 +222,23 @@ def make_elastic_reference(config_path: str, workdir: str, pattern: str | None =
     cfg = _experiment(config_path, pattern)
     write_init_checkpoint(cfg, work / "init", seed)
     cfg, chunks, optimizer, step = _setup(config_path, work, Layout(), pattern, mode,
-                                          heterogeneous, seed)
+                                          heterogeneous, seed, fp8_gemm)
     losses, _ = _run(cfg, chunks, optimizer, step, work / "grads")
     result = {"losses": _gather_losses(losses), "trace": step.trace}
     (work / "reference.json").write_text(json.dumps(result))
     return result
 
 
+def reference_losses(workdir: str) -> list[dict[int, float]]:
+    """The per-budget losses ``make_elastic_reference`` recorded in ``workdir``."""
+    reference = json.loads((Path(workdir) / "reference.json").read_text())
+    return [{int(k): v for k, v in t.items()} for t in reference["losses"]]
+
+
 def check_elastic(config_path: str, workdir: str, tp: int = 1, pp: int = 1, ep: int = 1,
                   sequence_parallel: bool = False, distributed_optimizer: bool = False,
                   pattern: str | None = None, mode: str = "sliced", heterogeneous: bool = False,
-                  seed: int = 1234) -> dict[str, Any]:
+                  seed: int = 1234, fp8_gemm: str = "off") -> dict[str, Any]:
     """N ranks: the same elastic steps under a layout; differences vs the reference."""
     from elastic_plugin.checkpointing import build_from_checkpoint
     from elastic_plugin.elastic.model import attach_elastic
@@ -240,7 +247,7 @@ def check_elastic(config_path: str, workdir: str, tp: int = 1, pp: int = 1, ep: 
     work = Path(workdir)
     layout = Layout(tp, pp, ep, sequence_parallel, distributed_optimizer)
     cfg, chunks, optimizer, step = _setup(config_path, work, layout, pattern, mode,
-                                          heterogeneous, seed + 17)
+                                          heterogeneous, seed + 17, fp8_gemm)
     losses, grads = _run(cfg, chunks, optimizer, step, None)
     # the reference gradients, loaded into this layout (canonical order, contiguous shards)
     ref_chunks, _, _ = build_from_checkpoint(work / "init", layout)
@@ -256,7 +263,7 @@ def check_elastic(config_path: str, workdir: str, tp: int = 1, pp: int = 1, ep: 
     return {
         "rank": dist.get_rank(),
         "losses": _gather_losses(losses),
-        "ref_losses": [{int(k): v for k, v in t.items()} for t in reference["losses"]],
+        "ref_losses": reference_losses(workdir),
         "trace": step.trace,
         "ref_trace": reference["trace"],
         "grad_max_abs_diff": grad_diff,

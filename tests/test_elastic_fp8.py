@@ -1,0 +1,238 @@
+"""FP8 GEMMs of elastic linears (``elastic.fp8_gemm``) on the real tiny HybridModel (TP=1).
+
+References: the op (``ops.fp8_prefix_linear`` on a contiguous copy of the active block), the
+straight-through gradients of the unquantized GEMM, the extracted nested model run in FP8 (a
+sliced FP8 model must quantize exactly the blocks the extracted one holds), and the
+``torch._scaled_mm`` path (the CUDA path without Transformer Engine) against the emulation.
+TP=2 vs one rank is in test_elastic_multirank.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.elastic, pytest.mark.kernels]
+
+CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml"
+SIZES = {"embedding": [1.0, 0.5], "ffn": [1.0, 0.5], "shared_ffn": [1.0, 0.5],
+         "attention_heads": [1.0, 0.5], "mamba_heads": [1.0, 0.5], "mamba_head_dim": [1.0, 0.5],
+         "experts": [1.0, 0.5]}
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    from elastic_plugin.ops._fp8 import relative_error
+
+    return relative_error(a, b)
+
+
+# ------------------------------------------------------------------------- the linear alone
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+def test_fp8_linear_forward_is_the_op_and_backward_is_straight_through(scaling):
+    from elastic_plugin import ops
+    from elastic_plugin.elastic.fp8 import Fp8Recipe, fp8_linear
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(24, 40, generator=gen, requires_grad=True)
+    x = torch.randn(3, 5, 32, generator=gen, requires_grad=True)
+    block = weight[:16, :32]  # the active prefix, a strided view of the parameter
+    y = fp8_linear(x, block, Fp8Recipe(scaling, "emulate"))
+    expected = ops.fp8_prefix_linear(x.detach(), block.detach().contiguous(), 16, 32, scaling)
+    assert torch.equal(y, expected)
+    assert _relative(y, x.detach() @ block.detach().t()) > 1e-3  # FP8 rounding really happened
+
+    grad_out = torch.randn(3, 5, 16, generator=gen)
+    gx, gw = torch.autograd.grad(y, (x, weight), grad_out)
+    ref_x = x.detach().clone().requires_grad_()
+    ref_w = weight.detach().clone().requires_grad_()
+    ref_y = ref_x @ ref_w[:16, :32].t()
+    rx, rw = torch.autograd.grad(ref_y, (ref_x, ref_w), grad_out)
+    assert torch.allclose(gx, rx, atol=1e-5) and torch.allclose(gw, rw, atol=1e-5)
+    assert gw[16:].abs().max() == 0 and gw[:, 32:].abs().max() == 0  # outside the block
+
+
+def test_recipe_and_context_errors_name_the_allowed_values():
+    from elastic_plugin.elastic.fp8 import active_recipe, fp8_gemm
+
+    with pytest.raises(ValueError, match=r"scaling must be one of \('tensor', 'row'\)"):
+        with fp8_gemm("e5m2"):
+            pass
+    with pytest.raises(ValueError, match="method must be one of"):
+        with fp8_gemm("row", method="cublas"):
+            pass
+    assert active_recipe() is None
+    with fp8_gemm("row") as outer:
+        with fp8_gemm("off"):
+            assert active_recipe() is None  # e.g. a teacher forward inside a student's context
+        assert active_recipe() == outer
+    assert active_recipe() is None
+
+
+def test_amax_reduce_hook_sets_the_scale_and_must_keep_its_shape():
+    from elastic_plugin.ops import quantize_e4m3
+
+    t = torch.linspace(-1, 1, 12).reshape(3, 4)
+    _, scales = quantize_e4m3(t, "row", amax_reduce=lambda amax: torch.full_like(amax, 4.0))
+    assert torch.equal(scales, torch.full((3, 1), 4.0 / 448))
+    with pytest.raises(ValueError, match=r"amax_reduce must return a tensor of the amax's shape \[3, 1\]"):
+        quantize_e4m3(t, "row", amax_reduce=lambda amax: amax.reshape(-1))
+
+
+# -------------------------------------------------------------------------- the model
+@pytest.fixture(scope="module")
+def setup():
+    from elastic_plugin.compat import enable_cpu_megatron
+    from elastic_plugin.elastic.config import ElasticConfig
+    from elastic_plugin.elastic.modules import elastify
+    from elastic_plugin.elastic.state import ElasticState, RankInfo
+    from elastic_plugin.models.config import load_config
+    from elastic_plugin.parallel import Layout, build_model_chunks, init_distributed, initialize_layout
+
+    enable_cpu_megatron()
+    init_distributed()
+    initialize_layout(Layout(), seed=5)
+    model_cfg = load_config(CONFIG).model
+    resolved = ElasticConfig.from_dict({"budgets": [1.0, 0.5], "sizes": SIZES}).resolve(model_cfg)
+    model = build_model_chunks(model_cfg, Layout(), wrap_ddp=False)[0][0]
+    state = ElasticState(resolved, RankInfo(), groups={"attention_heads": model_cfg.query_groups,
+                                                       "mamba_heads": model_cfg.mamba_num_groups})
+    elastify(model, state)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, model_cfg.vocab_size, (2, 48), generator=gen)
+    position = torch.arange(48).expand(2, 48)
+    return model, model_cfg, state, resolved, tokens, position
+
+
+def _elastic_full(model, model_cfg):
+    """``model`` (plain) made elastic with a state that is never set: the full width only."""
+    from elastic_plugin.elastic.config import ElasticConfig, model_axes
+    from elastic_plugin.elastic.modules import elastify
+    from elastic_plugin.elastic.state import ElasticState, RankInfo
+
+    sizes = {axis: [1.0] for axis in model_axes(model_cfg)}
+    resolved = ElasticConfig.from_dict({"budgets": [1.0], "sizes": sizes}).resolve(model_cfg)
+    state = ElasticState(resolved, RankInfo(), groups={"attention_heads": model_cfg.query_groups,
+                                                       "mamba_heads": model_cfg.mamba_num_groups})
+    return elastify(model, state)
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+def test_sliced_fp8_model_equals_the_extracted_model_in_fp8(setup, scaling):
+    """The sliced forward quantizes each active block with the block's own amax: exactly what
+    the extracted nested model (holding only those blocks) computes in FP8."""
+    from elastic_plugin.elastic.fp8 import fp8_gemm
+    from elastic_plugin.inference.nested import nested_model
+
+    model, model_cfg, state, resolved, tokens, position = setup
+    choice = resolved.smallest_choice()
+    small, small_cfg = nested_model(model, model_cfg, choice)
+    _elastic_full(small, small_cfg)
+    state.set_sizes(choice)
+    try:
+        with torch.no_grad():
+            sliced_plain = model(tokens, position, None)
+            with fp8_gemm(scaling, "emulate"):
+                sliced = model(tokens, position, None)
+    finally:
+        state.clear()
+    with torch.no_grad():
+        extracted_plain = small(tokens, position, None)
+        with fp8_gemm(scaling, "emulate"):
+            extracted = small(tokens, position, None)
+    assert torch.allclose(sliced_plain, extracted_plain, atol=2e-5, rtol=1e-5)
+    assert _relative(sliced, sliced_plain) > 1e-3  # FP8 changed the logits ...
+    assert _relative(sliced, sliced_plain) < 0.2   # ... by FP8's rounding, not more
+    assert _relative(sliced, extracted) < 1e-5, _relative(sliced, extracted)
+
+
+def test_every_block_linear_runs_fp8_but_not_the_output_layer(setup, monkeypatch):
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from elastic_plugin.elastic import fp8
+
+    model, _, state, resolved, tokens, position = setup
+    # a linear asks runs_fp8(itself) right before its GEMM: attribute each FP8 GEMM to the last
+    # module that asked (gathered weights are copies, so the weight cannot name its module)
+    asked: list[torch.nn.Module] = []
+    seen: set[int] = set()
+    original_runs, original_linear = fp8.runs_fp8, fp8.fp8_linear
+
+    def runs_spy(module):
+        asked.append(module)
+        return original_runs(module)
+
+    def linear_spy(x, weight, *args, **kwargs):
+        seen.add(id(asked[-1]))
+        return original_linear(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(fp8, "runs_fp8", runs_spy)
+    monkeypatch.setattr(fp8, "fp8_linear", linear_spy)
+    linears = {name: id(m) for name, m in model.named_modules()
+               if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+    for sizes in (None, resolved.smallest_choice()):  # the full model and a sliced one
+        seen.clear()
+        if sizes is not None:
+            state.set_sizes(sizes)
+        try:
+            with torch.no_grad(), fp8.fp8_gemm("row", "emulate"):
+                model(tokens, position, None)
+        finally:
+            state.clear()
+        ran = {name for name, ptr in linears.items() if ptr in seen}
+        assert "output_layer" not in ran
+        missing = {n for n in set(linears) - ran - {"output_layer"} if ".local_experts." not in n}
+        assert not missing, missing  # every non-expert block linear (experts: those given tokens)
+        assert any(".local_experts." in n for n in ran)
+        assert any(".mixer.in_proj" in n for n in ran) and any(".mixer.out_proj" in n for n in ran)
+
+
+def test_scaled_mm_path_equals_the_emulation_and_gradients_flow(setup):
+    """method='scaled_mm' is the CUDA path without Transformer Engine; torch runs it on CPU too."""
+    from elastic_plugin.elastic.fp8 import fp8_gemm
+
+    model, _, state, resolved, tokens, position = setup
+    state.set_sizes(resolved.smallest_choice())
+    try:
+        outputs, grads = {}, {}
+        for method in ("emulate", "scaled_mm"):
+            model.zero_grad(set_to_none=True)
+            with fp8_gemm("tensor", method):
+                out = model(tokens, position, None)
+            out.float().pow(2).mean().backward()
+            outputs[method] = out.detach()
+            grads[method] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        plain = model(tokens, position, None)
+        plain.float().pow(2).mean().backward()
+        plain_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    finally:
+        state.clear()
+        model.zero_grad(set_to_none=True)
+    assert _relative(outputs["scaled_mm"], outputs["emulate"]) < 1e-5
+    assert set(grads["emulate"]) == set(plain_grads)
+    for name, grad in grads["emulate"].items():
+        assert _relative(grads["scaled_mm"][name], grad) < 1e-4, name
+    # straight-through: the FP8 model's gradients are those of its forward, close to the plain ones
+    total = torch.cat([g.flatten() for g in grads["emulate"].values()])
+    total_plain = torch.cat([plain_grads[n].flatten() for n in grads["emulate"]])
+    assert 1e-4 < _relative(total, total_plain) < 0.3
+
+
+def test_fp8_gemm_config_field_and_flag():
+    from elastic_plugin.elastic.args import add_elastic_args, elastic_config_from_args
+    from elastic_plugin.elastic.config import ElasticConfig, ElasticConfigError
+
+    assert ElasticConfig().fp8_gemm == "off"
+    cfg = ElasticConfig.from_dict({"fp8_gemm": "row"})
+    assert ElasticConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ElasticConfigError, match=r"fp8_gemm.*allowed: off, tensor, row"):
+        ElasticConfig.from_dict({"fp8_gemm": "e4m3"})
+    import argparse
+
+    parser = add_elastic_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--elastic-fp8-gemm", "tensor"])
+    assert elastic_config_from_args(args).fp8_gemm == "tensor"
+    with pytest.raises(ElasticConfigError, match="--elastic-fp8-gemm"):
+        elastic_config_from_args(parser.parse_args(["--elastic-fp8-gemm", "bf16"]))
