@@ -543,7 +543,10 @@ def test_router_gets_its_own_learning_rate_in_megatron_lm():
 
 # ------------------------------------------------------------------------------ SLURM launchers
 def _dry_run(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    # a job's rendezvous comes from SLURM_* and MASTER_*: drop what this process (e.g. an
+    # in-process init_distributed of an earlier test) has set
+    launch_env = ("SLURM_", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(launch_env)}
     return subprocess.run(["bash", str(SLURM / script), *args], capture_output=True, text=True,
                           timeout=600, cwd=ROOT, env={**clean, "DRY_RUN": "1", **env})
 

@@ -69,6 +69,7 @@ FULL = {
     "budget_loss_weight": 0.5,
     "ce_weight_full": 0.1,
     "interpolate": True,
+    "fp8_gemm": "row",
 }
 
 
@@ -479,7 +480,7 @@ def test_every_flag_round_trip():
             "--elastic-soft-masks", "--elastic-curriculum", "200,100:0.7/0.3:256",
             "--elastic-mode", "masked", "--elastic-teacher", "self",
             "--elastic-kd-temperature", "2", "--elastic-budget-loss-weight", "0.5",
-            "--elastic-ce-weight-full", "0.1", "--elastic-interpolate"]
+            "--elastic-ce-weight-full", "0.1", "--elastic-interpolate", "--elastic-fp8-gemm", "row"]
     assert elastic_config_from_args(_parse(argv)) == ElasticConfig.from_dict(FULL)
 
 
