@@ -236,3 +236,19 @@ def test_fp8_gemm_config_field_and_flag():
     assert elastic_config_from_args(args).fp8_gemm == "tensor"
     with pytest.raises(ElasticConfigError, match="--elastic-fp8-gemm"):
         elastic_config_from_args(parser.parse_args(["--elastic-fp8-gemm", "bf16"]))
+
+
+def test_bench_fp8_gemm_runs_quick():
+    import sys
+
+    bench_dir = str(Path(__file__).resolve().parents[1] / "bench")
+    sys.path.insert(0, bench_dir)
+    try:
+        import bench_fp8_gemm
+    finally:
+        sys.path.remove(bench_dir)
+    rows = bench_fp8_gemm.run(reps=1, quick=True)
+    assert len(rows) == 2 * len(bench_fp8_gemm.KEEP_FRACTIONS)
+    for row in rows:
+        assert row["fp8/dense"] > 0 and row["fp8_tflops"] > 0, row
+        assert torch.cuda.is_available() or "emulate" in row["name"], row  # CPU: the emulation
