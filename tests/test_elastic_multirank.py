@@ -135,6 +135,18 @@ def test_stop_and_resume_under_pipeline_parallel(rank_pools, tmp_path):
         _assert_same_trace(result)
 
 
+def test_fp8_training_with_loss_selected_freeze_resumes_exactly(rank_pools, tmp_path):
+    """elastic.fp8_gemm=row through train_elastic: FP8 training steps, FP8 validation and the
+    loss-selected freeze measured in FP8; stop + resume reproduces the uninterrupted run, and
+    the checkpoint records the precision."""
+    (result,) = rank_pools.get(1).run(f"{CASES}:train_and_resume", config_path=CONFIG,
+                                      workdir=str(tmp_path), iters=6, stop=3, freeze_after=2,
+                                      freeze_select="loss", freeze_candidates=2, fp8_gemm="row")
+    _assert_same_trace(result)
+    assert result["fp8_gemm_meta"] == "row"
+    assert set(result["freeze_search"]) == {"1", "0.77", "0.4"}
+
+
 def test_frozen_router_fixes_the_choices_and_survives_resume(rank_pools, tmp_path):
     """router.freeze_after=2: from iteration 3 on, every budget keeps the choice the router made
     then (the table no longer moves), the checkpoint records

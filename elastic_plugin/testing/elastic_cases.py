@@ -297,11 +297,12 @@ def _synthetic_iterator(vocab: int, micro_batch: int, consumed: int):
 def train_and_resume(config_path: str, workdir: str, iters: int = 6, stop: int = 3,
                      tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
                      freeze_after: int | None = None, freeze_select: str = "likelihood",
-                     freeze_candidates: int | None = None) -> dict[str, Any]:
+                     freeze_candidates: int | None = None, fp8_gemm: str = "off") -> dict[str, Any]:
     """The loss trace of an uninterrupted run vs. a run stopped after ``stop`` iterations and
     resumed from its checkpoint (optimizer, LR schedule, router, data position); with
     ``freeze_after`` the router freezes after that many iterations, picking each budget's model
-    by ``freeze_select`` (the frozen choices must survive the resume)."""
+    by ``freeze_select`` (the frozen choices must survive the resume). ``fp8_gemm``: the
+    student's GEMM precision (``elastic.fp8_gemm``)."""
     import dataclasses
 
     from elastic_plugin.elastic.train import ElasticSchedule, train_elastic
@@ -311,7 +312,7 @@ def train_and_resume(config_path: str, workdir: str, iters: int = 6, stop: int =
     cfg = _experiment(config_path, None)
     if not (work / "init" / "elastic_meta.json").is_file():
         write_init_checkpoint(cfg, work / "init")
-    ecfg = _elastic_config(cfg.model, "sliced", False)
+    ecfg = _elastic_config(cfg.model, "sliced", False, fp8_gemm)
     if freeze_after is not None:
         ecfg = dataclasses.replace(ecfg, router=dataclasses.replace(
             ecfg.router, freeze_after=freeze_after, freeze_select=freeze_select,
@@ -338,6 +339,8 @@ def train_and_resume(config_path: str, workdir: str, iters: int = 6, stop: int =
             "frozen_meta": _elastic_meta(work / "full").get("frozen_choices"),
             "freeze_search": _elastic_meta(work / "full").get("freeze_search"),
             "freeze_search_resumed": _elastic_meta(work / "part").get("freeze_search"),
+            "fp8_gemm_meta": json.loads((work / "full" / "checkpoints" / "elastic" / "elastic_meta.json")
+                                        .read_text())["config"]["elastic"]["fp8_gemm"],
             "iterations": (part.iterations, rest.iterations)}
 
 
