@@ -2,6 +2,14 @@
 
 The copy (``clone`` of a contiguous tensor shaped like the output) is what moving the kept
 bytes costs at best; the target is gather time <= 1.25 x copy time (>= 0.8x copy speed).
+
+That target assumes the gather reads only the kept bytes. Gathering along a tensor's contiguous
+axis (a weight's input columns, or the rows of a transposed view) cannot: a random half of the
+elements of a 64-byte line still needs the whole line, so nearly every source line is read.
+``traffic_x`` = (source bytes that must be read + output bytes written) / (2 x output bytes): the
+memory traffic of the gather over the copy's, its best possible ``gather/copy`` when both are
+memory-bound (1.5 for half the columns). ``gather/bound`` = (gather/copy) / traffic_x: 1.0 is
+as fast as the memory system allows.
 Run: ``python bench/bench_gather.py`` or ``python bench/run_all.py --only gather``.
 """
 
@@ -35,6 +43,17 @@ def _make_src(shape: tuple[int, ...], dtype: torch.dtype, dim: int, device: torc
     return torch.randn(shape, device=device).to(dtype), dim
 
 
+def min_source_bytes(src: torch.Tensor, dim: int, kept: torch.Tensor) -> int:
+    """Bytes of ``src`` any gather of ``kept`` along ``dim`` must read: whole 64-byte lines
+    where ``dim`` is the contiguous axis (rows assumed line-aligned), else the kept bytes."""
+    es = src.element_size()
+    out_bytes = src.numel() // src.shape[dim] * kept.numel() * es
+    if src.stride(dim) != 1:
+        return out_bytes
+    lines_per_row = torch.unique(kept.cpu() * es // 64).numel()
+    return src.numel() // src.shape[dim] * lines_per_row * 64
+
+
 def run(device: str | None = None, reps: int = 15) -> list[dict]:
     """One row per case: median ms of each candidate and the ratios."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -61,6 +80,8 @@ def run(device: str | None = None, reps: int = 15) -> list[dict]:
             reps=reps,
             sync=sync,
         )
+        out_bytes = same_bytes.numel() * same_bytes.element_size()
+        traffic = (min_source_bytes(src, d, kept) + out_bytes) / (2 * out_bytes)
         rows.append(
             {
                 "name": f"gather {label} [{dev.type}, {ops.backend()}]",
@@ -71,6 +92,8 @@ def run(device: str | None = None, reps: int = 15) -> list[dict]:
                 "MB_out": same_bytes.numel() * same_bytes.element_size() / 1e6,
                 "gather/copy": times["gather"] / times["copy"],
                 "gather/index_select": times["gather"] / times["index_select"],
+                "traffic_x": traffic,
+                "gather/bound": times["gather"] / times["copy"] / traffic,
             }
         )
     return rows

@@ -392,3 +392,17 @@ def test_bench_runner_discovers_and_prints(capsys) -> None:
     run_all.print_table([{"name": "x", "t_ms": 1.5}, {"name": "y", "ratio": 0.25}])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["name", "t_ms", "ratio"] and "0.250" in lines[3]
+
+
+def test_bench_gather_traffic_bound_counts_whole_lines() -> None:
+    """The bench's lower bound on bytes read: whole 64-byte lines along the contiguous axis."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import bench_gather
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    src = torch.zeros(4, 64)  # 256 bytes = 4 lines per row
+    kept = torch.tensor([0, 1, 17])  # elements 0, 1 in line 0; element 17 in line 1
+    assert bench_gather.min_source_bytes(src, 1, kept) == 4 * 2 * 64
+    assert bench_gather.min_source_bytes(src.t(), 0, kept) == 4 * 2 * 64  # rows of a transposed view
+    assert bench_gather.min_source_bytes(src, 0, torch.tensor([3, 1])) == 2 * 64 * 4  # whole rows
