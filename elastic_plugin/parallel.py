@@ -46,18 +46,23 @@ class Layout:
 
 
 def init_distributed(backend: str | None = None, timeout_s: int = 600) -> None:
-    """Join the default process group from torchrun-style env vars (or a 1-rank world)."""
+    """Join the default process group from torchrun-style env vars (or a 1-rank world).
+
+    A 1-rank world rendezvouses on a free local port passed to torch directly, not through
+    ``os.environ``: a rendezvous env left behind would be inherited by every subprocess this
+    process starts (a torchrun or CLI child would then try to listen on the taken port)."""
     if dist.is_initialized():
         return
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if "RANK" not in os.environ:
-        from elastic_plugin.testing.multirank import free_port
-
-        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        return
+    from elastic_plugin.testing.multirank import free_port
+
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1, timeout=timedelta(seconds=timeout_s))
 
 
 def initialize_layout(layout: Layout, seed: int = 1234) -> None:

@@ -84,38 +84,20 @@ def test_amax_reduce_hook_sets_the_scale_and_must_keep_its_shape():
 @pytest.fixture(scope="module")
 def setup():
     from elastic_plugin.compat import enable_cpu_megatron
-    from elastic_plugin.elastic.config import ElasticConfig
-    from elastic_plugin.elastic.modules import elastify
-    from elastic_plugin.elastic.state import ElasticState, RankInfo
     from elastic_plugin.models.config import load_config
     from elastic_plugin.parallel import Layout, build_model_chunks, init_distributed, initialize_layout
+    from elastic_plugin.testing.elastic_model import make_elastic
 
     enable_cpu_megatron()
     init_distributed()
     initialize_layout(Layout(), seed=5)
     model_cfg = load_config(CONFIG).model
-    resolved = ElasticConfig.from_dict({"budgets": [1.0, 0.5], "sizes": SIZES}).resolve(model_cfg)
     model = build_model_chunks(model_cfg, Layout(), wrap_ddp=False)[0][0]
-    state = ElasticState(resolved, RankInfo(), groups={"attention_heads": model_cfg.query_groups,
-                                                       "mamba_heads": model_cfg.mamba_num_groups})
-    elastify(model, state)
+    state, resolved = make_elastic(model, model_cfg, SIZES)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, model_cfg.vocab_size, (2, 48), generator=gen)
     position = torch.arange(48).expand(2, 48)
     return model, model_cfg, state, resolved, tokens, position
-
-
-def _elastic_full(model, model_cfg):
-    """``model`` (plain) made elastic with a state that is never set: the full width only."""
-    from elastic_plugin.elastic.config import ElasticConfig, model_axes
-    from elastic_plugin.elastic.modules import elastify
-    from elastic_plugin.elastic.state import ElasticState, RankInfo
-
-    sizes = {axis: [1.0] for axis in model_axes(model_cfg)}
-    resolved = ElasticConfig.from_dict({"budgets": [1.0], "sizes": sizes}).resolve(model_cfg)
-    state = ElasticState(resolved, RankInfo(), groups={"attention_heads": model_cfg.query_groups,
-                                                       "mamba_heads": model_cfg.mamba_num_groups})
-    return elastify(model, state)
 
 
 @pytest.mark.parametrize("scaling", ["tensor", "row"])
@@ -124,11 +106,12 @@ def test_sliced_fp8_model_equals_the_extracted_model_in_fp8(setup, scaling):
     the extracted nested model (holding only those blocks) computes in FP8."""
     from elastic_plugin.elastic.fp8 import fp8_gemm
     from elastic_plugin.inference.nested import nested_model
+    from elastic_plugin.testing.elastic_model import make_elastic
 
     model, model_cfg, state, resolved, tokens, position = setup
     choice = resolved.smallest_choice()
     small, small_cfg = nested_model(model, model_cfg, choice)
-    _elastic_full(small, small_cfg)
+    make_elastic(small, small_cfg)  # full width only: the plain model's linears, via FP8
     state.set_sizes(choice)
     try:
         with torch.no_grad():

@@ -21,26 +21,21 @@ SIZES = {"embedding": [1.0, 0.5], "ffn": [1.0, 0.5], "shared_ffn": [1.0, 0.5],
 @pytest.fixture(scope="module")
 def setup():
     from elastic_plugin.compat import enable_cpu_megatron
-    from elastic_plugin.elastic.config import ElasticConfig
-    from elastic_plugin.elastic.modules import elastify
-    from elastic_plugin.elastic.state import ElasticState, RankInfo
     from elastic_plugin.models.config import load_config
     from elastic_plugin.parallel import Layout, build_model_chunks, init_distributed, initialize_layout
+    from elastic_plugin.testing.elastic_model import make_elastic
 
     enable_cpu_megatron()
     init_distributed()
     initialize_layout(Layout(), seed=3)
     model_cfg = load_config(CONFIG).model
-    resolved = ElasticConfig.from_dict({"budgets": [1.0, 0.5], "sizes": SIZES}).resolve(model_cfg)
     model = build_model_chunks(model_cfg, Layout(), wrap_ddp=False)[0][0]
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model_cfg.vocab_size, (2, 48), generator=gen)
     position = torch.arange(48).expand(2, 48)
     with torch.no_grad():
         reference = model(tokens, position, None)
-    state = ElasticState(resolved, RankInfo(), groups={"attention_heads": model_cfg.query_groups,
-                                                       "mamba_heads": model_cfg.mamba_num_groups})
-    elastify(model, state)
+    state, resolved = make_elastic(model, model_cfg, SIZES)
     return model, state, resolved, tokens, position, reference
 
 

@@ -26,12 +26,10 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def setup():
     from elastic_plugin.compat import enable_cpu_megatron
-    from elastic_plugin.elastic.config import ElasticConfig
-    from elastic_plugin.elastic.modules import elastify
-    from elastic_plugin.elastic.state import ElasticState, RankInfo
     from elastic_plugin.models.config import load_config
     from elastic_plugin.parallel import (Layout, build_model_chunks, init_distributed,
                                          initialize_layout)
+    from elastic_plugin.testing.elastic_model import make_elastic
 
     enable_cpu_megatron()
     init_distributed()
@@ -43,10 +41,7 @@ def setup():
         for tensor in [*model.parameters(), model.decoder.layers[2].mlp.router.expert_bias,
                        model.decoder.layers[6].mlp.router.expert_bias]:
             tensor.add_(0.1 * torch.randn(tensor.shape, generator=gen))
-    resolved = ElasticConfig.from_dict({"budgets": [1.0, 0.5], "sizes": SIZES}).resolve(cfg)
-    state = ElasticState(resolved, RankInfo(), groups={"attention_heads": cfg.query_groups,
-                                                       "mamba_heads": cfg.mamba_num_groups})
-    elastify(model, state)
+    state, resolved = make_elastic(model, cfg, SIZES)
     tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=gen)
     position = torch.arange(40).expand(2, 40)
     return cfg, model, state, resolved, tokens, position

@@ -233,15 +233,10 @@ def test_sampler_support():
 # ------------------------------------------------------------------------------ elastic
 @pytest.fixture(scope="module")
 def elastic():
-    from elastic_plugin.elastic.config import ElasticConfig
-    from elastic_plugin.elastic.modules import elastify
-    from elastic_plugin.elastic.state import ElasticState, RankInfo
+    from elastic_plugin.testing.elastic_model import make_elastic
 
     model, cfg = tiny_inference_model(seed=4)
-    resolved = ElasticConfig.from_dict({"budgets": [1.0, 0.5], "sizes": SIZES}).resolve(cfg)
-    state = ElasticState(resolved, RankInfo(), groups={"attention_heads": cfg.query_groups,
-                                                       "mamba_heads": cfg.mamba_num_groups})
-    elastify(model, state)
+    state, _ = make_elastic(model, cfg, SIZES)
     return model, cfg, state
 
 

@@ -30,7 +30,7 @@ from elastic_plugin.elastic.schedule import ElasticSchedule
 from elastic_plugin.parallel import Layout
 from elastic_plugin.training.cli import add_layout_args, check_data_path_args, layout_from_args
 
-EXIT_BAD_INPUT = 2
+from elastic_plugin.cli_errors import report_bad_input
 PROG = "elastic-plugin elastic-train"
 QUICK_ITERS = 30
 
@@ -321,10 +321,6 @@ def _checked_inputs(args: argparse.Namespace) -> ElasticInputs:
 
 
 # ------------------------------------------------------------------------------ the run
-def _error(exc: Exception) -> int:
-    print(f"{PROG}: error: {exc}", file=sys.stderr)
-    return EXIT_BAD_INPUT
-
 
 def _finished_summary(inputs: ElasticInputs) -> dict[str, Any]:
     """``--resume`` of a run that already reached --train-iters: report it, train nothing
@@ -384,7 +380,7 @@ def run_elastic_train(args: argparse.Namespace) -> int:
     try:
         inputs = _checked_inputs(args)
     except ConfigError as exc:
-        return _error(exc)
+        return report_bad_input(PROG, exc)
     if inputs.finished is not None:
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps(_finished_summary(inputs), indent=2))
@@ -425,7 +421,7 @@ def _train(inputs: ElasticInputs, args: argparse.Namespace) -> int:
                             extra_meta={"data": feed.describe(), "tokenizer": feed.tokenizer_path})
     except ConfigError as exc:  # found after start-up; every rank finds it alike
         dist.destroy_process_group()
-        return _error(exc)
+        return report_bad_input(PROG, exc)
     if dist.get_rank() == 0:
         print(json.dumps(summary(run, sched.train_iters), indent=2))
         print(run.table(), file=sys.stderr)

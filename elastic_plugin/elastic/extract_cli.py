@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 from elastic_plugin.elastic.extract import plan_extraction, run_extraction
 from elastic_plugin.models.config import ConfigError
 
-EXIT_BAD_INPUT = 2
+from elastic_plugin.cli_errors import report_bad_input
 PROG = "elastic-plugin extract"
 
 
@@ -73,10 +72,6 @@ def _target(args: argparse.Namespace) -> tuple[int, int, int] | None:
     return tuple(1 if v is None else v for v in values)  # type: ignore[return-value]
 
 
-def _error(exc: Exception) -> int:
-    print(f"{PROG}: error: {exc}", file=sys.stderr)
-    return EXIT_BAD_INPUT
-
 
 def run_extract(args: argparse.Namespace) -> int:
     start = time.time()
@@ -85,7 +80,7 @@ def run_extract(args: argparse.Namespace) -> int:
                                args.format, args.dtype, args.quantize)
         summary = run_extraction(plan)  # raises ConfigError before writing (interpolated choice)
     except ConfigError as exc:
-        return _error(exc)
+        return report_bad_input(PROG, exc)
     summary["seconds"] = round(time.time() - start, 2)
     print(json.dumps(summary, indent=2))
     return 0

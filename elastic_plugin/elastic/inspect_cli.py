@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -24,7 +23,7 @@ from elastic_plugin.elastic.meta import read_elastic_meta as read_meta
 from elastic_plugin.models.config import ConfigError
 
 PROG = "elastic-plugin inspect"
-EXIT_BAD_INPUT = 2
+from elastic_plugin.cli_errors import report_bad_input
 FULL_LABEL = "full"
 MEMORY_PRECISIONS: tuple[str, ...] = ("bf16", "fp8", "nvfp4")  # = elastic.config.PRECISIONS
 
@@ -233,7 +232,6 @@ def run_inspect(args: argparse.Namespace) -> int:
     try:
         info = inspect_checkpoint(args.ckpt, args.batch_size, args.seq_length)
     except ConfigError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return report_bad_input(PROG, exc)
     print(json.dumps(info.to_json(), indent=2) if args.json else format_table(info))
     return 0

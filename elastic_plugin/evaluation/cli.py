@@ -9,11 +9,10 @@ Writes ``report.json``, ``report.md``, ``accuracy_vs_params.png``, ``loss_per_bu
 from __future__ import annotations
 
 import argparse
-import sys
 
 from elastic_plugin.models.config import ConfigError
 
-EXIT_BAD_INPUT = 2
+from elastic_plugin.cli_errors import report_bad_input
 
 
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
@@ -43,7 +42,6 @@ def run_evaluate(args: argparse.Namespace) -> int:
         evaluate_demo(args.ckpt, args.out, args.exports, args.num_problems, args.batch_size,
                       args.latency_problems, progress=not args.no_progress)
     except ConfigError as exc:
-        print(f"elastic-plugin evaluate: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return report_bad_input("elastic-plugin evaluate", exc)
     print(open(f"{args.out}/{REPORT_MD}").read())
     return 0

@@ -10,11 +10,10 @@ BF16 / FP8 / NVFP4, measures each export's validation loss, and writes ``exports
 from __future__ import annotations
 
 import argparse
-import sys
 
 from elastic_plugin.models.config import ConfigError
 
-EXIT_BAD_INPUT = 2
+from elastic_plugin.cli_errors import report_bad_input
 
 
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
@@ -46,7 +45,6 @@ def run_export(args: argparse.Namespace) -> int:
         report = export_all(args.ckpt, args.out, precisions, not args.no_megatron,
                             args.eval_sequences, progress=not args.no_progress)
     except ConfigError as exc:
-        print(f"elastic-plugin export: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return report_bad_input("elastic-plugin export", exc)
     print(open(f"{args.out}/{REPORT_MD}").read())
     return 0 if report["exports"] else 1

@@ -9,14 +9,13 @@ any TP/PP/EP layout).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from elastic_plugin.importance.hooks import AXES
 from elastic_plugin.models.config import ConfigError, ParallelConfig
 from elastic_plugin.training.cli import add_layout_args, layout_from_args
 
-EXIT_BAD_INPUT = 2
+from elastic_plugin.cli_errors import report_bad_input
 
 
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
@@ -101,8 +100,7 @@ def run_importance(args: argparse.Namespace) -> int:
         if args.num_samples <= 0 or args.micro_batch_size <= 0:
             raise ConfigError("--num-samples and --micro-batch-size must be > 0")
     except (ConfigError, FileNotFoundError) as exc:
-        print(f"elastic-plugin importance: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return report_bad_input("elastic-plugin importance", exc)
     from elastic_plugin.compat import enable_cpu_megatron
     from elastic_plugin.parallel import init_distributed, initialize_layout
 
@@ -121,8 +119,7 @@ def run_importance(args: argparse.Namespace) -> int:
         check_calibration(len(dataset) // dp if dataset is not None else None, args.num_samples,
                           args.micro_batch_size)
     except (ConfigError, CalibrationError) as exc:
-        print(f"elastic-plugin importance: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return report_bad_input("elastic-plugin importance", exc)
     initialize_layout(layout, seed=cfg.training.seed)
     chunks, cfg, _ = build_from_checkpoint(args.ckpt, layout)
     iterator = batch_iterator(dataset, args.micro_batch_size, seed=cfg.training.seed,
@@ -160,8 +157,7 @@ def run_reorder(args: argparse.Namespace) -> int:
         if meta.get("reordered"):
             raise ConfigError(f"--ckpt {args.ckpt} is already reordered")
     except (ConfigError, FileNotFoundError) as exc:
-        print(f"elastic-plugin reorder: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return report_bad_input("elastic-plugin reorder", exc)
     from elastic_plugin.compat import enable_cpu_megatron
     from elastic_plugin.parallel import init_distributed, initialize_layout
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ from elastic_plugin.models.config import ConfigError, config_from_dict
 __all__ = ["GeneratePlan", "EXIT_BAD_INPUT", "format_summary", "plan_generation", "register_subcommand",
            "run_generate", "run_plan"]
 
-EXIT_BAD_INPUT = 2
+from elastic_plugin.cli_errors import EXIT_BAD_INPUT, report_bad_input
 PROG = "elastic-plugin generate"
 EOD_TOKEN = "<eod>"  # = data.tokenizer.EOD_TOKEN (that module imports Megatron)
 MODES = ("generate", "capped_thinking", "budget_control")
@@ -450,16 +449,12 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _error(exc: Exception) -> int:
-    print(f"{PROG}: error: {exc}", file=sys.stderr)
-    return EXIT_BAD_INPUT
-
 
 def run_generate(args: argparse.Namespace) -> int:
     try:
         plan = plan_generation(args)
         summary = run_plan(plan)
     except ConfigError as exc:
-        return _error(exc)
+        return report_bad_input(PROG, exc)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     return 0

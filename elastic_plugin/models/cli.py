@@ -16,7 +16,7 @@ import yaml
 from elastic_plugin.models.config import ConfigError, load_config
 from elastic_plugin.models.counting import COMPONENTS, ParamCount, count_parameters, format_count
 
-EXIT_BAD_INPUT = 2  # same code argparse uses for a bad command line
+from elastic_plugin.cli_errors import report_bad_input
 
 
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
@@ -39,8 +39,7 @@ def run_params(args: argparse.Namespace) -> int:
         cfg = load_config(args.config)
         counts = count_parameters(cfg.model)
     except (ConfigError, yaml.YAMLError, OSError) as exc:
-        print(f"elastic-plugin params: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return report_bad_input("elastic-plugin params", exc)
     if args.json:
         print(json.dumps(counts.to_dict()))
     else:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from elastic_plugin.models.config import ConfigError, load_config
 
-EXIT_BAD_INPUT = 2
+from elastic_plugin.cli_errors import EXIT_BAD_INPUT, report_bad_input
 
 
 def add_layout_args(parser: argparse.ArgumentParser) -> None:
@@ -105,8 +105,7 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         cfg, layout, out = _checked_inputs(args)
     except ConfigError as exc:
-        print(f"elastic-plugin train: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return report_bad_input("elastic-plugin train", exc)
     from elastic_plugin.compat import enable_cpu_megatron
     from elastic_plugin.parallel import init_distributed
     from elastic_plugin.training.data_feed import build_data_feed
