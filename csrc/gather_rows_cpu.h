@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
+#include <vector>
 
 namespace elastic_plugin::cpu {
 
@@ -81,15 +83,20 @@ inline void copy_kept_rows(const GatherPlan& p, const T* src, T* out, const int6
         std::memcpy(dst, base + perm[jj] * p.dim_stride, row_bytes);
       }
     } else {
-      // Strided rows (e.g. src = w.t(), whose gathered dim is the dense one): copy tiles of
-      // kStridedTileBytes per kept row, so every output line is written whole while the
-      // few memory rows a tile reads stay in cache.
+      // Strided rows (e.g. src = w.t(), whose gathered dim is the dense one). Kept rows are
+      // visited in increasing source position, so consecutive ones read neighbouring elements
+      // of the same cache lines while those are in L1 (in importance order they would jump
+      // between lines, and every read would go to L2: 2x slower on 4096x4096 bf16). Tiles of
+      // kStridedTileBytes per kept row keep every output line written whole.
       constexpr int64_t tile = std::max<int64_t>(8, kStridedTileBytes / static_cast<int64_t>(sizeof(T)));
       const int64_t si = p.inner_stride;
+      std::vector<int64_t> order(j_end - j);
+      std::iota(order.begin(), order.end(), j);
+      std::sort(order.begin(), order.end(), [perm](int64_t a, int64_t b) { return perm[a] < perm[b]; });
       for (int64_t i0 = 0; i0 < inner; i0 += tile) {
         const int64_t i1 = std::min(inner, i0 + tile);
-        T* d = dst + i0;
-        for (int64_t jj = j; jj < j_end; ++jj, d += inner) {
+        for (const int64_t jj : order) {
+          T* d = dst + (jj - j) * inner + i0;
           const T* row = base + perm[jj] * p.dim_stride;
           if (inner_tab) {
             for (int64_t i = i0; i < i1; ++i) d[i - i0] = row[inner_tab[i]];
