@@ -41,6 +41,14 @@ import torch
 
 from elastic_plugin import __version__
 from elastic_plugin.models.config import ConfigError
+from elastic_plugin.ops._nvfp4 import (
+    BLOCK,
+    E2M1_MAX,
+    E4M3_MAX,
+    nvfp4_quantize,
+    pack_e2m1,
+    round_e2m1,
+)
 
 __all__ = ["FORMATS", "QUANT_ALGO", "NVFP4_BLOCK", "E4M3_MAX", "E2M1_MAX", "E2M1_VALUES",
            "quantize_fp8", "dequantize_fp8", "quantize_nvfp4", "dequantize_nvfp4",
@@ -50,13 +58,9 @@ __all__ = ["FORMATS", "QUANT_ALGO", "NVFP4_BLOCK", "E4M3_MAX", "E2M1_MAX", "E2M1
 
 FORMATS = ("fp8", "nvfp4")
 QUANT_ALGO = {"fp8": "FP8", "nvfp4": "NVFP4"}
-NVFP4_BLOCK = 16
-E4M3_MAX = 448.0
-E2M1_MAX = 6.0
-E4M3_MIN_SUBNORMAL = 2.0 ** -9
+NVFP4_BLOCK = BLOCK
 # E2M1 magnitudes by 3-bit code (1 exponent-bias-1 bit pair + 1 mantissa bit)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_E2M1_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(E2M1_VALUES, E2M1_VALUES[1:]))
 
 WEIGHT, SCALE, SCALE_2, INPUT_SCALE = ".weight", ".weight_scale", ".weight_scale_2", ".input_scale"
 _PROJ = r"(q_proj|k_proj|v_proj|o_proj|in_proj|out_proj|up_proj|down_proj)"
@@ -109,21 +113,7 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
 
 
 # ------------------------------------------------------------------------------ E2M1
-def round_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """E2M1 4-bit codes (uint8) of ``x``: nearest grid magnitude, a tie goes to the even code
-    (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4), beyond 6 saturates to 6;
-    bit 3 is the sign, set for every x < 0."""
-    mid = torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=x.device)
-    a = x.abs().float().contiguous()
-    down = torch.searchsorted(mid, a, right=False, out_int32=True)  # ties fall to the lower code
-    up = torch.searchsorted(mid, a, right=True, out_int32=True)  # ties rise to the upper code
-    code = torch.where(down == up, down, down + (down & 1))
-    return (code | ((x < 0).to(code.dtype) << 3)).to(torch.uint8)
-
-
-def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """Two 4-bit codes per byte along the last dim: element 2i low nibble, 2i+1 high nibble."""
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+# round_e2m1 / pack_e2m1 live with the NVFP4 kernel's reference (elastic_plugin/ops/_nvfp4.py).
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
@@ -155,14 +145,14 @@ def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     that the largest block scale is 448 and the block's largest value lands on 6. The input dim
     must divide by 16 (:func:`quantize_state_dict` leaves other tensors unquantized)."""
     gs = _positive(_amax(w) / (E2M1_MAX * E4M3_MAX))
-    blocks = _blocks(w.detach().float())
-    g = _per_expert(gs, blocks.dim() - 1)
-    block_scale = blocks.abs().amax(-1) / (E2M1_MAX * g)
-    block_scale = torch.where(block_scale == 0, torch.ones_like(block_scale), block_scale)
-    block_scale = block_scale.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
-    scaled = blocks / (block_scale.float() * g).unsqueeze(-1)
-    codes = round_e2m1(scaled.reshape(w.shape))
-    return pack_e2m1(codes), block_scale, gs
+    _blocks(w)  # the input dim must divide by 16
+    x = w.detach()
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    rows = x.reshape(-1, x.shape[-1])
+    row_scale = torch.broadcast_to(_per_expert(gs.float(), w.dim() - 1), w.shape[:-1])
+    packed, block_scale = nvfp4_quantize(rows, row_scale.reshape(-1).contiguous())
+    return (packed.reshape(*w.shape[:-1], -1), block_scale.reshape(*w.shape[:-1], -1), gs)
 
 
 def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
