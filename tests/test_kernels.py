@@ -406,3 +406,9 @@ def test_bench_gather_traffic_bound_counts_whole_lines() -> None:
     assert bench_gather.min_source_bytes(src, 1, kept) == 4 * 2 * 64
     assert bench_gather.min_source_bytes(src.t(), 0, kept) == 4 * 2 * 64  # rows of a transposed view
     assert bench_gather.min_source_bytes(src, 0, torch.tensor([3, 1])) == 2 * 64 * 4  # whole rows
+
+
+def test_gpu_check_script_is_valid_bash() -> None:
+    """scripts/gpu_check.sh is the one prepared call for a lent GPU: it must at least parse."""
+    proc = subprocess.run(["bash", "-n", str(REPO / "scripts" / "gpu_check.sh")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
