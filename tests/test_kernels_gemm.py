@@ -591,3 +591,16 @@ def test_bench_masked_gemm_runs_tiny() -> None:
     for row in rows:
         ratios = [v for key, v in row.items() if "/" in key]
         assert ratios and all(v > 0 for v in ratios), row
+
+
+def test_quantize_e4m3_never_divides_by_a_zero_scale() -> None:
+    """An amax so small that amax / 448 underflows (a nearly all-zero row) gets scale 1, like
+    an all-zero one, not a division by zero."""
+    from elastic_plugin.ops import quantize_e4m3
+
+    t = torch.tensor([[1e-44, 0.0], [0.0, 0.0], [0.5, -1.0]])
+    for scaling in ("tensor", "row"):
+        fp8, scales = quantize_e4m3(t[:2] if scaling == "tensor" else t, scaling)
+        assert torch.isfinite(fp8.float()).all() and (scales > 0).all(), (scaling, scales)
+    _, scales = quantize_e4m3(t, "row")
+    assert scales.flatten().tolist() == [1.0, 1.0, pytest.approx(1.0 / 448)]

@@ -45,7 +45,7 @@ def quantize_e4m3(t: torch.Tensor, scaling: str = "tensor", dim: int = -1,
                   amax_reduce: AmaxReduce = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``t`` to ``float8_e4m3fn``; return ``(fp8 values, fp32 scales)``.
 
-    ``scales = amax / 448`` (1 where amax is 0), and ``fp8.float() * scales`` dequantizes.
+    ``scales = amax / 448`` (1 where that is 0), and ``fp8.float() * scales`` dequantizes.
 
     Args:
         t: a floating-point tensor (float16, bfloat16, float32, float64).
@@ -86,7 +86,9 @@ def quantize_e4m3(t: torch.Tensor, scaling: str = "tensor", dim: int = -1,
             raise ValueError(f"{who}: amax_reduce must return a tensor of the amax's shape "
                              f"{list(amax.shape)}, got {getattr(reduced, 'shape', type(reduced).__name__)}")
         amax = reduced
-    scales = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # test the scale, not the amax: an amax below 448 x the smallest subnormal gives scale 0
+    scales = amax / E4M3_MAX
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
     # Clamp before the cast: out-of-range casts saturate in recent torch but are not promised to.
     fp8 = (values / scales).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return fp8, scales
