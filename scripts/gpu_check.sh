@@ -31,7 +31,7 @@ echo "built in ${SECONDS}s"; tail -3 "$OUT/build.log"
 
 echo "==> kernel tests"
 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_kernels.py tests/test_kernels_gemm.py \
-  tests/test_kernels_nvfp4.py 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1
+  tests/test_kernels_quantize.py 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1
 
 echo "==> benchmarks ($BENCH_DEVICE)"
 "$PY" bench/run_all.py --device "$BENCH_DEVICE" --only gather --only masked_gemm --only fp8_gemm \

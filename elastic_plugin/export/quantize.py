@@ -41,10 +41,11 @@ import torch
 
 from elastic_plugin import __version__
 from elastic_plugin.models.config import ConfigError
-from elastic_plugin.ops._nvfp4 import (
+from elastic_plugin.ops._quantize import (
     BLOCK,
     E2M1_MAX,
     E4M3_MAX,
+    fp8_quantize,
     nvfp4_quantize,
     pack_e2m1,
     round_e2m1,
@@ -97,13 +98,23 @@ def _per_expert(scale: torch.Tensor, ndim: int) -> torch.Tensor:
     return scale if scale.dim() == 0 else scale.view(-1, *([1] * (ndim - 1)))
 
 
+def _rows(w: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` as [rows, in] (float32 or bfloat16, as the quantize ops take it) and the scale of
+    each row: the tensor's one, or its expert's for a 3-D stack."""
+    x = w.detach()
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    per_row = torch.broadcast_to(_per_expert(scale.float(), w.dim() - 1), w.shape[:-1])
+    return x.reshape(-1, x.shape[-1]), per_row.reshape(-1).contiguous()
+
+
 # ------------------------------------------------------------------------------ FP8
 def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q float8_e4m3fn, scale fp32)`` with ``scale = amax / 448`` (0-d; shape [E] for a 3-D
     expert stack, one per expert) and ``q = w / scale`` rounded to nearest even E4M3."""
     scale = _positive(_amax(w) / E4M3_MAX)
-    scaled = w.detach().float() / _per_expert(scale, w.dim())
-    return scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+    rows, row_scale = _rows(w, scale)
+    return fp8_quantize(rows, row_scale).reshape(w.shape), scale
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
@@ -113,7 +124,7 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
 
 
 # ------------------------------------------------------------------------------ E2M1
-# round_e2m1 / pack_e2m1 live with the NVFP4 kernel's reference (elastic_plugin/ops/_nvfp4.py).
+# round_e2m1 / pack_e2m1 live with the NVFP4 kernel's reference (elastic_plugin.ops._quantize.py).
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
@@ -146,12 +157,7 @@ def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     must divide by 16 (:func:`quantize_state_dict` leaves other tensors unquantized)."""
     gs = _positive(_amax(w) / (E2M1_MAX * E4M3_MAX))
     _blocks(w)  # the input dim must divide by 16
-    x = w.detach()
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        x = x.float()
-    rows = x.reshape(-1, x.shape[-1])
-    row_scale = torch.broadcast_to(_per_expert(gs.float(), w.dim() - 1), w.shape[:-1])
-    packed, block_scale = nvfp4_quantize(rows, row_scale.reshape(-1).contiguous())
+    packed, block_scale = nvfp4_quantize(*_rows(w, gs))
     return (packed.reshape(*w.shape[:-1], -1), block_scale.reshape(*w.shape[:-1], -1), gs)
 
 

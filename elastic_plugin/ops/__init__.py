@@ -11,7 +11,12 @@ from elastic_plugin.ops._batched_gather import ordered_gather_many, reference_or
 from elastic_plugin.ops._fp8 import E4M3_MAX, dequantize_e4m3, fp8_prefix_linear, quantize_e4m3
 from elastic_plugin.ops._gather import ordered_gather, reference_ordered_gather
 from elastic_plugin.ops._masked_gemm import prefix_linear, reference_prefix_linear
-from elastic_plugin.ops._nvfp4 import nvfp4_quantize, reference_nvfp4_quantize
+from elastic_plugin.ops._quantize import (
+    fp8_quantize,
+    nvfp4_quantize,
+    reference_fp8_quantize,
+    reference_nvfp4_quantize,
+)
 from elastic_plugin.ops._loader import BACKENDS, DISABLE_ENV, INFO
 
 
@@ -39,6 +44,7 @@ __all__ = [
     "backend_info",
     "dequantize_e4m3",
     "fp8_prefix_linear",
+    "fp8_quantize",
     "nvfp4_quantize",
     "ordered_gather",
     "ordered_gather_many",
@@ -46,6 +52,7 @@ __all__ = [
     "quantize_e4m3",
     "reference_ordered_gather",
     "reference_ordered_gather_many",
+    "reference_fp8_quantize",
     "reference_nvfp4_quantize",
     "reference_prefix_linear",
 ]

@@ -1,15 +1,16 @@
-// NVFP4 weight quantization on CPU, one pass per 16-value block.
+// Export quantization of weights on CPU, in one pass (FP8 E4M3 and NVFP4).
 //
-// The PyTorch composition (elastic_plugin/ops/_nvfp4.py, the reference and fallback) makes
-// about twenty passes over the weight; this kernel reads each block once, finds its amax,
-// rounds its E4M3 block scale and writes the packed E2M1 codes, with the same fp32
-// arithmetic in the same order, so the bytes are identical (tests compare them bitwise).
+// The PyTorch compositions (elastic_plugin/ops/_quantize.py, the references and fallbacks)
+// make several passes over the weight (about twenty for NVFP4); these kernels read it once,
+// with the same fp32 arithmetic in the same order, so the bytes are identical (tests compare
+// them bitwise).
 //
-//   block_scale = e4m3(clamp(amax / (6 * g), 2^-9, 448))   (amax 0 -> scale 1)
-//   code        = e2m1(x / (float(block_scale) * g))       (round half to even code)
+//   fp8:    q           = e4m3(clamp(x / s, -448, 448))
+//   nvfp4:  block_scale = e4m3(clamp(amax / (6 * g), 2^-9, 448))   (amax 0 -> scale 1)
+//           code        = e2m1(x / (float(block_scale) * g))       (round half to even code)
 //
-// g is the global scale of the row's tensor (one per expert for a 3-D stack: the caller
-// passes it per row).  Non-finite weights are refused: their codes would be meaningless.
+// s / g is the scale of the row's tensor (one per expert for a 3-D stack: the caller passes
+// it per row).  Non-finite weights are refused: their codes would be meaningless.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -17,6 +18,7 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -88,17 +90,64 @@ void quantize_rows(const T* w, const float* row_scale, uint8_t* packed, c10::Flo
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> nvfp4_quantize_cpu(const at::Tensor& w, const at::Tensor& row_scale) {
-  TORCH_CHECK_VALUE(w.dim() == 2, "nvfp4_quantize: w must be 2-D [rows, cols], got ", w.dim(), "-D");
-  TORCH_CHECK_TYPE(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16,
-                   "nvfp4_quantize: w must be float32 or bfloat16, got ", w.scalar_type());
-  TORCH_CHECK_VALUE(w.size(1) % kBlock == 0, "nvfp4_quantize: cols must divide by ", kBlock, ", got ",
+// The argument checks both ops share (the Python front checks the same first).
+void check_weight_args(const char* op, const at::Tensor& w, const at::Tensor& row_scale, int64_t col_multiple) {
+  TORCH_CHECK_VALUE(w.dim() == 2, op, ": w must be 2-D [rows, cols], got ", w.dim(), "-D");
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, op,
+                   ": w must be float32 or bfloat16, got ", w.scalar_type());
+  TORCH_CHECK_VALUE(w.size(1) % col_multiple == 0, op, ": cols must divide by ", col_multiple, ", got ",
                     w.size(1));
-  TORCH_CHECK_TYPE(row_scale.scalar_type() == at::kFloat, "nvfp4_quantize: row_scale must be float32, got ",
+  TORCH_CHECK_TYPE(row_scale.scalar_type() == at::kFloat, op, ": row_scale must be float32, got ",
                    row_scale.scalar_type());
-  TORCH_CHECK_VALUE(row_scale.dim() == 1 && row_scale.size(0) == w.size(0),
-                    "nvfp4_quantize: row_scale must be 1-D of size rows=", w.size(0), ", got shape ",
-                    row_scale.sizes());
+  TORCH_CHECK_VALUE(row_scale.dim() == 1 && row_scale.size(0) == w.size(0), op,
+                    ": row_scale must be 1-D of size rows=", w.size(0), ", got shape ", row_scale.sizes());
+}
+
+void check_finite(const char* op, const std::atomic<bool>& non_finite) {
+  TORCH_CHECK_VALUE(!non_finite.load(), op, ": w has NaN or infinite values; their codes would be meaningless");
+}
+
+// Rows [begin, end) of `cols` values: q = e4m3(clamp(x / s, -448, 448)); true if a value is non-finite.
+template <typename T>
+bool fp8_rows(const T* w, const float* row_scale, c10::Float8_e4m3fn* out, int64_t cols, int64_t begin,
+              int64_t end) {
+  bool bad = false;
+  for (int64_t r = begin; r < end; ++r) {
+    const float s = row_scale[r];
+    const T* x = w + r * cols;
+    c10::Float8_e4m3fn* q = out + r * cols;
+    for (int64_t i = 0; i < cols; ++i) {
+      const float v = static_cast<float>(x[i]);
+      bad |= !(std::fabs(v) <= std::numeric_limits<float>::max());
+      const float scaled = v / s;
+      q[i] = c10::Float8_e4m3fn(scaled < -kE4M3Max ? -kE4M3Max : (scaled > kE4M3Max ? kE4M3Max : scaled));
+    }
+  }
+  return bad;
+}
+
+at::Tensor fp8_quantize_cpu(const at::Tensor& w, const at::Tensor& row_scale) {
+  check_weight_args("fp8_quantize", w, row_scale, 1);
+  const at::Tensor src = w.contiguous();
+  const at::Tensor scale = row_scale.contiguous();
+  const int64_t rows = src.size(0), cols = src.size(1);
+  at::Tensor out = at::empty({rows, cols}, src.options().dtype(at::kFloat8_e4m3fn));
+  auto* q = static_cast<c10::Float8_e4m3fn*>(out.data_ptr());
+  std::atomic<bool> non_finite{false};
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(cols, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    const bool bad = src.scalar_type() == at::kFloat
+        ? fp8_rows(src.const_data_ptr<float>(), scale.const_data_ptr<float>(), q, cols, begin, end)
+        : fp8_rows(static_cast<const c10::BFloat16*>(src.const_data_ptr()), scale.const_data_ptr<float>(), q,
+                   cols, begin, end);
+    if (bad) non_finite.store(true);
+  });
+  check_finite("fp8_quantize", non_finite);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> nvfp4_quantize_cpu(const at::Tensor& w, const at::Tensor& row_scale) {
+  check_weight_args("nvfp4_quantize", w, row_scale, kBlock);
   const at::Tensor src = w.contiguous();
   const at::Tensor scale = row_scale.contiguous();
   const int64_t rows = src.size(0), cols = src.size(1);
@@ -113,8 +162,7 @@ std::tuple<at::Tensor, at::Tensor> nvfp4_quantize_cpu(const at::Tensor& w, const
     quantize_rows(static_cast<const c10::BFloat16*>(src.const_data_ptr()),
                   scale.const_data_ptr<float>(), packed.data_ptr<uint8_t>(), bs, rows, cols, &non_finite);
   }
-  TORCH_CHECK_VALUE(!non_finite.load(), "nvfp4_quantize: w has NaN or infinite values; NVFP4 codes of "
-                    "those would be meaningless");
+  check_finite("nvfp4_quantize", non_finite);
   return {packed, block_scale};
 }
 
@@ -122,9 +170,11 @@ std::tuple<at::Tensor, at::Tensor> nvfp4_quantize_cpu(const at::Tensor& w, const
 }  // namespace elastic_plugin
 
 TORCH_LIBRARY_FRAGMENT(elastic_plugin, m) {
+  m.def("fp8_quantize(Tensor w, Tensor row_scale) -> Tensor", {at::Tag::pt2_compliant_tag});
   m.def("nvfp4_quantize(Tensor w, Tensor row_scale) -> (Tensor, Tensor)", {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(elastic_plugin, CPU, m) {
+  m.impl("fp8_quantize", &elastic_plugin::fp8_quantize_cpu);
   m.impl("nvfp4_quantize", &elastic_plugin::nvfp4_quantize_cpu);
 }
