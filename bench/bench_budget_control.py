@@ -43,8 +43,8 @@ SMALL = {"embedding": 0.75, "ffn": 0.5, "shared_ffn": 0.5, "attention_heads": 0.
 
 
 def _models(width: int):
-    from elastic_plugin.elastic.cost import model_for_choice
-    from elastic_plugin.inference import nested_model
+    from elastic_plugin.models.axes import model_for_choice
+    from elastic_plugin.nested.model import nested_model
     from elastic_plugin.models.counting import count_parameters
     from elastic_plugin.testing.inference_cases import tiny_config, tiny_inference_model
 

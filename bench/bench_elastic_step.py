@@ -92,7 +92,7 @@ def bench_model(name: str) -> BenchModel:
 def fraction_sizes(model_cfg, fraction: float, axes: tuple[str, ...] = SCALED_AXES) -> dict[str, int]:
     """Integer sizes of width fraction ``fraction`` on ``axes``, rounded as ``ElasticConfig``
     rounds fractions (nearest allowed multiple, at least the axis minimum); other axes full."""
-    from elastic_plugin.elastic.config import model_axes
+    from elastic_plugin.models.axes import model_axes
 
     sizes = {}
     for axis, (full, multiple, minimum, _, _) in model_axes(model_cfg).items():
@@ -131,7 +131,7 @@ def active_fraction(model_cfg, small_cfg) -> float:
 
 def fraction_for_budget(model_cfg, budget: float) -> float:
     """The width fraction (0.01 grid) whose active-parameter fraction is nearest ``budget``."""
-    from elastic_plugin.elastic.cost import model_for_choice
+    from elastic_plugin.models.axes import model_for_choice
 
     def gap(f: float) -> float:
         small = model_for_choice(model_cfg, fraction_sizes(model_cfg, f))
@@ -216,9 +216,9 @@ def measure(model_names: tuple[str, ...] = MODELS, fractions: tuple[float, ...] 
         raise ConfigError(f"target_budget={target_budget}; allowed: a fraction in (0, 1) or None")
     models = [bench_model(name) for name in model_names]  # bad names fail before any build
     from elastic_plugin.elastic.config import ElasticConfig
-    from elastic_plugin.elastic.cost import model_for_choice
-    from elastic_plugin.elastic.modules import elastify
-    from elastic_plugin.elastic.state import MASKED, SLICED, ElasticState, RankInfo
+    from elastic_plugin.models.axes import model_for_choice
+    from elastic_plugin.elastic.layers.modules import elastify
+    from elastic_plugin.elastic.layers.state import MASKED, SLICED, ElasticState, RankInfo
 
     _setup()
     rows: list[dict] = []

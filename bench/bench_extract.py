@@ -73,7 +73,7 @@ def _checkpoint(name: str, work: Path) -> Path:
 
 def run(quick: bool = False, reps: int | None = None, models: tuple[str, ...] | None = None
         ) -> list[dict]:
-    from elastic_plugin.elastic.extract import load_source, plan_extraction, run_extraction
+    from elastic_plugin.export.extract import load_source, plan_extraction, run_extraction
 
     reps = reps or (1 if quick else 3)
     models = models or (("tiny",) if quick else ("tiny", "wide"))

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _timing import interleaved_medians, synchronizer  # noqa: E402
 
-from elastic_plugin.elastic.fp8 import Fp8Recipe, fp8_linear  # noqa: E402
+from elastic_plugin.elastic.layers.fp8 import Fp8Recipe, fp8_linear  # noqa: E402
 from elastic_plugin.ops._fp8 import _scaled_mm_usable  # noqa: E402
 
 KEEP_FRACTIONS = (1.0, 0.77, 0.5)

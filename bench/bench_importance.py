@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -80,7 +79,7 @@ def run(device: str | None = None) -> list[dict]:
     if device not in (None, "cpu"):
         return []
     _setup()
-    from elastic_plugin.checkpointing import build_from_checkpoint
+    from elastic_plugin.checkpoint.io import build_from_checkpoint
     from elastic_plugin.importance import collect_importance
     from elastic_plugin.importance.prune import (
         importance_orders,

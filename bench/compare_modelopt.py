@@ -113,13 +113,14 @@ def in_group_agreement(a: torch.Tensor, b: torch.Tensor, groups: int) -> tuple[f
 # ------------------------------------------------------------------------------ model/data
 def _load_checkpoint_fn() -> tuple[Callable, Callable]:
     try:
-        from elastic_plugin.checkpointing import load_checkpoint, read_meta
+        from elastic_plugin.checkpoint.io import load_checkpoint
+        from elastic_plugin.checkpoint.meta import read_checkpoint_meta
     except ImportError:  # older layout
         from elastic_plugin.training.teacher import load_checkpoint
 
-        def read_meta(ckpt_dir):
+        def read_checkpoint_meta(ckpt_dir):
             return json.loads((Path(ckpt_dir) / "elastic_meta.json").read_text())
-    return load_checkpoint, read_meta
+    return load_checkpoint, read_checkpoint_meta
 
 
 def build_model(args: argparse.Namespace):
@@ -130,8 +131,8 @@ def build_model(args: argparse.Namespace):
     initialize_layout(Layout(), seed=args.seed)
     meta = None
     if args.ckpt:
-        load_checkpoint, read_meta = _load_checkpoint_fn()
-        meta = read_meta(args.ckpt)
+        load_checkpoint, read_checkpoint_meta = _load_checkpoint_fn()
+        meta = read_checkpoint_meta(args.ckpt)
         cfg = config_from_dict(meta["config"], source=f"{args.ckpt}/elastic_meta.json")
     else:
         cfg = load_config(args.config)
@@ -166,10 +167,10 @@ def calibration_batches(args: argparse.Namespace, vocab_size: int) -> list[dict[
 
 @torch.no_grad()
 def mean_loss(model, batches, seq: int, mbs: int) -> float:
-    from elastic_plugin.training.step import _reduce_reports, _run_schedule
+    from elastic_plugin.training.step import _reduce_reports, run_schedule
 
     model.eval()
-    reports = _run_schedule([model], iter(batches), len(batches), seq, mbs, forward_only=True)
+    reports = run_schedule([model], iter(batches), len(batches), seq, mbs, forward_only=True)
     model.train()
     return float(_reduce_reports(reports))
 

@@ -15,17 +15,17 @@ def _register_all(subparsers: argparse._SubParsersAction) -> None:
     from elastic_plugin import info
     from elastic_plugin.data import cli as data_cli
     from elastic_plugin.elastic import cli as elastic_cli
-    from elastic_plugin.elastic import extract_cli
-    from elastic_plugin.elastic import inspect_cli
     from elastic_plugin.evaluation import cli as evaluate_cli
     from elastic_plugin.export import cli as export_cli
-    from elastic_plugin.inference import cli as generate_cli
     from elastic_plugin.importance import cli as importance_cli
+    from elastic_plugin.inference import cli as generate_cli
     from elastic_plugin.models import cli as models_cli
+    from elastic_plugin.nested import cli as inspect_cli
     from elastic_plugin.training import cli as training_cli
 
+    # data-flow order; export's module registers `extract` and `export`
     for module in (models_cli, info, data_cli, training_cli, importance_cli, elastic_cli,
-                   inspect_cli, extract_cli, export_cli, evaluate_cli, generate_cli):
+                   inspect_cli, export_cli, evaluate_cli, generate_cli):
         module.register_subcommand(subparsers)
 
 

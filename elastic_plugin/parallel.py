@@ -14,6 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elastic_plugin.compat.rendezvous import free_port
 from elastic_plugin.models.config import ConfigError, ModelConfig, ParallelConfig
 
 
@@ -59,10 +60,20 @@ def init_distributed(backend: str | None = None, timeout_s: int = 600) -> None:
     if "RANK" in os.environ:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         return
-    from elastic_plugin.testing.multirank import free_port
-
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1, timeout=timedelta(seconds=timeout_s))
+
+
+def is_rank0() -> bool:
+    """True on global rank 0, and in a process that never joined a process group: the rank
+    that prints, plots and writes shared files."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for outside a process group)."""
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def initialize_layout(layout: Layout, seed: int = 1234) -> None:

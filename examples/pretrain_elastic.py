@@ -248,7 +248,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     import torch
     from megatron.training import get_args
 
-    from elastic_plugin.checkpointing import load_checkpoint
+    from elastic_plugin.checkpoint.io import load_checkpoint
     from elastic_plugin.elastic.cost import ElasticCost
     from elastic_plugin.elastic.model import attach_elastic
     from elastic_plugin.elastic.router import AnnealSchedule

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from bench import bench_elastic_step as bench
-from elastic_plugin.elastic.cost import model_for_choice
+from elastic_plugin.models.axes import model_for_choice
 from elastic_plugin.models.config import ConfigError
 
 pytestmark = [pytest.mark.elastic]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_plugin.testing.multirank import free_port
+from elastic_plugin.compat.rendezvous import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "configs" / "tiny.yaml"

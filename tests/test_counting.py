@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from elastic_plugin.models.cli import main
-from elastic_plugin.models.config import ConfigError, load_config
+from elastic_plugin.models.config import ConfigError
 from elastic_plugin.models.counting import (
     COMPONENTS,
     component_of_parameter,

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from elastic_plugin.testing.multirank import free_port
+from elastic_plugin.compat.rendezvous import free_port
 
 pytestmark = pytest.mark.elastic
 

@@ -18,15 +18,10 @@ import torch
 import yaml
 
 from elastic_plugin.elastic.args import add_elastic_args, elastic_config_from_args, load_elastic_yaml
-from elastic_plugin.elastic.config import (
-    ELASTIC_AXES,
-    AxisSpec,
-    CurriculumStage,
-    ElasticConfig,
-    MemorySpec,
-    RouterConfig,
-)
-from elastic_plugin.elastic.cost import ElasticCost, model_for_choice
+from elastic_plugin.models.axes import ELASTIC_AXES
+from elastic_plugin.elastic.config import AxisSpec, CurriculumStage, ElasticConfig, MemorySpec, RouterConfig
+from elastic_plugin.elastic.cost import ElasticCost
+from elastic_plugin.models.axes import model_for_choice
 from elastic_plugin.models.config import ConfigError, load_config
 from elastic_plugin.models.counting import count_parameters, count_parameters_per_layer
 

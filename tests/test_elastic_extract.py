@@ -61,7 +61,7 @@ def extract_case(workdir: str) -> dict:
     from megatron.core import dist_checkpointing
 
     from elastic_plugin.elastic.config import ElasticConfig
-    from elastic_plugin.elastic.extract import extract_nested
+    from elastic_plugin.export.extract import extract_nested
     from elastic_plugin.elastic.model import build_elastic_chunks, router_of
     from elastic_plugin.models.config import ConfigError
     from elastic_plugin.parallel import Layout, initialize_layout
@@ -163,7 +163,7 @@ def extracted(rank_pools, tmp_path_factory):
 
 @pytest.mark.multirank
 def test_extracted_model_is_plain_megatron_with_the_elastic_logits(extracted):
-    from elastic_plugin.elastic.cost import model_for_choice
+    from elastic_plugin.models.axes import model_for_choice
     from elastic_plugin.models.config import load_config
     from elastic_plugin.models.counting import count_parameters
 
@@ -236,7 +236,7 @@ def _fake_ckpt(path: Path, **meta_changes) -> Path:
 
 @pytest.fixture
 def no_extraction(monkeypatch):
-    import elastic_plugin.elastic.extract_cli as cli
+    import elastic_plugin.export.cli as cli
 
     def refuse(*_args, **_kwargs):
         raise AssertionError("bad input reached the extraction")
@@ -292,7 +292,7 @@ def test_bad_input_exits_2_with_clear_messages_and_writes_nothing(tmp_path, no_e
         assert not out.exists() and not Path(str(out) + ".tmp").exists()
     assert sorted(p.name for p in full_dir.iterdir()) == ["x"]
     # the same interpolated request is accepted at the input stage (the empty --out is fine too)
-    from elastic_plugin.elastic.extract import plan_extraction
+    from elastic_plugin.export.extract import plan_extraction
 
     plan = plan_extraction(good, 0.6, tmp_path / "empty", interpolate=True)
     assert plan.choice is None and plan.budget == 0.6

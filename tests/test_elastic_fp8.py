@@ -31,7 +31,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("scaling", ["tensor", "row"])
 def test_fp8_linear_forward_is_the_op_and_backward_is_straight_through(scaling):
     from elastic_plugin import ops
-    from elastic_plugin.elastic.fp8 import Fp8Recipe, fp8_linear
+    from elastic_plugin.elastic.layers.fp8 import Fp8Recipe, fp8_linear
 
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(24, 40, generator=gen, requires_grad=True)
@@ -53,7 +53,7 @@ def test_fp8_linear_forward_is_the_op_and_backward_is_straight_through(scaling):
 
 
 def test_recipe_and_context_errors_name_the_allowed_values():
-    from elastic_plugin.elastic.fp8 import active_recipe, fp8_gemm
+    from elastic_plugin.elastic.layers.fp8 import active_recipe, fp8_gemm
 
     with pytest.raises(ValueError, match=r"scaling must be one of \('tensor', 'row'\)"):
         with fp8_gemm("e5m2"):
@@ -97,8 +97,8 @@ def setup():
 def test_sliced_fp8_model_equals_the_extracted_model_in_fp8(setup, scaling):
     """The sliced forward quantizes each active block with the block's own amax: exactly what
     the extracted nested model (holding only those blocks) computes in FP8."""
-    from elastic_plugin.elastic.fp8 import fp8_gemm
-    from elastic_plugin.inference.nested import nested_model
+    from elastic_plugin.elastic.layers.fp8 import fp8_gemm
+    from elastic_plugin.nested.model import nested_model
     from elastic_plugin.testing.elastic_model import make_elastic
 
     model, model_cfg, state, resolved, tokens, position = setup
@@ -126,7 +126,7 @@ def test_sliced_fp8_model_equals_the_extracted_model_in_fp8(setup, scaling):
 def test_every_block_linear_runs_fp8_but_not_the_output_layer(setup, monkeypatch):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    from elastic_plugin.elastic import fp8
+    from elastic_plugin.elastic.layers import fp8
 
     model, _, state, resolved, tokens, position = setup
     # a linear asks runs_fp8(itself) right before its GEMM: attribute each FP8 GEMM to the last
@@ -168,7 +168,7 @@ def test_scaled_mm_path_equals_the_emulation_and_gradients_flow(setup, monkeypat
     """method='scaled_mm' is the CUDA path without Transformer Engine; torch runs it on CPU too.
     Every GEMM of the model is checked against the emulation on the same inputs (through the
     whole model, a last-bit difference can flip an E4M3 rounding and grow layer by layer)."""
-    from elastic_plugin.elastic.fp8 import fp8_gemm
+    from elastic_plugin.elastic.layers.fp8 import fp8_gemm
     from elastic_plugin.ops import _fp8 as fp8_ops
 
     model, _, state, resolved, tokens, position = setup

@@ -15,8 +15,9 @@ import pytest
 
 from elastic_plugin.cli import main
 from elastic_plugin.elastic.config import ElasticConfig, MemorySpec
-from elastic_plugin.elastic.cost import BYTES_PER_PARAM, ElasticCost, model_for_choice
-from elastic_plugin.elastic.inspect_cli import compact_sizes, inspect_checkpoint
+from elastic_plugin.elastic.cost import BYTES_PER_PARAM, ElasticCost
+from elastic_plugin.models.axes import model_for_choice
+from elastic_plugin.nested.cli import compact_sizes, inspect_checkpoint
 from elastic_plugin.models.config import load_config
 from elastic_plugin.models.counting import count_parameters
 

@@ -69,7 +69,7 @@ def test_cleared_state_is_megatrons_forward(setup):
     {"embedding"}, {"ffn"}, {"shared_ffn"}, {"attention_heads"}, {"mamba_heads"},
     {"mamba_head_dim"}, {"experts"}, set(SIZES)])
 def test_sliced_equals_masked_for_a_hard_choice(setup, small):
-    from elastic_plugin.elastic.state import MASKED, SLICED
+    from elastic_plugin.elastic.layers.state import MASKED, SLICED
 
     model, state, resolved, tokens, position, reference = setup
     probs = _one_hot(resolved, small)
@@ -89,7 +89,7 @@ def test_sliced_mode_computes_less(setup):
     """The sliced GEMMs really shrink: count multiply-adds through the ops' shapes."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from elastic_plugin.elastic.state import MASKED, SLICED
+    from elastic_plugin.elastic.layers.state import MASKED, SLICED
 
     model, state, resolved, tokens, position, _ = setup
     probs = _one_hot(resolved, set(SIZES))
@@ -104,7 +104,7 @@ def test_sliced_mode_computes_less(setup):
 
 
 def test_soft_masks_give_every_axis_a_router_gradient(setup):
-    from elastic_plugin.elastic.state import MASKED
+    from elastic_plugin.elastic.layers.state import MASKED
 
     model, state, resolved, tokens, position, _ = setup
     probs = {}
@@ -120,7 +120,7 @@ def test_soft_masks_give_every_axis_a_router_gradient(setup):
 
 
 def test_switched_off_experts_get_no_tokens(setup):
-    from elastic_plugin.elastic.state import SLICED
+    from elastic_plugin.elastic.layers.state import SLICED
 
     model, state, resolved, tokens, position, _ = setup
     routers = [layer.mlp.router for layer in model.decoder.layers

@@ -1,4 +1,4 @@
-"""Elastic Mamba mixer (``elastic_plugin.elastic.mamba``) on a real Megatron ``MambaMixer``:
+"""Elastic Mamba mixer (``elastic_plugin.elastic.layers.mamba``) on a real Megatron ``MambaMixer``:
 full width == Megatron's forward; sliced == masked with hard masks; sliced == a genuinely
 smaller mixer holding the active blocks; mask gradients == finite differences; TP=2 + SP ==
 the single-rank result. Cases run in the shared rank pools (``elastic_mamba_cases``)."""

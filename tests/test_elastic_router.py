@@ -296,7 +296,7 @@ def _opinionated_router(tiny):
     router perturbed so it has opinions (not the near-uniform init)."""
     from elastic_plugin.elastic.config import ElasticConfig
     from elastic_plugin.elastic.cost import ElasticCost
-    from elastic_plugin.elastic.model import make_router
+    from elastic_plugin.elastic.router import make_router
 
     resolved = ElasticConfig.from_dict({
         "budgets": [1.0, 0.77, 0.4],

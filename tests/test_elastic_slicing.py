@@ -61,8 +61,8 @@ def _param_count(sliced: dict, module: torch.nn.Module) -> int:
 
 @pytest.mark.parametrize("choice", CHOICES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_sliced_plain_model_equals_elastic(setup, choice):
-    from elastic_plugin.elastic.cost import model_for_choice
-    from elastic_plugin.elastic.slicing import sliced_state_dict
+    from elastic_plugin.models.axes import model_for_choice
+    from elastic_plugin.nested.slicing import sliced_state_dict
     from elastic_plugin.models.counting import count_parameters
 
     cfg, model, state, _, tokens, position = setup
@@ -90,8 +90,8 @@ def test_sliced_plain_model_equals_elastic(setup, choice):
 
 
 def test_full_choice_is_the_original(setup):
-    from elastic_plugin.elastic.cost import model_for_choice
-    from elastic_plugin.elastic.slicing import sliced_state_dict
+    from elastic_plugin.models.axes import model_for_choice
+    from elastic_plugin.nested.slicing import sliced_state_dict
 
     cfg, model, state, resolved, tokens, position = setup
     full_choice = resolved.full_choice()
@@ -115,8 +115,8 @@ def test_full_choice_is_the_original(setup):
 def test_wrong_block_is_detected(setup):
     """The comparison is sharp: the same shapes with the *last* query head of every group in
     place of the first (what a slice ignoring the per-group layout would take) change the logits."""
-    from elastic_plugin.elastic.cost import model_for_choice
-    from elastic_plugin.elastic.slicing import sliced_state_dict
+    from elastic_plugin.models.axes import model_for_choice
+    from elastic_plugin.nested.slicing import sliced_state_dict
 
     cfg, model, state, _, tokens, position = setup
     choice = {"attention_heads": 2}
@@ -140,7 +140,7 @@ def test_heterogeneous_shapes(setup):
     """Per-layer sizes: each layer's shapes follow its size, and its tensors are those of the
     homogeneous extraction at that size; the parameter count is the cost model's."""
     from elastic_plugin.elastic.cost import ElasticCost
-    from elastic_plugin.elastic.slicing import sliced_state_dict
+    from elastic_plugin.nested.slicing import sliced_state_dict
 
     cfg, model, _, resolved, _, _ = setup
     spec = resolved.axes
@@ -203,7 +203,7 @@ def test_heterogeneous_shapes(setup):
     ({"vision_heads": 2}, "vision_heads"),         # unknown axis
 ])
 def test_bad_choice_names_the_axis(setup, choice, axis):
-    from elastic_plugin.elastic.slicing import sliced_state_dict
+    from elastic_plugin.nested.slicing import sliced_state_dict
     from elastic_plugin.models.config import ConfigError
 
     cfg, model, _, _, _, _ = setup
@@ -214,7 +214,7 @@ def test_bad_choice_names_the_axis(setup, choice, axis):
 def test_model_not_matching_config(setup):
     import dataclasses
 
-    from elastic_plugin.elastic.slicing import sliced_state_dict
+    from elastic_plugin.nested.slicing import sliced_state_dict
     from elastic_plugin.models.config import ConfigError
 
     cfg, model, _, _, _, _ = setup
@@ -230,8 +230,8 @@ def test_slicing_and_reorder_run_on_the_csrc_gather_ops(setup, monkeypatch):
     copy of the model computes the same logits, and undoing the permutation restores every
     weight bit for bit."""
     import elastic_plugin.ops as ops
-    from elastic_plugin.elastic.slicing import sliced_state_dict
-    from elastic_plugin.importance.reorder import Permutations, _within_groups, apply_permutations
+    from elastic_plugin.nested.slicing import sliced_state_dict
+    from elastic_plugin.importance.reorder import Permutations, within_groups, apply_permutations
 
     cfg, model, state, _, tokens, position = setup
     calls = {"ordered_gather": 0, "ordered_gather_many": []}
@@ -260,7 +260,7 @@ def test_slicing_and_reorder_run_on_the_csrc_gather_ops(setup, monkeypatch):
     for number, layer in enumerate(plain.decoder.layers, start=1):
         if type(layer).__name__ == "MambaLayer":
             perms.mamba_channels[number] = torch.randperm(cfg.mamba_head_dim, generator=gen)
-            perms.mamba_heads[number] = _within_groups(
+            perms.mamba_heads[number] = within_groups(
                 torch.rand(cfg.mamba_num_heads, generator=gen), cfg.mamba_num_groups)
         if type(layer).__name__ == "MLPLayer":
             perms.ffn[number] = torch.randperm(cfg.ffn_hidden_size, generator=gen)

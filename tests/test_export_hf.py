@@ -85,7 +85,7 @@ def test_a_wrong_layout_is_caught(plain, tmp_path):
 def test_bad_models_and_flags_are_refused_naming_the_field(tiny, tmp_path):
     import dataclasses
 
-    from elastic_plugin.elastic.extract import _check_format
+    from elastic_plugin.export.extract import _check_format
     from elastic_plugin.export.hf_compat import check_hf_compatible
     from elastic_plugin.models.config import ConfigError
 
@@ -172,10 +172,10 @@ def test_interrupted_hf_export_leaves_no_output(exported):
 def test_cli_flags_are_checked_before_loading(tmp_path, monkeypatch, capsys):
     """extract --format/--dtype/--quantize and export's own flags: exit 2 naming the flag,
     nothing written; a per-layer budget is accepted for --format hf."""
-    import elastic_plugin.elastic.extract_cli as extract_cli
+    import elastic_plugin.export.cli as extract_cli
     import elastic_plugin.export.report as report
     from elastic_plugin.cli import main
-    from elastic_plugin.elastic.extract import plan_extraction
+    from elastic_plugin.export.extract import plan_extraction
     from tests.test_elastic_extract import _fake_ckpt
 
     def refuse(*_args, **_kwargs):

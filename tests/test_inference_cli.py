@@ -68,9 +68,9 @@ def generate_case(workdir: str) -> dict:
     """1 rank: train a tiny elastic checkpoint, run the command in every mode, and the library
     calls it should equal."""
     from elastic_plugin.data.tokenizer import JsonTokenizer
-    from elastic_plugin.elastic.extract import extract_nested
-    from elastic_plugin.inference import (budget_control_generate, capped_thinking_generate,
-                                          generate, load_nested_models)
+    from elastic_plugin.export.extract import extract_nested
+    from elastic_plugin.inference import budget_control_generate, capped_thinking_generate, generate
+    from elastic_plugin.nested.model import load_nested_models
     from elastic_plugin.testing.export_cases import train_checkpoint
 
     work = Path(workdir)

@@ -241,7 +241,8 @@ def elastic():
 
 
 def test_nested_model_generates_like_the_elastic_forward(elastic):
-    from elastic_plugin.inference import generate, nested_model, recompute_generate
+    from elastic_plugin.inference import generate, recompute_generate
+    from elastic_plugin.nested.model import nested_model
 
     model, cfg, state = elastic
     prompts = random_prompts([6, 20, 2], cfg.vocab_size, seed=8)
@@ -267,8 +268,9 @@ def test_load_nested_model_from_checkpoint(elastic, tmp_path):
     budgets and a budget for a non-elastic checkpoint are refused."""
     from dataclasses import asdict
 
-    from elastic_plugin.checkpointing import save_checkpoint
-    from elastic_plugin.inference import generate, load_nested_model, nested_model
+    from elastic_plugin.checkpoint.io import save_checkpoint
+    from elastic_plugin.inference import generate
+    from elastic_plugin.nested.model import load_nested_model, nested_model
     from elastic_plugin.models.config import load_config
     from elastic_plugin.parallel import Layout
     from elastic_plugin.testing.inference_cases import TINY_CONFIG
@@ -306,8 +308,8 @@ def test_budget_control_thinks_small_and_answers_full(elastic):
     """Thinking = the small model's greedy tokens up to its first ``</think>`` (or forced after
     the thinking budget); the answer = the full model's greedy continuation of prompt +
     thinking, computed here by full recompute."""
-    from elastic_plugin.inference import (budget_control_generate, generate, nested_model,
-                                          recompute_generate)
+    from elastic_plugin.inference import budget_control_generate, generate, recompute_generate
+    from elastic_plugin.nested.model import nested_model
 
     model, cfg, state = elastic
     state.clear()

@@ -14,17 +14,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from elastic_plugin.elastic.config import (
-    BUDGET_METRICS,
-    ELASTIC_AXES,
-    FP8_GEMMS,
-    FREEZE_SELECTS,
-    MODES,
-    PRECISIONS,
-    TEACHERS,
-    ElasticConfig,
-    parse_curriculum,
-)
+from elastic_plugin.elastic.config import BUDGET_METRICS, FP8_GEMMS, FREEZE_SELECTS, MODES, PRECISIONS, TEACHERS, ElasticConfig, parse_curriculum
+from elastic_plugin.models.axes import ELASTIC_AXES
 from elastic_plugin.models.config import ConfigError
 
 _EXPERIMENT_SECTIONS = {"model", "parallel", "training", "data", "elastic"}

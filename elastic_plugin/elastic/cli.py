@@ -25,10 +25,11 @@ from typing import Any
 
 from elastic_plugin.elastic.args import add_elastic_args, elastic_config_from_args
 from elastic_plugin.models.config import ConfigError, ExperimentConfig, config_from_dict, load_config
-from elastic_plugin.elastic.meta import CHECKPOINT_META, ELASTIC_SUBDIR, read_checkpoint_meta
+from elastic_plugin.checkpoint.meta import CHECKPOINT_META, ELASTIC_SUBDIR, read_checkpoint_meta
 from elastic_plugin.elastic.schedule import ElasticSchedule
 from elastic_plugin.parallel import Layout
-from elastic_plugin.training.cli import add_layout_args, check_data_path_args, layout_from_args
+from elastic_plugin.cli_args import add_layout_args, check_data_path_args, layout_from_args
+from elastic_plugin.cli_args import start_ranks
 
 from elastic_plugin.cli_errors import report_bad_input
 PROG = "elastic-plugin elastic-train"
@@ -390,11 +391,7 @@ def run_elastic_train(args: argparse.Namespace) -> int:
 
 def _train(inputs: ElasticInputs, args: argparse.Namespace) -> int:
     """The heavy part: process group, data, model, training (every rank)."""
-    from elastic_plugin.compat import enable_cpu_megatron
-    from elastic_plugin.parallel import init_distributed
-
-    enable_cpu_megatron()
-    init_distributed()
+    start_ranks()
     import torch.distributed as dist
 
     from elastic_plugin.data.indexed import batch_iterator

@@ -28,10 +28,9 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Sequence
 
+from elastic_plugin.models.axes import ELASTIC_AXES, model_axes, multiple_name
 from elastic_plugin.models.config import ConfigError, ModelConfig
 
-ELASTIC_AXES: tuple[str, ...] = ("embedding", "ffn", "shared_ffn", "attention_heads",
-                                 "mamba_heads", "mamba_head_dim", "experts")
 DEFAULT_FRACTIONS: tuple[float, ...] = (1.0, 0.75, 0.5)
 BUDGET_METRICS: tuple[str, ...] = ("total_params", "active_params", "memory")
 PRECISIONS: tuple[str, ...] = ("bf16", "fp8", "nvfp4")
@@ -466,34 +465,6 @@ class ResolvedElastic:
         return self.axes[axis]
 
 
-def model_axes(model: ModelConfig, tp: int = 1, ep: int = 1
-               ) -> dict[str, tuple[int, int, int, tuple[int, ...], str]]:
-    """The axes ``model`` has: name -> (full, multiple, minimum, layer numbers, unit)."""
-    numbers: dict[str, tuple[int, ...]] = {
-        kind: tuple(i + 1 for i, k in enumerate(model.layer_types) if k == kind)
-        for kind in ("mamba", "attention", "mlp", "moe")}
-    axes: dict[str, tuple[int, int, int, tuple[int, ...], str]] = {
-        "embedding": (model.hidden_size, 1, 1, (), "hidden channels")}
-    if numbers["mlp"]:
-        axes["ffn"] = (model.ffn_hidden_size, tp, tp, numbers["mlp"], "dense-MLP neurons")
-    if numbers["moe"] and model.moe_shared_expert_intermediate_size:
-        axes["shared_ffn"] = (model.moe_shared_expert_intermediate_size, tp, tp, numbers["moe"],
-                              "shared-expert neurons")
-    if numbers["attention"]:
-        g = model.query_groups
-        axes["attention_heads"] = (model.num_attention_heads, g, g, numbers["attention"],
-                                   "query heads")
-    if numbers["mamba"]:
-        g = model.mamba_num_groups
-        axes["mamba_heads"] = (model.mamba_num_heads, g, g, numbers["mamba"], "Mamba heads")
-        axes["mamba_head_dim"] = (model.mamba_head_dim, 1, 1, numbers["mamba"],
-                                  "channels per Mamba head")
-    if numbers["moe"]:
-        smallest = ep * math.ceil(model.moe_router_topk / ep)
-        axes["experts"] = (model.num_moe_experts, ep, smallest, numbers["moe"], "routed experts")
-    return {name: axes[name] for name in ELASTIC_AXES if name in axes}
-
-
 def _why_absent(axis: str) -> str:
     return {
         "ffn": "no '-' (dense MLP) layers",
@@ -505,25 +476,13 @@ def _why_absent(axis: str) -> str:
     }.get(axis, "")
 
 
-def _multiple_name(axis: str, model: ModelConfig) -> str:
-    return {
-        "ffn": "the tensor-parallel size",
-        "shared_ffn": "the tensor-parallel size",
-        "attention_heads": f"model.num_query_groups={model.query_groups} (heads are nested "
-                           "within each query group)",
-        "mamba_heads": f"model.mamba_num_groups={model.mamba_num_groups} (heads are nested "
-                       "within each Mamba group)",
-        "experts": "the expert-parallel size",
-    }.get(axis, "1")
-
-
 def _resolve_candidates(axis: str, given: tuple[int | float, ...] | None, full: int,
                         multiple: int, minimum: int, model: ModelConfig) -> tuple[int, ...]:
     """Fractions round to the nearest allowed multiple (never 0); ints must already be allowed.
     Defaults clamp to the smallest allowed size and drop duplicates; explicit sizes must be
     distinct after rounding (two fractions that give the same width train one model twice)."""
     name = f"sizes.{axis}"
-    allowed = (f"allowed: multiples of {multiple} ({_multiple_name(axis, model)}) in "
+    allowed = (f"allowed: multiples of {multiple} ({multiple_name(axis, model)}) in "
                f"[{minimum}, {full}]")
     if axis == "experts" and minimum > multiple:
         allowed += f" (at least model.moe_router_topk={model.moe_router_topk})"

@@ -27,17 +27,12 @@ Everything is computed in float64: integer counts stay exact (< 2**53), so ``of_
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Mapping, Sequence
 
 import torch
 
-from elastic_plugin.elastic.config import (
-    BUDGET_METRICS,
-    ELASTIC_AXES,
-    MemorySpec,
-    ResolvedElastic,
-)
+from elastic_plugin.elastic.config import BUDGET_METRICS, MemorySpec, ResolvedElastic
+from elastic_plugin.models.axes import MODEL_FIELD
 from elastic_plugin.models.config import ConfigError, ModelConfig
 
 BYTES_PER_PARAM: dict[str, float] = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1.0 / 16}
@@ -175,15 +170,6 @@ class ElasticCost:
         return common + experts * one_expert, common + m.moe_router_topk * one_expert
 
 
-MODEL_FIELD: dict[str, str] = {
-    "embedding": "hidden_size", "ffn": "ffn_hidden_size",
-    "shared_ffn": "moe_shared_expert_intermediate_size",
-    "attention_heads": "num_attention_heads", "mamba_heads": "mamba_num_heads",
-    "mamba_head_dim": "mamba_head_dim", "experts": "num_moe_experts",
-}  # axis -> the ModelConfig field it scales
-assert tuple(MODEL_FIELD) == ELASTIC_AXES
-
-
 def _layers(per_layer: Number, count: int) -> Number:
     """Sum a per-layer cost: a 0-d value is the same for all ``count`` layers."""
     return per_layer.sum() if per_layer.dim() == 1 else per_layer * count
@@ -193,18 +179,3 @@ def _full_size(model: ModelConfig, axis: str) -> int:
     return getattr(model, MODEL_FIELD[axis])
 
 
-def model_for_choice(model: ModelConfig, choice: Mapping[str, int]) -> ModelConfig:
-    """The plain (non-elastic) ModelConfig of a homogeneous integer choice: what extraction
-    writes. Query groups and the attention head dim stay as in the original (only query heads
-    are elastic; ``kv_channels`` is set explicitly so it no longer follows hidden/heads)."""
-    changes: dict[str, int] = {}
-    for axis, value in choice.items():
-        if axis not in MODEL_FIELD:
-            raise ConfigError(f"choice axis {axis!r}; allowed: {', '.join(ELASTIC_AXES)}")
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"choice[{axis!r}]={value!r}; allowed: a positive integer")
-        changes[MODEL_FIELD[axis]] = value
-    if model.num_attention_heads:
-        changes["kv_channels"] = model.head_dim
-        changes["num_query_groups"] = model.query_groups
-    return dataclasses.replace(model, **changes).validate()

@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from elastic_plugin.elastic.config import ResolvedElastic
+from elastic_plugin.checkpoint.meta import budget_label
 
 __all__ = ["FREEZE_TOLERANCE", "constrained_choice", "constrained_table", "feasible_choices",
            "loss_selected_table"]
@@ -77,7 +78,7 @@ def constrained_choice(router, resolved: ResolvedElastic, cost, budget: float,
 def constrained_table(router, resolved: ResolvedElastic, cost,
                       tolerance: float = FREEZE_TOLERANCE) -> dict[str, Choice]:
     """Budget label -> :func:`constrained_choice` (homogeneous routers)."""
-    return {f"{b:g}": constrained_choice(router, resolved, cost, b, tolerance)
+    return {budget_label(b): constrained_choice(router, resolved, cost, b, tolerance)
             for b in resolved.budgets}
 
 
@@ -94,7 +95,7 @@ def loss_selected_table(router, resolved: ResolvedElastic, cost,
     table: dict[str, Choice] = {}
     search: dict[str, dict[str, Any]] = {}
     for budget in resolved.budgets:
-        label = f"{budget:g}"
+        label = budget_label(budget)
         ranked = by_likelihood(router, resolved, budget,
                                feasible_choices(resolved, cost, budget, tolerance))
         ranked = ranked[:candidates] if candidates is not None else ranked

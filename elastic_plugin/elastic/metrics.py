@@ -16,6 +16,8 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from elastic_plugin.checkpoint.meta import budget_label
+
 METRICS_FILE = "elastic_metrics.jsonl"
 LOSS_PLOT = "elastic_loss.png"
 ROUTER_PLOT = "elastic_router.png"
@@ -28,7 +30,7 @@ _BUDGET_SECTIONS = {"train_loss": "loss", "budget_loss": "budget_loss", "valid_l
 def budget_key(budget: Any) -> str:
     """One spelling per budget (``0.77`` → ``"0.77"``), so JSON keys and tags stay stable."""
     try:
-        return f"{float(budget):g}"
+        return budget_label(budget)
     except (TypeError, ValueError):
         return str(budget)
 

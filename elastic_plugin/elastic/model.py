@@ -20,40 +20,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_plugin.elastic.router import BudgetRouter
-from elastic_plugin.elastic.state import ElasticState, RankInfo
-from elastic_plugin.elastic.modules import elastify
-
-ROUTER_ATTR = "elastic_router"
-
-
-class RouterModule(torch.nn.Module):
-    """Holds the ``BudgetRouter``; checkpoints it as one replicated copy (main replica: the
-    rank at pipeline, tensor and data-parallel position 0)."""
-
-    def __init__(self, router: BudgetRouter) -> None:
-        super().__init__()
-        self.router = router
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
-        from megatron.core import parallel_state as ps
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-        replica = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
-                   ps.get_data_parallel_rank(with_context_parallel=True))
-        return {f"{prefix}{name}": ShardedTensor.from_rank_offsets(f"{prefix}{name}", tensor,
-                                                                    replica_id=replica)
-                for name, tensor in self.state_dict(prefix="", keep_vars=True).items()}
-
-
-def make_router(resolved, seed: int = 0) -> BudgetRouter:
-    """One router output per axis (per layer when heterogeneous), biased toward plausible sizes."""
-    axes = {name: (len(spec.candidates), len(spec.layers) if resolved.per_layer(name) else 1)
-            for name, spec in resolved.axes.items()}
-    fractions = {name: [c / spec.full for c in spec.candidates]
-                 for name, spec in resolved.axes.items()}
-    return BudgetRouter(resolved.budgets, axes, hidden_size=resolved.config.router.hidden_size,
-                        candidate_fractions=fractions, seed=seed)
+from elastic_plugin.checkpoint.layout import STRIDED_ATTR
+from elastic_plugin.elastic.layers import ElasticState, RankInfo, elastify
+from elastic_plugin.elastic.router import (
+    ROUTER_ATTR,
+    BudgetRouter,
+    RouterModule,
+    load_router,
+    make_router,
+)
 
 
 def _pad_stage_output(module, args, output):
@@ -78,8 +53,6 @@ def attach_elastic(model: torch.nn.Module, resolved, sequence_parallel: bool,
                    router_seed: int = 0) -> ElasticState:
     """Elastify an (unwrapped) model chunk and give it the router; returns the shared state."""
     from megatron.core import parallel_state as ps
-
-    from elastic_plugin.importance.reorder import STRIDED_ATTR
 
     mcfg = resolved.model
     state = ElasticState(
@@ -135,7 +108,7 @@ def build_elastic_chunks(ckpt_dir: str | Path, layout, resolved, wrap_ddp: bool 
     """Load a (reordered) checkpoint for ``layout``, make it elastic, wrap it in Megatron DDP.
 
     ``initialize_layout(layout)`` must have been called. Returns (chunks, state, meta)."""
-    from elastic_plugin.checkpointing import build_from_checkpoint
+    from elastic_plugin.checkpoint.io import build_from_checkpoint
     from elastic_plugin.parallel import wrap_ddp_chunk
 
     chunks, _, meta = build_from_checkpoint(ckpt_dir, layout, wrap_ddp=False)
@@ -149,12 +122,3 @@ def build_elastic_chunks(ckpt_dir: str | Path, layout, resolved, wrap_ddp: bool 
     return [model], state, meta
 
 
-def load_router(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
-    from megatron.core import dist_checkpointing
-
-    inner = getattr(model, "module", model)
-    module = inner.get_submodule(ROUTER_ATTR)
-    sharded = module.sharded_state_dict(prefix=f"{ROUTER_ATTR}.")
-    loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
-    prefix = f"{ROUTER_ATTR}."
-    module.load_state_dict({k[len(prefix):]: v for k, v in loaded.items() if k.startswith(prefix)})

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
@@ -340,3 +341,49 @@ class AnnealSchedule:
         if self.kind == "linear":
             return float(self.start + (self.end - self.start) * t)
         return float(self.start * (self.end / self.start) ** t)
+
+
+# ------------------------------------------------------------------------------ in a model
+ROUTER_ATTR = "elastic_router"  # the router's submodule name: its checkpoint keys start "elastic_router."
+
+
+class RouterModule(torch.nn.Module):
+    """Holds the ``BudgetRouter``; checkpoints it as one replicated copy (main replica: the
+    rank at pipeline, tensor and data-parallel position 0)."""
+
+    def __init__(self, router: BudgetRouter) -> None:
+        super().__init__()
+        self.router = router
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        replica = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+                   ps.get_data_parallel_rank(with_context_parallel=True))
+        return {f"{prefix}{name}": ShardedTensor.from_rank_offsets(f"{prefix}{name}", tensor,
+                                                                    replica_id=replica)
+                for name, tensor in self.state_dict(prefix="", keep_vars=True).items()}
+
+
+def make_router(resolved, seed: int = 0) -> BudgetRouter:
+    """One router output per axis (per layer when heterogeneous), biased toward plausible sizes."""
+    axes = {name: (len(spec.candidates), len(spec.layers) if resolved.per_layer(name) else 1)
+            for name, spec in resolved.axes.items()}
+    fractions = {name: [c / spec.full for c in spec.candidates]
+                 for name, spec in resolved.axes.items()}
+    return BudgetRouter(resolved.budgets, axes, hidden_size=resolved.config.router.hidden_size,
+                        candidate_fractions=fractions, seed=seed)
+
+
+def load_router(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
+    """Load the router of an elastic checkpoint into ``model``'s ``RouterModule`` (any layout:
+    the router is one replicated copy)."""
+    from megatron.core import dist_checkpointing
+
+    inner = getattr(model, "module", model)
+    module = inner.get_submodule(ROUTER_ATTR)
+    sharded = module.sharded_state_dict(prefix=f"{ROUTER_ATTR}.")
+    loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
+    prefix = f"{ROUTER_ATTR}."
+    module.load_state_dict({k[len(prefix):]: v for k, v in loaded.items() if k.startswith(prefix)})

@@ -18,13 +18,14 @@ from typing import Any, Iterator
 import torch
 
 from elastic_plugin.elastic.cost import ElasticCost
-from elastic_plugin.elastic.fp8 import fp8_gemm
+from elastic_plugin.elastic.layers.fp8 import fp8_gemm
 from elastic_plugin.elastic.losses import budget_loss, vocab_parallel_kl
 from elastic_plugin.elastic.model import finalize_router_grads, router_of
 from elastic_plugin.elastic.router import AnnealSchedule, budget_encoding, expected_sizes
 from elastic_plugin.elastic.sampling import BudgetSampler
-from elastic_plugin.elastic.state import SLICED, ElasticState
-from elastic_plugin.training.step import _run_schedule, get_batch, train_step
+from elastic_plugin.elastic.layers.state import SLICED, ElasticState
+from elastic_plugin.training.step import run_schedule, get_batch, train_step
+from elastic_plugin.checkpoint.meta import budget_label
 
 
 class _Replay:
@@ -111,7 +112,7 @@ class ElasticStep:
         resolved = self.state.resolved
         frozen = {}
         for index, budget in enumerate(resolved.budgets):
-            sizes = table[f"{budget:g}"]
+            sizes = table[budget_label(budget)]
             probs = {}
             for name, spec in resolved.axes.items():
                 value = sizes[name]
@@ -142,7 +143,7 @@ class ElasticStep:
         if chunks is None:
             chunks = student_chunks
             self.state.clear()
-        _run_schedule(chunks, _Replay(batches) if batches is not None else None,
+        run_schedule(chunks, _Replay(batches) if batches is not None else None,
                       self.num_microbatches, seq_length, micro_batch_size, forward_only=True,
                       forward_step_func=self._teacher_forward_step)
 

@@ -20,18 +20,18 @@ import torch.distributed as dist
 
 from elastic_plugin.elastic.config import ElasticConfig, ResolvedElastic
 from elastic_plugin.elastic.cost import ElasticCost
-from elastic_plugin.elastic.fp8 import fp8_gemm
+from elastic_plugin.elastic.layers.fp8 import fp8_gemm
 from elastic_plugin.elastic.freeze import constrained_table, loss_selected_table
 from elastic_plugin.elastic.model import build_elastic_chunks, router_of, router_param_groups
 from elastic_plugin.elastic.router import AnnealSchedule
 from elastic_plugin.elastic.sampling import BudgetSampler, Stage
 from elastic_plugin.elastic.schedule import ElasticSchedule
-from elastic_plugin.elastic.state import ElasticState
+from elastic_plugin.elastic.layers.state import ElasticState
 from elastic_plugin.elastic.step import ElasticStep
 from elastic_plugin.models.config import ConfigError
-from elastic_plugin.parallel import Layout, build_optimizer, initialize_layout
-from elastic_plugin.training.step import eval_step
-from elastic_plugin.training.teacher import _share_from_last_stage
+from elastic_plugin.checkpoint.meta import budget_label
+from elastic_plugin.parallel import Layout, build_optimizer, initialize_layout, is_rank0
+from elastic_plugin.training.step import cosine_lr_scheduler, eval_step, share_from_last_stage
 
 ELASTIC_CKPT = "elastic"
 
@@ -57,14 +57,6 @@ class ElasticRun:
             lines.append(f"{label:>6}  {counts['total']:>12,}  {counts['active']:>13,}  "
                          + (f"{loss:>10.4f}" if loss is not None else f"{'-':>10}"))
         return "\n".join(lines)
-
-
-def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def budget_label(budget: float) -> str:
-    return f"{budget:g}"
 
 
 def choice_table(router, resolved: ResolvedElastic) -> dict[str, dict[str, Any]]:
@@ -105,25 +97,19 @@ def evaluate_budgets(chunks, state: ElasticState, table: dict[str, dict[str, Any
             with fp8_gemm(state.resolved.config.fp8_gemm):
                 loss = eval_step(chunks, valid_factory(), sched.eval_iters, sched.seq_length,
                                  sched.micro_batch_size)
-            out[label] = _share_from_last_stage(loss)
+            out[label] = share_from_last_stage(loss)
     finally:
         state.clear()
     return out
 
 
 def _scheduler(optimizer, sched: ElasticSchedule):
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=sched.lr, min_lr=sched.min_lr,
-        lr_warmup_steps=min(sched.lr_warmup_iters, max(sched.train_iters - 1, 0)),
-        lr_decay_steps=sched.train_iters, lr_decay_style="cosine",
-        start_wd=sched.weight_decay, end_wd=sched.weight_decay,
-        wd_incr_steps=sched.train_iters, wd_incr_style="constant")
+    return cosine_lr_scheduler(optimizer, sched.lr, sched.min_lr, sched.lr_warmup_iters,
+                               sched.train_iters, sched.weight_decay)
 
 
 def _save(chunks, optimizer, scheduler, out: Path, meta: dict[str, Any]) -> Path:
-    from elastic_plugin.checkpointing import save_checkpoint
+    from elastic_plugin.checkpoint.io import save_checkpoint
 
     return save_checkpoint(chunks, out, {**meta, "scheduler": scheduler.state_dict()},
                            optimizer=optimizer)
@@ -153,7 +139,8 @@ def train_elastic(
     ``extra_meta`` goes into the checkpoint's metadata (e.g. ``data`` and ``tokenizer``, which
     extraction and export read to evaluate the nested models).
     """
-    from elastic_plugin.checkpointing import build_from_checkpoint, load_optimizer, read_meta
+    from elastic_plugin.checkpoint.io import build_from_checkpoint, load_optimizer
+    from elastic_plugin.checkpoint.meta import read_checkpoint_meta
     from elastic_plugin.elastic.metrics import ElasticMetrics
 
     sched.check()
@@ -176,7 +163,7 @@ def train_elastic(
     start_iter, consumed = 1, 0
     source = Path(student_ckpt)
     if resume and (ckpt_dir / "elastic_meta.json").is_file():
-        meta = read_meta(ckpt_dir)
+        meta = read_checkpoint_meta(ckpt_dir)
         if meta.get("layout") != asdict(layout):
             raise ConfigError(f"resume: {ckpt_dir} was written with layout {meta.get('layout')}; "
                               f"resume with the same layout (optimizer state is not resharded)")
@@ -227,7 +214,7 @@ def train_elastic(
 
     metrics = ElasticMetrics(out_dir, resolved.budgets, log_rank=0,
                              full_sizes={n: s.full for n, s in resolved.axes.items()})
-    if _is_rank0():
+    if is_rank0():
         out_dir.mkdir(parents=True, exist_ok=True)
         if start_iter == 1:
             (out_dir / "elastic_metrics.jsonl").write_text("")
@@ -238,10 +225,10 @@ def train_elastic(
     if valid_factory is not None:
         eval_chunks = teacher_chunks or chunks
         state.clear()
-        teacher_valid = _share_from_last_stage(eval_step(eval_chunks, valid_factory(), sched.eval_iters,
+        teacher_valid = share_from_last_stage(eval_step(eval_chunks, valid_factory(), sched.eval_iters,
                                                 sched.seq_length, sched.micro_batch_size))
     bar = None
-    if progress and _is_rank0():
+    if progress and is_rank0():
         from tqdm import tqdm
 
         bar = tqdm(total=sched.train_iters, initial=start_iter - 1, desc="elastic", unit="it",
@@ -303,7 +290,7 @@ def train_elastic(
         bar.close()
     table = current_table()
     saved = _save(chunks, optimizer, scheduler, ckpt_dir, meta_now())
-    plots = [str(p) for p in metrics.plot()] if _is_rank0() else []
+    plots = [str(p) for p in metrics.plot()] if is_rank0() else []
     counts = {metric: ElasticCost(model_cfg, resolved, metric=f"{metric}_params")
               for metric in ("total", "active")}
     params = {label: {m: int(c.of_choice(sizes)) for m, c in counts.items()}

@@ -17,7 +17,7 @@ __all__ = ["load_budget_models", "load_export_model"]
 
 def load_budget_models(ckpt: str | Path, budgets: list[float]) -> dict[tuple[float, str], Any]:
     """``{(budget, "fp32"): model}`` for the trained budgets (one load of the checkpoint)."""
-    from elastic_plugin.inference import load_nested_models
+    from elastic_plugin.nested.model import load_nested_models
 
     loaded = load_nested_models(ckpt, budgets)
     return {(budget, "fp32"): model.eval() for budget, (model, _) in zip(budgets, loaded)}
@@ -29,8 +29,9 @@ def load_export_model(export_dir: str | Path) -> tuple[torch.nn.Module, dict[str
     Homogeneous exports only (plain Megatron builds every layer of a kind alike)."""
     from safetensors.torch import load_file
 
-    from elastic_plugin.elastic.cost import model_for_choice
-    from elastic_plugin.elastic.extract import EXPORT_META, homogeneous_choice
+    from elastic_plugin.models.axes import model_for_choice
+    from elastic_plugin.export.extract import EXPORT_META
+    from elastic_plugin.nested.choice import homogeneous_choice
     from elastic_plugin.export.hf import HF_QUANT_CONFIG, HF_WEIGHTS, hf_to_megatron
     from elastic_plugin.parallel import Layout, build_model_chunks
 

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from elastic_plugin.checkpoint.meta import budget_label
+
 __all__ = ["draw_report_plots"]
 
 
@@ -43,7 +45,7 @@ def _accuracy_vs_params(report: dict[str, Any], path: Path) -> Path:
         ax.plot([p[0] for p in points], [p[1] for p in points], marker, label=precision)
         if precision == "fp32":
             for active, acc, budget in points:
-                ax.annotate(f"{budget:g}", (active, acc), textcoords="offset points",
+                ax.annotate(budget_label(budget), (active, acc), textcoords="offset points",
                             xytext=(4, 4), fontsize=8)
     return _finish(fig, ax, path, "active parameters", "accuracy (%)",
                    f"Nested models on {report['task']}")
@@ -77,7 +79,7 @@ def _accuracy_vs_latency(report: dict[str, Any], path: Path) -> Path | None:
     styles = {"single": ("o", "one model"), "elastic": ("*", "elastic budget control"),
               "capped": ("s", "capped thinking (standard)")}
     rows = report["budget_control"] + [
-        {"name": f"budget {r['budget']:g}", "kind": "single", "accuracy": r["accuracy"]["fp32"],
+        {"name": f"budget {budget_label(r['budget'])}", "kind": "single", "accuracy": r["accuracy"]["fp32"],
          "latency_ms_batch1": r["latency_ms_batch1"]} for r in report["budgets"][1:]]
     rows = [r for r in rows if r.get("latency_ms_batch1") is not None]
     if not rows:  # --latency-problems 0: nothing was timed

@@ -15,7 +15,13 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from elastic_plugin.elastic.meta import read_elastic_meta
+from elastic_plugin.checkpoint.meta import (
+    budget_label,
+    read_elastic_meta,
+    stored_choice,
+    stored_choices,
+    trained_budgets,
+)
 from elastic_plugin.models.config import ConfigError
 
 __all__ = ["evaluate_demo", "REPORT_JSON", "REPORT_MD", "TARGETS"]
@@ -27,10 +33,6 @@ PRECISIONS = ("bf16", "fp8", "nvfp4")
 CAP_FRACTIONS = (0.25, 0.5, 0.75)   # standard budget control: caps as fractions of the full
 #                                     model's mean thinking length
 TARGETS = {"speedup": 1.5, "accuracy_drop_points": 2.0, "retention": 0.9}
-
-
-def _label(budget: float) -> str:
-    return f"{budget:g}"
 
 
 def _valid_losses(ckpt: Path) -> dict[str, float]:
@@ -81,7 +83,7 @@ def _settings(budgets: Sequence[float], mean_think: float) -> list:
     for answer in sorted(budgets, reverse=True):
         for think in sorted(budgets, reverse=True):
             if think < answer:
-                out.append(Setting(f"think {_label(think)} -> answer {_label(answer)}",
+                out.append(Setting(f"think {budget_label(think)} -> answer {budget_label(answer)}",
                                    think, answer))
     caps = sorted({max(1, round(f * mean_think)) for f in CAP_FRACTIONS})
     out += [Setting(f"full, thinking capped at {cap}", full, full, cap=cap) for cap in caps]
@@ -107,7 +109,7 @@ def evaluate_demo(ckpt_dir: str | Path, out_dir: str | Path, exports_dir: str | 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny decode steps are dispatch-bound; 1 thread avoids spin stalls
     try:
-        budgets = sorted((float(b) for b in meta["elastic"]["budgets"]), reverse=True)
+        budgets = sorted(trained_budgets(meta), reverse=True)
         problems = load_problems(_prepared_dir(meta), num_problems)
         models = load_budget_models(ckpt, budgets)
         export_rows = json.loads((exports / "exports.json").read_text())["exports"] if exports else []
@@ -121,7 +123,7 @@ def evaluate_demo(ckpt_dir: str | Path, out_dir: str | Path, exports_dir: str | 
 
         per_model, singles = {}, []
         for budget, precision in sorted(models, key=lambda k: (-k[0], k[1])):
-            setting = Setting(f"budget {_label(budget)} ({precision})", budget, budget,
+            setting = Setting(f"budget {budget_label(budget)} ({precision})", budget, budget,
                               precision=precision)
             result = run_setting(setting, models, problems, batch_size, 0)
             per_model[(budget, precision)] = result
@@ -140,7 +142,7 @@ def evaluate_demo(ckpt_dir: str | Path, out_dir: str | Path, exports_dir: str | 
         latency = interleaved_latencies(singles + settings, models, problems, latency_problems)
         for result in [*per_model.values(), *control[1:]]:
             result.update(latency.get(result["name"], {}))
-        control[0] = reference | {"name": f"full ({_label(full)}) thinking freely"}
+        control[0] = reference | {"name": f"full ({budget_label(full)}) thinking freely"}
         for result in control[1:]:
             log(f"{result['name']}: latency {result.get('latency_ms_batch1') or float('nan'):.1f} "
                 f"ms at batch 1 (full model thinking: "
@@ -164,9 +166,9 @@ def _assemble(ckpt: Path, meta: dict[str, Any], budgets: list[float], problems,
     rows = []
     for budget in budgets:
         fp32 = per_model[(budget, "fp32")]
-        row = {"budget": budget, "params": params[_label(budget)],
-               "choice": meta["elastic"]["choices"].get(_label(budget)),
-               "valid_loss": valid.get(_label(budget)),
+        row = {"budget": budget, "params": params[budget_label(budget)],
+               "choice": stored_choices(meta).get(budget_label(budget)),
+               "valid_loss": valid.get(budget_label(budget)),
                "accuracy": {p: per_model[(budget, p)]["accuracy"] for p in ("fp32", *PRECISIONS)
                             if (budget, p) in per_model},
                "think_tokens_mean": fp32["think_tokens_mean"],
@@ -189,18 +191,13 @@ def _strip(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def _params(ckpt: Path, meta: dict[str, Any], budgets: list[float]) -> dict[str, dict[str, int]]:
-    from elastic_plugin.elastic.cost import model_for_choice
-    from elastic_plugin.elastic.extract import homogeneous_choice
     from elastic_plugin.models.config import config_from_dict
-    from elastic_plugin.models.counting import count_parameters
+    from elastic_plugin.nested.choice import homogeneous_choice, nested_params
 
     model = config_from_dict(meta["config"], source=f"--ckpt {ckpt}").model
-    out = {}
-    for budget in budgets:
-        choice = homogeneous_choice(meta["elastic"]["choices"][_label(budget)], budget)
-        counts = count_parameters(model_for_choice(model, choice))
-        out[_label(budget)] = {"total": counts.total, "active": counts.active}
-    return out
+    return {budget_label(budget): nested_params(
+                meta, model, homogeneous_choice(stored_choice(meta, budget, ckpt), budget), ckpt)
+            for budget in budgets}
 
 
 def _targets(rows: list[dict], control: list[dict]) -> dict[str, Any]:
@@ -239,7 +236,7 @@ def _targets(rows: list[dict], control: list[dict]) -> dict[str, Any]:
         if abs(row["budget"] - 0.77) < 1e-9:
             entry |= {"target": f">= {TARGETS['retention']:.0%} of the full model's accuracy",
                       "met": retention is not None and retention >= TARGETS["retention"]}
-        out[f"retention_{_label(row['budget'])}"] = entry
+        out[f"retention_{budget_label(row['budget'])}"] = entry
     return out
 
 
@@ -258,7 +255,7 @@ def markdown(report: dict[str, Any]) -> str:
         acc = r["accuracy"]
         cell = lambda p: f"{100 * acc[p]:.1f}%" if p in acc else "-"  # noqa: E731
         loss = f"{r['valid_loss']:.4f}" if r["valid_loss"] is not None else "-"
-        lines.append(f"| {_label(r['budget'])} | {r['params']['total']:,} / "
+        lines.append(f"| {budget_label(r['budget'])} | {r['params']['total']:,} / "
                      f"{r['params']['active']:,} | {loss} | {cell('fp32')} | {cell('bf16')} | "
                      f"{cell('fp8')} | {cell('nvfp4')} | {r['think_tokens_mean']:.1f} | "
                      f"{_ms(r['latency_ms_batch1'])} |")

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from elastic_plugin.elastic.extract import (ExtractPlan, load_source, plan_extraction,
-                                            run_extraction)
-from elastic_plugin.elastic.meta import read_elastic_meta
+from elastic_plugin.export.extract import ExtractPlan, load_source, plan_extraction, run_extraction
+from elastic_plugin.checkpoint.meta import budget_label, read_elastic_meta, stored_choices, trained_budgets
 from elastic_plugin.export.hf_compat import QUANTIZE_FORMATS
 from elastic_plugin.models.config import ConfigError
 
@@ -38,10 +37,6 @@ class _Job:
     plan: ExtractPlan
 
 
-def _label(budget: float) -> str:
-    return f"{budget:g}"
-
-
 def _plans(ckpt: Path, out: Path, precisions: Sequence[str], megatron: bool) -> list[_Job]:
     """Every export, checked before anything is loaded."""
     bad = [p for p in precisions if p not in PRECISIONS]
@@ -52,16 +47,17 @@ def _plans(ckpt: Path, out: Path, precisions: Sequence[str], megatron: bool) -> 
                           f"overwritten)")
     meta = read_elastic_meta(ckpt)
     jobs = []
-    for budget in sorted((float(b) for b in meta["elastic"]["budgets"]), reverse=True):
-        choice = meta["elastic"]["choices"].get(_label(budget), {})
+    choices = stored_choices(meta)
+    for budget in sorted(trained_budgets(meta), reverse=True):
+        choice = choices.get(budget_label(budget), {})
         per_layer = any(isinstance(v, list) and len(set(v)) > 1 for v in choice.values())
         if megatron and not per_layer:
             jobs.append(_Job(budget, "megatron", plan_extraction(
-                ckpt, budget, out / f"megatron_{_label(budget)}")))
+                ckpt, budget, out / f"megatron_{budget_label(budget)}")))
         for precision in precisions:
             quantize = None if precision == "bf16" else precision
             jobs.append(_Job(budget, precision, plan_extraction(
-                ckpt, budget, out / f"hf_{_label(budget)}_{precision}", fmt="hf", dtype="bf16",
+                ckpt, budget, out / f"hf_{budget_label(budget)}_{precision}", fmt="hf", dtype="bf16",
                 quantize=quantize)))
     return jobs
 
@@ -141,7 +137,7 @@ def export_all(ckpt_dir: str | Path, out_dir: str | Path, precisions: Sequence[s
         rows.append(row)
         if progress:
             loss = f", valid loss {row['valid_loss']:.4f}" if "valid_loss" in row else ""
-            print(f"[{index}/{len(jobs)}] budget {_label(job.budget)} {job.precision}: "
+            print(f"[{index}/{len(jobs)}] budget {budget_label(job.budget)} {job.precision}: "
                   f"{row['bytes'] / 1e6:.2f} MB{loss} ({row['seconds']:.1f} s)", flush=True)
     del source
     report = {"source": str(ckpt), "eval": {"sequences": 0 if tokens is None else len(tokens),
@@ -191,13 +187,13 @@ def markdown(report: dict[str, Any]) -> str:
              "|---|---|---|---|---|"]
     for r in report["exports"]:
         loss = f"{r['valid_loss']:.4f}" if "valid_loss" in r else "-"
-        lines.append(f"| {_label(r['budget'])} | {r['precision']} | {r['params']['total']:,} / "
+        lines.append(f"| {budget_label(r['budget'])} | {r['precision']} | {r['params']['total']:,} / "
                      f"{r['params']['active']:,} | {r['bytes'] / 1e6:.3f} | {loss} |")
     if report["recovery"]:
         lines += ["", "## Quantized vs BF16", "", "| budget | format | Δ valid loss | loss ratio "
                   "| bytes ratio |", "|---|---|---|---|---|"]
         for r in report["recovery"]:
-            lines.append(f"| {_label(r['budget'])} | {r['precision']} | {r['delta_loss']:+.4f} | "
+            lines.append(f"| {budget_label(r['budget'])} | {r['precision']} | {r['delta_loss']:+.4f} | "
                          f"{r['loss_ratio']:.4f} | {r['bytes_ratio']:.3f} |")
     lines += ["", "## One nested checkpoint vs separate checkpoints", "",
               "| format | models | nested (MB) | separate (MB) | saving |", "|---|---|---|---|---|"]
@@ -228,7 +224,7 @@ def plot_exports(report: dict[str, Any], path: Path) -> Path | None:
         ax.plot([r["bytes"] / 1e6 for r in mine], [r["valid_loss"] for r in mine], "o-",
                 label=precision)
         for r in mine:
-            ax.annotate(_label(r["budget"]), (r["bytes"] / 1e6, r["valid_loss"]), fontsize=7,
+            ax.annotate(budget_label(r["budget"]), (r["bytes"] / 1e6, r["valid_loss"]), fontsize=7,
                         textcoords="offset points", xytext=(3, 3))
     ax.set_xlabel("export size on disk (MB)")
     ax.set_ylabel("validation loss")

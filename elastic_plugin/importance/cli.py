@@ -13,7 +13,9 @@ from pathlib import Path
 
 from elastic_plugin.importance.hooks import AXES
 from elastic_plugin.models.config import ConfigError, ParallelConfig
-from elastic_plugin.training.cli import add_layout_args, layout_from_args
+from elastic_plugin.cli_args import add_layout_args, layout_from_args
+from elastic_plugin.cli_args import start_ranks
+from elastic_plugin.checkpoint.meta import read_checkpoint_meta
 
 from elastic_plugin.cli_errors import report_bad_input
 
@@ -60,10 +62,9 @@ def _start(args: argparse.Namespace):
     """Checks that need no model, then the process group and the layout."""
     import os
 
-    from elastic_plugin.checkpointing import read_meta
     from elastic_plugin.models.config import config_from_dict
 
-    meta = read_meta(args.ckpt)
+    meta = read_checkpoint_meta(args.ckpt)
     cfg = config_from_dict(meta["config"])
     layout = layout_from_args(args, ParallelConfig())  # layout from flags; default one rank
     cfg.model.check_parallel(layout.tp, layout.pp, layout.ep)
@@ -101,14 +102,10 @@ def run_importance(args: argparse.Namespace) -> int:
             raise ConfigError("--num-samples and --micro-batch-size must be > 0")
     except (ConfigError, FileNotFoundError) as exc:
         return report_bad_input("elastic-plugin importance", exc)
-    from elastic_plugin.compat import enable_cpu_megatron
-    from elastic_plugin.parallel import init_distributed, initialize_layout
-
-    enable_cpu_megatron()
-    init_distributed()
+    start_ranks(layout, seed=cfg.training.seed)
     import torch.distributed as dist
 
-    from elastic_plugin.checkpointing import build_from_checkpoint
+    from elastic_plugin.checkpoint.io import build_from_checkpoint
     from elastic_plugin.data.indexed import batch_iterator
     from elastic_plugin.importance import CalibrationError, check_calibration, collect_importance
 
@@ -120,7 +117,6 @@ def run_importance(args: argparse.Namespace) -> int:
                           args.micro_batch_size)
     except (ConfigError, CalibrationError) as exc:
         return report_bad_input("elastic-plugin importance", exc)
-    initialize_layout(layout, seed=cfg.training.seed)
     chunks, cfg, _ = build_from_checkpoint(args.ckpt, layout)
     iterator = batch_iterator(dataset, args.micro_batch_size, seed=cfg.training.seed,
                               shuffle=False, infinite=False)
@@ -158,18 +154,13 @@ def run_reorder(args: argparse.Namespace) -> int:
             raise ConfigError(f"--ckpt {args.ckpt} is already reordered")
     except (ConfigError, FileNotFoundError) as exc:
         return report_bad_input("elastic-plugin reorder", exc)
-    from elastic_plugin.compat import enable_cpu_megatron
-    from elastic_plugin.parallel import init_distributed, initialize_layout
-
-    enable_cpu_megatron()
-    init_distributed()
+    start_ranks(layout, seed=cfg.training.seed)
     import torch.distributed as dist
 
-    from elastic_plugin.checkpointing import build_from_checkpoint, save_checkpoint
+    from elastic_plugin.checkpoint.io import build_from_checkpoint, save_checkpoint
     from elastic_plugin.importance import ImportanceScores
     from elastic_plugin.importance.reorder import Permutations, apply_permutations
 
-    initialize_layout(layout, seed=cfg.training.seed)
     chunks, cfg, meta = build_from_checkpoint(args.ckpt, layout)
     perms = Permutations.from_scores(ImportanceScores.load(args.scores), cfg.model.query_groups,
                                      cfg.model.mamba_num_groups, args.mamba_top_channels,

@@ -80,7 +80,7 @@ def collect_importance(
     error before any forward pass. With ``resume_dir``, partial per-rank statistics are kept
     there and picked up by a later call with the same arguments.
     """
-    from elastic_plugin.training.step import _run_schedule
+    from elastic_plugin.training.step import run_schedule
 
     num_batches = check_calibration(num_available, num_samples, micro_batch_size)
     model = getattr(chunks[0], "module", chunks[0])
@@ -106,7 +106,7 @@ def collect_importance(
             for chunk in chunks:
                 chunk.eval()
             for index in range(done, num_batches):
-                _run_schedule(chunks, batches, 1, seq_length, micro_batch_size, forward_only=True)
+                run_schedule(chunks, batches, 1, seq_length, micro_batch_size, forward_only=True)
                 stats.tokens_seen += micro_batch_size * seq_length
                 if bar is not None:
                     bar.update(1)

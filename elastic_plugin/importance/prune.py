@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from elastic_plugin.importance.reorder import _within_groups
+from elastic_plugin.importance.reorder import within_groups
 from elastic_plugin.importance.scores import ImportanceScores
 
 PRUNABLE = ("embedding", "ffn", "shared_ffn", "attention_heads", "mamba_heads",
@@ -63,12 +63,12 @@ def magnitude_orders(model, axis: str) -> dict[int, torch.Tensor]:
             if axis == "mamba_channels":
                 out[n] = desc(x.sum(0))
             else:
-                out[n] = _within_groups(x.sum(1), m.ngroups_local_tp)
+                out[n] = within_groups(x.sum(1), m.ngroups_local_tp)
         att = getattr(layer, "self_attention", None)
         if axis == "attention_heads" and att is not None and hasattr(att, "linear_proj"):
             d = att.hidden_size_per_attention_head
             col = att.linear_proj.weight.view(att.linear_proj.weight.shape[0], -1, d).pow(2).sum((0, 2))
-            out[n] = _within_groups(col, att.num_query_groups_per_partition)
+            out[n] = within_groups(col, att.num_query_groups_per_partition)
         mlp = getattr(layer, "mlp", None)
         if mlp is None:
             continue

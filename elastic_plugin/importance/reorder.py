@@ -11,22 +11,29 @@ Layouts. Query-group and Mamba-group axes are local to a TP rank (a rank holds w
 the hidden axis is replicated: no data moves. FFN neurons (TP-sharded) and experts (EP-sharded)
 are ranked globally; in memory they are assigned *strided* (rank r of t holds canonical positions
 r, r+t, r+2t, ...), so every rank's local prefix of w/t units is exactly the global top-w. On disk
-the canonical order is kept: ``canonical_weights`` converts for saving, ``to_strided`` after
-loading, so a checkpoint is the same whatever layout wrote it.
+the canonical order is kept (``checkpoint.layout``: ``canonical_weights`` converts for saving,
+``mark_loaded_reordered`` after loading), so a checkpoint is the same whatever layout wrote it.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from elastic_plugin.checkpoint.layout import (
+    STRIDED_ATTR,
+    ep_group_and_size,
+    global_axes,
+    permute_,
+    permute_experts_,
+    permute_ffn_neurons_,
+    permute_many_,
+    strided_index,
+    tp_group_and_size,
+)
 from elastic_plugin.importance.scores import ImportanceScores
-
-STRIDED_ATTR = "_elastic_strided"
 
 
 @dataclass
@@ -58,11 +65,11 @@ class Permutations:
         perms.ffn = {k: order(v) for k, v in scores.ffn.items()}
         perms.shared_ffn = {k: order(v) for k, v in scores.shared_ffn.items()}
         perms.experts = {k: order(v) for k, v in scores.experts.items()}
-        perms.attention_heads = {k: _within_groups(v, query_groups)
+        perms.attention_heads = {k: within_groups(v, query_groups)
                                  for k, v in scores.attention_heads.items()}
         for layer in scores.mamba:
             perms.mamba_channels[layer] = order(scores.mamba_channel_scores(layer, mamba_source))
-            perms.mamba_heads[layer] = _within_groups(
+            perms.mamba_heads[layer] = within_groups(
                 scores.mamba_head_scores(layer, mamba_top_channels, mamba_source), mamba_groups)
         return perms
 
@@ -74,7 +81,7 @@ class Permutations:
         return cls(**torch.load(path, weights_only=False))
 
 
-def _within_groups(scores: torch.Tensor, groups: int) -> torch.Tensor:
+def within_groups(scores: torch.Tensor, groups: int) -> torch.Tensor:
     """Descending order of global ids that reorders units only inside each contiguous group."""
     per = scores.numel() // groups
     blocks = scores.reshape(groups, per)
@@ -82,52 +89,7 @@ def _within_groups(scores: torch.Tensor, groups: int) -> torch.Tensor:
     return (local + torch.arange(groups).unsqueeze(1) * per).reshape(-1)
 
 
-def strided_index(num_units: int, shards: int) -> torch.Tensor:
-    """sigma: physical position ``r*L + j`` (rank r, local j) holds canonical ``r + j*shards``."""
-    local = num_units // shards
-    rank = torch.arange(shards).unsqueeze(1)
-    return (rank + torch.arange(local).unsqueeze(0) * shards).reshape(-1)
-
-
 # ------------------------------------------------------------------ tensor helpers
-def _permute_(tensor: torch.Tensor, dim: int, index: torch.Tensor) -> None:
-    _permute_many_([(tensor, dim)], index)
-
-
-def _permute_many_(targets: list[tuple[torch.Tensor, int]], index: torch.Tensor) -> None:
-    """Apply one permutation to several tensors (one model chunk, so one device), each along
-    its own dim, in place: one ``ordered_gather_many`` call (the csrc kernel copies them in one
-    parallel region and checks ``index`` once)."""
-    from elastic_plugin.ops import ordered_gather_many
-
-    if not targets:
-        return
-    perm = index.to(device=targets[0][0].device, dtype=torch.long)
-    gathered = ordered_gather_many([t.data for t, _ in targets], perm, perm.numel(),
-                                   [d for _, d in targets])
-    for (tensor, _), new in zip(targets, gathered):
-        tensor.data.copy_(new)
-
-
-def _global_permute_(tensors: list[torch.Tensor], dim: int, full_index: torch.Tensor,
-                     group) -> None:
-    """Permute an axis sharded contiguously over ``group``: gather, reindex, keep our block."""
-    from elastic_plugin.ops import ordered_gather
-
-    size = dist.get_world_size(group) if group is not None else 1
-    rank = dist.get_rank(group) if group is not None else 0
-    for tensor in tensors:
-        local = tensor.data
-        if size > 1:
-            parts = [torch.empty_like(local) for _ in range(size)]
-            dist.all_gather(parts, local.contiguous(), group=group)
-            full = torch.cat(parts, dim=dim)
-        else:
-            full = local
-        perm = full_index.to(device=full.device, dtype=torch.long)
-        permuted = ordered_gather(full, perm, perm.numel(), dim)
-        n_local = local.shape[dim]
-        tensor.data.copy_(permuted.narrow(dim, rank * n_local, n_local))
 
 
 def _expand_units(perm: torch.Tensor, unit: int) -> torch.Tensor:
@@ -162,28 +124,7 @@ def _hidden_(model: torch.nn.Module, perm: torch.Tensor) -> None:
                 continue
             seen.add(id(tensor))
             targets.append((tensor, dim))
-    _permute_many_(targets, perm)  # the whole residual stream in one call
-
-
-def _mlp_neurons_(mlp: torch.nn.Module, full: torch.Tensor, group) -> None:
-    """FFN neurons: fc1 rows (each half when gated) and bias, fc2 columns — global over TP.
-
-    ``full`` indexes the global neuron axis as currently laid out across the TP ranks."""
-    fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
-    gated = mlp.config.gated_linear_unit
-    halves = 2 if gated else 1
-    views = [fc1.weight.data.view(halves, -1, fc1.weight.shape[-1])]
-    if fc1.bias is not None:
-        views.append(fc1.bias.data.view(halves, -1))
-    _global_permute_([_Param(v) for v in views], 1, full, group)
-    _global_permute_([fc2.weight], 1, full, group)
-
-
-class _Param:
-    """A view wrapper so ``_global_permute_`` can write into views of a parameter."""
-
-    def __init__(self, view: torch.Tensor) -> None:
-        self.data = view
+    permute_many_(targets, perm)  # the whole residual stream in one call
 
 
 def _attention_heads_(attention: torch.nn.Module, perm: torch.Tensor) -> None:
@@ -204,10 +145,10 @@ def _attention_heads_(attention: torch.nn.Module, perm: torch.Tensor) -> None:
     new_rows = rows.clone()
     for g in range(groups):
         new_rows[g, :per_group] = rows[g, q_old[g]]
-    _permute_(attention.linear_qkv.weight, 0, new_rows.reshape(-1))
+    permute_(attention.linear_qkv.weight, 0, new_rows.reshape(-1))
     if attention.linear_qkv.bias is not None:
-        _permute_(attention.linear_qkv.bias, 0, new_rows.reshape(-1))
-    _permute_(attention.linear_proj.weight, 1, _expand_units(local, d))
+        permute_(attention.linear_qkv.bias, 0, new_rows.reshape(-1))
+    permute_(attention.linear_proj.weight, 1, _expand_units(local, d))
 
 
 def _mamba_(mixer: torch.nn.Module, head_perm: torch.Tensor, channel_perm: torch.Tensor) -> None:
@@ -224,78 +165,23 @@ def _mamba_(mixer: torch.nn.Module, head_perm: torch.Tensor, channel_perm: torch
     bc = 2 * groups * state
     in_rows = torch.cat([channels, d_inner + channels,
                          2 * d_inner + torch.arange(bc), 2 * d_inner + bc + local])
-    _permute_(mixer.in_proj.weight, 0, in_rows)
+    permute_(mixer.in_proj.weight, 0, in_rows)
     conv_rows = torch.cat([channels, d_inner + torch.arange(bc)])
-    _permute_(mixer.conv1d_weight, 0, conv_rows)
+    permute_(mixer.conv1d_weight, 0, conv_rows)
     if getattr(mixer, "conv1d_bias", None) is not None:
-        _permute_(mixer.conv1d_bias, 0, conv_rows)
+        permute_(mixer.conv1d_bias, 0, conv_rows)
     for name in ("A_log", "dt_bias"):
-        _permute_(getattr(mixer, name), 0, local)
+        permute_(getattr(mixer, name), 0, local)
     if hasattr(mixer, "_A_neg_exp_cache_stale"):
         mixer._A_neg_exp_cache_stale = True  # Megatron caches -exp(A_log)
-    _permute_(mixer.D, 0, channels if mixer.D.numel() == d_inner else local)
+    permute_(mixer.D, 0, channels if mixer.D.numel() == d_inner else local)
     by_channel = [(mixer.out_proj.weight, 1)]
     if getattr(mixer, "norm", None) is not None and getattr(mixer.norm, "weight", None) is not None:
         by_channel.append((mixer.norm.weight, 0))
-    _permute_many_(by_channel, channels)
-
-
-def _ep_group_and_size():
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_expert_model_parallel_group()
-    size = dist.get_world_size(group) if group is not None else 1
-    return (group if size > 1 else None), size
-
-
-def _experts_(moe: torch.nn.Module, full: torch.Tensor) -> None:
-    """Experts with their router rows and bias; global over EP (``full`` indexes the global
-    expert axis as currently laid out)."""
-    ep_group, shards = _ep_group_and_size()
-    router = moe.router
-    _permute_(router.weight, 0, full)
-    for name in ("expert_bias", "local_tokens_per_expert"):
-        buf = getattr(router, name, None)
-        if buf is not None:
-            _permute_(buf, 0, full)
-    local = moe.experts.local_experts
-    for name, _ in local[0].named_parameters():
-        stacked = torch.stack([dict(e.named_parameters())[name].data for e in local])
-        holder = _Param(stacked)
-        _global_permute_([holder], 0, full, ep_group)
-        for i, expert in enumerate(local):
-            dict(expert.named_parameters())[name].data.copy_(holder.data[i])
+    permute_many_(by_channel, channels)
 
 
 # ------------------------------------------------------------------------- driver
-def _tp_group_and_size():
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_tensor_model_parallel_group()
-    size = dist.get_world_size(group) if group is not None else 1
-    return (group if size > 1 else None), size
-
-
-def _global_axes(model: torch.nn.Module):
-    """(kind, layer number, module) for every globally ranked, sharded axis of this chunk."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.mlp import MLP
-
-    for layer in model.decoder.layers:
-        number = int(layer.layer_number)
-        mlp = getattr(layer, "mlp", None)
-        if isinstance(mlp, MoELayer):
-            yield "experts", number, mlp
-            if mlp.shared_experts is not None:
-                yield "shared_ffn", number, mlp.shared_experts
-        elif isinstance(mlp, MLP):
-            yield "ffn", number, mlp
-
-
-def _num_units(kind: str, module: torch.nn.Module, tp: int) -> int:
-    if kind == "experts":
-        return module.router.weight.shape[0]
-    return module.linear_fc2.weight.shape[1] * tp
 
 
 @torch.no_grad()
@@ -309,8 +195,8 @@ def apply_permutations(model: torch.nn.Module, perms: Permutations) -> None:
     model = getattr(model, "module", model)
     if getattr(model, STRIDED_ATTR, False):
         raise ValueError("this model is already reordered; reorder the original weights")
-    tp_group, tp = _tp_group_and_size()
-    _, ep = _ep_group_and_size()
+    tp_group, tp = tp_group_and_size()
+    _, ep = ep_group_and_size()
     if perms.embedding is not None:
         _hidden_(model, perms.embedding)
     for layer in model.decoder.layers:
@@ -320,53 +206,16 @@ def apply_permutations(model: torch.nn.Module, perms: Permutations) -> None:
         attention = getattr(layer, "self_attention", None)
         if isinstance(attention, SelfAttention) and number in perms.attention_heads:
             _attention_heads_(attention, perms.attention_heads[number])
-    for kind, number, module in _global_axes(model):
+    for kind, number, module in global_axes(model):
         perm = getattr(perms, kind).get(number)
         if perm is None:
             continue
         shards = ep if kind == "experts" else tp
         physical = perm[strided_index(perm.numel(), shards)]
         if kind == "experts":
-            _experts_(module, physical)
+            permute_experts_(module, physical)
         else:
-            _mlp_neurons_(module, physical, tp_group)
+            permute_ffn_neurons_(module, physical, tp_group)
     setattr(model, STRIDED_ATTR, True)
 
 
-@torch.no_grad()
-def convert_layout(model: torch.nn.Module, to_canonical: bool) -> None:
-    """Strided (memory) <-> canonical-contiguous (disk) for every globally ranked axis."""
-    model = getattr(model, "module", model)
-    tp_group, tp = _tp_group_and_size()
-    _, ep = _ep_group_and_size()
-    for kind, _, module in _global_axes(model):
-        shards = ep if kind == "experts" else tp
-        if shards == 1:
-            continue
-        sigma = strided_index(_num_units(kind, module, tp), shards)
-        index = torch.argsort(sigma) if to_canonical else sigma
-        if kind == "experts":
-            _experts_(module, index)
-        else:
-            _mlp_neurons_(module, index, tp_group)
-
-
-@contextmanager
-def canonical_weights(model: torch.nn.Module):
-    """Within the block, a reordered model holds the canonical (layout-free) order: save here."""
-    inner = getattr(model, "module", model)
-    strided = getattr(inner, STRIDED_ATTR, False)
-    if strided:
-        convert_layout(inner, to_canonical=True)
-    try:
-        yield
-    finally:
-        if strided:
-            convert_layout(inner, to_canonical=False)
-
-
-def mark_loaded_reordered(model: torch.nn.Module) -> None:
-    """After loading a reordered (canonical) checkpoint: lay the global axes out strided."""
-    inner = getattr(model, "module", model)
-    convert_layout(inner, to_canonical=False)
-    setattr(inner, STRIDED_ATTR, True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from elastic_plugin.models.config import ConfigError
+from elastic_plugin.models.layers import hybrid_layer_kind
 
 __all__ = ["InferenceCache", "layer_kind"]
 
@@ -23,15 +24,8 @@ SSM_STATE_DTYPE = torch.float32
 
 def layer_kind(layer: torch.nn.Module) -> str:
     """"mamba", "attention" or "positionwise" (MLP / MoE: no state across tokens)."""
-    from megatron.core.ssm.mamba_layer import MambaLayer
-    from megatron.core.transformer.identity_op import IdentityOp
-
-    if isinstance(layer, MambaLayer):
-        return "mamba"
-    attention = getattr(layer, "self_attention", None)
-    if attention is not None and not isinstance(attention, IdentityOp):
-        return "attention"
-    return "positionwise"
+    kind = hybrid_layer_kind(layer)
+    return kind if kind in ("mamba", "attention") else "positionwise"
 
 
 @dataclass

@@ -25,7 +25,15 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from elastic_plugin.data.tasks import THINK_CLOSE, parse_completion
-from elastic_plugin.elastic.meta import read_checkpoint_meta, read_elastic_meta
+from elastic_plugin.checkpoint.meta import (
+    budget_label,
+    match_budget,
+    read_checkpoint_meta,
+    read_elastic_meta,
+    stored_choice,
+    trained_budgets,
+    trained_listing,
+)
 from elastic_plugin.models.config import ConfigError, config_from_dict
 
 __all__ = ["GeneratePlan", "EXIT_BAD_INPUT", "format_summary", "plan_generation", "register_subcommand",
@@ -120,10 +128,6 @@ class GeneratePlan:
     max_sequence_length: int = 0
 
 
-def _label(budget: float) -> str:
-    return f"{budget:g}"
-
-
 def _check_int(flag: str, value: int | None, low: int) -> None:
     if value is not None and value < low:
         raise ConfigError(f"{flag} {value}: must be >= {low}")
@@ -139,20 +143,18 @@ def _per_layer_axis(choice: Mapping[str, Any]) -> tuple[str, list] | None:
 def _trained_budget(flag: str, budget: float, meta: Mapping[str, Any], ckpt: str) -> float:
     """The trained budget ``budget`` names (a plain model must exist for it), or a ConfigError
     naming ``flag`` and the trained budgets."""
-    trained = [float(b) for b in meta["elastic"]["budgets"]]
-    listing = ", ".join(_label(b) for b in trained)
+    trained = trained_budgets(meta)
+    listing = trained_listing(trained)
     if not math.isfinite(budget):
         raise ConfigError(f"{flag} {budget}: not a number; trained budgets: {listing}")
-    match = next((b for b in trained if math.isclose(b, budget, rel_tol=1e-9, abs_tol=1e-12)), None)
+    match = match_budget(budget, trained)
     if match is None:
-        raise ConfigError(f"{flag} {_label(budget)} was not trained; trained budgets: {listing}")
-    choice = meta["elastic"]["choices"].get(_label(match))
-    if not isinstance(choice, Mapping):
-        raise ConfigError(f"--ckpt {ckpt}: no stored choice for budget {_label(match)}")
+        raise ConfigError(f"{flag} {budget_label(budget)} was not trained; trained budgets: {listing}")
+    choice = stored_choice(meta, match, ckpt)
     per_layer = _per_layer_axis(choice)
     if per_layer is not None:
         axis, sizes = per_layer
-        raise ConfigError(f"{flag} {_label(match)}: the nested model has per-layer sizes "
+        raise ConfigError(f"{flag} {budget_label(match)}: the nested model has per-layer sizes "
                           f"({axis}={sizes}); generation runs a plain Megatron-Core model, which "
                           f"builds every layer of a kind alike; choose another budget (one size "
                           f"per axis)")
@@ -178,14 +180,14 @@ def _budgets(args: argparse.Namespace, meta: Mapping[str, Any]) -> tuple[str, li
         if control or args.budget is not None:
             flag, value = (("--budget", args.budget) if args.budget is not None
                            else ("--think-budget", args.think_budget))
-            raise ConfigError(f"{flag} {_label(value)}: --ckpt {args.ckpt} is a {kind!r} "
+            raise ConfigError(f"{flag} {budget_label(value)}: --ckpt {args.ckpt} is a {kind!r} "
                               f"checkpoint holding one model; budget flags (--budget, "
                               f"--think-budget, --answer-budget) need an elastic checkpoint "
                               f"(drop them)")
         return mode, [None]
     meta = read_elastic_meta(args.ckpt)
     if not control and args.budget is None:
-        listing = ", ".join(_label(float(b)) for b in meta["elastic"]["budgets"])
+        listing = trained_listing(trained_budgets(meta))
         raise ConfigError(f"--ckpt {args.ckpt} is an elastic checkpoint: choose a trained budget "
                           f"with --budget B (or --think-budget B1 --answer-budget B2); trained "
                           f"budgets: {listing}")
@@ -365,8 +367,8 @@ def _timings(phases: Mapping[str, Any]) -> dict[str, Any]:
 def run_plan(plan: GeneratePlan) -> dict[str, Any]:
     """Load the model(s) and generate; returns the JSON-ready summary."""
     from elastic_plugin.data.tokenizer import JsonTokenizer
-    from elastic_plugin.inference import (budget_control_generate, capped_thinking_generate,
-                                          generate, load_nested_models)
+    from elastic_plugin.inference import budget_control_generate, capped_thinking_generate, generate
+    from elastic_plugin.nested.model import load_nested_models
     from elastic_plugin.models.counting import count_parameters
 
     tokenizer = JsonTokenizer.from_file(plan.tokenizer_path)
@@ -423,7 +425,7 @@ def run_plan(plan: GeneratePlan) -> dict[str, Any]:
 def _model_line(role: str, info: Mapping[str, Any]) -> str:
     from elastic_plugin.models.counting import format_count
 
-    budget = "full model" if info["budget"] is None else f"budget {_label(info['budget'])}"
+    budget = "full model" if info["budget"] is None else f"budget {budget_label(info['budget'])}"
     return (f"{role}: {budget}, {format_count(info['params'])} params "
             f"({format_count(info['active_params'])} active)")
 

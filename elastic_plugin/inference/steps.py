@@ -40,7 +40,7 @@ def check_model(model: torch.nn.Module) -> torch.nn.Module:
     """The plain ``HybridModel`` inside ``model``; a clear error for what the steps cannot run."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-    from elastic_plugin.elastic.modules import STATE_ATTR
+    from elastic_plugin.elastic.layers.modules import STATE_ATTR
 
     inner = _inner(model)
     if not isinstance(inner, HybridModel):

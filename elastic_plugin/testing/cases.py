@@ -50,7 +50,6 @@ def eval_loss_from_checkpoint(ckpt_dir: str, data_dir: str, tp: int = 1, pp: int
                               sequence_parallel: bool = False, eval_iters: int = 2) -> float | None:
     """Load a teacher checkpoint under a layout and compute the validation loss."""
     import json
-    from dataclasses import replace
     from pathlib import Path
 
     from elastic_plugin.data.indexed import batch_iterator, build_gpt_datasets
@@ -58,8 +57,9 @@ def eval_loss_from_checkpoint(ckpt_dir: str, data_dir: str, tp: int = 1, pp: int
     from elastic_plugin.models.config import config_from_dict
     from elastic_plugin.parallel import Layout, build_model_chunks, initialize_layout
     from elastic_plugin.training.step import eval_step
-    from elastic_plugin.checkpointing import CHECKPOINT_META, load_checkpoint
-    from elastic_plugin.training.teacher import _share_from_last_stage
+    from elastic_plugin.checkpoint.meta import CHECKPOINT_META
+    from elastic_plugin.checkpoint.io import load_checkpoint
+    from elastic_plugin.training.step import share_from_last_stage
 
     meta = json.loads((Path(ckpt_dir) / CHECKPOINT_META).read_text())
     cfg = config_from_dict(meta["config"])
@@ -79,4 +79,4 @@ def eval_loss_from_checkpoint(ckpt_dir: str, data_dir: str, tp: int = 1, pp: int
     dp = parallel_state.get_data_parallel_world_size()
     it = batch_iterator(datasets.valid, t.micro_batch_size // dp, seed=t.seed, shuffle=False)
     loss = eval_step(chunks, it, eval_iters, t.seq_length, t.micro_batch_size // dp)
-    return _share_from_last_stage(loss)
+    return share_from_last_stage(loss)

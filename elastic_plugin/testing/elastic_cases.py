@@ -71,7 +71,8 @@ def _experiment(config_path: str, pattern: str | None):
 
 
 def _elastic_config(model, mode: str, heterogeneous: bool, fp8_gemm: str = "off"):
-    from elastic_plugin.elastic.config import ElasticConfig, model_axes
+    from elastic_plugin.elastic.config import ElasticConfig
+    from elastic_plugin.models.axes import model_axes
 
     axes = model_axes(model)
     raw = dict(ELASTIC, mode=mode, heterogeneous=heterogeneous, fp8_gemm=fp8_gemm,
@@ -85,7 +86,7 @@ def _setup(config_path: str, workdir: Path, layout, pattern, mode, heterogeneous
            fp8_gemm: str = "off"):
     """Elastic student (DDP), frozen teacher, optimizer and step driver for ``layout``."""
 
-    from elastic_plugin.checkpointing import build_from_checkpoint
+    from elastic_plugin.checkpoint.io import build_from_checkpoint
     from elastic_plugin.elastic.cost import ElasticCost
     from elastic_plugin.elastic.model import build_elastic_chunks, router_param_groups
     from elastic_plugin.elastic.router import AnnealSchedule
@@ -119,8 +120,8 @@ def _setup(config_path: str, workdir: Path, layout, pattern, mode, heterogeneous
 
 def write_init_checkpoint(cfg, path: Path, seed: int = 1234) -> None:
     """A random tiny model saved as if importance-reordered (its order is as good as any)."""
-    from elastic_plugin.checkpointing import save_checkpoint
-    from elastic_plugin.importance.reorder import STRIDED_ATTR
+    from elastic_plugin.checkpoint.io import save_checkpoint
+    from elastic_plugin.checkpoint.layout import STRIDED_ATTR
     from elastic_plugin.parallel import Layout, build_model_chunks, initialize_layout
 
     initialize_layout(Layout(), seed=seed)
@@ -162,7 +163,7 @@ def _reads_data() -> bool:
 
 def _run(cfg, chunks, optimizer, step, grads_out: Path | None):
     """STEPS elastic iterations; after the first backward, capture the gradients."""
-    from elastic_plugin.importance.reorder import canonical_weights
+    from elastic_plugin.checkpoint.layout import canonical_weights
 
     model = getattr(chunks[0], "module", chunks[0])
     losses: list[dict[int, list[float]]] = []
@@ -240,7 +241,7 @@ def check_elastic(config_path: str, workdir: str, tp: int = 1, pp: int = 1, ep: 
                   pattern: str | None = None, mode: str = "sliced", heterogeneous: bool = False,
                   seed: int = 1234, fp8_gemm: str = "off") -> dict[str, Any]:
     """N ranks: the same elastic steps under a layout; differences vs the reference."""
-    from elastic_plugin.checkpointing import build_from_checkpoint
+    from elastic_plugin.checkpoint.io import build_from_checkpoint
     from elastic_plugin.elastic.model import attach_elastic
     from elastic_plugin.parallel import Layout
 

@@ -1,4 +1,4 @@
-"""Rank-pool cases for ``elastic_plugin.elastic.mamba``: a real Megatron ``MambaMixer`` (built
+"""Rank-pool cases for ``elastic_plugin.elastic.layers.mamba``: a real Megatron ``MambaMixer`` (built
 from the hybrid layer spec) run through ``elastic_mamba_forward`` and compared with Megatron's
 own forward, with masked mode, with a genuinely smaller mixer, with finite differences, and
 under TP=2 + sequence parallelism against the single-rank result. Every case returns plain
@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 import torch
 
-from elastic_plugin.elastic.mamba import elastic_mamba_forward, mamba_active_rows
+from elastic_plugin.elastic.layers.mamba import elastic_mamba_forward
+from elastic_plugin.models.prefix import mamba_active_rows
 from elastic_plugin.models.builder import stack_spec_for, transformer_config
 from elastic_plugin.models.config import ConfigError, ModelConfig
 from elastic_plugin.parallel import Layout, initialize_layout

@@ -13,9 +13,10 @@ def make_elastic(model: torch.nn.Module, model_cfg, sizes: Mapping[str, Sequence
 
     ``sizes=None``: every axis has only its full size (budget 1.0): the model runs through the
     elastic layers at full width, e.g. to run an extracted nested model in FP8."""
-    from elastic_plugin.elastic.config import ElasticConfig, model_axes
-    from elastic_plugin.elastic.modules import elastify
-    from elastic_plugin.elastic.state import ElasticState, RankInfo
+    from elastic_plugin.elastic.config import ElasticConfig
+    from elastic_plugin.models.axes import model_axes
+    from elastic_plugin.elastic.layers.modules import elastify
+    from elastic_plugin.elastic.layers.state import ElasticState, RankInfo
 
     if sizes is None:
         sizes, budgets = {axis: [1.0] for axis in model_axes(model_cfg)}, (1.0,)

@@ -66,7 +66,7 @@ def hf_logits(path: Path, vocab: int) -> torch.Tensor:
 def hf_export_case(config_path: str, workdir: str) -> dict[str, Any]:
     """1 rank: train, take references, export 0.4 (homogeneous) and 0.77 (per layer) in fp32,
     bf16, FP8 and NVFP4, and compare each with the elastic model; then an interrupted export."""
-    from elastic_plugin.elastic.extract import extract_nested
+    from elastic_plugin.export.extract import extract_nested
     from elastic_plugin.models.config import ConfigError, load_config
 
     work = Path(workdir)

@@ -13,19 +13,14 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
-import socket
 import sys
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from elastic_plugin.compat.rendezvous import free_port
+
 _STOP = "__stop__"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -14,43 +14,9 @@ import os
 import sys
 from pathlib import Path
 
-from elastic_plugin.models.config import ConfigError, load_config
-
+from elastic_plugin.cli_args import add_layout_args, check_data_path_args, layout_from_args, start_ranks
 from elastic_plugin.cli_errors import EXIT_BAD_INPUT, report_bad_input
-
-
-def add_layout_args(parser: argparse.ArgumentParser) -> None:
-    """Megatron-style layout flags (default: the config's ``parallel:`` section)."""
-    group = parser.add_argument_group("parallel layout")
-    group.add_argument("--tensor-model-parallel-size", type=int, default=None)
-    group.add_argument("--pipeline-model-parallel-size", type=int, default=None)
-    group.add_argument("--expert-model-parallel-size", type=int, default=None)
-    group.add_argument("--sequence-parallel", action="store_true", default=None)
-    group.add_argument("--use-distributed-optimizer", action="store_true", default=None)
-
-
-def layout_from_args(args: argparse.Namespace, parallel) -> "Layout":
-    from elastic_plugin.parallel import Layout
-
-    def pick(flag, default):
-        return default if flag is None else flag
-
-    return Layout(
-        tp=pick(args.tensor_model_parallel_size, parallel.tensor_model_parallel_size),
-        pp=pick(args.pipeline_model_parallel_size, parallel.pipeline_model_parallel_size),
-        ep=pick(args.expert_model_parallel_size, parallel.expert_model_parallel_size),
-        sequence_parallel=pick(args.sequence_parallel, parallel.sequence_parallel),
-        distributed_optimizer=pick(args.use_distributed_optimizer, parallel.use_distributed_optimizer),
-    )
-
-
-def check_data_path_args(args: argparse.Namespace) -> None:
-    """--data-path / --valid-data-path must be Megatron indexed datasets, with a tokenizer.json."""
-    for flag, value in (("--data-path", args.data_path), ("--valid-data-path", args.valid_data_path)):
-        if value and not Path(value + ".idx").is_file():
-            raise ConfigError(f"{flag} {value}: no {value}.idx / .bin (a Megatron indexed dataset prefix)")
-    if not args.tokenizer or not Path(args.tokenizer).is_file():
-        raise ConfigError(f"--tokenizer {args.tokenizer}: --data-path needs an existing tokenizer.json")
+from elastic_plugin.models.config import ConfigError, load_config
 
 
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
@@ -106,13 +72,10 @@ def run_train(args: argparse.Namespace) -> int:
         cfg, layout, out = _checked_inputs(args)
     except ConfigError as exc:
         return report_bad_input("elastic-plugin train", exc)
-    from elastic_plugin.compat import enable_cpu_megatron
-    from elastic_plugin.parallel import init_distributed
+    start_ranks()
     from elastic_plugin.training.data_feed import build_data_feed
     from elastic_plugin.training.teacher import train_teacher
 
-    enable_cpu_megatron()
-    init_distributed()
     feed = build_data_feed(cfg, out, layout, data_path=args.data_path,
                            valid_data_path=args.valid_data_path, tokenizer_path=args.tokenizer,
                            progress=not args.no_progress)

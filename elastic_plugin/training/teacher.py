@@ -15,13 +15,23 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from elastic_plugin.checkpointing import save_checkpoint
+from elastic_plugin.checkpoint.io import save_checkpoint
 from elastic_plugin.models.config import ConfigError, ExperimentConfig
-from elastic_plugin.parallel import Layout, build_model_chunks, build_optimizer, initialize_layout
-from elastic_plugin.training.step import eval_step, train_step
+from elastic_plugin.parallel import (
+    Layout,
+    build_model_chunks,
+    build_optimizer,
+    initialize_layout,
+    is_rank0,
+)
+from elastic_plugin.training.step import (
+    cosine_lr_scheduler,
+    eval_step,
+    share_from_last_stage,
+    train_step,
+)
 
 
 
@@ -39,41 +49,10 @@ class TeacherRun:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _share_from_last_stage(value: float | None) -> float | None:
-    """Losses exist on the last pipeline stage only; give every rank the same number."""
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    packed = torch.tensor([value if value is not None else 0.0, 1.0 if value is not None else 0.0],
-                          dtype=torch.float64)
-    dist.all_reduce(packed, group=parallel_state.get_pipeline_model_parallel_group())
-    # every TP/DP replica of the last stage reported the same value: average them
-    dist.all_reduce(packed)
-    return float(packed[0] / packed[1]) if packed[1] > 0 else None
-
-
 def _lr_scheduler(optimizer, cfg: ExperimentConfig):
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     t = cfg.training
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=t.lr,
-        min_lr=t.min_lr,
-        lr_warmup_steps=min(t.lr_warmup_iters, max(t.train_iters - 1, 0)),
-        lr_decay_steps=t.train_iters,
-        lr_decay_style="cosine",
-        start_wd=t.weight_decay,
-        end_wd=t.weight_decay,
-        wd_incr_steps=t.train_iters,
-        wd_incr_style="constant",
-    )
+    return cosine_lr_scheduler(optimizer, t.lr, t.min_lr, t.lr_warmup_iters, t.train_iters,
+                               t.weight_decay)
 
 
 def plot_losses(history: list[dict[str, Any]], path: Path, title: str) -> Path | None:
@@ -128,11 +107,11 @@ def train_teacher(cfg: ExperimentConfig, layout: Layout, out_dir: str | Path,
     scheduler = _lr_scheduler(optimizer, cfg)
     metrics_path = out_dir / "teacher_metrics.jsonl"
     history: list[dict[str, Any]] = []
-    if _is_rank0():
+    if is_rank0():
         out_dir.mkdir(parents=True, exist_ok=True)
         metrics_path.write_text("")
     bar = None
-    if progress and _is_rank0():
+    if progress and is_rank0():
         from tqdm import tqdm
 
         bar = tqdm(total=t.train_iters, desc="teacher", unit="it", dynamic_ncols=True)
@@ -143,7 +122,7 @@ def train_teacher(cfg: ExperimentConfig, layout: Layout, out_dir: str | Path,
         result = train_step(chunks, optimizer, train_iterator, num_microbatches, t.seq_length,
                             t.micro_batch_size)
         scheduler.step(increment=1)
-        loss = _share_from_last_stage(result["loss"])
+        loss = share_from_last_stage(result["loss"])
         if loss is not None and not math.isfinite(loss):
             raise FloatingPointError(f"teacher training diverged at iteration {iteration}: loss={loss}")
         window.append(loss if loss is not None else float("nan"))
@@ -157,13 +136,13 @@ def train_teacher(cfg: ExperimentConfig, layout: Layout, out_dir: str | Path,
                       "elapsed_s": round(time.time() - start, 2)}
         if valid_dataset_factory is not None and (iteration % t.eval_interval == 0
                                                   or iteration == t.train_iters):
-            valid_loss = _share_from_last_stage(
+            valid_loss = share_from_last_stage(
                 eval_step(chunks, valid_dataset_factory(), t.eval_iters, t.seq_length,
                           t.micro_batch_size))
             record = {**record, "iteration": iteration, "valid_loss": valid_loss}
         if record:
             history.append(record)
-            if _is_rank0():
+            if is_rank0():
                 with metrics_path.open("a") as fh:
                     fh.write(json.dumps(record) + "\n")
         if bar is not None:
@@ -183,7 +162,7 @@ def train_teacher(cfg: ExperimentConfig, layout: Layout, out_dir: str | Path,
     }
     ckpt = save_checkpoint(chunks, out_dir / "checkpoints" / "teacher", meta)
     plot = None
-    if _is_rank0():
+    if is_rank0():
         plot = plot_losses(history, out_dir / "teacher_loss.png",
                            f"teacher training ({model_cfg.hybrid_layer_pattern}, "
                            f"TP{layout.tp} PP{layout.pp} EP{layout.ep} DP{dp})")

@@ -1,41 +1,28 @@
 """Megatron dist checkpoints with our metadata: atomic saves, any-layout loads, reorder-aware.
 
-A checkpoint directory holds Megatron's dist-checkpoint files plus ``elastic_meta.json`` (the
-experiment config, layout it was written with, and whether weights are importance-reordered).
-Reordered models keep their globally ranked axes strided in memory; checkpoints always hold the
-canonical order (``importance.reorder.canonical_weights``), so any layout can load them.
+A checkpoint directory holds Megatron's dist-checkpoint files plus ``elastic_meta.json``
+(``checkpoint.meta``: the experiment config, the layout it was written with, and whether the
+weights are importance-reordered). Reordered models keep their globally ranked axes strided in
+memory; checkpoints always hold the canonical order (``checkpoint.layout``), so any layout can
+load them. Every directory is published atomically (written as ``<dir>.tmp``, then renamed).
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
+from elastic_plugin.checkpoint.layout import STRIDED_ATTR, canonical_weights, mark_loaded_reordered
+from elastic_plugin.checkpoint.meta import (
+    CHECKPOINT_META,
+    read_checkpoint_meta,
+    write_checkpoint_meta,
+)
+from elastic_plugin.parallel import barrier, is_rank0
 
-CHECKPOINT_META = "elastic_meta.json"
-
-
-def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def read_meta(ckpt_dir: str | Path) -> dict[str, Any]:
-    """The metadata of a complete checkpoint; a clear error for anything else."""
-    ckpt_dir = Path(ckpt_dir)
-    meta_path = ckpt_dir / CHECKPOINT_META
-    if not ckpt_dir.is_dir():
-        raise FileNotFoundError(f"--ckpt {ckpt_dir}: no such checkpoint directory")
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"--ckpt {ckpt_dir}: not a complete checkpoint (no {CHECKPOINT_META})")
-    return json.loads(meta_path.read_text())
+__all__ = ["build_from_checkpoint", "fresh_temporary", "load_checkpoint", "load_optimizer",
+           "publish_directory", "save_checkpoint"]
 
 
 def save_checkpoint(chunks, out_dir: str | Path, meta: dict[str, Any], optimizer=None) -> Path:
@@ -45,25 +32,23 @@ def save_checkpoint(chunks, out_dir: str | Path, meta: dict[str, Any], optimizer
     layout: its moments of strided axes stay in memory order, which only that layout reads."""
     from megatron.core import dist_checkpointing
 
-    from elastic_plugin.importance.reorder import STRIDED_ATTR, canonical_weights
-
     final = Path(out_dir)
     tmp = final.with_name(final.name + ".tmp")
     model = getattr(chunks[0], "module", chunks[0])
     meta = {**meta, "reordered": bool(getattr(model, STRIDED_ATTR, False))}
-    if _is_rank0():
+    if is_rank0():
         fresh_temporary(final)
-    _barrier()
+    barrier()
     with canonical_weights(model):
         state = model.sharded_state_dict()
         if optimizer is not None:
             state = {**state, "optimizer": optimizer.sharded_state_dict(state)}
         dist_checkpointing.save(state, str(tmp))
-    _barrier()
-    if _is_rank0():
-        (tmp / CHECKPOINT_META).write_text(json.dumps(meta, indent=2, default=str))
+    barrier()
+    if is_rank0():
+        write_checkpoint_meta(tmp, meta)
         publish_directory(tmp, final)
-    _barrier()
+    barrier()
     return final
 
 
@@ -92,9 +77,7 @@ def load_checkpoint(chunks, ckpt_dir: str | Path) -> dict[str, Any]:
     """Load into model chunks of any layout; reordered weights are laid out strided again."""
     from megatron.core import dist_checkpointing
 
-    from elastic_plugin.importance.reorder import mark_loaded_reordered
-
-    meta = read_meta(ckpt_dir)
+    meta = read_checkpoint_meta(ckpt_dir)
     model = getattr(chunks[0], "module", chunks[0])
     state = dist_checkpointing.load(model.sharded_state_dict(), str(ckpt_dir))
     model.load_state_dict(state, strict=False)
@@ -121,7 +104,7 @@ def build_from_checkpoint(ckpt_dir: str | Path, layout, wrap_ddp: bool = False):
     from elastic_plugin.models.config import config_from_dict
     from elastic_plugin.parallel import build_model_chunks
 
-    meta = read_meta(ckpt_dir)
+    meta = read_checkpoint_meta(ckpt_dir)
     cfg = config_from_dict(meta["config"], source=f"{ckpt_dir}/{CHECKPOINT_META}")
     chunks, _ = build_model_chunks(cfg.model, layout, wrap_ddp=wrap_ddp)
     load_checkpoint(chunks, ckpt_dir)

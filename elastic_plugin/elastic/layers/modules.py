@@ -4,8 +4,11 @@
 elastic subclass (the instance's class is swapped, so parameters, checkpoint keys and hooks stay
 exactly Megatron's). Each elastic module asks the shared ``ElasticState`` what is active for its
 layer and then either defers to Megatron's own forward (full model) or computes only the active
-block (sliced) / the full width times masks (masked). The registry maps a Megatron class to its
-elastic behaviour; ``register_elastic`` lets users add their own layer types.
+block (sliced) / the full width times masks (masked). Two registries make it extensible:
+``register_elastic(kind)`` names the elastic behaviour (forward) of one kind of module, and
+``register_elastic_layer`` adds a rule that finds a kind of decoder layer and binds its modules;
+``elastify`` dispatches every layer through the rules, so a new layer type is one registered
+class and no edit here.
 """
 
 from __future__ import annotations
@@ -16,14 +19,13 @@ from typing import Callable
 
 import torch
 
-from elastic_plugin.elastic import fp8
-from elastic_plugin.elastic.linear import (
-    Index,
-    column_parallel_forward,
-    row_parallel_forward,
-)
-from elastic_plugin.elastic.state import ElasticState
+from elastic_plugin.checkpoint.layout import STRIDED_ATTR
+from elastic_plugin.elastic.layers import fp8
+from elastic_plugin.elastic.layers.linear import column_parallel_forward, row_parallel_forward
+from elastic_plugin.elastic.layers.state import ElasticState
 from elastic_plugin.models.config import ConfigError
+from elastic_plugin.models.layers import hybrid_layer_kind
+from elastic_plugin.models.prefix import Index, ffn_rows, proj_cols, qkv_rows
 
 STATE_ATTR = "_elastic_state"
 
@@ -174,30 +176,6 @@ class _ElasticSelfAttention:
             return self._elastic_base.forward(self, *args, **kwargs)
 
 
-def _qkv_rows(attn, per_group: int) -> torch.Tensor:
-    """Local qkv rows of the first ``per_group`` query heads of each group, plus K and V."""
-    d = attn.hidden_size_per_attention_head
-    groups = attn.num_query_groups_per_partition
-    # from the config: inside the sliced forward the per-partition head count is reduced
-    q_per_group = attn.config.num_attention_heads // attn.config.num_query_groups
-    block = (q_per_group + 2) * d
-    rows = []
-    for g in range(groups):
-        start = g * block
-        rows.append(torch.arange(start, start + per_group * d))
-        rows.append(torch.arange(start + q_per_group * d, start + block))
-    return torch.cat(rows)
-
-
-def _proj_cols(attn, per_group: int) -> torch.Tensor:
-    d = attn.hidden_size_per_attention_head
-    groups = attn.num_query_groups_per_partition
-    # from the config: inside the sliced forward the per-partition head count is reduced
-    q_per_group = attn.config.num_attention_heads // attn.config.num_query_groups
-    return torch.cat([torch.arange(g * q_per_group * d, (g * q_per_group + per_group) * d)
-                      for g in range(groups)])
-
-
 def _attention_io(state: ElasticState, attn, role: str) -> LinearActive | None:
     if not state.is_active:
         return None
@@ -206,10 +184,8 @@ def _attention_io(state: ElasticState, attn, role: str) -> LinearActive | None:
     per_group, head_mask = state.grouped_heads("attention_heads", layer,
                                                attn.config.num_query_groups)
     key = ("attn_index", layer, role, per_group)
-    index = state._cache.get(key)
-    if index is None and per_group is not None:
-        index = (_qkv_rows if role == "qkv" else _proj_cols)(attn, per_group)
-        state._cache[key] = index
+    index = None if per_group is None else state.cached(
+        key, lambda: (qkv_rows if role == "qkv" else proj_cols)(attn, per_group))
     if role == "qkv":
         return LinearActive(out_index=index, in_index=h_size)
     heads_mask = None
@@ -221,12 +197,6 @@ def _attention_io(state: ElasticState, attn, role: str) -> LinearActive | None:
 
 
 # ------------------------------------------------------------------------------ MLP
-def _ffn_index(mlp, local: int | None) -> Index:
-    """fc1 rows of the first ``local`` neurons (both halves for gated units)."""
-    if local is None or not mlp.config.gated_linear_unit:
-        return local
-    half = mlp.linear_fc1.weight.shape[0] // 2
-    return torch.cat([torch.arange(local), half + torch.arange(local)])
 
 
 def _mlp_io(state: ElasticState, mlp, axis: str | None, layer: int, role: str
@@ -236,7 +206,7 @@ def _mlp_io(state: ElasticState, mlp, axis: str | None, layer: int, role: str
     h_size, h_mask = state.hidden()
     local, ffn_mask = (state.tp_neurons(axis, layer) if axis is not None else (None, None))
     if role == "fc1":
-        return LinearActive(out_index=_ffn_index(mlp, local), in_index=h_size)
+        return LinearActive(out_index=ffn_rows(mlp, local), in_index=h_size)
     return LinearActive(out_index=h_size, in_index=local, in_mask=ffn_mask, out_mask=h_mask)
 
 
@@ -317,7 +287,7 @@ class _ElasticMambaMixer:
         in_fp8 = fp8.runs_fp8(self)
         if not state.is_active and not in_fp8:
             return self._elastic_base.forward(self, hidden_states, *args, **kwargs)
-        from elastic_plugin.elastic.mamba import elastic_mamba_forward
+        from elastic_plugin.elastic.layers.mamba import elastic_mamba_forward
 
         if not state.is_active:  # the full model (teacher / no budget) in FP8
             return elastic_mamba_forward(self, hidden_states)
@@ -333,7 +303,7 @@ class _ElasticMambaMixer:
             head_dim=head_dim, head_mask=head_mask, channel_mask=channel_mask, hidden_mask=h_mask)
 
 
-# --------------------------------------------------------------------------- elastify
+# ----------------------------------------------------------------------- binding helpers
 def _bind_linear(module, kind: str, io: Callable[[], LinearActive | None], state) -> None:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -359,55 +329,122 @@ def _elastify_mlp(mlp, axis: str | None, layer: int, state) -> None:
     _bind_linear(mlp.linear_fc2, "row", lambda: _mlp_io(state, mlp, axis, layer, "fc2"), state)
 
 
+# ------------------------------------------------------------------------- layer rules
+_LAYER_RULES: list[type] = []
+
+
+def register_elastic_layer(rule: type) -> type:
+    """Register how a kind of decoder layer becomes elastic: a class with static methods
+    ``matches(layer) -> bool`` and ``elastify(layer, state)``. ``elastify`` tries the rules
+    newest first, so a rule registered later (a user's) takes precedence over a built-in one for
+    the same layer; a layer no rule matches is refused. Adding a layer type is one such class."""
+    for name in ("matches", "elastify"):
+        if not callable(getattr(rule, name, None)):
+            raise TypeError(f"register_elastic_layer({rule.__name__}): needs a static method "
+                            f"{name}(layer, ...)")
+    _LAYER_RULES.insert(0, rule)
+    return rule
+
+
+@register_elastic_layer
+class _DenseMLPLayer:
+    """A dense MLP layer: pre-MLP norm and the ``ffn`` axis."""
+
+    @staticmethod
+    def matches(layer) -> bool:
+        return hybrid_layer_kind(layer) == "mlp"
+
+    @staticmethod
+    def elastify(layer, state) -> None:
+        _norm(layer.pre_mlp_layernorm, state)
+        _elastify_mlp(layer.mlp, "ffn", layer.layer_number, state)
+
+
+@register_elastic_layer
+class _MoELayer:
+    """An MoE layer: router, routed experts (expert FFN widths are not elastic), shared expert."""
+
+    @staticmethod
+    def matches(layer) -> bool:
+        return hybrid_layer_kind(layer) == "moe"
+
+    @staticmethod
+    def elastify(layer, state) -> None:
+        from megatron.core.transformer.moe.experts import SequentialMLP
+
+        number = layer.layer_number
+        _norm(layer.pre_mlp_layernorm, state)
+        moe = layer.mlp
+        _swap(moe.router, "router", _elastic_state=state)
+        if not isinstance(moe.experts, SequentialMLP):
+            raise ConfigError(f"elastic experts need SequentialMLP experts (moe_grouped_gemm="
+                              f"false); got {type(moe.experts).__name__}")
+        for expert in moe.experts.local_experts:
+            _elastify_mlp(expert, None, number, state)
+        _swap(moe.experts, "experts", _elastic_state=state)
+        if getattr(moe, "shared_experts", None) is not None:
+            _elastify_mlp(moe.shared_experts, "shared_ffn", number, state)
+
+
+@register_elastic_layer
+class _AttentionLayer:
+    """A self-attention layer: input norm, qkv / proj linears and the query-head axis."""
+
+    @staticmethod
+    def matches(layer) -> bool:
+        return (hybrid_layer_kind(layer) == "attention"
+                and hasattr(layer.self_attention, "linear_qkv"))
+
+    @staticmethod
+    def elastify(layer, state) -> None:
+        attn = layer.self_attention
+        _norm(layer.input_layernorm, state)
+        _bind_linear(attn.linear_qkv, "column", lambda: _attention_io(state, attn, "qkv"), state)
+        _bind_linear(attn.linear_proj, "row", lambda: _attention_io(state, attn, "proj"), state)
+        _swap(attn, "attention", _elastic_state=state)
+
+
+@register_elastic_layer
+class _MambaLayer:
+    """A Mamba layer: its norm and the mixer (heads, head channels, hidden)."""
+
+    @staticmethod
+    def matches(layer) -> bool:
+        return hybrid_layer_kind(layer) == "mamba"
+
+    @staticmethod
+    def elastify(layer, state) -> None:
+        _norm(layer.norm, state)
+        _swap(layer.mixer, "mamba", _elastic_state=state, _elastic_layer=layer.layer_number)
+
+
+def _layer_rule(layer) -> type:
+    for rule in _LAYER_RULES:
+        if rule.matches(layer):
+            return rule
+    raise ConfigError(f"no elastic behaviour registered for layer type {type(layer).__name__} "
+                      f"(layer {layer.layer_number}); register one with register_elastic_layer")
+
+
+# --------------------------------------------------------------------------- elastify
 def elastify(model: torch.nn.Module, state: ElasticState) -> torch.nn.Module:
     """Make every layer of a (local-spec) ``HybridModel`` chunk follow ``state``; returns model.
 
-    Function-preserving: with ``state`` cleared the model runs Megatron's own forwards. Under TP
-    or EP > 1 the model must be importance-reordered (strided FFN/expert layout) so every rank's
-    local prefix is the global nested prefix."""
-    from megatron.core.transformer.moe.experts import SequentialMLP
-
-    from elastic_plugin.importance.reorder import STRIDED_ATTR
-
+    Each decoder layer is made elastic by the registered rule that matches it
+    (``register_elastic_layer``). Function-preserving: with ``state`` cleared the model runs
+    Megatron's own forwards. Under TP or EP > 1 the model must be importance-reordered (strided
+    FFN/expert layout) so every rank's local prefix is the global nested prefix."""
     inner = getattr(model, "module", model)
     if (state.rank.tp_size > 1 or state.rank.ep_size > 1) and not getattr(inner, STRIDED_ATTR, False):
         raise ConfigError(
             "elastic training under tensor/expert parallelism needs an importance-reordered "
             "checkpoint (run `elastic-plugin reorder` first)")
+    rules = [_layer_rule(layer) for layer in inner.decoder.layers]  # refuse before changing any
     object.__setattr__(inner, STATE_ATTR, state)
     if getattr(inner, "pre_process", False):
         _swap(inner.embedding, "embedding", _elastic_state=state)
-    for layer in inner.decoder.layers:
-        number = layer.layer_number
-        kind = type(layer).__name__
-        if hasattr(layer, "mixer"):  # MambaLayer
-            _norm(layer.norm, state)
-            _swap(layer.mixer, "mamba", _elastic_state=state, _elastic_layer=number)
-        elif kind == "TransformerLayer" and hasattr(layer.self_attention, "linear_qkv"):
-            attn = layer.self_attention
-            _norm(layer.input_layernorm, state)
-            _bind_linear(attn.linear_qkv, "column",
-                         (lambda a=attn: _attention_io(state, a, "qkv")), state)
-            _bind_linear(attn.linear_proj, "row",
-                         (lambda a=attn: _attention_io(state, a, "proj")), state)
-            _swap(attn, "attention", _elastic_state=state)
-        elif hasattr(layer, "mlp") and hasattr(layer.mlp, "router"):  # MoE
-            _norm(layer.pre_mlp_layernorm, state)
-            moe = layer.mlp
-            _swap(moe.router, "router", _elastic_state=state)
-            if not isinstance(moe.experts, SequentialMLP):
-                raise ConfigError(f"elastic experts need SequentialMLP experts (moe_grouped_gemm="
-                                  f"false); got {type(moe.experts).__name__}")
-            for expert in moe.experts.local_experts:
-                _elastify_mlp(expert, None, number, state)
-            _swap(moe.experts, "experts", _elastic_state=state)
-            if getattr(moe, "shared_experts", None) is not None:
-                _elastify_mlp(moe.shared_experts, "shared_ffn", number, state)
-        elif hasattr(layer, "mlp"):  # dense MLP layer
-            _norm(layer.pre_mlp_layernorm, state)
-            _elastify_mlp(layer.mlp, "ffn", number, state)
-        else:
-            raise ConfigError(f"no elastic behaviour registered for layer type {kind}")
+    for layer, rule in zip(inner.decoder.layers, rules):
+        rule.elastify(layer, state)
     if getattr(inner, "post_process", False):
         _norm(inner.decoder.final_norm, state)
         _bind_linear(inner.output_layer, "column",

@@ -1,10 +1,11 @@
 """Zero-shot extraction: one nested model of an elastic checkpoint, saved as a plain smaller model.
 
 The elastic checkpoint holds the full (importance-ordered) weights and the budget router. The
-nested model of a budget is the router's hard choice for it (the stored choice table for trained
-budgets; the router itself for an untrained budget in between, with ``interpolate=True``).
-``slicing.sliced_state_dict`` cuts its weights out; they load strictly into the plain
-``HybridModel`` of ``cost.model_for_choice``, which is written as an ordinary Megatron dist
+nested model of a budget is the router's hard choice for it (``nested.choice``: the stored choice
+table for trained budgets; the router itself for an untrained budget in between, with
+``interpolate=True``). ``nested.slicing.nested_state_dict`` cuts its weights out; they load
+strictly into the plain ``HybridModel`` of ``models.axes.model_for_choice``, which is written as
+an ordinary Megatron dist
 checkpoint: any Megatron-Core code (any TP/PP/EP layout) loads it, nothing elastic is needed.
 
 The input-checking half (``ExtractPlan``, ``plan_extraction``) imports no torch, so the CLI can
@@ -17,11 +18,21 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
-from elastic_plugin.elastic.meta import CHECKPOINT_META, read_elastic_meta
+from elastic_plugin.checkpoint.meta import (
+    CHECKPOINT_META,
+    match_budget,
+    read_elastic_meta,
+    stored_choice,
+    trained_budgets,
+    trained_listing,
+)
+from elastic_plugin.cli_args import start_ranks
 from elastic_plugin.export.hf_compat import HF_DTYPES, QUANTIZE_FORMATS, check_hf_compatible
+from elastic_plugin.models.axes import model_for_choice
 from elastic_plugin.models.config import ConfigError, ModelConfig, config_from_dict
+from elastic_plugin.nested.choice import homogeneous_choice, interpolated_choice, nested_params
 
 EXTRACTED_KIND = "extracted"
 FORMATS = ("megatron", "hf")
@@ -31,42 +42,10 @@ _TARGET_FLAGS = (("--target-tensor-model-parallel-size", "tp"),
                  ("--target-expert-model-parallel-size", "ep"))
 
 __all__ = ["ExtractPlan", "plan_extraction", "extract_nested", "run_extraction", "load_source",
-           "homogeneous_choice",
-           "check_target_layout", "extracted_config", "read_elastic_meta"]
+           "check_target_layout", "extracted_config"]
 
 
 # ------------------------------------------------------------------------------ input checks
-
-
-
-def _label(budget: float) -> str:
-    return f"{budget:g}"  # = train.budget_label (that module imports torch)
-
-
-def _trained_budget(budget: float, budgets: Sequence[float]) -> float | None:
-    return next((b for b in budgets if math.isclose(b, budget, rel_tol=1e-9, abs_tol=1e-12)), None)
-
-
-def homogeneous_choice(choice: Mapping[str, Any], budget: float | None = None) -> dict[str, int]:
-    """One size per axis; per-layer lists must be uniform (plain Megatron builds every layer of
-    a kind from one config, so per-layer widths cannot be a Megatron model)."""
-    where = f"--budget {budget:g}: " if budget is not None else ""
-    out: dict[str, int] = {}
-    for axis, value in choice.items():
-        if isinstance(value, (list, tuple)):
-            if len(set(value)) != 1:
-                raise ConfigError(
-                    f"{where}the nested model has per-layer sizes ({axis}={list(value)}); "
-                    "plain Megatron-Core builds every layer of a kind alike, so it cannot hold this "
-                    "model (use --format hf: the Hugging Face NemotronH export keeps per-layer "
-                    "widths)")
-            value = value[0]
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}choice {axis}={value!r}: must be an int size")
-        out[axis] = int(value)
-    return out
-
-
 def check_target_layout(model: ModelConfig, tp: int, pp: int, ep: int, budget: float) -> None:
     """The extracted model must split under the target layout; the error names the flag."""
     for flag, key in _TARGET_FLAGS:
@@ -150,17 +129,15 @@ def plan_extraction(ckpt_dir: str | Path, budget: float, out_dir: str | Path,
     meta = read_elastic_meta(ckpt_dir)
     cfg = config_from_dict(meta["config"], source=f"--ckpt {ckpt_dir}/{CHECKPOINT_META}")
     dtype = _check_format(fmt, dtype, quantize, target, cfg.model)
-    budgets = [float(b) for b in meta["elastic"]["budgets"]]
-    trained = ", ".join(_label(b) for b in budgets)
+    budgets = trained_budgets(meta)
+    trained = trained_listing(budgets)
     if not isinstance(budget, (int, float)) or not math.isfinite(budget):
         raise ConfigError(f"--budget {budget!r}: not a number; trained budgets: {trained}")
-    match = _trained_budget(budget, budgets)
+    match = match_budget(budget, budgets)
     choice = None
     if match is not None:
-        raw = meta["elastic"]["choices"].get(_label(match))
-        if raw is None:
-            raise ConfigError(f"--ckpt {ckpt_dir}: no stored choice for budget {_label(match)}")
-        choice = homogeneous_choice(raw, match) if fmt == "megatron" else dict(raw)
+        raw = stored_choice(meta, match, ckpt_dir)
+        choice = homogeneous_choice(raw, match) if fmt == "megatron" else raw
         budget = match
     elif not min(budgets) < budget < max(budgets):
         raise ConfigError(f"--budget {budget:g} is outside the trained range "
@@ -169,8 +146,6 @@ def plan_extraction(ckpt_dir: str | Path, budget: float, out_dir: str | Path,
         raise ConfigError(f"--budget {budget:g} was not trained; trained budgets: {trained} "
                           f"(pass --interpolate to let the router blend the two nearest)")
     if target is not None and choice is not None:
-        from elastic_plugin.elastic.cost import model_for_choice  # imports torch, not Megatron
-
         check_target_layout(model_for_choice(cfg.model, choice), *target, budget)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -181,97 +156,29 @@ def plan_extraction(ckpt_dir: str | Path, budget: float, out_dir: str | Path,
 
 
 # ------------------------------------------------------------------------------ the heavy part
-def _interpolated_choice(plan: ExtractPlan) -> dict[str, Any]:
-    """The trained router's hard choice for an untrained budget (candidates as trained)."""
-    import torch
-
-    from elastic_plugin.elastic.config import ElasticConfig
-    from elastic_plugin.elastic.model import ROUTER_ATTR, RouterModule, load_router, make_router
-
-    layout = plan.meta.get("layout") or {}
-    ecfg = ElasticConfig.from_dict(plan.meta["config"]["elastic"],
-                                   source=f"{plan.ckpt}/{CHECKPOINT_META}")
-    resolved = ecfg.resolve(plan.model, int(layout.get("tp", 1)), int(layout.get("ep", 1)))
-    holder = torch.nn.Module()
-    holder.add_module(ROUTER_ATTR, RouterModule(make_router(resolved)))
-    load_router(holder, plan.ckpt)
-    router = holder.get_submodule(ROUTER_ATTR).router
-    with torch.no_grad():
-        picks = router.choose(plan.budget, interpolate=True)
-    choice: dict[str, Any] = {}
-    for name, spec in resolved.axes.items():
-        sizes = [spec.candidates[i] for i in picks[name]]
-        choice[name] = sizes if resolved.per_layer(name) else sizes[0]
-    return choice
-
-
-def _require_single_process() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() != 1:
-        raise ConfigError(f"extraction runs as one process; got a world of "
-                          f"{dist.get_world_size()} ranks (run it without torchrun)")
-
-
 def load_source(plan: ExtractPlan):
     """``(full model at TP=PP=EP=1, its checkpoint meta)`` (any source layout: dist checkpoints
     reshard). Load once, extract many: ``run_extraction(plan, source)``."""
-    from elastic_plugin.compat import enable_cpu_megatron
+    from elastic_plugin.checkpoint.io import build_from_checkpoint
+    from elastic_plugin.parallel import Layout
 
-    enable_cpu_megatron()
-    from elastic_plugin.checkpointing import build_from_checkpoint
-    from elastic_plugin.parallel import Layout, init_distributed, initialize_layout
-
-    init_distributed()
-    _require_single_process()
-    initialize_layout(Layout())
+    start_ranks(Layout(), one_process="extraction runs as one process")
     chunks, _, meta = build_from_checkpoint(plan.ckpt, Layout(), wrap_ddp=False)
     return chunks[0], meta
 
 
-def _sliced(plan: ExtractPlan, full, choice: Mapping[str, Any]) -> dict[str, Any]:
-    import torch
-
-    from elastic_plugin.elastic.slicing import sliced_state_dict
-    from elastic_plugin.importance.reorder import canonical_weights
-
-    with canonical_weights(full), torch.no_grad():
-        return sliced_state_dict(full, plan.model, choice)
-
-
-def _counts(plan: ExtractPlan, choice: Mapping[str, Any]) -> dict[str, int]:
-    """Total / active parameters of the nested model (per-layer choices through the cost model,
-    which equals counting.py for integer choices)."""
-    from elastic_plugin.elastic.cost import model_for_choice
-    from elastic_plugin.models.counting import count_parameters
-
-    if all(not isinstance(v, (list, tuple)) for v in choice.values()):
-        counts = count_parameters(model_for_choice(plan.model, choice))
-        return {"total": counts.total, "active": counts.active}
-    from elastic_plugin.elastic.config import ElasticConfig
-    from elastic_plugin.elastic.cost import ElasticCost
-
-    layout = plan.meta.get("layout") or {}
-    ecfg = ElasticConfig.from_dict(plan.meta["config"]["elastic"],
-                                   source=f"{plan.ckpt}/{CHECKPOINT_META}")
-    resolved = ecfg.resolve(plan.model, int(layout.get("tp", 1)), int(layout.get("ep", 1)))
-    return {metric.split("_")[0]: int(ElasticCost(plan.model, resolved, metric=metric)
-                                      .of_choice(choice))
-            for metric in ("total_params", "active_params")}
-
-
 def _write_megatron(plan: ExtractPlan, full, source_meta: dict[str, Any],
                     choice: dict[str, int], provenance: dict[str, Any]) -> dict[str, Any]:
-    from elastic_plugin.checkpointing import save_checkpoint
-    from elastic_plugin.elastic.cost import model_for_choice
-    from elastic_plugin.importance.reorder import STRIDED_ATTR
+    from elastic_plugin.checkpoint.io import save_checkpoint
+    from elastic_plugin.checkpoint.layout import STRIDED_ATTR
+    from elastic_plugin.nested.slicing import nested_state_dict
     from elastic_plugin.parallel import Layout, build_model_chunks
 
     small = model_for_choice(plan.model, choice)
     if plan.target is not None:
         check_target_layout(small, *plan.target, plan.budget)
     config = extracted_config(plan.meta, small, plan.target)
-    state = _sliced(plan, full, choice)
+    state = nested_state_dict(full, plan.model, choice)
     plain = build_model_chunks(small, Layout(), wrap_ddp=False)[0][0]
     plain.load_state_dict(state, strict=True)
     del state
@@ -285,10 +192,11 @@ def _write_megatron(plan: ExtractPlan, full, source_meta: dict[str, Any],
 
 def _write_hf(plan: ExtractPlan, full, choice: dict[str, Any],
               provenance: dict[str, Any]) -> dict[str, Any]:
-    from elastic_plugin.checkpointing import fresh_temporary, publish_directory
+    from elastic_plugin.checkpoint.io import fresh_temporary, publish_directory
     from elastic_plugin.export.hf import hf_config, megatron_to_hf, write_hf_checkpoint
+    from elastic_plugin.nested.slicing import nested_state_dict
 
-    tensors = megatron_to_hf(_sliced(plan, full, choice), plan.model)
+    tensors = megatron_to_hf(nested_state_dict(full, plan.model, choice), plan.model)
     config = hf_config(tensors, plan.model, plan.dtype, _token_ids(plan.meta))
     quant_config = None
     if plan.quantize is not None:
@@ -317,7 +225,7 @@ def _token_ids(meta: Mapping[str, Any]) -> dict[str, int]:
 
 def _provenance(plan: ExtractPlan, choice: Mapping[str, Any]) -> dict[str, Any]:
     return {"source": str(plan.ckpt), "budget": plan.budget, "interpolated": plan.choice is None,
-            "choice": dict(choice), "params": _counts(plan, choice),
+            "choice": dict(choice), "params": nested_params(plan.meta, plan.model, choice, plan.ckpt),
             **{k: plan.meta[k] for k in ("data", "tokenizer") if k in plan.meta}}
 
 
@@ -330,7 +238,8 @@ def run_extraction(plan: ExtractPlan, source=None) -> dict[str, Any]:
     Megatron checkpoint, or HF safetensors, optionally quantized). Returns the summary."""
     full, source_meta = source if source is not None else load_source(plan)
     interpolated = plan.choice is None
-    choice = _interpolated_choice(plan) if interpolated else plan.choice
+    choice = (interpolated_choice(plan.ckpt, plan.meta, plan.model, plan.budget) if interpolated
+              else plan.choice)
     if plan.fmt == "megatron" and interpolated:
         choice = homogeneous_choice(choice, plan.budget)
     provenance = _provenance(plan, choice)

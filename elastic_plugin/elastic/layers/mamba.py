@@ -28,17 +28,15 @@ the ``mamba_ssm`` / ``causal_conv1d`` kernels when installed, our pure-PyTorch f
 from __future__ import annotations
 
 import types
-import weakref
 
 import torch
 import torch.nn.functional as F
 
-from elastic_plugin.elastic.linear import column_parallel_forward, row_parallel_forward
+from elastic_plugin.elastic.layers.linear import column_parallel_forward, row_parallel_forward
 from elastic_plugin.models.config import ConfigError
+from elastic_plugin.models.prefix import check_size, local_mamba_dims, mamba_active_rows
 
-__all__ = ["elastic_mamba_forward", "mamba_active_rows"]
-
-_INDEX_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+__all__ = ["elastic_mamba_forward"]
 
 
 def _mixer_module():
@@ -46,61 +44,6 @@ def _mixer_module():
     from megatron.core.ssm import mamba_mixer
 
     return mamba_mixer
-
-
-def _local_dims(mixer) -> tuple[int, int, int, int, int]:
-    """(local heads, local groups, heads per group, head dim, state size) on this TP rank."""
-    heads, groups = mixer.nheads_local_tp, mixer.ngroups_local_tp
-    return heads, groups, heads // groups, mixer.headdim, mixer.d_state
-
-
-def _check_size(name: str, value: int | None, full: int) -> int:
-    if value is None:
-        return full
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= full:
-        raise ConfigError(f"{name}={value!r}: must be an int in [1, {full}] (None = {full})")
-    return value
-
-
-def mamba_active_rows(mixer, heads_per_group: int, head_dim: int) -> dict[str, torch.Tensor]:
-    """Local index sets of the active part of ``mixer`` (cached per mixer, sizes and device).
-
-    In Megatron 0.19.2 each TP rank's in_proj rows are ``[z | x | B | C | dt]`` with
-    ``z``/``x`` of ``d_inner_local`` rows (head ``h`` channel ``c`` at ``h * headdim + c``),
-    ``B``/``C`` of ``ngroups_local * d_state`` rows and ``dt`` one row per local head; heads are
-    group-major (head ``g * heads_per_group + j`` belongs to group ``g``). The conv channels are
-    ``[x | B | C]``. Returned keys (LongTensors on the weights' device):
-
-    * ``heads``: active local heads, group-major (``g * r + j`` for ``j < k``);
-    * ``channels``: their d_inner channels ``h * headdim + c`` for ``c < p'`` (head-major), which
-      index z, x, ``D`` (when per channel), the norm weight and out_proj's columns;
-    * ``z``, ``x``, ``bc`` (all B and C rows), ``dt``: in_proj rows per part; ``in_proj``: their
-      concatenation, which is the ``[z | x | B | C | dt]`` layout of the smaller mixer;
-    * ``conv``: conv1d channels ``[x active | B | C]``.
-    """
-    heads, groups, per_group, hd, state = _local_dims(mixer)
-    k = _check_size("heads_per_group", heads_per_group, per_group)
-    p = _check_size("head_dim", head_dim, hd)
-    device = mixer.in_proj.weight.device
-    per_mixer = _INDEX_CACHE.setdefault(mixer, {})
-    key = (k, p, device)
-    if key not in per_mixer:
-        d_inner = mixer.d_inner_local_tp
-        bc_rows = 2 * groups * state
-        act_heads = (torch.arange(groups)[:, None] * per_group + torch.arange(k)[None]).reshape(-1)
-        channels = (act_heads[:, None] * hd + torch.arange(p)[None]).reshape(-1)
-        bc = 2 * d_inner + torch.arange(bc_rows)
-        parts = {"z": channels, "x": d_inner + channels, "bc": bc,
-                 "dt": 2 * d_inner + bc_rows + act_heads}
-        rows = {
-            **parts,
-            "in_proj": torch.cat([parts["z"], parts["x"], parts["bc"], parts["dt"]]),
-            "conv": torch.cat([channels, d_inner + torch.arange(bc_rows)]),
-            "heads": act_heads,
-            "channels": channels,
-        }
-        per_mixer[key] = {name: t.to(device) for name, t in rows.items()}
-    return per_mixer[key]
 
 
 def _pick(tensor: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
@@ -257,10 +200,10 @@ def elastic_mamba_forward(
     ``copy_to_tensor_model_parallel_region``). ``out`` is [s, b, h'] (s/tp under SP).
     """
     unfused = _check_training_call(mixer, inference_context, packed_seq_params)
-    _, groups, per_group, hd, _ = _local_dims(mixer)
-    h_act = _check_size("hidden_active", hidden_active, mixer.d_model)
-    k = _check_size("heads_per_group", heads_per_group, per_group)
-    p = _check_size("head_dim", head_dim, hd)
+    _, groups, per_group, hd, _ = local_mamba_dims(mixer)
+    h_act = check_size("hidden_active", hidden_active, mixer.d_model)
+    k = check_size("heads_per_group", heads_per_group, per_group)
+    p = check_size("head_dim", head_dim, hd)
     if hidden_states.dim() != 3 or hidden_states.shape[-1] != h_act:
         raise ConfigError(f"hidden_states must be [s, b, hidden_active={h_act}], "
                           f"got {tuple(hidden_states.shape)}")

@@ -5,9 +5,9 @@ smaller model whose weights are the active blocks of its own (``elastic.modules`
 ``h'`` hidden channels everywhere (embeddings, norms, every linear's input columns / output rows),
 the first ``f`` neurons of each dense / shared-expert FFN, the first ``k`` query heads of every
 query group (K/V heads stay), the first ``k`` Mamba heads of every Mamba group with the first
-``p'`` channels of every head (``mamba.mamba_active_rows``), and the first ``E'`` experts with
+``p'`` channels of every head (``models.prefix.mamba_active_rows``), and the first ``E'`` experts with
 their router rows and per-expert buffers. ``sliced_state_dict`` cuts those blocks out, so a plain
-``HybridModel`` built from ``cost.model_for_choice(cfg, choice)`` loads them (``strict=True``) and
+``HybridModel`` built from ``models.axes.model_for_choice(cfg, choice)`` loads them (``strict=True``) and
 gives the elastic model's output at that choice: the nested model is a real, smaller model.
 
 Heterogeneous choices (one size per layer) give a state dict whose layers differ in shape. Plain
@@ -21,12 +21,15 @@ from typing import Mapping, Sequence
 
 import torch
 
-from elastic_plugin.elastic.config import _multiple_name, model_axes
-from elastic_plugin.elastic.linear import Index
-from elastic_plugin.elastic.model import ROUTER_ATTR
+from elastic_plugin.checkpoint.layout import canonical_weights
+from elastic_plugin.elastic.router import ROUTER_ATTR
+from elastic_plugin.models.axes import model_axes, multiple_name
 from elastic_plugin.models.config import ConfigError, ModelConfig
+from elastic_plugin.models.layers import hybrid_layer_kind
+from elastic_plugin.models.prefix import Index, ffn_rows, mamba_active_rows, proj_cols, qkv_rows
+from elastic_plugin.ops import ordered_gather
 
-__all__ = ["sliced_state_dict", "choice_sizes"]
+__all__ = ["choice_sizes", "nested_state_dict", "sliced_state_dict"]
 
 Rule = tuple[tuple[int, Index], ...]  # (dim, active index) per sliced dimension
 EXTRA_STATE = "_extra_state"
@@ -49,7 +52,7 @@ def choice_sizes(model_cfg: ModelConfig, choice: Mapping[str, int | Sequence[int
     out: dict[str, dict[int | None, int]] = {}
     for name, (full, multiple, minimum, layers, _unit) in axes.items():
         value = choice.get(name, full)
-        allowed = f"allowed: multiples of {multiple} ({_multiple_name(name, model_cfg)}) " \
+        allowed = f"allowed: multiples of {multiple} ({multiple_name(name, model_cfg)}) " \
                   f"in [{minimum}, {full}]"
         if name == "experts" and minimum > multiple:
             allowed += f" (at least model.moe_router_topk={model_cfg.moe_router_topk})"
@@ -118,15 +121,11 @@ class _Plan:
 
 
 def _mlp(plan: _Plan, mlp, prefix: str, h: int, neurons: int | None) -> None:
-    from elastic_plugin.elastic.modules import _ffn_index
-
-    plan.linear(mlp.linear_fc1, f"{prefix}linear_fc1.", _ffn_index(mlp, neurons), h)
+    plan.linear(mlp.linear_fc1, f"{prefix}linear_fc1.", ffn_rows(mlp, neurons), h)
     plan.linear(mlp.linear_fc2, f"{prefix}linear_fc2.", h, neurons)
 
 
 def _mamba(plan: _Plan, mixer, prefix: str, h: int, heads: int, head_dim: int) -> None:
-    from elastic_plugin.elastic.mamba import mamba_active_rows
-
     rows = mamba_active_rows(mixer, heads // mixer.ngroups_local_tp, head_dim)
     plan.linear(mixer.in_proj, f"{prefix}in_proj.", rows["in_proj"], h)
     plan.param(mixer, prefix, "conv1d_weight", (0, rows["conv"]))
@@ -140,11 +139,9 @@ def _mamba(plan: _Plan, mixer, prefix: str, h: int, heads: int, head_dim: int) -
 
 
 def _attention(plan: _Plan, attn, prefix: str, h: int, heads: int) -> None:
-    from elastic_plugin.elastic.modules import _proj_cols, _qkv_rows
-
     per_group = heads // attn.num_query_groups_per_partition
-    plan.linear(attn.linear_qkv, f"{prefix}linear_qkv.", _qkv_rows(attn, per_group), h)
-    plan.linear(attn.linear_proj, f"{prefix}linear_proj.", h, _proj_cols(attn, per_group))
+    plan.linear(attn.linear_qkv, f"{prefix}linear_qkv.", qkv_rows(attn, per_group), h)
+    plan.linear(attn.linear_proj, f"{prefix}linear_proj.", h, proj_cols(attn, per_group))
     for name in ("q_layernorm", "k_layernorm"):  # over the head dim: not elastic
         norm = getattr(attn, name, None)
         if norm is not None:
@@ -173,7 +170,8 @@ def _moe(plan: _Plan, moe, prefix: str, h: int, experts: int, shared: int | None
 
 
 def _plan(inner: torch.nn.Module, sizes: dict[str, dict[int | None, int]]) -> _Plan:
-    """Rules for every layer, classified as ``elastify`` classifies them."""
+    """Rules for every layer, classified by ``models.layers.hybrid_layer_kind`` as the elastic
+    layers classify them."""
     plan = _Plan()
     h = sizes["embedding"][None]
     get = lambda axis, layer: sizes[axis][layer] if axis in sizes else None  # noqa: E731
@@ -184,19 +182,20 @@ def _plan(inner: torch.nn.Module, sizes: dict[str, dict[int | None, int]]) -> _P
                    (1, h))
     for i, layer in enumerate(inner.decoder.layers):
         prefix, number = f"decoder.layers.{i}.", int(layer.layer_number)
-        if hasattr(layer, "mixer"):  # MambaLayer
+        kind = hybrid_layer_kind(layer)
+        if kind == "mamba":
             plan.norm(layer.norm, f"{prefix}norm.", h)
             _mamba(plan, layer.mixer, f"{prefix}mixer.", h, get("mamba_heads", number),
                    get("mamba_head_dim", number))
-        elif hasattr(getattr(layer, "self_attention", None), "linear_qkv"):
+        elif kind == "attention" and hasattr(layer.self_attention, "linear_qkv"):
             plan.norm(layer.input_layernorm, f"{prefix}input_layernorm.", h)
             _attention(plan, layer.self_attention, f"{prefix}self_attention.", h,
                        get("attention_heads", number))
-        elif hasattr(layer, "mlp") and hasattr(layer.mlp, "router"):
+        elif kind == "moe":
             plan.norm(layer.pre_mlp_layernorm, f"{prefix}pre_mlp_layernorm.", h)
             _moe(plan, layer.mlp, f"{prefix}mlp.", h, get("experts", number),
                  get("shared_ffn", number))
-        elif hasattr(layer, "mlp"):
+        elif kind == "mlp":
             plan.norm(layer.pre_mlp_layernorm, f"{prefix}pre_mlp_layernorm.", h)
             _mlp(plan, layer.mlp, f"{prefix}mlp.", h, get("ffn", number))
         else:
@@ -213,8 +212,6 @@ def _plan(inner: torch.nn.Module, sizes: dict[str, dict[int | None, int]]) -> _P
 def _apply(tensor: torch.Tensor, rule: Rule) -> torch.Tensor:
     """A fresh contiguous copy of the rule's block: each (dim, prefix length or index set) is one
     ``ordered_gather`` of the canonical (importance) order, the csrc slicing kernel."""
-    from elastic_plugin.ops import ordered_gather
-
     out = tensor.detach()
     copied = False
     for dim, index in rule:
@@ -239,7 +236,7 @@ def sliced_state_dict(model: torch.nn.Module, model_cfg: ModelConfig,
     (importance) order; ``model_cfg`` its config; ``choice``: axis -> size (one int for all
     layers) or a list with one size per layer of the axis (``AxisSpec.layers`` order); axes left
     out stay full. For a homogeneous choice the keys are exactly those of the plain model built
-    from ``cost.model_for_choice(model_cfg, choice)``, including the router's ``expert_bias``
+    from ``models.axes.model_for_choice(model_cfg, choice)``, including the router's ``expert_bias``
     buffer and Megatron's ``_extra_state`` entries (passed through: strict loading expects them;
     those of dropped experts are dropped). Tensors are fresh copies. Heterogeneous choices: see the
     module docstring. Raises ``ConfigError`` (naming the axis) for a choice the elastic layers
@@ -261,3 +258,12 @@ def sliced_state_dict(model: torch.nn.Module, model_cfg: ModelConfig,
             raise ConfigError(f"sliced_state_dict: no slicing rule for state-dict entry {key!r} "
                               "(a module the elastic layers do not know)")
     return out
+
+
+def nested_state_dict(model: torch.nn.Module, model_cfg: ModelConfig,
+                      choice: Mapping[str, int | Sequence[int]]) -> dict[str, torch.Tensor]:
+    """``sliced_state_dict`` of a model in any memory layout: a reordered (strided) model is put
+    in canonical order for the cut and restored after. The one recipe for the weights of one
+    budget's plain model, used by extraction, export and generation alike."""
+    with canonical_weights(model), torch.no_grad():
+        return sliced_state_dict(model, model_cfg, choice)

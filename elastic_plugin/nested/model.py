@@ -1,22 +1,33 @@
-"""The model to generate with: a nested model cut out of an elastic one in memory, or any
+"""The plain model of one budget, in memory: a nested model cut out of an elastic one, or any
 checkpoint of this plugin loaded for TP=PP=EP=1.
 
-A nested model is a genuinely smaller plain ``HybridModel`` (``cost.model_for_choice``) holding
-the prefix blocks of the elastic weights (``slicing.sliced_state_dict`` in canonical order), the
-same recipe as zero-shot extraction (``elastic.extract``), without writing a checkpoint. Its
-caches are those of the smaller model (fewer K/V groups' heads, Mamba heads and channels, a
-narrower residual stream), so the cached step functions run it unchanged.
+A nested model is a genuinely smaller plain ``HybridModel`` (``models.axes.model_for_choice``)
+holding the prefix blocks of the elastic weights (``slicing.nested_state_dict``), the same recipe
+as zero-shot extraction (``export.extract``), without writing a checkpoint. Its caches are those
+of the smaller model (fewer K/V groups' heads, Mamba heads and channels, a narrower residual
+stream), so the cached step functions of ``inference`` run it unchanged.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
+from elastic_plugin.checkpoint.meta import (
+    budget_label,
+    match_budget,
+    read_checkpoint_meta,
+    read_elastic_meta,
+    stored_choice,
+    trained_budgets,
+    trained_listing,
+)
+from elastic_plugin.cli_args import start_ranks
+from elastic_plugin.models.axes import model_for_choice
 from elastic_plugin.models.config import ConfigError, ModelConfig, config_from_dict
+from elastic_plugin.nested.choice import homogeneous_choice
 
 __all__ = ["load_nested_model", "load_nested_models", "nested_model"]
 
@@ -27,16 +38,12 @@ def nested_model(model: torch.nn.Module, model_cfg: ModelConfig, choice: Mapping
     full), cut from ``model`` (elastic or plain, TP=PP=EP=1, importance-ordered). The elastic
     model is left unchanged; call after Megatron's parallel state is initialized (as for
     building ``model``)."""
-    from elastic_plugin.elastic.cost import model_for_choice
-    from elastic_plugin.elastic.extract import homogeneous_choice
-    from elastic_plugin.elastic.slicing import sliced_state_dict
-    from elastic_plugin.importance.reorder import canonical_weights
+    from elastic_plugin.nested.slicing import nested_state_dict
     from elastic_plugin.parallel import Layout, build_model_chunks
 
     choice = homogeneous_choice(choice)
     small = model_for_choice(model_cfg, choice)
-    with canonical_weights(model), torch.no_grad():
-        state = sliced_state_dict(model, model_cfg, choice)
+    state = nested_state_dict(model, model_cfg, choice)
     dtype = next(model.parameters()).dtype
     rng = torch.get_rng_state()  # building draws init weights; keep the caller's RNG stream
     try:
@@ -49,18 +56,10 @@ def nested_model(model: torch.nn.Module, model_cfg: ModelConfig, choice: Mapping
     return plain, small
 
 
-def _match_budget(budget: float, budgets: list[float]) -> float | None:
-    return next((b for b in budgets if math.isclose(b, budget, rel_tol=1e-9, abs_tol=1e-12)),
-                None)
-
-
 def _checked_choices(ckpt_dir: str | Path, budgets: list[float | None]
                      ) -> tuple[dict[str, Any], list[dict[str, int] | None]]:
     """The checkpoint's meta and, per requested budget, its stored choice (None: the model as
     stored, for a non-elastic checkpoint). Reads metadata only."""
-    from elastic_plugin.elastic.extract import homogeneous_choice
-    from elastic_plugin.elastic.meta import read_checkpoint_meta, read_elastic_meta
-
     meta = read_checkpoint_meta(ckpt_dir)
     if meta.get("kind") != "elastic":
         for budget in budgets:
@@ -70,20 +69,18 @@ def _checked_choices(ckpt_dir: str | Path, budgets: list[float | None]
                                   "--budget)")
         return meta, [None] * len(budgets)
     meta = read_elastic_meta(ckpt_dir)
-    trained_budgets = [float(b) for b in meta["elastic"]["budgets"]]
-    trained = ", ".join(f"{b:g}" for b in trained_budgets)
+    budgets_trained = trained_budgets(meta)
+    trained = trained_listing(budgets_trained)
     choices = []
     for budget in budgets:
         if budget is None or isinstance(budget, bool) or not isinstance(budget, (int, float)):
             raise ConfigError(f"--budget {budget!r}: {ckpt_dir} is an elastic checkpoint; "
                               f"choose one of the trained budgets: {trained}")
-        match = _match_budget(float(budget), trained_budgets)
+        match = match_budget(float(budget), budgets_trained)
         if match is None:
-            raise ConfigError(f"--budget {budget:g} was not trained; trained budgets: {trained}")
-        raw = meta["elastic"]["choices"].get(f"{match:g}")
-        if raw is None:
-            raise ConfigError(f"--ckpt {ckpt_dir}: no stored choice for budget {match:g}")
-        choices.append(homogeneous_choice(raw, match))
+            raise ConfigError(f"--budget {budget_label(budget)} was not trained; trained "
+                              f"budgets: {trained}")
+        choices.append(homogeneous_choice(stored_choice(meta, match, ckpt_dir), match))
     return meta, choices
 
 
@@ -96,23 +93,13 @@ def load_nested_models(ckpt_dir: str | Path, budgets: list[float | None]
     meta, choices = _checked_choices(ckpt_dir, list(budgets))
     cfg = config_from_dict(meta["config"], source=f"--ckpt {ckpt_dir}")
 
-    from elastic_plugin.compat import enable_cpu_megatron
+    from elastic_plugin.checkpoint.io import build_from_checkpoint
+    from elastic_plugin.parallel import Layout
 
-    enable_cpu_megatron()
-    import torch.distributed as dist
-
-    from elastic_plugin.checkpointing import build_from_checkpoint
-    from elastic_plugin.parallel import Layout, init_distributed, initialize_layout
-
-    init_distributed()
-    if dist.get_world_size() != 1:
-        raise ConfigError(f"generation loads the model in one process; got a world of "
-                          f"{dist.get_world_size()} ranks (run it without torchrun)")
-    initialize_layout(Layout())
+    start_ranks(Layout(), one_process="generation loads the model in one process")
     chunks, _, _ = build_from_checkpoint(ckpt_dir, Layout(), wrap_ddp=False)
     full = chunks[0]
     full.eval()
-    from elastic_plugin.elastic.cost import model_for_choice
 
     def pick(choice):
         if choice is None or model_for_choice(cfg.model, choice) == cfg.model:

@@ -16,15 +16,10 @@ block (``elastic.fp8``) instead of Megatron's ``_forward_impl``.
 
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 
-from elastic_plugin.elastic import fp8
-
-Index = Union[None, int, torch.Tensor]
-"""Which units of a (local) dimension are active: None = all, int = that many leading units,
-a 1-d LongTensor = those positions in that order."""
+from elastic_plugin.elastic.layers import fp8
+from elastic_plugin.models.prefix import Index
 
 
 def select(tensor: torch.Tensor, dim: int, index: Index) -> torch.Tensor:

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from elastic_plugin.elastic.meta import CHECKPOINT_META
-from elastic_plugin.elastic.meta import read_elastic_meta as read_meta
+from elastic_plugin.checkpoint.meta import CHECKPOINT_META, stored_choices
+from elastic_plugin.checkpoint.meta import read_elastic_meta as read_meta
 from elastic_plugin.models.config import ConfigError
 
 PROG = "elastic-plugin inspect"
@@ -98,7 +98,7 @@ def inspect_checkpoint(ckpt: str | Path, batch_size: int = 1,
                              memory=MemorySpec(batch_size, seq, p)) for p in MEMORY_PRECISIONS}
     choices: list[tuple[str, float | None, dict[str, Any]]] = [
         (FULL_LABEL, None, resolved.full_choice())]
-    for label, choice in meta["elastic"]["choices"].items():
+    for label, choice in stored_choices(meta).items():
         choices.append((str(label), _budget_of(label), _checked_choice(label, choice, resolved)))
     rows = []
     for label, budget, choice in choices:

@@ -21,7 +21,7 @@ only under sequence parallelism, where each rank sees a slice of the tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -144,6 +144,13 @@ class ElasticState:
         self.mode = SLICED
         self._active = active
         self._cache = {}
+
+    def cached(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, computed once per choice: index sets and masks the layers derive from the
+        current choice (cleared whenever the choice changes)."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
 
     def axis(self, name: str, layer: int | None = None) -> AxisActive | None:
         if self._active is None:

@@ -1,0 +1,121 @@
+"""The one reader and writer of a checkpoint's ``elastic_meta.json``; imports no torch.
+
+Every checkpoint this plugin writes (teacher, reordered, elastic, extracted) is Megatron's dist
+checkpoint plus ``elastic_meta.json``: the experiment config, the layout that wrote it, whether
+its weights are importance-reordered and, for an elastic checkpoint, the trained budgets and the
+choice table (budget label -> axis -> size). The command lines check their input before anything
+heavy is loaded, through these functions, so a user gets the same message for the same mistake
+everywhere; budgets are spelled (``budget_label``) and matched (``match_budget``) here only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from elastic_plugin.models.config import ConfigError
+
+__all__ = ["CHECKPOINT_META", "DIST_METADATA", "ELASTIC_SUBDIR", "budget_label", "match_budget",
+           "read_checkpoint_meta", "read_elastic_meta", "stored_choice", "stored_choices",
+           "trained_budgets", "trained_listing", "write_checkpoint_meta"]
+
+CHECKPOINT_META = "elastic_meta.json"
+DIST_METADATA = "metadata.json"        # Megatron dist checkpoint's own index
+ELASTIC_SUBDIR = ("checkpoints", "elastic")
+_ELASTIC_HINT = "the output of elastic-plugin elastic-train (OUT/checkpoints/elastic)"
+
+
+def read_checkpoint_meta(ckpt: str | Path, flag: str = "--ckpt",
+                         require_weights: bool = True) -> dict[str, Any]:
+    """The metadata of a complete checkpoint written by this plugin, or a ConfigError naming ``flag``.
+
+    ``require_weights``: also insist on Megatron's dist-checkpoint index (an interrupted save
+    leaves only ``<dir>.tmp``); commands that read metadata only can skip it."""
+    path = Path(ckpt)
+    if not path.is_dir():
+        raise ConfigError(f"{flag} {path}: no such checkpoint directory")
+    if not (path / CHECKPOINT_META).is_file():
+        nested = path.joinpath(*ELASTIC_SUBDIR)
+        hint = f" (did you mean {flag} {nested}?)" if (nested / CHECKPOINT_META).is_file() else ""
+        raise ConfigError(f"{flag} {path}: not a complete checkpoint (no {CHECKPOINT_META}){hint}")
+    if require_weights and not (path / DIST_METADATA).is_file():
+        raise ConfigError(f"{flag} {path}: not a complete checkpoint (needs {CHECKPOINT_META} and "
+                          f"{DIST_METADATA}; an interrupted save leaves only {path.name}.tmp)")
+    try:
+        meta = json.loads((path / CHECKPOINT_META).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{flag} {path}: {CHECKPOINT_META} is not readable JSON ({exc})") from None
+    if not isinstance(meta, Mapping) or not isinstance(meta.get("config"), Mapping):
+        raise ConfigError(f"{flag} {path}: {CHECKPOINT_META} has no experiment config")
+    return dict(meta)
+
+
+def read_elastic_meta(ckpt: str | Path, flag: str = "--ckpt",
+                      require_weights: bool = True) -> dict[str, Any]:
+    """``read_checkpoint_meta`` of an elastic checkpoint: kind, budgets and the choice table."""
+    meta = read_checkpoint_meta(ckpt, flag, require_weights)
+    path = Path(ckpt)
+    kind = meta.get("kind")
+    if kind != "elastic":
+        what = f"a {kind!r} checkpoint" if kind is not None else "a checkpoint without a 'kind'"
+        raise ConfigError(f"{flag} {path}: kind={kind!r}, not an elastic checkpoint ({what}); "
+                          f"this needs {_ELASTIC_HINT}")
+    elastic = meta.get("elastic")
+    if (not isinstance(elastic, Mapping) or not isinstance(elastic.get("choices"), Mapping)
+            or not elastic["choices"] or not elastic.get("budgets")
+            or not isinstance(meta["config"].get("elastic"), Mapping)):
+        raise ConfigError(f"{flag} {path}: {CHECKPOINT_META} lacks the elastic config or the "
+                          f"choice table (elastic.budgets / elastic.choices); this needs "
+                          f"{_ELASTIC_HINT}")
+    return meta
+
+
+def write_checkpoint_meta(ckpt: str | Path, meta: Mapping[str, Any]) -> None:
+    """Write ``elastic_meta.json`` into a checkpoint directory (values JSON cannot hold are
+    written as their ``str``, as the readers expect)."""
+    (Path(ckpt) / CHECKPOINT_META).write_text(json.dumps(dict(meta), indent=2, default=str))
+
+
+# ------------------------------------------------------------------------------ budgets
+_BUDGET_REL_TOL, _BUDGET_ABS_TOL = 1e-9, 1e-12
+
+
+def budget_label(budget: float) -> str:
+    """A budget's one spelling (``0.77`` -> ``"0.77"``): its key in the choice table, in metrics
+    files and in every report."""
+    return f"{float(budget):g}"
+
+
+def match_budget(budget: float, budgets: Sequence[float]) -> float | None:
+    """The trained budget that ``budget`` names (equal up to float noise), or None."""
+    return next((float(b) for b in budgets
+                 if math.isclose(float(b), budget, rel_tol=_BUDGET_REL_TOL,
+                                 abs_tol=_BUDGET_ABS_TOL)), None)
+
+
+def trained_budgets(meta: Mapping[str, Any]) -> list[float]:
+    """The budgets an elastic checkpoint's ``meta`` (from ``read_elastic_meta``) was trained for."""
+    return [float(b) for b in meta["elastic"]["budgets"]]
+
+
+def trained_listing(budgets: Sequence[float]) -> str:
+    """``"1, 0.77, 0.4"``: the trained budgets as error messages list them."""
+    return ", ".join(budget_label(b) for b in budgets)
+
+
+def stored_choices(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The choice table of an elastic checkpoint: budget label -> axis -> size (or per-layer
+    sizes)."""
+    return dict(meta["elastic"]["choices"])
+
+
+def stored_choice(meta: Mapping[str, Any], budget: float, ckpt: str | Path) -> dict[str, Any]:
+    """The stored choice of trained ``budget``; a ConfigError naming ``--ckpt`` if the table
+    lacks it."""
+    choice = meta["elastic"]["choices"].get(budget_label(budget))
+    if not isinstance(choice, Mapping):
+        raise ConfigError(f"--ckpt {ckpt}: no stored choice for budget {budget_label(budget)}")
+    return dict(choice)

@@ -1,0 +1,78 @@
+"""What every command line shares: Megatron-style layout flags, data-path checks, and the start-up
+of the ranks (``start_ranks``).
+
+Parsing and checking import no torch, so a bad command line fails in milliseconds; only
+``layout_from_args`` (the ``Layout`` it returns) and ``start_ranks`` load torch and Megatron.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from elastic_plugin.models.config import ConfigError
+
+if TYPE_CHECKING:
+    from elastic_plugin.parallel import Layout
+
+__all__ = ["add_layout_args", "check_data_path_args", "layout_from_args", "start_ranks"]
+
+
+def add_layout_args(parser: argparse.ArgumentParser) -> None:
+    """Megatron-style layout flags (default: the config's ``parallel:`` section)."""
+    group = parser.add_argument_group("parallel layout")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=None)
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=None)
+    group.add_argument("--expert-model-parallel-size", type=int, default=None)
+    group.add_argument("--sequence-parallel", action="store_true", default=None)
+    group.add_argument("--use-distributed-optimizer", action="store_true", default=None)
+
+
+def layout_from_args(args: argparse.Namespace, parallel: Any) -> Layout:
+    """The layout the flags name, each flag left out taken from ``parallel`` (a
+    ``ParallelConfig``)."""
+    from elastic_plugin.parallel import Layout
+
+    def pick(flag: Any, default: Any) -> Any:
+        return default if flag is None else flag
+
+    return Layout(
+        tp=pick(args.tensor_model_parallel_size, parallel.tensor_model_parallel_size),
+        pp=pick(args.pipeline_model_parallel_size, parallel.pipeline_model_parallel_size),
+        ep=pick(args.expert_model_parallel_size, parallel.expert_model_parallel_size),
+        sequence_parallel=pick(args.sequence_parallel, parallel.sequence_parallel),
+        distributed_optimizer=pick(args.use_distributed_optimizer, parallel.use_distributed_optimizer),
+    )
+
+
+def check_data_path_args(args: argparse.Namespace) -> None:
+    """--data-path / --valid-data-path must be Megatron indexed datasets, with a tokenizer.json."""
+    for flag, value in (("--data-path", args.data_path), ("--valid-data-path", args.valid_data_path)):
+        if value and not Path(value + ".idx").is_file():
+            raise ConfigError(f"{flag} {value}: no {value}.idx / .bin (a Megatron indexed dataset prefix)")
+    if not args.tokenizer or not Path(args.tokenizer).is_file():
+        raise ConfigError(f"--tokenizer {args.tokenizer}: --data-path needs an existing tokenizer.json")
+
+
+def start_ranks(layout: Layout | None = None, seed: int = 1234,
+                one_process: str | None = None) -> None:
+    """Start this rank the same way in every command: Megatron's CPU adaptations (only where
+    CUDA is absent), the default process group (torchrun's, or a 1-rank world), then Megatron's
+    model-parallel groups for ``layout`` (seeded with ``seed``) when one is given.
+
+    ``one_process``: the job runs in a single process; a larger world is refused with a
+    ConfigError that starts with this text (e.g. "extraction runs as one process")."""
+    from elastic_plugin.compat import enable_cpu_megatron
+
+    enable_cpu_megatron()
+    import torch.distributed as dist
+
+    from elastic_plugin.parallel import init_distributed, initialize_layout
+
+    init_distributed()
+    if one_process is not None and dist.get_world_size() != 1:
+        raise ConfigError(f"{one_process}; got a world of {dist.get_world_size()} ranks (run it "
+                          "without torchrun)")
+    if layout is not None:
+        initialize_layout(layout, seed=seed)

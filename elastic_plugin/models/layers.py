@@ -1,0 +1,34 @@
+"""What kind of hybrid layer a built Megatron layer is, decided in one place.
+
+Reordering, the elastic layers, slicing and the inference caches all treat a ``HybridModel``'s
+layers by kind; they all ask ``hybrid_layer_kind`` so that a layer is never one kind to the
+trainer and another to extraction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["LAYER_KINDS", "hybrid_layer_kind"]
+
+LAYER_KINDS: tuple[str, ...] = ("mamba", "attention", "moe", "mlp")
+
+
+def hybrid_layer_kind(layer: torch.nn.Module) -> str | None:
+    """"mamba", "attention", "moe" or "mlp" for the layers of our hybrid spec; None otherwise."""
+    from megatron.core.ssm.mamba_layer import MambaLayer
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    if isinstance(layer, MambaLayer):
+        return "mamba"
+    attention = getattr(layer, "self_attention", None)
+    if attention is not None and not isinstance(attention, IdentityOp):
+        return "attention"
+    mlp = getattr(layer, "mlp", None)
+    if isinstance(mlp, MoELayer):
+        return "moe"
+    if isinstance(mlp, MLP):
+        return "mlp"
+    return None
