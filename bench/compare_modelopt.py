@@ -167,12 +167,12 @@ def calibration_batches(args: argparse.Namespace, vocab_size: int) -> list[dict[
 
 @torch.no_grad()
 def mean_loss(model, batches, seq: int, mbs: int) -> float:
-    from elastic_plugin.training.step import _reduce_reports, run_schedule
+    from elastic_plugin.training.step import reduce_loss_reports, run_schedule
 
     model.eval()
     reports = run_schedule([model], iter(batches), len(batches), seq, mbs, forward_only=True)
     model.train()
-    return float(_reduce_reports(reports))
+    return float(reduce_loss_reports(reports))
 
 
 # ---------------------------------------------------------------------------- the scorers

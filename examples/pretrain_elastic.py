@@ -395,7 +395,7 @@ def forward_step(data_iterator, model):
     import torch
     from megatron.training import get_args
 
-    from elastic_plugin.elastic.step import _truncate
+    from elastic_plugin.elastic.step import truncate_batch
     from elastic_plugin.elastic.train import choice_table
 
     run = session()
@@ -420,7 +420,7 @@ def forward_step(data_iterator, model):
     step.num_microbatches = get_num_microbatches()
     local = run._local
     run._local += 1
-    batch = _truncate(batch, step.sampler.seq_length(iteration))
+    batch = truncate_batch(batch, step.sampler.seq_length(iteration))
     with torch.no_grad():
         step._teacher_logits = [run.teacher(batch["tokens"], _position_ids(batch),
                                             batch.get("attention_mask"))]

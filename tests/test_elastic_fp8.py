@@ -169,7 +169,7 @@ def test_scaled_mm_path_equals_the_emulation_and_gradients_flow(setup, monkeypat
     Every GEMM of the model is checked against the emulation on the same inputs (through the
     whole model, a last-bit difference can flip an E4M3 rounding and grow layer by layer)."""
     from elastic_plugin.elastic.layers.fp8 import fp8_gemm
-    from elastic_plugin.ops import _fp8 as fp8_ops
+    import elastic_plugin.ops as fp8_ops
 
     model, _, state, resolved, tokens, position = setup
     calls = []

@@ -41,7 +41,7 @@ class _Replay:
         return next(self._it)
 
 
-def _truncate(batch: dict, seq_length: int | None) -> dict:
+def truncate_batch(batch: dict, seq_length: int | None) -> dict:
     """Curriculum stages may train on a prefix of each sequence."""
     if not seq_length:
         return batch
@@ -192,7 +192,7 @@ class ElasticStep:
         stage_seq = self.sampler.seq_length(self.iteration) or seq_length
         batches = None
         if data_iterator is not None:
-            batches = [_truncate(next(data_iterator), stage_seq)
+            batches = [truncate_batch(next(data_iterator), stage_seq)
                        for _ in range(self.num_microbatches)]
         self.teacher_pass(chunks, batches, stage_seq, micro_batch_size)
         self._mb = 0

@@ -41,8 +41,7 @@ import torch
 
 from elastic_plugin import __version__
 from elastic_plugin.models.config import ConfigError
-from elastic_plugin.ops._quantize import (
-    BLOCK,
+from elastic_plugin.ops import (
     E2M1_MAX,
     E4M3_MAX,
     fp8_quantize,
@@ -50,6 +49,7 @@ from elastic_plugin.ops._quantize import (
     pack_e2m1,
     round_e2m1,
 )
+from elastic_plugin.ops import NVFP4_BLOCK as BLOCK
 
 __all__ = ["FORMATS", "QUANT_ALGO", "NVFP4_BLOCK", "E4M3_MAX", "E2M1_MAX", "E2M1_VALUES",
            "quantize_fp8", "dequantize_fp8", "quantize_nvfp4", "dequantize_nvfp4",

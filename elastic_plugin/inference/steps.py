@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from elastic_plugin.inference.cache import InferenceCache, layer_kind
 from elastic_plugin.models.config import ConfigError
+from elastic_plugin.models.layers import ELASTIC_STATE_ATTR
 
 __all__ = ["check_model", "decode_step", "extend", "extend_ragged", "prefill"]
 
@@ -40,17 +41,15 @@ def check_model(model: torch.nn.Module) -> torch.nn.Module:
     """The plain ``HybridModel`` inside ``model``; a clear error for what the steps cannot run."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-    from elastic_plugin.elastic.layers.modules import STATE_ATTR
-
     inner = _inner(model)
     if not isinstance(inner, HybridModel):
         raise ConfigError(f"model: expected a Megatron-Core HybridModel, "
                           f"got {type(inner).__name__}")
-    state = getattr(inner, STATE_ATTR, None)
+    state = getattr(inner, ELASTIC_STATE_ATTR, None)
     if state is not None and state.is_active:
         raise ConfigError(
             "model: an elastic model with an active choice; cached generation runs plain models: "
-            "cut the nested model out first (elastic_plugin.inference.nested_model(model, "
+            "cut the nested model out first (elastic_plugin.nested.model.nested_model(model, "
             "model_cfg, choice)), or clear the elastic state for the full model")
     if not (inner.pre_process and inner.post_process):
         raise ConfigError("model: generation needs the whole model on one rank "

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["LAYER_KINDS", "hybrid_layer_kind"]
+__all__ = ["ELASTIC_STATE_ATTR", "LAYER_KINDS", "hybrid_layer_kind"]
 
 LAYER_KINDS: tuple[str, ...] = ("mamba", "attention", "moe", "mlp")
+ELASTIC_STATE_ATTR = "_elastic_state"
+"""The attribute ``elastic.layers.elastify`` sets on a model it made elastic (its
+``ElasticState``): other stages (generation) check for it without importing the trainer."""
 
 
 def hybrid_layer_kind(layer: torch.nn.Module) -> str | None:

@@ -27,7 +27,7 @@ from elastic_plugin.models.axes import model_axes, multiple_name
 from elastic_plugin.models.config import ConfigError, ModelConfig
 from elastic_plugin.models.layers import hybrid_layer_kind
 from elastic_plugin.models.prefix import Index, ffn_rows, mamba_active_rows, proj_cols, qkv_rows
-from elastic_plugin.ops import ordered_gather
+from elastic_plugin import ops
 
 __all__ = ["choice_sizes", "nested_state_dict", "sliced_state_dict"]
 
@@ -222,7 +222,7 @@ def _apply(tensor: torch.Tensor, rule: Rule) -> torch.Tensor:
         else:
             perm = index.to(device=out.device, dtype=torch.long)
             keep = perm.numel()
-        out, copied = ordered_gather(out, perm, keep, dim), True
+        out, copied = ops.ordered_gather(out, perm, keep, dim), True
     return out if copied else out.clone(memory_format=torch.contiguous_format)
 
 

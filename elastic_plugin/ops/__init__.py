@@ -8,12 +8,24 @@ The ops live in ``torch.ops.elastic_plugin``; the functions here add argument ch
 from __future__ import annotations
 
 from elastic_plugin.ops._batched_gather import ordered_gather_many, reference_ordered_gather_many
-from elastic_plugin.ops._fp8 import E4M3_MAX, dequantize_e4m3, fp8_prefix_linear, quantize_e4m3
+from elastic_plugin.ops._fp8 import METHODS as FP8_METHODS
+from elastic_plugin.ops._fp8 import SCALINGS as FP8_SCALINGS
+from elastic_plugin.ops._fp8 import (
+    E4M3_MAX,
+    AmaxReduce,
+    dequantize_e4m3,
+    fp8_prefix_linear,
+    quantize_e4m3,
+)
 from elastic_plugin.ops._gather import ordered_gather, reference_ordered_gather
 from elastic_plugin.ops._masked_gemm import prefix_linear, reference_prefix_linear
+from elastic_plugin.ops._quantize import BLOCK as NVFP4_BLOCK
 from elastic_plugin.ops._quantize import (
+    E2M1_MAX,
     fp8_quantize,
     nvfp4_quantize,
+    pack_e2m1,
+    round_e2m1,
     reference_fp8_quantize,
     reference_nvfp4_quantize,
 )
@@ -39,7 +51,12 @@ def backend_info() -> dict[str, object]:
 __all__ = [
     "BACKENDS",
     "DISABLE_ENV",
+    "E2M1_MAX",
     "E4M3_MAX",
+    "FP8_METHODS",
+    "FP8_SCALINGS",
+    "NVFP4_BLOCK",
+    "AmaxReduce",
     "backend",
     "backend_info",
     "dequantize_e4m3",
@@ -48,6 +65,7 @@ __all__ = [
     "nvfp4_quantize",
     "ordered_gather",
     "ordered_gather_many",
+    "pack_e2m1",
     "prefix_linear",
     "quantize_e4m3",
     "reference_ordered_gather",
@@ -55,4 +73,5 @@ __all__ = [
     "reference_fp8_quantize",
     "reference_nvfp4_quantize",
     "reference_prefix_linear",
+    "round_e2m1",
 ]

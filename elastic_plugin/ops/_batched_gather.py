@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from elastic_plugin.ops._gather import _as_int, reference_ordered_gather
+from elastic_plugin.ops._gather import as_int, reference_ordered_gather
 from elastic_plugin.ops._loader import INFO
 
 OP_NAME = "elastic_plugin::ordered_gather_many"
@@ -34,7 +34,7 @@ def check_args(
         raise TypeError(f"{_WHO}: dims must be a list of int, got {type(dims).__name__}")
     if not isinstance(perm, torch.Tensor):
         raise TypeError(f"{_WHO}: perm must be a torch.Tensor, got {type(perm).__name__}")
-    k = _as_int("k", k)
+    k = as_int("k", k)
     if perm.dtype != torch.int64:
         raise TypeError(f"{_WHO}: perm must be an int64 (torch.long) tensor, got dtype {perm.dtype}")
     if perm.dim() != 1:
@@ -49,7 +49,7 @@ def check_args(
     for i, (t, dim) in enumerate(zip(tensors, dims)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{_WHO}: tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
-        dim = _as_int(f"dims[{i}]", dim)
+        dim = as_int(f"dims[{i}]", dim)
         if t.layout != torch.strided:
             raise TypeError(f"{_WHO}: tensors[{i}] must be a strided (dense) tensor, got layout {t.layout}")
         if t.device != perm.device:

@@ -22,7 +22,7 @@ OP_NAME = "elastic_plugin::ordered_gather"
 SCHEMA = "(Tensor src, Tensor perm, SymInt k, int dim) -> Tensor"
 
 
-def _as_int(name: str, value: object) -> int | torch.SymInt:
+def as_int(name: str, value: object) -> int | torch.SymInt:
     """``value`` as an int (SymInts pass through); TypeError naming ``name`` otherwise."""
     if isinstance(value, torch.SymInt):
         return value
@@ -40,8 +40,8 @@ def check_args(src: torch.Tensor, perm: torch.Tensor, k: int, dim: int) -> int:
         raise TypeError(f"ordered_gather: src must be a torch.Tensor, got {type(src).__name__}")
     if not isinstance(perm, torch.Tensor):
         raise TypeError(f"ordered_gather: perm must be a torch.Tensor, got {type(perm).__name__}")
-    k = _as_int("k", k)
-    dim = _as_int("dim", dim)
+    k = as_int("k", k)
+    dim = as_int("dim", dim)
     if src.layout != torch.strided:
         raise TypeError(f"ordered_gather: src must be a strided (dense) tensor, got layout {src.layout}")
     if perm.dtype != torch.int64:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from elastic_plugin.ops._gather import _as_int
+from elastic_plugin.ops._gather import as_int
 from elastic_plugin.ops._loader import INFO
 
 OP_NAME = "elastic_plugin::prefix_linear"
@@ -34,8 +34,8 @@ def check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             raise TypeError(f"{_WHO}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise TypeError(f"{_WHO}: bias must be a torch.Tensor or None, got {type(bias).__name__}")
-    n = _as_int("n", n)
-    k = _as_int("k", k)
+    n = as_int("n", n)
+    k = as_int("k", k)
     if x.layout != torch.strided or weight.layout != torch.strided:
         raise TypeError(
             f"{_WHO}: x and weight must be strided (dense) tensors, got layouts {x.layout} and {weight.layout}"

@@ -47,7 +47,7 @@ def forward_step(data_iterator: Iterator[dict] | None, model: torch.nn.Module):
     return output, partial(masked_lm_loss, loss_mask)
 
 
-def _reduce_reports(reports: list[dict]) -> float | None:
+def reduce_loss_reports(reports: list[dict]) -> float | None:
     """Token-mean loss over micro-batches and data-parallel ranks (``None`` off the last stage)."""
     if not reports:
         return None
@@ -115,7 +115,7 @@ def train_step(
     reports = run_schedule(chunks, data_iterator, num_microbatches, seq_length,
                             micro_batch_size, forward_only=False,
                             forward_step_func=forward_step_func)
-    result: dict[str, Any] = {"loss": (reduce_reports or _reduce_reports)(reports),
+    result: dict[str, Any] = {"loss": (reduce_reports or reduce_loss_reports)(reports),
                               "reports": reports}
     if step_optimizer:
         ok, grad_norm, _ = optimizer.step()
@@ -135,7 +135,7 @@ def eval_step(chunks, data_iterator, num_microbatches: int, seq_length: int,
     finally:
         for chunk in chunks:
             chunk.train()
-    return _reduce_reports(reports)
+    return reduce_loss_reports(reports)
 
 
 def share_from_last_stage(value: float | None) -> float | None:

@@ -26,11 +26,12 @@ from typing import Iterator
 import torch
 
 from elastic_plugin.elastic.config import FP8_GEMMS as GEMM_CHOICES  # elastic.fp8_gemm's values
-from elastic_plugin.ops import _fp8 as fp8_ops
+from elastic_plugin import ops
+from elastic_plugin.ops import FP8_METHODS, FP8_SCALINGS, AmaxReduce
 
 OFF = "off"
-assert GEMM_CHOICES == (OFF, *fp8_ops.SCALINGS)
-METHODS = fp8_ops.METHODS
+assert GEMM_CHOICES == (OFF, *FP8_SCALINGS)
+METHODS = FP8_METHODS
 EXEMPT_ATTR = "_elastic_fp8_exempt"  # set on linears that stay in the model dtype (output layer)
 
 __all__ = ["GEMM_CHOICES", "Fp8Recipe", "active_recipe", "fp8_gemm", "fp8_linear", "runs_fp8"]
@@ -45,8 +46,8 @@ class Fp8Recipe:
     method: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.scaling not in fp8_ops.SCALINGS:
-            raise ValueError(f"fp8_gemm: scaling must be one of {fp8_ops.SCALINGS} (or {OFF!r} "
+        if self.scaling not in FP8_SCALINGS:
+            raise ValueError(f"fp8_gemm: scaling must be one of {FP8_SCALINGS} (or {OFF!r} "
                              f"for none), got {self.scaling!r}")
         if self.method not in METHODS:
             raise ValueError(f"fp8_gemm: method must be one of {METHODS}, got {self.method!r}")
@@ -79,7 +80,7 @@ def runs_fp8(module: torch.nn.Module) -> bool:
     return _ACTIVE[-1] is not None and not getattr(module, EXEMPT_ATTR, False)
 
 
-def _amax_max(group) -> fp8_ops.AmaxReduce:
+def _amax_max(group) -> AmaxReduce:
     """A MAX all-reduce of an amax over ``group`` (None when the group is a single rank)."""
     import torch.distributed as dist
 
@@ -100,7 +101,7 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, recipe, x_reduce, w_reduce):  # type: ignore[override]
         ctx.save_for_backward(x, weight)
         n, k = weight.shape
-        return fp8_ops.fp8_prefix_linear(x, weight, n, k, recipe.scaling, method=recipe.method,
+        return ops.fp8_prefix_linear(x, weight, n, k, recipe.scaling, method=recipe.method,
                                          x_amax_reduce=x_reduce, w_amax_reduce=w_reduce)
 
     @staticmethod

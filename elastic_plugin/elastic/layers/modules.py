@@ -24,10 +24,10 @@ from elastic_plugin.elastic.layers import fp8
 from elastic_plugin.elastic.layers.linear import column_parallel_forward, row_parallel_forward
 from elastic_plugin.elastic.layers.state import ElasticState
 from elastic_plugin.models.config import ConfigError
-from elastic_plugin.models.layers import hybrid_layer_kind
+from elastic_plugin.models.layers import ELASTIC_STATE_ATTR, hybrid_layer_kind
 from elastic_plugin.models.prefix import Index, ffn_rows, proj_cols, qkv_rows
 
-STATE_ATTR = "_elastic_state"
+STATE_ATTR = ELASTIC_STATE_ATTR
 
 
 @dataclass(frozen=True)
