@@ -81,7 +81,11 @@ def _find_cuda_home() -> str | None:
     if nvcc:
         candidates.append(str(Path(nvcc).resolve().parent.parent))
     for root in candidates:
-        if root and (Path(root) / "bin" / "nvcc").exists() and (Path(root) / "include" / "cuda_runtime.h").exists():
+        if (
+            root
+            and (Path(root) / "bin" / "nvcc").exists()
+            and (Path(root) / "include" / "cuda_runtime.h").exists()
+        ):
             return root
     return None
 
@@ -92,7 +96,10 @@ def _nvcc_release(cuda_home: str) -> str | None:
 
     try:
         text = subprocess.run(
-            [str(Path(cuda_home) / "bin" / "nvcc"), "--version"], capture_output=True, text=True, check=True
+            [str(Path(cuda_home) / "bin" / "nvcc"), "--version"],
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
@@ -110,7 +117,9 @@ def _remove_stale_extension() -> None:
 def _extension_setup() -> tuple[list, dict]:
     """(ext_modules, cmdclass) for elastic_plugin._C, or ([], {}) when it is skipped."""
     if _truthy("ELASTIC_PLUGIN_NO_EXT"):
-        _loud("ELASTIC_PLUGIN_NO_EXT=1: installing without the C++/CUDA extension (PyTorch fallbacks).")
+        _loud(
+            "ELASTIC_PLUGIN_NO_EXT=1: installing without the C++/CUDA extension (PyTorch fallbacks)."
+        )
         _remove_stale_extension()
         return [], {}
     try:
@@ -126,11 +135,15 @@ def _extension_setup() -> tuple[list, dict]:
     if _truthy("ELASTIC_PLUGIN_SKIP_CUDA"):
         _loud("ELASTIC_PLUGIN_SKIP_CUDA=1: building the C++ (CPU) kernels only.")
     elif torch.version.cuda is None:
-        _loud(f"torch {torch.__version__} is not a CUDA build: building the C++ (CPU) kernels only.")
+        _loud(
+            f"torch {torch.__version__} is not a CUDA build: building the C++ (CPU) kernels only."
+        )
     else:
         cuda_home = _find_cuda_home()
         if cuda_home is None:
-            _loud("nvcc not found (CUDA_HOME, CUDA_PATH, /usr/local/cuda, PATH): C++ (CPU) kernels only.")
+            _loud(
+                "nvcc not found (CUDA_HOME, CUDA_PATH, /usr/local/cuda, PATH): C++ (CPU) kernels only."
+            )
         else:
             release = _nvcc_release(cuda_home)
             if release is None or release.split(".")[0] != torch.version.cuda.split(".")[0]:
@@ -164,7 +177,10 @@ def _extension_setup() -> tuple[list, dict]:
         name="elastic_plugin._C",
         sources=sources,
         include_dirs=[str(ROOT / "csrc")],
-        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo", "--threads", "2"]},  # 2 GPU archs in parallel
+        extra_compile_args={
+            "cxx": cxx_flags,
+            "nvcc": ["-O3", "-lineinfo", "--threads", "2"],
+        },  # 2 GPU archs in parallel
         extra_link_args=["-fopenmp"],  # resolves to the libgomp torch already loaded
     )
     extension = CUDAExtension(**kwargs) if with_cuda else CppExtension(**kwargs)

@@ -62,6 +62,8 @@ def keep_freed_memory() -> bool:
     try:
         libc = ctypes.CDLL(name)
         m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 1 << 40))
+        return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(
+            libc.mallopt(m_trim_threshold, 1 << 40)
+        )
     except (OSError, AttributeError):
         return False

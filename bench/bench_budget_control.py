@@ -36,36 +36,48 @@ if str(ROOT) not in sys.path:
 
 WIDTHS = (1, 2, 4)
 BATCHES = (1, 32)
-THINK, ANSWER = 20, 4          # products demo: 20.3 thinking / 3.8 answer tokens per problem
+THINK, ANSWER = 20, 4  # products demo: 20.3 thinking / 3.8 answer tokens per problem
 PROMPT = 8
-SMALL = {"embedding": 0.75, "ffn": 0.5, "shared_ffn": 0.5, "attention_heads": 0.5,
-         "mamba_heads": 1.0, "mamba_head_dim": 0.5, "experts": 0.5}
+SMALL = {
+    "embedding": 0.75,
+    "ffn": 0.5,
+    "shared_ffn": 0.5,
+    "attention_heads": 0.5,
+    "mamba_heads": 1.0,
+    "mamba_head_dim": 0.5,
+    "experts": 0.5,
+}
 
 
 def _models(width: int):
     from elastic_plugin.models.axes import model_for_choice
-    from elastic_plugin.nested.model import nested_model
     from elastic_plugin.models.counting import count_parameters
+    from elastic_plugin.nested.model import nested_model
     from elastic_plugin.testing.inference_cases import tiny_config, tiny_inference_model
 
     base = tiny_config()
-    overrides = dict(hidden_size=base.hidden_size * width,
-                     ffn_hidden_size=base.ffn_hidden_size * width,
-                     moe_ffn_hidden_size=base.moe_ffn_hidden_size * width,
-                     moe_shared_expert_intermediate_size=(
-                         base.moe_shared_expert_intermediate_size * width),
-                     mamba_num_heads=base.mamba_num_heads * width,
-                     num_attention_heads=base.num_attention_heads * width,
-                     num_query_groups=base.num_query_groups * width)
+    overrides = dict(
+        hidden_size=base.hidden_size * width,
+        ffn_hidden_size=base.ffn_hidden_size * width,
+        moe_ffn_hidden_size=base.moe_ffn_hidden_size * width,
+        moe_shared_expert_intermediate_size=(base.moe_shared_expert_intermediate_size * width),
+        mamba_num_heads=base.mamba_num_heads * width,
+        num_attention_heads=base.num_attention_heads * width,
+        num_query_groups=base.num_query_groups * width,
+    )
     full, cfg = tiny_inference_model(seed=1, **overrides)
-    full_sizes = {"embedding": cfg.hidden_size, "ffn": cfg.ffn_hidden_size,
-                  "shared_ffn": cfg.moe_shared_expert_intermediate_size,
-                  "attention_heads": cfg.num_attention_heads, "mamba_heads": cfg.mamba_num_heads,
-                  "mamba_head_dim": cfg.mamba_head_dim, "experts": cfg.num_moe_experts}
+    full_sizes = {
+        "embedding": cfg.hidden_size,
+        "ffn": cfg.ffn_hidden_size,
+        "shared_ffn": cfg.moe_shared_expert_intermediate_size,
+        "attention_heads": cfg.num_attention_heads,
+        "mamba_heads": cfg.mamba_num_heads,
+        "mamba_head_dim": cfg.mamba_head_dim,
+        "experts": cfg.num_moe_experts,
+    }
     choice = {axis: int(full_sizes[axis] * f) for axis, f in SMALL.items()}
     small, _ = nested_model(full, cfg, choice)
-    active = (count_parameters(model_for_choice(cfg, choice)).active
-              / count_parameters(cfg).active)
+    active = count_parameters(model_for_choice(cfg, choice)).active / count_parameters(cfg).active
     return full, small, cfg, active
 
 
@@ -89,14 +101,18 @@ def run(quick: bool = False, reps: int | None = None, threads: int = 1) -> list[
             full, small, cfg, active = _models(width)
             for batch in BATCHES:
                 prompts = random_prompts([PROMPT] * batch, cfg.vocab_size, seed=batch)
-                thought = random_prompts([PROMPT + THINK - 3 + (i % 7) for i in range(batch)],
-                                         cfg.vocab_size, seed=batch + 1)
+                thought = random_prompts(
+                    [PROMPT + THINK - 3 + (i % 7) for i in range(batch)],
+                    cfg.vocab_size,
+                    seed=batch + 1,
+                )
 
                 def step(model):
                     cache = InferenceCache.allocate(model, batch, PROMPT + 2)
                     extend(model, cache, torch.tensor(prompts))
-                    return lambda: extend(model, cache, torch.tensor(prompts)[:, :1],
-                                          last_only=True)
+                    return lambda: extend(
+                        model, cache, torch.tensor(prompts)[:, :1], last_only=True
+                    )
 
                 def per_row():
                     cache = InferenceCache.allocate(full, batch, PROMPT + THINK + 8)
@@ -111,28 +127,35 @@ def run(quick: bool = False, reps: int | None = None, threads: int = 1) -> list[
                     think = generate(small, prompts, THINK)
                     generate(full, [p + t for p, t in zip(prompts, think.tokens)], ANSWER)
 
-                candidates = {"full_step": None, "small_step": None,
-                              "full_thinks": lambda: generate(full, prompts, THINK + ANSWER),
-                              "control": control, "per_row": per_row, "ragged": ragged}
+                candidates = {
+                    "full_step": None,
+                    "small_step": None,
+                    "full_thinks": lambda: generate(full, prompts, THINK + ANSWER),
+                    "control": control,
+                    "per_row": per_row,
+                    "ragged": ragged,
+                }
                 times: dict[str, list[float]] = {k: [] for k in candidates}
                 for rep in range(reps + 1):  # the first round warms up
                     fs, ss = step(full), step(small)
                     fns = dict(candidates, full_step=fs, small_step=ss)
                     order = list(fns.items())
-                    order = order[rep % len(order):] + order[:rep % len(order)]
+                    order = order[rep % len(order) :] + order[: rep % len(order)]
                     for name, fn in order:
                         elapsed = _timed(fn)
                         if rep:
                             times[name].append(elapsed)
                 med = {k: statistics.median(v) for k, v in times.items()}
-                rows.append({
-                    "name": f"budget_control/w{width}/b{batch}",
-                    "active_ratio": active,
-                    "full_step_ms": 1e3 * med["full_step"],
-                    "step_ratio": med["small_step"] / med["full_step"],
-                    "control_speedup": med["full_thinks"] / med["control"],
-                    "ragged_speedup": med["per_row"] / med["ragged"],
-                })
+                rows.append(
+                    {
+                        "name": f"budget_control/w{width}/b{batch}",
+                        "active_ratio": active,
+                        "full_step_ms": 1e3 * med["full_step"],
+                        "step_ratio": med["small_step"] / med["full_step"],
+                        "control_speedup": med["full_thinks"] / med["control"],
+                        "ragged_speedup": med["per_row"] / med["ragged"],
+                    }
+                )
         return rows
     finally:
         torch.set_num_threads(saved)

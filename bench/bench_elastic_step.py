@@ -35,9 +35,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -47,8 +47,8 @@ from _timing import interleaved_medians  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = ROOT / "examples" / "configs" / "tiny.yaml"
-FRACTIONS = (0.77, 0.5, 0.4)        # DESIGN.md's table
-TARGET_BUDGET = 0.5                 # the issue's "sliced <= 1.15 x FLOP ratio at budget 0.5"
+FRACTIONS = (0.77, 0.5, 0.4)  # DESIGN.md's table
+TARGET_BUDGET = 0.5  # the issue's "sliced <= 1.15 x FLOP ratio at budget 0.5"
 SCALED_AXES = ("embedding", "ffn", "shared_ffn", "attention_heads", "mamba_heads", "experts")
 MAX_SLICED_VS_FLOPS = 1.15
 MAX_OVERHEAD = 1.05
@@ -80,16 +80,28 @@ def bench_model(name: str) -> BenchModel:
         return BenchModel("tiny", tiny, batch=8, seq=128)
     if name == "wide":
         wide = dataclasses.replace(
-            tiny, hidden_size=512, ffn_hidden_size=2048, num_attention_heads=8, num_query_groups=2,
-            kv_channels=64, mamba_num_heads=16, mamba_head_dim=32, mamba_num_groups=2,
-            moe_ffn_hidden_size=512, moe_shared_expert_intermediate_size=512, vocab_size=512,
-            max_sequence_length=256).validate()
+            tiny,
+            hidden_size=512,
+            ffn_hidden_size=2048,
+            num_attention_heads=8,
+            num_query_groups=2,
+            kv_channels=64,
+            mamba_num_heads=16,
+            mamba_head_dim=32,
+            mamba_num_groups=2,
+            moe_ffn_hidden_size=512,
+            moe_shared_expert_intermediate_size=512,
+            vocab_size=512,
+            max_sequence_length=256,
+        ).validate()
         return BenchModel("wide", wide, batch=4, seq=256)
     raise ConfigError(f"bench model {name!r}; allowed: {', '.join(MODELS)}")
 
 
 # ------------------------------------------------------------------------------ sizes / FLOPs
-def fraction_sizes(model_cfg, fraction: float, axes: tuple[str, ...] = SCALED_AXES) -> dict[str, int]:
+def fraction_sizes(
+    model_cfg, fraction: float, axes: tuple[str, ...] = SCALED_AXES
+) -> dict[str, int]:
     """Integer sizes of width fraction ``fraction`` on ``axes``, rounded as ``ElasticConfig``
     rounds fractions (nearest allowed multiple, at least the axis minimum); other axes full."""
     from elastic_plugin.models.axes import model_axes
@@ -114,10 +126,12 @@ def matmul_flops(model_cfg, batch: int, seq: int) -> float:
     count = count_parameters(m)
     n_mamba = m.count("mamba")
     conv_dim = m.mamba_d_inner + 2 * m.mamba_num_groups * m.mamba_state_dim
-    mamba_other = n_mamba * (conv_dim * (m.mamba_conv_kernel + 1) + 3 * m.mamba_num_heads
-                             + m.mamba_d_inner)
-    gemm_params = (count.active - count.breakdown["embedding"] - count.breakdown["norms"]
-                   - mamba_other)
+    mamba_other = n_mamba * (
+        conv_dim * (m.mamba_conv_kernel + 1) + 3 * m.mamba_num_heads + m.mamba_d_inner
+    )
+    gemm_params = (
+        count.active - count.breakdown["embedding"] - count.breakdown["norms"] - mamba_other
+    )
     tokens = batch * seq
     scores = m.count("attention") * 2 * 2 * batch * seq * seq * m.num_attention_heads * m.head_dim
     return 3.0 * (2.0 * tokens * gemm_params + scores)
@@ -167,8 +181,11 @@ def _batch(bm: BenchModel) -> tuple[torch.Tensor, ...]:
     return tokens, position_ids, causal, labels
 
 
-def _stepper(model: torch.nn.Module, batch: tuple[torch.Tensor, ...],
-             before: Callable[[], None] = lambda: None) -> Callable[[], float]:
+def _stepper(
+    model: torch.nn.Module,
+    batch: tuple[torch.Tensor, ...],
+    before: Callable[[], None] = lambda: None,
+) -> Callable[[], float]:
     """Forward + backward of the token-mean cross-entropy (Megatron's own loss); returns it."""
     tokens, position_ids, causal, labels = batch
 
@@ -200,9 +217,13 @@ def _verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
-def measure(model_names: tuple[str, ...] = MODELS, fractions: tuple[float, ...] = FRACTIONS,
-            target_budget: float | None = TARGET_BUDGET, reps: int = 5, warmup: int = 2
-            ) -> list[dict]:
+def measure(
+    model_names: tuple[str, ...] = MODELS,
+    fractions: tuple[float, ...] = FRACTIONS,
+    target_budget: float | None = TARGET_BUDGET,
+    reps: int = 5,
+    warmup: int = 2,
+) -> list[dict]:
     """Rows per model: one full-budget row (plugin overhead), then one per width fraction (and
     one at ``target_budget``); ``reps`` timed rounds (x ``REPS_SCALE``), median per variant."""
     from elastic_plugin.models.config import ConfigError
@@ -210,15 +231,16 @@ def measure(model_names: tuple[str, ...] = MODELS, fractions: tuple[float, ...] 
     if reps < 1 or warmup < 0:
         raise ConfigError(f"reps={reps}, warmup={warmup}; allowed: reps >= 1, warmup >= 0")
     if not fractions or not all(0 < f < 1 for f in fractions):
-        raise ConfigError(f"fractions={list(fractions)}; allowed: a non-empty list of width "
-                          "fractions in (0, 1)")
+        raise ConfigError(
+            f"fractions={list(fractions)}; allowed: a non-empty list of width fractions in (0, 1)"
+        )
     if target_budget is not None and not 0 < target_budget < 1:
         raise ConfigError(f"target_budget={target_budget}; allowed: a fraction in (0, 1) or None")
     models = [bench_model(name) for name in model_names]  # bad names fail before any build
     from elastic_plugin.elastic.config import ElasticConfig
-    from elastic_plugin.models.axes import model_for_choice
     from elastic_plugin.elastic.layers.modules import elastify
     from elastic_plugin.elastic.layers.state import MASKED, SLICED, ElasticState, RankInfo
+    from elastic_plugin.models.axes import model_for_choice
 
     _setup()
     rows: list[dict] = []
@@ -228,8 +250,10 @@ def measure(model_names: tuple[str, ...] = MODELS, fractions: tuple[float, ...] 
         if target_budget is not None:
             points.append((f"b{target_budget:g}", fraction_for_budget(cfg, target_budget)))
         choices = {label: fraction_sizes(cfg, f) for label, f in points}
-        candidates = {axis: sorted({full, *(c[axis] for c in choices.values())}, reverse=True)
-                      for axis, full in fraction_sizes(cfg, 1.0).items()}
+        candidates = {
+            axis: sorted({full, *(c[axis] for c in choices.values())}, reverse=True)
+            for axis, full in fraction_sizes(cfg, 1.0).items()
+        }
         resolved = ElasticConfig.from_dict({"budgets": [1.0], "sizes": candidates}).resolve(cfg)
 
         batch = _batch(bm)
@@ -238,24 +262,30 @@ def measure(model_names: tuple[str, ...] = MODELS, fractions: tuple[float, ...] 
         plain_copy.load_state_dict(plain.state_dict())
         elastic = _build(cfg)
         elastic.load_state_dict(plain.state_dict())
-        state = ElasticState(resolved, RankInfo(),
-                             groups={"attention_heads": cfg.query_groups,
-                                     "mamba_heads": cfg.mamba_num_groups})
+        state = ElasticState(
+            resolved,
+            RankInfo(),
+            groups={"attention_heads": cfg.query_groups, "mamba_heads": cfg.mamba_num_groups},
+        )
         elastify(elastic, state)
 
-        steps = {"plain_full": _stepper(plain, batch), "plain_copy": _stepper(plain_copy, batch),
-                 "elastic_full": _stepper(elastic, batch, state.clear)}
+        steps = {
+            "plain_full": _stepper(plain, batch),
+            "plain_copy": _stepper(plain_copy, batch),
+            "elastic_full": _stepper(elastic, batch, state.clear),
+        }
         smalls = {}
         for label, _ in points:
             sizes = choices[label]
             probs = _one_hot(resolved, sizes)
             smalls[label] = model_for_choice(cfg, sizes)
-            steps[f"sliced {label}"] = _stepper(elastic, batch,
-                                                lambda s=sizes: state.set_sizes(s))
+            steps[f"sliced {label}"] = _stepper(elastic, batch, lambda s=sizes: state.set_sizes(s))
             steps[f"sliced_st {label}"] = _stepper(
-                elastic, batch, lambda p=probs: state.set_choice(p, SLICED, with_masks=True))
+                elastic, batch, lambda p=probs: state.set_choice(p, SLICED, with_masks=True)
+            )
             steps[f"masked {label}"] = _stepper(
-                elastic, batch, lambda p=probs: state.set_choice(p, MASKED))
+                elastic, batch, lambda p=probs: state.set_choice(p, MASKED)
+            )
             steps[f"plain_small {label}"] = _stepper(_build(smalls[label]), batch)
 
         # correctness before timing: the plugin must not change what it computes
@@ -263,50 +293,66 @@ def measure(model_names: tuple[str, ...] = MODELS, fractions: tuple[float, ...] 
         if not _close(losses["plain_copy"], losses["plain_full"], 1e-6):
             raise AssertionError(f"{name}: two plain instances with the same weights disagree")
         if not _close(losses["elastic_full"], losses["plain_full"], 1e-5):
-            raise AssertionError(f"{name}: elastified full model loss {losses['elastic_full']} != "
-                                 f"plain Megatron loss {losses['plain_full']}")
+            raise AssertionError(
+                f"{name}: elastified full model loss {losses['elastic_full']} != "
+                f"plain Megatron loss {losses['plain_full']}"
+            )
         for label, _ in points:
             for mode in ("sliced_st", "masked"):
                 if not _close(losses[f"{mode} {label}"], losses[f"sliced {label}"], 1e-4):
-                    raise AssertionError(f"{name} {label}: {mode} loss {losses[f'{mode} {label}']} "
-                                         f"!= sliced loss {losses[f'sliced {label}']}")
+                    raise AssertionError(
+                        f"{name} {label}: {mode} loss {losses[f'{mode} {label}']} "
+                        f"!= sliced loss {losses[f'sliced {label}']}"
+                    )
 
         t = interleaved_medians(steps, reps=reps * REPS_SCALE[name], warmup=warmup)
         full = t["plain_full"]
         overhead = t["elastic_full"] / full
         if abs(t["plain_copy"] / full - 1) > NOISY:
-            print(f"bench_elastic_step: {name}: two identical plain models differ by "
-                  f"{t['plain_copy'] / full - 1:+.0%}: the machine was busy, these ratios are "
-                  "noise; rerun on a quiet machine or with more --reps", file=sys.stderr)
-        rows.append({"name": f"elastic step {name} full budget b{bm.batch}xs{bm.seq} [cpu]",
-                     "plain_full_ms": full * 1e3, "elastic_full_ms": t["elastic_full"] * 1e3,
-                     "plain_copy_ms": t["plain_copy"] * 1e3,
-                     "copy/plain": t["plain_copy"] / full,
-                     "overhead": overhead,
-                     f"overhead<={MAX_OVERHEAD:g}": _verdict(overhead <= MAX_OVERHEAD)})
+            print(
+                f"bench_elastic_step: {name}: two identical plain models differ by "
+                f"{t['plain_copy'] / full - 1:+.0%}: the machine was busy, these ratios are "
+                "noise; rerun on a quiet machine or with more --reps",
+                file=sys.stderr,
+            )
+        rows.append(
+            {
+                "name": f"elastic step {name} full budget b{bm.batch}xs{bm.seq} [cpu]",
+                "plain_full_ms": full * 1e3,
+                "elastic_full_ms": t["elastic_full"] * 1e3,
+                "plain_copy_ms": t["plain_copy"] * 1e3,
+                "copy/plain": t["plain_copy"] / full,
+                "overhead": overhead,
+                f"overhead<={MAX_OVERHEAD:g}": _verdict(overhead <= MAX_OVERHEAD),
+            }
+        )
         flops_full = matmul_flops(cfg, bm.batch, bm.seq)
         for label, f in points:
             small = smalls[label]
             flop_ratio = matmul_flops(small, bm.batch, bm.seq) / flops_full
-            rel = {mode: t[f"{mode} {label}"] / full
-                   for mode in ("sliced", "sliced_st", "masked", "plain_small")}
+            rel = {
+                mode: t[f"{mode} {label}"] / full
+                for mode in ("sliced", "sliced_st", "masked", "plain_small")
+            }
             vs_flops = rel["sliced"] / flop_ratio
             vs_small = t[f"sliced {label}"] / t[f"plain_small {label}"]
-            rows.append({
-                "name": f"elastic step {name} {label} (f={f:g})",
-                "budget": active_fraction(cfg, small),
-                "flop_ratio": flop_ratio,
-                "plain_full_ms": full * 1e3,
-                "sliced_ms": t[f"sliced {label}"] * 1e3,
-                "sliced/full": rel["sliced"],
-                "sliced_st/full": rel["sliced_st"],
-                "masked/full": rel["masked"],
-                "small/full": rel["plain_small"],
-                "sliced/flops": vs_flops,
-                f"flops<={MAX_SLICED_VS_FLOPS:g}": _verdict(vs_flops <= MAX_SLICED_VS_FLOPS),
-                "sliced/small": vs_small,
-                f"small<={MAX_SLICED_VS_SMALL:g}": _verdict(vs_small <= MAX_SLICED_VS_SMALL),
-            })
+            rows.append(
+                {
+                    "name": f"elastic step {name} {label} (f={f:g})",
+                    "budget": active_fraction(cfg, small),
+                    "flop_ratio": flop_ratio,
+                    "plain_full_ms": full * 1e3,
+                    "sliced_ms": t[f"sliced {label}"] * 1e3,
+                    "sliced/full": rel["sliced"],
+                    "sliced_st/full": rel["sliced_st"],
+                    "masked/full": rel["masked"],
+                    "small/full": rel["plain_small"],
+                    "sliced/flops": vs_flops,
+                    f"flops<={MAX_SLICED_VS_FLOPS:g}": _verdict(vs_flops <= MAX_SLICED_VS_FLOPS),
+                    "sliced/small": vs_small,
+                    f"small<={MAX_SLICED_VS_SMALL:g}": _verdict(vs_small <= MAX_SLICED_VS_SMALL),
+                }
+            )
         del plain, plain_copy, elastic, steps
     return rows
 
@@ -328,8 +374,9 @@ if __name__ == "__main__":
     from _timing import keep_freed_memory
     from run_all import print_table
 
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="tiny model, f=0.5, 3 repetitions")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")

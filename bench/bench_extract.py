@@ -35,8 +35,11 @@ from _timing import interleaved_medians  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = ROOT / "examples" / "configs" / "tiny.yaml"
-FORMATS = {"megatron": ("megatron", None, None), "hf_bf16": ("hf", "bf16", None),
-           "hf_nvfp4": ("hf", "bf16", "nvfp4")}
+FORMATS = {
+    "megatron": ("megatron", None, None),
+    "hf_bf16": ("hf", "bf16", None),
+    "hf_nvfp4": ("hf", "bf16", "nvfp4"),
+}
 BUDGETS = ("1", "0.4")  # the stored table is set to full / smallest (see _checkpoint)
 
 
@@ -45,10 +48,15 @@ def _experiment(name: str):
 
     cfg = load_config(TINY_CONFIG)
     if name == "wide":
-        cfg.model = dataclasses.replace(cfg.model, hidden_size=512, ffn_hidden_size=1024,
-                                        moe_ffn_hidden_size=512,
-                                        moe_shared_expert_intermediate_size=512, kv_channels=128,
-                                        mamba_head_dim=64)
+        cfg.model = dataclasses.replace(
+            cfg.model,
+            hidden_size=512,
+            ffn_hidden_size=1024,
+            moe_ffn_hidden_size=512,
+            moe_shared_expert_intermediate_size=512,
+            kv_channels=128,
+            mamba_head_dim=64,
+        )
     return cfg
 
 
@@ -65,14 +73,16 @@ def _checkpoint(name: str, work: Path) -> Path:
     cfg = _experiment(name)
     ckpt = ec.train_tiny_elastic(cfg, work, iters=1, batch=2, lr=1e-3)
     meta = json.loads((ckpt / "elastic_meta.json").read_text())
-    meta["elastic"]["choices"]["0.4"] = {axis: min(spec["candidates"])
-                                         for axis, spec in meta["elastic"]["axes"].items()}
+    meta["elastic"]["choices"]["0.4"] = {
+        axis: min(spec["candidates"]) for axis, spec in meta["elastic"]["axes"].items()
+    }
     (ckpt / "elastic_meta.json").write_text(json.dumps(meta))
     return ckpt
 
 
-def run(quick: bool = False, reps: int | None = None, models: tuple[str, ...] | None = None
-        ) -> list[dict]:
+def run(
+    quick: bool = False, reps: int | None = None, models: tuple[str, ...] | None = None
+) -> list[dict]:
     from elastic_plugin.export.extract import load_source, plan_extraction, run_extraction
 
     reps = reps or (1 if quick else 3)
@@ -86,10 +96,18 @@ def run(quick: bool = False, reps: int | None = None, models: tuple[str, ...] | 
             began = time.perf_counter()
             source = None
             for budget, (fmt_name, (fmt, dtype, quantize)) in itertools.product(
-                    BUDGETS, FORMATS.items()):
+                BUDGETS, FORMATS.items()
+            ):
+
                 def plan():
-                    return plan_extraction(ckpt, float(budget), work / f"out_{next(counter)}",
-                                           fmt=fmt, dtype=dtype, quantize=quantize)
+                    return plan_extraction(
+                        ckpt,
+                        float(budget),
+                        work / f"out_{next(counter)}",
+                        fmt=fmt,
+                        dtype=dtype,
+                        quantize=quantize,
+                    )
 
                 if source is None:
                     source = load_source(plan())
@@ -108,14 +126,20 @@ def run(quick: bool = False, reps: int | None = None, models: tuple[str, ...] | 
                     shutil.copyfile(blob, target)
                     target.unlink()
 
-                times = interleaved_medians({"extract": extract, "copy": copy}, reps=reps,
-                                            warmup=1)
+                times = interleaved_medians({"extract": extract, "copy": copy}, reps=reps, warmup=1)
                 mb = size / 1e6
-                rows.append({"name": f"{name}/b{budget}/{fmt_name}", "MB": round(mb, 3),
-                             "extract_ms": 1e3 * times["extract"], "copy_ms": 1e3 * times["copy"],
-                             "extract/copy": times["extract"] / times["copy"],
-                             "extract_MB/s": mb / times["extract"],
-                             "copy_MB/s": mb / times["copy"], "load_s": round(load_s, 2)})
+                rows.append(
+                    {
+                        "name": f"{name}/b{budget}/{fmt_name}",
+                        "MB": round(mb, 3),
+                        "extract_ms": 1e3 * times["extract"],
+                        "copy_ms": 1e3 * times["copy"],
+                        "extract/copy": times["extract"] / times["copy"],
+                        "extract_MB/s": mb / times["extract"],
+                        "copy_MB/s": mb / times["copy"],
+                        "load_s": round(load_s, 2),
+                    }
+                )
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return rows

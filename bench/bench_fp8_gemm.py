@@ -57,15 +57,19 @@ def run(device: str | None = None, reps: int = 7, quick: bool = False) -> list[d
             if err > 0.1 * F.linear(x, block).float().norm():
                 raise AssertionError(f"fp8_linear ({scaling}) is off by {err:.3g} at keep {keep}")
         times = interleaved_medians(
-            {"dense": lambda: F.linear(x, block),
-             "tensor": lambda: fp8_linear(x, block, recipes["tensor"]),
-             "row": lambda: fp8_linear(x, block, recipes["row"])},
-            reps=reps, sync=sync)
+            {
+                "dense": lambda: F.linear(x, block),
+                "tensor": lambda: fp8_linear(x, block, recipes["tensor"]),
+                "row": lambda: fp8_linear(x, block, recipes["row"]),
+            },
+            reps=reps,
+            sync=sync,
+        )
         flops = 2.0 * tokens * n * width
         for scaling in ("tensor", "row"):
             row = {
                 "name": f"fp8_gemm {scaling} keep {keep:g} [{dev.type} {str(dtype)[6:]}, "
-                        f"{_method(x, n, width, scaling)}]",
+                f"{_method(x, n, width, scaling)}]",
                 "dense_ms": times["dense"] * 1e3,
                 "fp8_ms": times[scaling] * 1e3,
                 "fp8/dense": times[scaling] / times["dense"],
@@ -81,5 +85,7 @@ def run(device: str | None = None, reps: int = 7, quick: bool = False) -> list[d
 if __name__ == "__main__":
     from run_all import bench_main
 
-    bench_main(lambda quick, reps: run(reps=reps or 7, quick=quick),
-               "FP8 GEMM of an elastic linear's active block vs the model-dtype GEMM")
+    bench_main(
+        lambda quick, reps: run(reps=reps or 7, quick=quick),
+        "FP8 GEMM of an elastic linear's active block vs the model-dtype GEMM",
+    )

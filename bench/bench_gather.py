@@ -37,7 +37,9 @@ CASES = [
 ]
 
 
-def _make_src(shape: tuple[int, ...], dtype: torch.dtype, dim: int, device: torch.device) -> tuple[torch.Tensor, int]:
+def _make_src(
+    shape: tuple[int, ...], dtype: torch.dtype, dim: int, device: torch.device
+) -> tuple[torch.Tensor, int]:
     if dim == -1:  # a transposed view: gather its rows, which are strided in memory
         return torch.randn(shape, device=device).to(dtype).t(), 0
     return torch.randn(shape, device=device).to(dtype), dim

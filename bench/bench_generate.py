@@ -46,15 +46,17 @@ def run(quick: bool = False, reps: int | None = None, threads: int = 1) -> list[
         rows = []
         for batch in BATCHES:
             prompts = random_prompts([PROMPT] * batch, cfg.vocab_size, seed=batch)
-            runners = {"cached": lambda: generate(model, prompts, new),
-                       "recompute": lambda: recompute_generate(model, prompts, new)}
+            runners = {
+                "cached": lambda: generate(model, prompts, new),
+                "recompute": lambda: recompute_generate(model, prompts, new),
+            }
             for fn in runners.values():  # warm-up (first calls allocate and dispatch lazily)
                 fn()
             decode: dict[str, list[float]] = {k: [] for k in runners}
             total: dict[str, list[float]] = {k: [] for k in runners}
             for rep in range(reps):
                 order = list(runners.items())
-                order = order[rep % 2:] + order[:rep % 2]
+                order = order[rep % 2 :] + order[: rep % 2]
                 outputs = {}
                 for name, fn in order:
                     result = fn()
@@ -64,13 +66,15 @@ def run(quick: bool = False, reps: int | None = None, threads: int = 1) -> list[
                 if outputs["cached"] != outputs["recompute"]:
                     raise AssertionError(f"batch {batch}: cached and recomputed tokens differ")
             cached, recompute = _median(decode["cached"]), _median(decode["recompute"])
-            rows.append({
-                "name": f"generate/b{batch}/p{PROMPT}+{new}",
-                "cached_tok/s": cached,
-                "recompute_tok/s": recompute,
-                "decode_speedup": cached / recompute,
-                "total_speedup": _median(total["cached"]) / _median(total["recompute"]),
-            })
+            rows.append(
+                {
+                    "name": f"generate/b{batch}/p{PROMPT}+{new}",
+                    "cached_tok/s": cached,
+                    "recompute_tok/s": recompute,
+                    "decode_speedup": cached / recompute,
+                    "total_speedup": _median(total["cached"]) / _median(total["recompute"]),
+                }
+            )
         return rows
     finally:
         torch.set_num_threads(saved_threads)

@@ -18,9 +18,17 @@ KEEP = 0.5
 EVAL_BATCHES = 8
 CALIBRATION_SAMPLES = 256
 # (axis, Mamba statistic): the published x-projection definition, and out_proj's input
-AXES = (("embedding", None), ("ffn", None), ("shared_ffn", None), ("attention_heads", None),
-        ("mamba_heads", "x_proj"), ("mamba_heads", "out_proj_input"),
-        ("mamba_channels", "x_proj"), ("mamba_channels", "out_proj_input"), ("experts", None))
+AXES = (
+    ("embedding", None),
+    ("ffn", None),
+    ("shared_ffn", None),
+    ("attention_heads", None),
+    ("mamba_heads", "x_proj"),
+    ("mamba_heads", "out_proj_input"),
+    ("mamba_channels", "x_proj"),
+    ("mamba_channels", "out_proj_input"),
+    ("experts", None),
+)
 
 
 def _setup():
@@ -43,9 +51,13 @@ def _data(meta, cfg, split: str, samples: int):
 
     prepared = PreparedData.load(meta["data"]["prepared"])
     prefix = prepared.train_prefix if split == "train" else prepared.valid_prefix
-    ds = build_gpt_datasets(prepared.load_tokenizer(), cfg.training.seq_length,
-                            train_data_path=prefix, num_samples=(samples, None, None),
-                            seed=cfg.training.seed).train
+    ds = build_gpt_datasets(
+        prepared.load_tokenizer(),
+        cfg.training.seq_length,
+        train_data_path=prefix,
+        num_samples=(samples, None, None),
+        seed=cfg.training.seed,
+    ).train
     mbs = cfg.training.micro_batch_size
     return [b for _, b in zip(range(samples // mbs), batch_iterator(ds, mbs, shuffle=False))]
 
@@ -53,8 +65,9 @@ def _data(meta, cfg, split: str, samples: int):
 def _eval(model, batches, cfg) -> float:
     from elastic_plugin.training.step import eval_step
 
-    return eval_step([model], iter(batches), len(batches), cfg.training.seq_length,
-                     cfg.training.micro_batch_size)
+    return eval_step(
+        [model], iter(batches), len(batches), cfg.training.seq_length, cfg.training.micro_batch_size
+    )
 
 
 def _collection_cost(model, batches, cfg) -> dict:
@@ -64,15 +77,33 @@ def _collection_cost(model, batches, cfg) -> dict:
     from elastic_plugin.training.step import eval_step
 
     n = len(batches) * cfg.training.micro_batch_size
-    t = interleaved_medians({
-        "forward": lambda: eval_step([model], iter(batches), len(batches), cfg.training.seq_length,
-                                     cfg.training.micro_batch_size),
-        "importance": lambda: collect_importance([model], iter(batches), n, cfg.training.seq_length,
-                                                 cfg.training.micro_batch_size, progress=False),
-    }, reps=3, warmup=1)
-    return {"name": f"importance collection vs forward ({n} samples)",
-            "forward_ms": round(t["forward"] * 1e3, 1), "importance_ms": round(t["importance"] * 1e3, 1),
-            "importance/forward": round(t["importance"] / t["forward"], 3)}
+    t = interleaved_medians(
+        {
+            "forward": lambda: eval_step(
+                [model],
+                iter(batches),
+                len(batches),
+                cfg.training.seq_length,
+                cfg.training.micro_batch_size,
+            ),
+            "importance": lambda: collect_importance(
+                [model],
+                iter(batches),
+                n,
+                cfg.training.seq_length,
+                cfg.training.micro_batch_size,
+                progress=False,
+            ),
+        },
+        reps=3,
+        warmup=1,
+    )
+    return {
+        "name": f"importance collection vs forward ({n} samples)",
+        "forward_ms": round(t["forward"] * 1e3, 1),
+        "importance_ms": round(t["importance"] * 1e3, 1),
+        "importance/forward": round(t["importance"] / t["forward"], 3),
+    }
 
 
 def run(device: str | None = None) -> list[dict]:
@@ -96,18 +127,32 @@ def run(device: str | None = None) -> list[dict]:
     calib = _data(meta, cfg, "train", CALIBRATION_SAMPLES)
     valid = _data(meta, cfg, "valid", EVAL_BATCHES * cfg.training.micro_batch_size)
     rows = [_collection_cost(model, calib[:8], cfg)]
-    scores = collect_importance([model], iter(calib), CALIBRATION_SAMPLES, cfg.training.seq_length,
-                                cfg.training.micro_batch_size, progress=False)
+    scores = collect_importance(
+        [model],
+        iter(calib),
+        CALIBRATION_SAMPLES,
+        cfg.training.seq_length,
+        cfg.training.micro_batch_size,
+        progress=False,
+    )
     base = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
     unpruned = _eval(model, valid, cfg)
     m = cfg.model
     for axis, source in AXES:
-        ours = importance_orders(scores, axis, m.query_groups, m.mamba_num_groups,
-                                 mamba_source=source or "out_proj_input")
+        ours = importance_orders(
+            scores,
+            axis,
+            m.query_groups,
+            m.mamba_num_groups,
+            mamba_source=source or "out_proj_input",
+        )
         if not ours:
             continue
-        groups = {k: (m.query_groups if axis == "attention_heads" else m.mamba_num_groups)
-                  for k in ours} if axis in ("attention_heads", "mamba_heads") else None
+        groups = (
+            {k: (m.query_groups if axis == "attention_heads" else m.mamba_num_groups) for k in ours}
+            if axis in ("attention_heads", "mamba_heads")
+            else None
+        )
         variants = {"ours": ours, "magnitude": magnitude_orders(model, axis)}
         variants.update({f"random{s}": random_orders(ours, s, groups) for s in range(3)})
         losses = {}
@@ -118,8 +163,14 @@ def run(device: str | None = None) -> list[dict]:
         model.load_state_dict(base, strict=False)
         random_mean = statistics.mean(losses[f"random{s}"] for s in range(3))
         label = f"{axis} ({source})" if source else axis
-        rows.append({"name": f"prune {label} to {KEEP:.0%} [valid loss]", "unpruned": round(unpruned, 4),
-                     "ours": round(losses["ours"], 4), "random_mean": round(random_mean, 4),
-                     "magnitude": round(losses["magnitude"], 4),
-                     "ours_best": losses["ours"] <= min(random_mean, losses["magnitude"])})
+        rows.append(
+            {
+                "name": f"prune {label} to {KEEP:.0%} [valid loss]",
+                "unpruned": round(unpruned, 4),
+                "ours": round(losses["ours"], 4),
+                "random_mean": round(random_mean, 4),
+                "magnitude": round(losses["magnitude"], 4),
+                "ours_best": losses["ours"] <= min(random_mean, losses["magnitude"]),
+            }
+        )
     return rows

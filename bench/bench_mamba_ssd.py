@@ -8,8 +8,8 @@ forward+backward time per chunk size relative to the quadratic form (chunk = L),
 from __future__ import annotations
 
 import torch
-
 from _timing import interleaved_medians, synchronizer
+
 from elastic_plugin.compat.mamba_ops import ssd_chunk_scan
 
 SHAPES = [  # (batch, length, heads, head_dim, state, groups)
@@ -50,7 +50,12 @@ def run(device: str | None = None, reps: int = 7) -> list[dict]:
         times = interleaved_medians(candidates, reps=reps, sync=synchronizer(torch.device("cpu")))
         row: dict = {"name": f"mamba SSD fwd+bwd b{b} L{l} h{h} p{p} n{n} [cpu]"}
         row.update({f"{k}_ms": round(v * 1e3, 2) for k, v in times.items()})
-        row.update({f"{k}/quadratic": round(v / times["quadratic"], 3)
-                    for k, v in times.items() if k != "quadratic"})
+        row.update(
+            {
+                f"{k}/quadratic": round(v / times["quadratic"], 3)
+                for k, v in times.items()
+                if k != "quadratic"
+            }
+        )
         rows.append(row)
     return rows

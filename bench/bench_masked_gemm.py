@@ -47,16 +47,21 @@ def _gemm_rows(dev: torch.device, reps: int, tokens: int, width: int) -> list[di
                 out_mask = (torch.arange(big_n, device=dev) < n).to(dtype)
                 in_mask = (torch.arange(big_k, device=dev) < k).to(dtype)
                 if mode == "col":
+
                     def full_mask() -> torch.Tensor:
                         return F.linear(x, w) * out_mask
                 else:
+
                     def full_mask() -> torch.Tensor:
                         return F.linear(x * in_mask, w)
+
                 got = ops.prefix_linear(x, w, None, n, k)
                 want = F.linear(x_dense, w_dense)
                 tol = 1e-4 if dtype == torch.float32 else 2e-2
                 if not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * k**0.5):
-                    raise AssertionError(f"prefix_linear disagrees with the dense GEMM ({mode}, {dtype})")
+                    raise AssertionError(
+                        f"prefix_linear disagrees with the dense GEMM ({mode}, {dtype})"
+                    )
                 times = interleaved_medians(
                     {
                         "masked": lambda: ops.prefix_linear(x, w, None, n, k),
@@ -93,14 +98,21 @@ def _gather_rows(dev: torch.device, reps: int, width: int) -> list[dict]:
         # An FFN layer reordered by its neuron ranking: fc1 rows, fc1 bias, fc2 columns.
         ("ffn layer bf16", [rand(ffn, width), rand(ffn), rand(width, ffn)], [0, 0, 1], ffn),
         # Many small tensors sharing one ranking (per-head/per-channel tables of a layer stack).
-        ("48 small fp32", [rand(width // 8, 64, dtype=torch.float32) for _ in range(48)], [0] * 48, width // 8),
+        (
+            "48 small fp32",
+            [rand(width // 8, 64, dtype=torch.float32) for _ in range(48)],
+            [0] * 48,
+            width // 8,
+        ),
     ]
     rows = []
     for label, tensors, dims, size in cases:
         perm = torch.randperm(size, generator=gen).to(dev)
         k = round(size * 0.77)
         got = ops.ordered_gather_many(tensors, perm, k, dims)
-        if not all(torch.equal(g, t.index_select(d, perm[:k])) for g, t, d in zip(got, tensors, dims)):
+        if not all(
+            torch.equal(g, t.index_select(d, perm[:k])) for g, t, d in zip(got, tensors, dims)
+        ):
             raise AssertionError(f"{label}: ordered_gather_many disagrees with index_select")
         times = interleaved_medians(
             {
@@ -121,7 +133,9 @@ def _gather_rows(dev: torch.device, reps: int, width: int) -> list[dict]:
     return rows
 
 
-def run(device: str | None = None, reps: int = 9, tokens: int = 512, width: int = 4096) -> list[dict]:
+def run(
+    device: str | None = None, reps: int = 9, tokens: int = 512, width: int = 4096
+) -> list[dict]:
     """GEMM rows (x[tokens, width] @ w[width, width]^T prefixes), then batched-gather rows.
 
     The default 512 tokens (not 2048) keeps a full fp32 GEMM near 0.1 s on 2 CPU cores;

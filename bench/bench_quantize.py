@@ -38,38 +38,59 @@ def run(device: str | None = None, reps: int = 5, quick: bool = False) -> list[d
     for shape in shapes:
         for dtype in (torch.bfloat16, torch.float32):
             w = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype).to(dev)
-            row_scale = torch.full((shape[0],), float(w.abs().max()) / (E2M1_MAX * E4M3_MAX), device=dev)
+            row_scale = torch.full(
+                (shape[0],), float(w.abs().max()) / (E2M1_MAX * E4M3_MAX), device=dev
+            )
             ref = reference_nvfp4_quantize(w, row_scale)
             got = nvfp4_quantize(w, row_scale)
-            if not (torch.equal(got[0], ref[0]) and torch.equal(got[1].view(torch.uint8), ref[1].view(torch.uint8))):
-                raise AssertionError(f"nvfp4_quantize disagrees with its reference at {shape} {dtype}")
+            if not (
+                torch.equal(got[0], ref[0])
+                and torch.equal(got[1].view(torch.uint8), ref[1].view(torch.uint8))
+            ):
+                raise AssertionError(
+                    f"nvfp4_quantize disagrees with its reference at {shape} {dtype}"
+                )
             fp8_scale = row_scale * E2M1_MAX  # amax / 448
-            if not torch.equal(fp8_quantize(w, fp8_scale).view(torch.uint8),
-                               reference_fp8_quantize(w, fp8_scale).view(torch.uint8)):
-                raise AssertionError(f"fp8_quantize disagrees with its reference at {shape} {dtype}")
+            if not torch.equal(
+                fp8_quantize(w, fp8_scale).view(torch.uint8),
+                reference_fp8_quantize(w, fp8_scale).view(torch.uint8),
+            ):
+                raise AssertionError(
+                    f"fp8_quantize disagrees with its reference at {shape} {dtype}"
+                )
             times = interleaved_medians(
-                {"fp8": lambda: quantize_fp8(w), "nvfp4": lambda: quantize_nvfp4(w),
-                 "fp8_kernel": lambda: fp8_quantize(w, fp8_scale),
-                 "fp8_reference": lambda: reference_fp8_quantize(w, fp8_scale),
-                 "kernel": lambda: nvfp4_quantize(w, row_scale),
-                 "reference": lambda: reference_nvfp4_quantize(w, row_scale), "copy": lambda: w.clone()},
-                reps=reps, sync=sync)
+                {
+                    "fp8": lambda: quantize_fp8(w),
+                    "nvfp4": lambda: quantize_nvfp4(w),
+                    "fp8_kernel": lambda: fp8_quantize(w, fp8_scale),
+                    "fp8_reference": lambda: reference_fp8_quantize(w, fp8_scale),
+                    "kernel": lambda: nvfp4_quantize(w, row_scale),
+                    "reference": lambda: reference_nvfp4_quantize(w, row_scale),
+                    "copy": lambda: w.clone(),
+                },
+                reps=reps,
+                sync=sync,
+            )
             copy = times["copy"]
-            rows.append({
-                "name": f"quantize {shape[0]}x{shape[1]} {str(dtype)[6:]} [{dev.type}, {ops.backend()}]",
-                "copy_ms": copy * 1e3,
-                "fp8/copy": times["fp8"] / copy,
-                "fp8_speedup": times["fp8_reference"] / times["fp8_kernel"],
-                "nvfp4/copy": times["nvfp4"] / copy,
-                "nvfp4_kernel/copy": times["kernel"] / copy,
-                "nvfp4_reference/copy": times["reference"] / copy,
-                "nvfp4_speedup": times["reference"] / times["kernel"],
-            })
+            rows.append(
+                {
+                    "name": f"quantize {shape[0]}x{shape[1]} {str(dtype)[6:]} [{dev.type}, {ops.backend()}]",
+                    "copy_ms": copy * 1e3,
+                    "fp8/copy": times["fp8"] / copy,
+                    "fp8_speedup": times["fp8_reference"] / times["fp8_kernel"],
+                    "nvfp4/copy": times["nvfp4"] / copy,
+                    "nvfp4_kernel/copy": times["kernel"] / copy,
+                    "nvfp4_reference/copy": times["reference"] / copy,
+                    "nvfp4_speedup": times["reference"] / times["kernel"],
+                }
+            )
     return rows
 
 
 if __name__ == "__main__":
     from run_all import bench_main
 
-    bench_main(lambda quick, reps: run(reps=reps or 5, quick=quick),
-               "export quantization (FP8, NVFP4 kernel vs reference) vs a copy")
+    bench_main(
+        lambda quick, reps: run(reps=reps or 5, quick=quick),
+        "export quantization (FP8, NVFP4 kernel vs reference) vs a copy",
+    )

@@ -23,8 +23,9 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -39,28 +40,34 @@ NOTES: dict[str, str] = {
     "embedding": (
         "ours: sum over all residual norms (incl. the final norm) and tokens of |norm out|; "
         "ModelOpt (_register_hidden_size_importance): per norm sqrt(sum_seqs (mean_tokens |x|)^2), "
-        "then summed over norms, final norm NOT hooked; per-norm sqrt before summing."),
+        "then summed over norms, final norm NOT hooked; per-norm sqrt before summing."
+    ),
     "ffn": (
         "ours: sum_tokens |fc2 input| (L1); ModelOpt (_register_mlp_importance): "
-        "sqrt(sum_seqs (mean_tokens |fc2 input|)^2) (L2 over sequences of per-sequence means)."),
+        "sqrt(sum_seqs (mean_tokens |fc2 input|)^2) (L2 over sequences of per-sequence means)."
+    ),
     "shared_ffn": "same formulas as ffn (ModelOpt treats SharedExpertMLP as a _DynamicMLP).",
     "attention_heads": (
         "ours: sum_tokens ||head slice of linear_proj input||_2; ModelOpt "
         "(_register_self_attention_importance): per channel sqrt(sum_seqs (mean_tokens |x|)^2), "
         "then L2 over the head's kv channels; ModelOpt only ranks heads WITHIN a query group "
-        "(returns an order, not scores) - see the 'grp' columns."),
+        "(returns an order, not scores) - see the 'grp' columns."
+    ),
     "mamba_heads": (
         "ours: sqrt(sum_tokens,channels s^2) (s = x part of in_proj out); ModelOpt "
         "(_register_mamba_mixer_importance): per channel c=sqrt(sum_seqs (mean_tokens |s|)^2), head = "
-        "L2 of c over its (kept) channels, ranked WITHIN a Mamba group - see the 'grp' columns. Both are an L2 over sequences and channels of a per-sequence statistic: RMS over tokens (ours) vs mean |s| over tokens (ModelOpt); heads with spikier s rank higher in ours."),
+        "L2 of c over its (kept) channels, ranked WITHIN a Mamba group - see the 'grp' columns. Both are an L2 over sequences and channels of a per-sequence statistic: RMS over tokens (ours) vs mean |s| over tokens (ModelOpt); heads with spikier s rank higher in ours."
+    ),
     "mamba_channels": (
         "ours: sqrt(sum_tokens,heads s^2); ModelOpt: L2 over heads of c (as above); the "
-        "head-channel ranking is shared by all heads in both."),
+        "head-channel ranking is shared by all heads in both."
+    ),
     "experts": (
         "ours: REAP = mean over routed tokens of g_j(x)*||f_j(x)||_2; ModelOpt "
         "(_register_sequential_mlp_importance): mean over routed tokens of ||SequentialMLP output||_2, "
         "and Megatron applies the router prob before fc2, so that output IS g_j(x) f_j(x): the same "
-        "quantity (float32 vs float64 accumulation, +1e-8 vs clamp in the division)."),
+        "quantity (float32 vs float64 accumulation, +1e-8 vs clamp in the division)."
+    ),
 }
 
 
@@ -76,7 +83,7 @@ def average_ranks(x: torch.Tensor) -> torch.Tensor:
         j = i
         while j + 1 < n and sorted_x[j + 1] == sorted_x[i]:
             j += 1
-        ranks[order[i:j + 1]] = (i + j) / 2.0 + 1.0
+        ranks[order[i : j + 1]] = (i + j) / 2.0 + 1.0
         i = j + 1
     return ranks
 
@@ -104,8 +111,13 @@ def in_group_agreement(a: torch.Tensor, b: torch.Tensor, groups: int) -> tuple[f
     identical descending order, and the mean top-half overlap within a group (heads kept when
     halving every group)."""
     ga, gb = a.reshape(groups, -1), b.reshape(groups, -1)
-    same = [torch.equal(torch.argsort(ga[g], descending=True, stable=True),
-                        torch.argsort(gb[g], descending=True, stable=True)) for g in range(groups)]
+    same = [
+        torch.equal(
+            torch.argsort(ga[g], descending=True, stable=True),
+            torch.argsort(gb[g], descending=True, stable=True),
+        )
+        for g in range(groups)
+    ]
     kept = [top_overlap(ga[g], gb[g]) for g in range(groups)]
     return sum(same) / groups, sum(kept) / groups
 
@@ -120,6 +132,7 @@ def _load_checkpoint_fn() -> tuple[Callable, Callable]:
 
         def read_checkpoint_meta(ckpt_dir):
             return json.loads((Path(ckpt_dir) / "elastic_meta.json").read_text())
+
     return load_checkpoint, read_checkpoint_meta
 
 
@@ -150,18 +163,26 @@ def calibration_batches(args: argparse.Namespace, vocab_size: int) -> list[dict[
         from elastic_plugin.data.prepare import PreparedData
 
         prepared = PreparedData.load(args.data)
-        datasets = prepared.build_datasets(seq, num_samples=(args.num_batches * mbs, None, None),
-                                           seed=args.seed)
+        datasets = prepared.build_datasets(
+            seq, num_samples=(args.num_batches * mbs, None, None), seed=args.seed
+        )
         it = batch_iterator(datasets.train, mbs, seed=args.seed, shuffle=True)
         keep = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
-        return [{k: v for k, v in next(it).items() if k in keep and v is not None}
-                for _ in range(args.num_batches)]
+        return [
+            {k: v for k, v in next(it).items() if k in keep and v is not None}
+            for _ in range(args.num_batches)
+        ]
     gen = torch.Generator().manual_seed(args.seed + 1)
     batches = []
     for _ in range(args.num_batches):
         seqs = torch.randint(0, vocab_size, (mbs, seq + 1), generator=gen)
-        batches.append({"tokens": seqs[:, :-1].contiguous(), "labels": seqs[:, 1:].contiguous(),
-                        "loss_mask": torch.ones(mbs, seq)})
+        batches.append(
+            {
+                "tokens": seqs[:, :-1].contiguous(),
+                "labels": seqs[:, 1:].contiguous(),
+                "loss_mask": torch.ones(mbs, seq),
+            }
+        )
     return batches
 
 
@@ -182,7 +203,8 @@ def our_scores(model, batches, seq: int, mbs: int) -> dict[str, dict[int, torch.
     s = collect_importance([model], iter(batches), len(batches) * mbs, seq, mbs, progress=False)
     return {
         "embedding": {0: s.embedding},
-        "ffn": dict(s.ffn), "shared_ffn": dict(s.shared_ffn),
+        "ffn": dict(s.ffn),
+        "shared_ffn": dict(s.shared_ffn),
         "attention_heads": dict(s.attention_heads),
         "mamba_heads": {n: s.mamba_head_scores(n) for n in s.mamba},
         "mamba_channels": {n: s.mamba_channel_scores(n) for n in s.mamba},
@@ -210,7 +232,7 @@ class RawCapture:
             if isinstance(layer, MambaLayer):
                 d = layer.mixer.d_inner_local_tp
                 self._out(layer.norm, ("norm", n))
-                self._out(layer.mixer.in_proj, ("mamba", n), lambda t, d=d: t[..., d:2 * d])
+                self._out(layer.mixer.in_proj, ("mamba", n), lambda t, d=d: t[..., d : 2 * d])
                 continue
             attn = getattr(layer, "self_attention", None)
             if attn is not None and hasattr(attn, "linear_proj"):
@@ -232,11 +254,13 @@ class RawCapture:
     def _out(self, module, key, pick=lambda t: t) -> None:
         def hook(_m, _i, out):
             self._keep(key, pick(out[0] if isinstance(out, tuple) else out))
+
         self._handles.append(module.register_forward_hook(hook))
 
     def _in(self, module, key) -> None:
-        self._handles.append(module.register_forward_pre_hook(
-            lambda _m, args: self._keep(key, args[0])))
+        self._handles.append(
+            module.register_forward_pre_hook(lambda _m, args: self._keep(key, args[0]))
+        )
 
     def remove(self) -> None:
         for h in self._handles:
@@ -259,8 +283,10 @@ def _modelopt_l2_of_means(ts: list[torch.Tensor]) -> torch.Tensor:
 
 def recompute(cap: RawCapture, model_cfg) -> tuple[dict, dict]:
     """Both definitions from raw activations: (ours, modelopt) in the layout of ``compare``."""
-    norms = {**{("n", k): v for k, v in cap._of("norm").items()},
-             **{("m", k): v for k, v in cap._of("norm_mlp").items()}}
+    norms = {
+        **{("n", k): v for k, v in cap._of("norm").items()},
+        **{("m", k): v for k, v in cap._of("norm_mlp").items()},
+    }
     final = cap._of("final_norm")[0]
     ours: dict[str, dict[int, torch.Tensor]] = {}
     mo: dict[str, dict[int, torch.Tensor]] = {}
@@ -275,7 +301,8 @@ def recompute(cap: RawCapture, model_cfg) -> tuple[dict, dict]:
     ours["attention_heads"], mo["attention_heads"] = {}, {}
     for n, v in cap._of("attention_heads").items():
         ours["attention_heads"][n] = sum(
-            t.reshape(-1, t.shape[-1] // kv, kv).norm(dim=-1).sum(0) for t in v)
+            t.reshape(-1, t.shape[-1] // kv, kv).norm(dim=-1).sum(0) for t in v
+        )
         mo["attention_heads"][n] = _modelopt_l2_of_means(v).view(-1, kv).norm(dim=1)
     heads, hdim = model_cfg.mamba_num_heads, model_cfg.mamba_head_dim
     for name in ("mamba_heads", "mamba_channels"):
@@ -318,9 +345,13 @@ def modelopt_scores(model, batches, seq: int, mbs: int) -> tuple[dict, dict]:
     from elastic_plugin.testing.modelopt_compat import load_minitron, local_spec_registry_class
 
     _, mm = load_minitron()
-    config = mm.get_mcore_minitron_config(hidden_size_divisor=1, ffn_hidden_size_divisor=1,
-                                          mamba_head_dim_divisor=1, num_moe_experts_divisor=1,
-                                          num_layers_divisor=1)
+    config = mm.get_mcore_minitron_config(
+        hidden_size_divisor=1,
+        ffn_hidden_size_divisor=1,
+        mamba_head_dim_divisor=1,
+        num_moe_experts_divisor=1,
+        num_layers_divisor=1,
+    )
     model = mtn.convert(model, mode=[("mcore_minitron", config)])
     registry = local_spec_registry_class()(model)
     try:
@@ -335,40 +366,51 @@ def modelopt_scores(model, batches, seq: int, mbs: int) -> tuple[dict, dict]:
                 heads, hdim, groups = mixer.nheads, mixer.headdim, mixer.ngroups
                 d_inner = heads * hdim
                 # _estimate_head_and_head_dim_rankings: sqrt, x part, L2 over heads / channels
-                c = mixer._activations.pow(0.5)[d_inner:2 * d_inner].view(heads, hdim)
+                c = mixer._activations.pow(0.5)[d_inner : 2 * d_inner].view(heads, hdim)
                 out["mamba_channels"][n] = torch.linalg.vector_norm(c, ord=2, dim=0)
                 out["mamba_heads"][n] = torch.linalg.vector_norm(c, ord=2, dim=1)
                 head_order = mixer.get_hparam("mamba_num_heads").importance
                 mine = _group_order(out["mamba_heads"][n], groups)
                 order_checks.append(torch.equal(head_order.cpu(), mine))
                 dim_order = mixer.get_hparam("mamba_head_dim").importance
-                order_checks.append(torch.equal(
-                    dim_order.cpu(), torch.argsort(out["mamba_channels"][n], descending=True)))
+                order_checks.append(
+                    torch.equal(
+                        dim_order.cpu(), torch.argsort(out["mamba_channels"][n], descending=True)
+                    )
+                )
                 continue
             attn = getattr(layer, "self_attention", None)
             if attn is not None and getattr(attn, "_activations", None) is not None:
                 kv = attn.config.kv_channels
                 # _estimate_head_ranking: sqrt, then L2 over each head's kv channels
                 scores = torch.linalg.vector_norm(
-                    attn._activations.pow(0.5).view(-1, kv), ord=2, dim=1)
+                    attn._activations.pow(0.5).view(-1, kv), ord=2, dim=1
+                )
                 out["attention_heads"][n] = scores
                 order = attn.get_hparam("num_attention_heads").importance
-                order_checks.append(torch.equal(
-                    order.cpu(), _group_order(scores, attn.num_query_groups_per_partition)))
+                order_checks.append(
+                    torch.equal(
+                        order.cpu(), _group_order(scores, attn.num_query_groups_per_partition)
+                    )
+                )
             mlp = getattr(layer, "mlp", None)
             if isinstance(mlp, MoELayer):
                 out["experts"][n] = mlp.experts.get_hparam("num_local_experts").importance
                 if mlp.shared_experts is not None:
                     out["shared_ffn"][n] = mlp.shared_experts.get_hparam(
-                        "moe_shared_expert_intermediate_size").importance
+                        "moe_shared_expert_intermediate_size"
+                    ).importance
             elif mlp is not None and hasattr(mlp, "hparam_name"):
                 out["ffn"][n] = mlp.get_hparam("ffn_hidden_size").importance
         layer_scores = registry.get_layer_scores()
     finally:
         registry.cleanup()
-    extras = {"loss": loss, "order_checks_passed": f"{sum(order_checks)}/{len(order_checks)}",
-              "redirected_norm_hooks": registry.redirected,
-              "layer_scores": {int(k): float(v) for k, v in layer_scores.items()}}
+    extras = {
+        "loss": loss,
+        "order_checks_passed": f"{sum(order_checks)}/{len(order_checks)}",
+        "redirected_norm_hooks": registry.redirected,
+        "layer_scores": {int(k): float(v) for k, v in layer_scores.items()},
+    }
     return {k: v for k, v in out.items() if v}, extras
 
 
@@ -388,17 +430,25 @@ def compare(ours: dict, theirs: dict, model_cfg) -> list[dict[str, Any]]:
             continue
         layers = sorted(set(ours[axis]) & set(theirs[axis]))
         if set(ours[axis]) != set(theirs[axis]):
-            raise RuntimeError(f"{axis}: layers differ, ours {sorted(ours[axis])} vs "
-                               f"ModelOpt {sorted(theirs[axis])}")
+            raise RuntimeError(
+                f"{axis}: layers differ, ours {sorted(ours[axis])} vs "
+                f"ModelOpt {sorted(theirs[axis])}"
+            )
         rho = [spearman(ours[axis][n], theirs[axis][n]) for n in layers]
         top = [top_overlap(ours[axis][n], theirs[axis][n]) for n in layers]
-        row = {"axis": axis, "layers": layers if layers != [0] else "model",
-               "units": int(ours[axis][layers[0]].numel()),
-               "spearman_mean": sum(rho) / len(rho), "spearman_min": min(rho),
-               "top50_overlap_mean": sum(top) / len(top), "top50_overlap_min": min(top)}
+        row = {
+            "axis": axis,
+            "layers": layers if layers != [0] else "model",
+            "units": int(ours[axis][layers[0]].numel()),
+            "spearman_mean": sum(rho) / len(rho),
+            "spearman_min": min(rho),
+            "top50_overlap_mean": sum(top) / len(top),
+            "top50_overlap_min": min(top),
+        }
         if axis in groups:
-            agree = [in_group_agreement(ours[axis][n], theirs[axis][n], groups[axis])
-                     for n in layers]
+            agree = [
+                in_group_agreement(ours[axis][n], theirs[axis][n], groups[axis]) for n in layers
+            ]
             row["in_group_same_order"] = sum(a for a, _ in agree) / len(agree)
             row["in_group_top50_overlap"] = sum(k for _, k in agree) / len(agree)
         rows.append(row)
@@ -406,17 +456,21 @@ def compare(ours: dict, theirs: dict, model_cfg) -> list[dict[str, Any]]:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = f"{'axis':<16} {'layers':<8} {'units':>5} {'rho mean':>9} {'rho min':>8} " \
-           f"{'top50 mean':>10} {'top50 min':>9} {'grp order':>9} {'grp top50':>9}"
+    head = (
+        f"{'axis':<16} {'layers':<8} {'units':>5} {'rho mean':>9} {'rho min':>8} "
+        f"{'top50 mean':>10} {'top50 min':>9} {'grp order':>9} {'grp top50':>9}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
         layers = r["layers"] if isinstance(r["layers"], str) else ",".join(map(str, r["layers"]))
         order = f"{r['in_group_same_order']:.2f}" if "in_group_same_order" in r else "-"
         kept = f"{r['in_group_top50_overlap']:.2f}" if "in_group_top50_overlap" in r else "-"
-        print(f"{r['axis']:<16} {layers:<8} {r['units']:>5} {r['spearman_mean']:>9.4f} "
-              f"{r['spearman_min']:>8.4f} {r['top50_overlap_mean']:>10.2f} "
-              f"{r['top50_overlap_min']:>9.2f} {order:>9} {kept:>9}")
+        print(
+            f"{r['axis']:<16} {layers:<8} {r['units']:>5} {r['spearman_mean']:>9.4f} "
+            f"{r['spearman_min']:>8.4f} {r['top50_overlap_mean']:>10.2f} "
+            f"{r['top50_overlap_min']:>9.2f} {order:>9} {kept:>9}"
+        )
     print("\nDefinitions (where they differ):")
     for r in rows:
         print(f"- {r['axis']}: {NOTES[r['axis']]}")
@@ -450,9 +504,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import modelopt.torch  # noqa: F401
     except ImportError as err:
-        print(f"nvidia-modelopt is needed for this comparison ({err}); install it with "
-              "`pip install --no-deps nvidia-modelopt` plus requests, omegaconf, pydantic, "
-              "'pulp<4', scipy, regex", file=sys.stderr)
+        print(
+            f"nvidia-modelopt is needed for this comparison ({err}); install it with "
+            "`pip install --no-deps nvidia-modelopt` plus requests, omegaconf, pydantic, "
+            "'pulp<4', scipy, regex",
+            file=sys.stderr,
+        )
         return 2
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     from elastic_plugin.compat import enable_cpu_megatron
@@ -474,50 +531,87 @@ def main(argv: list[str] | None = None) -> int:
     rows = compare(ours, theirs, cfg.model)
     ours_re, mo_re = recompute(capture, cfg.model)
     del capture
-    checks = [{"axis": axis,
-               "ours_recomputed_vs_collected": max_rel_diff(ours_re[axis], ours[axis], False),
-               "modelopt_recomputed_vs_collected": max_rel_diff(mo_re[axis], theirs[axis], True)}
-              for axis in NOTES if axis in ours_re and axis in theirs]
-    checks.append({"axis": "experts", "ours_vs_modelopt_normalized":
-                   max_rel_diff(ours["experts"], theirs["experts"], True)})
-    ablation = compare({"embedding": ours_re["embedding_no_final_norm"]},
-                       {"embedding": mo_re["embedding_no_final_norm"]}, cfg.model)[0]
+    checks = [
+        {
+            "axis": axis,
+            "ours_recomputed_vs_collected": max_rel_diff(ours_re[axis], ours[axis], False),
+            "modelopt_recomputed_vs_collected": max_rel_diff(mo_re[axis], theirs[axis], True),
+        }
+        for axis in NOTES
+        if axis in ours_re and axis in theirs
+    ]
+    checks.append(
+        {
+            "axis": "experts",
+            "ours_vs_modelopt_normalized": max_rel_diff(ours["experts"], theirs["experts"], True),
+        }
+    )
+    ablation = compare(
+        {"embedding": ours_re["embedding_no_final_norm"]},
+        {"embedding": mo_re["embedding_no_final_norm"]},
+        cfg.model,
+    )[0]
     import modelopt
 
-    print(f"model: {'checkpoint ' + args.ckpt if args.ckpt else 'random init (seed ' + str(args.seed) + ')'}"
-          f"; data: {args.data or 'random tokens'}; {args.num_batches} x {mbs} x {seq} tokens; "
-          f"modelopt {modelopt.__version__}")
-    print(f"LM loss: plain model {loss_plain:.6f}, ModelOpt-converted model {extras['loss']:.6f}; "
-          f"ModelOpt estimator orders reproduced: {extras['order_checks_passed']}; "
-          f"norm hooks moved off fused TE linears: {extras['redirected_norm_hooks']}")
+    print(
+        f"model: {'checkpoint ' + args.ckpt if args.ckpt else 'random init (seed ' + str(args.seed) + ')'}"
+        f"; data: {args.data or 'random tokens'}; {args.num_batches} x {mbs} x {seq} tokens; "
+        f"modelopt {modelopt.__version__}"
+    )
+    print(
+        f"LM loss: plain model {loss_plain:.6f}, ModelOpt-converted model {extras['loss']:.6f}; "
+        f"ModelOpt estimator orders reproduced: {extras['order_checks_passed']}; "
+        f"norm hooks moved off fused TE linears: {extras['redirected_norm_hooks']}"
+    )
     print()
     print_table(rows)
     print("\nFormula check (max relative difference, scores scaled to max 1 for ModelOpt):")
     for c in checks:
-        print("  " + c["axis"] + ": " + ", ".join(
-            f"{k.replace('_', ' ')} {v:.1e}" for k, v in c.items() if k != "axis"))
+        print(
+            "  "
+            + c["axis"]
+            + ": "
+            + ", ".join(f"{k.replace('_', ' ')} {v:.1e}" for k, v in c.items() if k != "axis")
+        )
     for n, ratio in ours_re.get("_mamba_ratio", {}).items():
         spread = ours["mamba_heads"][n]
-        print(f"Mamba layer {n}: per-head mean|s|/RMS(s) {float(ratio.min()):.3f}..{float(ratio.max()):.3f} "
-              f"(x{float(ratio.max() / ratio.min()):.2f}) vs our head-score spread "
-              f"x{float(spread.max() / spread.min()):.2f}")
-    print(f"Ablation - embedding without the final norm in ours (ModelOpt never hooks it): "
-          f"rho {ablation['spearman_mean']:.4f}, top-50% overlap {ablation['top50_overlap_mean']:.2f}")
-    print(f"\nModelOpt-only: depth scores (1 - cos(in, out)) {extras['layer_scores']}; per-expert "
-          f"moe_ffn_hidden_size neuron scores (we have no expert-neuron axis). "
-          f"[{time.perf_counter() - start:.1f} s]")
+        print(
+            f"Mamba layer {n}: per-head mean|s|/RMS(s) {float(ratio.min()):.3f}..{float(ratio.max()):.3f} "
+            f"(x{float(ratio.max() / ratio.min()):.2f}) vs our head-score spread "
+            f"x{float(spread.max() / spread.min()):.2f}"
+        )
+    print(
+        f"Ablation - embedding without the final norm in ours (ModelOpt never hooks it): "
+        f"rho {ablation['spearman_mean']:.4f}, top-50% overlap {ablation['top50_overlap_mean']:.2f}"
+    )
+    print(
+        f"\nModelOpt-only: depth scores (1 - cos(in, out)) {extras['layer_scores']}; per-expert "
+        f"moe_ffn_hidden_size neuron scores (we have no expert-neuron axis). "
+        f"[{time.perf_counter() - start:.1f} s]"
+    )
     problems = _self_check_problems(loss_plain, extras, checks)
     for problem in problems:
         print(f"SELF-CHECK FAILED: {problem}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "extras": extras, "checks": checks,
-                                               "ablation_embedding_no_final_norm": ablation,
-                                               "args": vars(args)}, indent=2, default=str))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "rows": rows,
+                    "extras": extras,
+                    "checks": checks,
+                    "ablation_embedding_no_final_norm": ablation,
+                    "args": vars(args),
+                },
+                indent=2,
+                default=str,
+            )
+        )
     return 1 if problems else 0
 
 
-def _self_check_problems(loss_plain: float, extras: dict, checks: list[dict],
-                         tol: float = 1e-4) -> list[str]:
+def _self_check_problems(
+    loss_plain: float, extras: dict, checks: list[dict], tol: float = 1e-4
+) -> list[str]:
     """What would make the comparison untrustworthy: a changed forward, an estimator order we
     do not reproduce, or a definition in NOTES that does not recompute what a scorer produced."""
     problems = []

@@ -33,8 +33,10 @@ def _select(names: list[str], only: list[str] | None) -> list[str]:
     wanted = {w.removeprefix("bench_").removesuffix(".py") for w in only}
     unknown = wanted - {n.removeprefix("bench_") for n in names}
     if unknown:
-        raise SystemExit(f"--only: unknown benchmark(s) {sorted(unknown)}; available: "
-                         f"{[n.removeprefix('bench_') for n in names]}")
+        raise SystemExit(
+            f"--only: unknown benchmark(s) {sorted(unknown)}; available: "
+            f"{[n.removeprefix('bench_') for n in names]}"
+        )
     return [n for n in names if n.removeprefix("bench_") in wanted]
 
 
@@ -56,11 +58,18 @@ def print_table(rows: list[dict], file=sys.stdout) -> None:
         columns += [key for key in row if key not in columns]
     cells = [[_format(row.get(col, "")) for col in columns] for row in rows]
     widths = [max(len(col), *(len(r[i]) for r in cells)) for i, col in enumerate(columns)]
-    line = "  ".join(col.ljust(w) if i == 0 else col.rjust(w) for i, (col, w) in enumerate(zip(columns, widths)))
+    line = "  ".join(
+        col.ljust(w) if i == 0 else col.rjust(w) for i, (col, w) in enumerate(zip(columns, widths))
+    )
     print(line, file=file)
     print("-" * len(line), file=file)
     for r in cells:
-        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))), file=file)
+        print(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+            ),
+            file=file,
+        )
 
 
 def bench_main(run, description: str, threads: bool = False) -> None:
@@ -73,8 +82,7 @@ def bench_main(run, description: str, threads: bool = False) -> None:
         parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    rows = (run(args.quick, args.reps, args.threads) if threads
-            else run(args.quick, args.reps))
+    rows = run(args.quick, args.reps, args.threads) if threads else run(args.quick, args.reps)
     print_table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
@@ -100,10 +108,16 @@ def run_benchmarks(names: list[str], device: str | None, reps: int | None) -> li
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--only", action="append", help="benchmark name (e.g. gather); repeatable")
-    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
-    parser.add_argument("--reps", type=int, help="timed repetitions per candidate (median is reported)")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu"
+    )
+    parser.add_argument(
+        "--reps", type=int, help="timed repetitions per candidate (median is reported)"
+    )
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     if args.reps is not None and args.reps < 1:

@@ -24,8 +24,18 @@ def _register_all(subparsers: argparse._SubParsersAction) -> None:
     from elastic_plugin.training import cli as training_cli
 
     # data-flow order; export's module registers `extract` and `export`
-    for module in (models_cli, info, data_cli, training_cli, importance_cli, elastic_cli,
-                   inspect_cli, export_cli, evaluate_cli, generate_cli):
+    for module in (
+        models_cli,
+        info,
+        data_cli,
+        training_cli,
+        importance_cli,
+        elastic_cli,
+        inspect_cli,
+        export_cli,
+        evaluate_cli,
+        generate_cli,
+    ):
         module.register_subcommand(subparsers)
 
 

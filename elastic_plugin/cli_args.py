@@ -42,21 +42,31 @@ def layout_from_args(args: argparse.Namespace, parallel: Any) -> Layout:
         pp=pick(args.pipeline_model_parallel_size, parallel.pipeline_model_parallel_size),
         ep=pick(args.expert_model_parallel_size, parallel.expert_model_parallel_size),
         sequence_parallel=pick(args.sequence_parallel, parallel.sequence_parallel),
-        distributed_optimizer=pick(args.use_distributed_optimizer, parallel.use_distributed_optimizer),
+        distributed_optimizer=pick(
+            args.use_distributed_optimizer, parallel.use_distributed_optimizer
+        ),
     )
 
 
 def check_data_path_args(args: argparse.Namespace) -> None:
     """--data-path / --valid-data-path must be Megatron indexed datasets, with a tokenizer.json."""
-    for flag, value in (("--data-path", args.data_path), ("--valid-data-path", args.valid_data_path)):
+    for flag, value in (
+        ("--data-path", args.data_path),
+        ("--valid-data-path", args.valid_data_path),
+    ):
         if value and not Path(value + ".idx").is_file():
-            raise ConfigError(f"{flag} {value}: no {value}.idx / .bin (a Megatron indexed dataset prefix)")
+            raise ConfigError(
+                f"{flag} {value}: no {value}.idx / .bin (a Megatron indexed dataset prefix)"
+            )
     if not args.tokenizer or not Path(args.tokenizer).is_file():
-        raise ConfigError(f"--tokenizer {args.tokenizer}: --data-path needs an existing tokenizer.json")
+        raise ConfigError(
+            f"--tokenizer {args.tokenizer}: --data-path needs an existing tokenizer.json"
+        )
 
 
-def start_ranks(layout: Layout | None = None, seed: int = 1234,
-                one_process: str | None = None) -> None:
+def start_ranks(
+    layout: Layout | None = None, seed: int = 1234, one_process: str | None = None
+) -> None:
     """Start this rank the same way in every command: Megatron's CPU adaptations (only where
     CUDA is absent), the default process group (torchrun's, or a 1-rank world), then Megatron's
     model-parallel groups for ``layout`` (seeded with ``seed``) when one is given.
@@ -72,7 +82,8 @@ def start_ranks(layout: Layout | None = None, seed: int = 1234,
 
     init_distributed()
     if one_process is not None and dist.get_world_size() != 1:
-        raise ConfigError(f"{one_process}; got a world of {dist.get_world_size()} ranks (run it "
-                          "without torchrun)")
+        raise ConfigError(
+            f"{one_process}; got a world of {dist.get_world_size()} ranks (run it without torchrun)"
+        )
     if layout is not None:
         initialize_layout(layout, seed=seed)

@@ -49,7 +49,8 @@ def collect_info() -> dict[str, Any]:
         "cuda_available": cuda,
         "distributed_backend": "nccl" if cuda else "gloo",
         "layer_spec": "transformer_engine" if have_transformer_engine() else "local",
-        "mamba_ops": "mamba_ssm" if not mamba.get("installed") and mamba.get("mamba_ssm_available")
+        "mamba_ops": "mamba_ssm"
+        if not mamba.get("installed") and mamba.get("mamba_ssm_available")
         else "pytorch (elastic_plugin.compat.mamba_ops)",
         "extension": ops.backend_info(),
         "cpu_patches": len(patches),

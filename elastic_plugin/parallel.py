@@ -29,8 +29,9 @@ class Layout:
     distributed_optimizer: bool = False
 
     def as_parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(self.tp, self.pp, self.ep, self.sequence_parallel,
-                              self.distributed_optimizer)
+        return ParallelConfig(
+            self.tp, self.pp, self.ep, self.sequence_parallel, self.distributed_optimizer
+        )
 
     def check_world(self, world_size: int) -> None:
         if world_size % (self.tp * self.pp):
@@ -60,8 +61,13 @@ def init_distributed(backend: str | None = None, timeout_s: int = 600) -> None:
     if "RANK" in os.environ:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         return
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 def is_rank0() -> bool:
@@ -105,8 +111,9 @@ def build_model_chunks(
 
     from elastic_plugin.models.builder import build_hybrid_model, transformer_config
 
-    tconf = transformer_config(model_cfg, layout.as_parallel_config(), params_dtype,
-                               **config_overrides)
+    tconf = transformer_config(
+        model_cfg, layout.as_parallel_config(), params_dtype, **config_overrides
+    )
     model = build_hybrid_model(
         model_cfg,
         tconf,
@@ -116,7 +123,9 @@ def build_model_chunks(
     )
     for param in model.parameters():
         # Megatron's optimizer and DDP expect every param to carry a TP flag.
-        from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
+        from megatron.core.tensor_parallel import (
+            set_defaults_if_not_set_tensor_model_parallel_attributes,
+        )
 
         set_defaults_if_not_set_tensor_model_parallel_attributes(param)
     if torch.cuda.is_available():
@@ -129,7 +138,9 @@ def build_model_chunks(
 def wrap_ddp_chunk(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
     """Megatron's DDP around one model chunk (grad buffers, DP reduction, distributed optimizer)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
+    from megatron.core.tensor_parallel import (
+        set_defaults_if_not_set_tensor_model_parallel_attributes,
+    )
 
     for param in model.parameters():
         set_defaults_if_not_set_tensor_model_parallel_attributes(param)

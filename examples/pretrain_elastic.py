@@ -41,12 +41,14 @@ from elastic_plugin.elastic.args import add_elastic_args, elastic_config_from_ar
 from elastic_plugin.models.config import ConfigError, ModelConfig  # noqa: E402
 
 CHECKPOINT_META = "elastic_meta.json"
-PP_ERROR = ("examples/pretrain_elastic.py needs --pipeline-model-parallel-size 1: megatron.training."
-            "pretrain runs one schedule per iteration, so the teacher's logits are computed inline "
-            "on the stage that holds the whole model. For pipeline parallelism use "
-            "`elastic-plugin elastic-train` (it runs a separate teacher pass through Megatron's "
-            "pipeline schedules), e.g. torchrun ... -m elastic_plugin.cli elastic-train --ckpt "
-            "CKPT --pipeline-model-parallel-size 2 ...")
+PP_ERROR = (
+    "examples/pretrain_elastic.py needs --pipeline-model-parallel-size 1: megatron.training."
+    "pretrain runs one schedule per iteration, so the teacher's logits are computed inline "
+    "on the stage that holds the whole model. For pipeline parallelism use "
+    "`elastic-plugin elastic-train` (it runs a separate teacher pass through Megatron's "
+    "pipeline schedules), e.g. torchrun ... -m elastic_plugin.cli elastic-train --ckpt "
+    "CKPT --pipeline-model-parallel-size 2 ..."
+)
 
 
 # ------------------------------------------------------------------------------ arguments
@@ -54,11 +56,19 @@ def add_pretrain_elastic_args(parser: argparse.ArgumentParser) -> argparse.Argum
     """Megatron ``extra_args_provider``: the ``--elastic-*`` flags plus the checkpoints to start from."""
     add_elastic_args(parser)
     group = parser.add_argument_group(title="elastic checkpoints")
-    group.add_argument("--elastic-ckpt", default=None, metavar="DIR",
-                       help="importance-reordered checkpoint (elastic-plugin reorder --out); the "
-                       "student starts from it")
-    group.add_argument("--elastic-teacher-ckpt", default=None, metavar="DIR",
-                       help="frozen teacher (default: --elastic-ckpt, the same function)")
+    group.add_argument(
+        "--elastic-ckpt",
+        default=None,
+        metavar="DIR",
+        help="importance-reordered checkpoint (elastic-plugin reorder --out); the "
+        "student starts from it",
+    )
+    group.add_argument(
+        "--elastic-teacher-ckpt",
+        default=None,
+        metavar="DIR",
+        help="frozen teacher (default: --elastic-ckpt, the same function)",
+    )
     return parser
 
 
@@ -93,43 +103,69 @@ def arch_flags(model: ModelConfig) -> list[ArchFlag]:
         ArchFlag("--hidden-size", "hidden_size", model.hidden_size),
         ArchFlag("--num-attention-heads", "num_attention_heads", max(model.num_attention_heads, 1)),
         ArchFlag("--max-position-embeddings", "max_position_embeddings", model.max_sequence_length),
-        ArchFlag("--position-embedding-type", "position_embedding_type", model.position_embedding_type),
+        ArchFlag(
+            "--position-embedding-type", "position_embedding_type", model.position_embedding_type
+        ),
         ArchFlag("--normalization", "normalization", model.normalization),
         ArchFlag("--norm-epsilon", "layernorm_epsilon", model.layernorm_epsilon),
         ArchFlag("--init-method-std", "init_method_std", model.init_method_std),
-        ArchFlag("--untie-embeddings-and-output-weights", "untie_embeddings_and_output_weights",
-                 model.untie_embeddings_and_output_weights, "store_true"),
+        ArchFlag(
+            "--untie-embeddings-and-output-weights",
+            "untie_embeddings_and_output_weights",
+            model.untie_embeddings_and_output_weights,
+            "store_true",
+        ),
         ArchFlag("--disable-bias-linear", "add_bias_linear", model.add_bias_linear, "store_false"),
     ]
     if model.position_embedding_type == "rope":
         flags.append(ArchFlag("--rotary-base", "rotary_base", model.rotary_base))
     if model.activation in ("squared_relu", "swiglu"):
-        flags.append(ArchFlag(f"--{model.activation.replace('_', '-')}", model.activation, True,
-                              "store_true"))
+        flags.append(
+            ArchFlag(
+                f"--{model.activation.replace('_', '-')}", model.activation, True, "store_true"
+            )
+        )
     if model.count("attention"):
         flags.append(ArchFlag("--kv-channels", "kv_channels", model.head_dim))
         if model.query_groups != model.num_attention_heads:
-            flags += [ArchFlag("--group-query-attention", "group_query_attention", True, "store_true"),
-                      ArchFlag("--num-query-groups", "num_query_groups", model.query_groups)]
+            flags += [
+                ArchFlag("--group-query-attention", "group_query_attention", True, "store_true"),
+                ArchFlag("--num-query-groups", "num_query_groups", model.query_groups),
+            ]
     if model.count("mlp"):
         flags.append(ArchFlag("--ffn-hidden-size", "ffn_hidden_size", model.ffn_hidden_size))
     if model.count("mamba"):
-        flags += [ArchFlag("--mamba-num-heads", "mamba_num_heads", model.mamba_num_heads),
-                  ArchFlag("--mamba-head-dim", "mamba_head_dim", model.mamba_head_dim),
-                  ArchFlag("--mamba-num-groups", "mamba_num_groups", model.mamba_num_groups),
-                  ArchFlag("--mamba-state-dim", "mamba_state_dim", model.mamba_state_dim)]
+        flags += [
+            ArchFlag("--mamba-num-heads", "mamba_num_heads", model.mamba_num_heads),
+            ArchFlag("--mamba-head-dim", "mamba_head_dim", model.mamba_head_dim),
+            ArchFlag("--mamba-num-groups", "mamba_num_groups", model.mamba_num_groups),
+            ArchFlag("--mamba-state-dim", "mamba_state_dim", model.mamba_state_dim),
+        ]
     if model.count("moe"):
-        flags += [ArchFlag("--num-experts", "num_experts", model.num_moe_experts),
-                  ArchFlag("--moe-router-topk", "moe_router_topk", model.moe_router_topk),
-                  ArchFlag("--moe-ffn-hidden-size", "moe_ffn_hidden_size", model.moe_ffn_hidden_size),
-                  ArchFlag("--moe-router-score-function", "moe_router_score_function",
-                           model.moe_router_score_function),
-                  ArchFlag("--moe-router-enable-expert-bias", "moe_router_enable_expert_bias",
-                           model.moe_router_enable_expert_bias, "store_true")]
+        flags += [
+            ArchFlag("--num-experts", "num_experts", model.num_moe_experts),
+            ArchFlag("--moe-router-topk", "moe_router_topk", model.moe_router_topk),
+            ArchFlag("--moe-ffn-hidden-size", "moe_ffn_hidden_size", model.moe_ffn_hidden_size),
+            ArchFlag(
+                "--moe-router-score-function",
+                "moe_router_score_function",
+                model.moe_router_score_function,
+            ),
+            ArchFlag(
+                "--moe-router-enable-expert-bias",
+                "moe_router_enable_expert_bias",
+                model.moe_router_enable_expert_bias,
+                "store_true",
+            ),
+        ]
         if model.moe_shared_expert_intermediate_size:
-            flags.append(ArchFlag("--moe-shared-expert-intermediate-size",
-                                  "moe_shared_expert_intermediate_size",
-                                  model.moe_shared_expert_intermediate_size))
+            flags.append(
+                ArchFlag(
+                    "--moe-shared-expert-intermediate-size",
+                    "moe_shared_expert_intermediate_size",
+                    model.moe_shared_expert_intermediate_size,
+                )
+            )
     return flags
 
 
@@ -139,13 +175,17 @@ def render_arch_flags(model: ModelConfig) -> list[str]:
 
 def check_arch_args(args: argparse.Namespace, model: ModelConfig, ckpt: str) -> None:
     """Megatron's model flags must describe the checkpoint; list every one that does not."""
-    wrong = [f"{f.flag} (got {getattr(args, f.dest, None)!r}, checkpoint: {f.value!r})"
-             for f in arch_flags(model) if not f.matches(args)]
+    wrong = [
+        f"{f.flag} (got {getattr(args, f.dest, None)!r}, checkpoint: {f.value!r})"
+        for f in arch_flags(model)
+        if not f.matches(args)
+    ]
     if wrong:
         raise ConfigError(
             f"--elastic-ckpt {ckpt}: Megatron's model flags differ from the checkpoint's "
             f"architecture: {'; '.join(wrong)}. Print the right flags with `python "
-            f"examples/pretrain_elastic.py --print-arch-flags --elastic-ckpt {ckpt}`")
+            f"examples/pretrain_elastic.py --print-arch-flags --elastic-ckpt {ckpt}`"
+        )
 
 
 def _checkpoint_config(path: str | None, flag: str):
@@ -155,12 +195,15 @@ def _checkpoint_config(path: str | None, flag: str):
     from elastic_plugin.models.config import config_from_dict
 
     if not path:
-        raise ConfigError(f"{flag} DIR is required (the importance-reordered checkpoint written "
-                          f"by `elastic-plugin reorder`)")
+        raise ConfigError(
+            f"{flag} DIR is required (the importance-reordered checkpoint written "
+            f"by `elastic-plugin reorder`)"
+        )
     meta_path = Path(path) / CHECKPOINT_META
     if not meta_path.is_file():
-        raise ConfigError(f"{flag} {path}: not a checkpoint written by elastic-plugin (no "
-                          f"{CHECKPOINT_META})")
+        raise ConfigError(
+            f"{flag} {path}: not a checkpoint written by elastic-plugin (no {CHECKPOINT_META})"
+        )
     meta = json.loads(meta_path.read_text())
     return config_from_dict(meta["config"], source=f"{flag} {path}"), meta
 
@@ -171,9 +214,9 @@ class ElasticSession:
     """What forward_step needs and Megatron's model does not hold: the frozen teacher and the
     budget sampling / routing / loss state (``elastic.step.ElasticStep``)."""
 
-    step: Any          # ElasticStep
-    teacher: Any       # torch.nn.Module, frozen, outside the optimizer and the checkpoint
-    resolved: Any      # ResolvedElastic
+    step: Any  # ElasticStep
+    teacher: Any  # torch.nn.Module, frozen, outside the optimizer and the checkpoint
+    resolved: Any  # ResolvedElastic
     train_iters: int
     _iteration: int = -1
     _local: int = 0
@@ -199,49 +242,73 @@ def elastic_setup(args: argparse.Namespace):
     check_arch_args(args, cfg.model, args.elastic_ckpt)
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
     if (tp > 1 or ep > 1) and not meta.get("reordered"):
-        raise ConfigError(f"--elastic-ckpt {args.elastic_ckpt} is not importance-reordered; run "
-                          f"`elastic-plugin reorder` first (needed for TP/EP > 1)")
-    ecfg = elastic_config_from_args(args, base=cfg.elastic,
-                                    base_source=f"--elastic-ckpt {args.elastic_ckpt}")
+        raise ConfigError(
+            f"--elastic-ckpt {args.elastic_ckpt} is not importance-reordered; run "
+            f"`elastic-plugin reorder` first (needed for TP/EP > 1)"
+        )
+    ecfg = elastic_config_from_args(
+        args, base=cfg.elastic, base_source=f"--elastic-ckpt {args.elastic_ckpt}"
+    )
     resolved = ecfg.resolve(cfg.model, tp, ep)
     for i, stage in enumerate(ecfg.curriculum):
         if stage.seq_length and args.seq_length and stage.seq_length > args.seq_length:
-            raise ConfigError(f"elastic.curriculum[{i}].seq_length={stage.seq_length} exceeds "
-                              f"--seq-length={args.seq_length}")
+            raise ConfigError(
+                f"elastic.curriculum[{i}].seq_length={stage.seq_length} exceeds "
+                f"--seq-length={args.seq_length}"
+            )
     if ecfg.mode == "sliced" and not ecfg.router.hard:
         raise ConfigError("--elastic-soft-masks needs --elastic-mode masked")
     if ecfg.teacher != "frozen":
-        raise ConfigError("examples/pretrain_elastic.py trains with a frozen teacher "
-                          "(--elastic-teacher frozen); use `elastic-plugin elastic-train` for "
-                          "--elastic-teacher self")
+        raise ConfigError(
+            "examples/pretrain_elastic.py trains with a frozen teacher "
+            "(--elastic-teacher frozen); use `elastic-plugin elastic-train` for "
+            "--elastic-teacher self"
+        )
     teacher_dir = args.elastic_teacher_ckpt or args.elastic_ckpt
     tcfg, _ = _checkpoint_config(teacher_dir, "--elastic-teacher-ckpt")
     if tcfg.model != cfg.model:
-        raise ConfigError(f"--elastic-teacher-ckpt {teacher_dir}: another architecture than "
-                          f"--elastic-ckpt")
+        raise ConfigError(
+            f"--elastic-teacher-ckpt {teacher_dir}: another architecture than --elastic-ckpt"
+        )
     return cfg, ecfg, resolved
 
 
-def _build(model_cfg: ModelConfig, args: argparse.Namespace, pre_process: bool,
-           post_process: bool, vp_stage, pg_collection):
+def _build(
+    model_cfg: ModelConfig,
+    args: argparse.Namespace,
+    pre_process: bool,
+    post_process: bool,
+    vp_stage,
+    pg_collection,
+):
     import torch
 
     from elastic_plugin.models.builder import build_hybrid_model, transformer_config
     from elastic_plugin.models.config import ParallelConfig
 
-    parallel = ParallelConfig(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                              args.expert_model_parallel_size, bool(args.sequence_parallel))
+    parallel = ParallelConfig(
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.expert_model_parallel_size,
+        bool(args.sequence_parallel),
+    )
     dtype = getattr(args, "params_dtype", None) or torch.float32
     overrides = {}
     if getattr(args, "calculate_per_token_loss", None) is not None:
         overrides["calculate_per_token_loss"] = args.calculate_per_token_loss
     config = transformer_config(model_cfg, parallel, dtype, **overrides)
-    return build_hybrid_model(model_cfg, config, pre_process, post_process, vp_stage,
-                              pg_collection=pg_collection)
+    return build_hybrid_model(
+        model_cfg, config, pre_process, post_process, vp_stage, pg_collection=pg_collection
+    )
 
 
-def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None,
-                   config=None, pg_collection=None):
+def model_provider(
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage=None,
+    config=None,
+    pg_collection=None,
+):
     """Megatron model provider: the reordered checkpoint, elastic, with its budget router; also
     builds the frozen teacher (kept in this module, not in Megatron's model list)."""
     global _SESSION
@@ -259,9 +326,12 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     cfg, ecfg, resolved = elastic_setup(args)
     model = _build(cfg.model, args, pre_process, post_process, vp_stage, pg_collection)
     load_checkpoint([model], args.elastic_ckpt)
-    state = attach_elastic(model, resolved,
-                           bool(args.sequence_parallel) and args.tensor_model_parallel_size > 1,
-                           router_seed=args.seed)
+    state = attach_elastic(
+        model,
+        resolved,
+        bool(args.sequence_parallel) and args.tensor_model_parallel_size > 1,
+        router_seed=args.seed,
+    )
     teacher_dir = args.elastic_teacher_ckpt or args.elastic_ckpt
     teacher = _build(cfg.model, args, pre_process, post_process, vp_stage, pg_collection)
     load_checkpoint([teacher], teacher_dir)
@@ -325,7 +395,9 @@ def is_dataset_built_on_rank(vp_stage=None) -> bool:
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
     """GPT datasets from Megatron's data flags (``--data-path``/``--split``/``--mock-data``)."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
     from megatron.training import get_args, get_tokenizer, print_rank_0
     from megatron.training.utils import get_blend_and_blend_per_split
@@ -333,16 +405,26 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     args = get_args()
     blend, blend_per_split = get_blend_and_blend_per_split(args)
     config = GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
-        blend_per_split=blend_per_split, split=args.split, path_to_cache=args.data_cache_path,
-        mmap_bin_files=args.mmap_bin_files, tokenizer=get_tokenizer(),
-        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=args.create_attention_mask_in_dataloader)
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+    )
     print_rank_0("> building elastic train, validation and test datasets ...")
     return BlendedMegatronDatasetBuilder(
-        MockGPTDataset if args.mock_data else GPTDataset, train_val_test_num_samples,
-        partial(is_dataset_built_on_rank, vp_stage=vp_stage), config).build()
+        MockGPTDataset if args.mock_data else GPTDataset,
+        train_val_test_num_samples,
+        partial(is_dataset_built_on_rank, vp_stage=vp_stage),
+        config,
+    ).build()
 
 
 # ------------------------------------------------------------------------------ forward step
@@ -370,8 +452,14 @@ def _train_loss(step, index: int, probs, batch: dict, output_tensor):
     finally:
         step._teacher_logits = []
     kd_sum, tokens, b_loss = (report["elastic"][i].to(total.device) for i in range(3))
-    return total, num_tokens, {"kd loss": torch.stack([kd_sum, tokens]).float(),
-                               "budget loss": torch.stack([b_loss * tokens, tokens]).float()}
+    return (
+        total,
+        num_tokens,
+        {
+            "kd loss": torch.stack([kd_sum, tokens]).float(),
+            "budget loss": torch.stack([b_loss * tokens, tokens]).float(),
+        },
+    )
 
 
 def _eval_loss(labels_budget: list[str], current: str, loss_mask, output_tensor):
@@ -383,8 +471,10 @@ def _eval_loss(labels_budget: list[str], current: str, loss_mask, output_tensor)
     loss_sum = (output_tensor.float() * mask).sum()
     tokens = mask.sum()
     zero = torch.zeros(2, device=loss_sum.device)
-    report = {f"lm loss {label}": (torch.stack([loss_sum.detach(), tokens]) if label == current
-                                   else zero) for label in labels_budget}
+    report = {
+        f"lm loss {label}": (torch.stack([loss_sum.detach(), tokens]) if label == current else zero)
+        for label in labels_budget
+    }
     return loss_sum, tokens.to(torch.int), report
 
 
@@ -408,8 +498,12 @@ def forward_step(data_iterator, model):
         current = labels[run._eval_local % len(labels)]
         run._eval_local += 1
         step.state.set_sizes(table[current])
-        output = model(batch["tokens"], _position_ids(batch), batch.get("attention_mask"),
-                       labels=batch["labels"])
+        output = model(
+            batch["tokens"],
+            _position_ids(batch),
+            batch.get("attention_mask"),
+            labels=batch["labels"],
+        )
         return output, partial(_eval_loss, labels, current, batch["loss_mask"])
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
@@ -422,8 +516,9 @@ def forward_step(data_iterator, model):
     run._local += 1
     batch = truncate_batch(batch, step.sampler.seq_length(iteration))
     with torch.no_grad():
-        step._teacher_logits = [run.teacher(batch["tokens"], _position_ids(batch),
-                                            batch.get("attention_mask"))]
+        step._teacher_logits = [
+            run.teacher(batch["tokens"], _position_ids(batch), batch.get("attention_mask"))
+        ]
     index, probs = step.route(inner, local)
     output = model(batch["tokens"], _position_ids(batch), batch.get("attention_mask"))
     return output, partial(_train_loss, step, index, probs, batch)
@@ -477,7 +572,8 @@ def main() -> None:
 
     if hasattr(megatron_training, "get_megatron_optimizer_config"):
         megatron_training.get_megatron_optimizer_config = with_router_param_group(
-            megatron_training.get_megatron_optimizer_config, _router_lr_mult)
+            megatron_training.get_megatron_optimizer_config, _router_lr_mult
+        )
     train_valid_test_datasets_provider.is_distributed = True
     if next(iter(inspect.signature(pretrain).parameters)) == "cfg_container":
         # Megatron-LM with config containers (megatron-core >= 0.17's megatron.training)
@@ -486,11 +582,21 @@ def main() -> None:
 
         args = parse_and_validate_args(extra_args_provider=add_pretrain_elastic_args)
         elastic_setup(args)  # fail before Megatron builds anything
-        pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
-                 ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+        pretrain(
+            pretrain_cfg_container_from_args(args),
+            train_valid_test_datasets_provider,
+            ModelType.encoder_or_decoder,
+            forward_step,
+            model_provider=model_provider,
+        )
     else:
-        pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
-                 forward_step, extra_args_provider=add_pretrain_elastic_args)
+        pretrain(
+            train_valid_test_datasets_provider,
+            model_provider,
+            ModelType.encoder_or_decoder,
+            forward_step,
+            extra_args_provider=add_pretrain_elastic_args,
+        )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,14 @@ def test_fraction_sizes_round_like_the_elastic_config():
     # 8 experts top-2
     cfg = _tiny()
     assert bench.fraction_sizes(cfg, 0.5) == {
-        "embedding": 64, "ffn": 128, "shared_ffn": 64, "attention_heads": 2, "mamba_heads": 4,
-        "mamba_head_dim": 16, "experts": 4}
+        "embedding": 64,
+        "ffn": 128,
+        "shared_ffn": 64,
+        "attention_heads": 2,
+        "mamba_heads": 4,
+        "mamba_head_dim": 16,
+        "experts": 4,
+    }
     # 0.4: heads round to the nearest multiple of the group count; experts never below top-k
     small = bench.fraction_sizes(cfg, 0.4)
     assert small["attention_heads"] == 2 and small["mamba_heads"] == 4 and small["experts"] == 3
@@ -36,11 +42,16 @@ def test_fraction_sizes_round_like_the_elastic_config():
 def _hand_flops(m, b: int, s: int) -> float:
     """Matmul FLOPs of one step written out layer by layer from the architecture."""
     h, d_in = m.hidden_size, m.mamba_num_heads * m.mamba_head_dim
-    mamba = h * (2 * d_in + 2 * m.mamba_num_groups * m.mamba_state_dim + m.mamba_num_heads) + d_in * h
+    mamba = (
+        h * (2 * d_in + 2 * m.mamba_num_groups * m.mamba_state_dim + m.mamba_num_heads) + d_in * h
+    )
     q, kv = m.num_attention_heads * m.kv_channels, 2 * m.num_query_groups * m.kv_channels
     attention = h * (q + kv) + q * h
-    moe = (m.num_moe_experts * h + m.moe_router_topk * 2 * h * m.moe_ffn_hidden_size
-           + 2 * h * m.moe_shared_expert_intermediate_size)
+    moe = (
+        m.num_moe_experts * h
+        + m.moe_router_topk * 2 * h * m.moe_ffn_hidden_size
+        + 2 * h * m.moe_shared_expert_intermediate_size
+    )
     mlp = 2 * h * m.ffn_hidden_size
     kinds = {"M": mamba, "*": attention, "E": moe, "-": mlp}
     params = sum(kinds[c] for c in m.hybrid_layer_pattern) + h * m.vocab_size
@@ -64,9 +75,16 @@ def test_fraction_for_budget_hits_the_budget():
     assert 0.3 <= f <= 1.0 and abs(got - 0.5) < 0.05
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"model_names": ("huge",)}, "huge"), ({"fractions": (0.5, 1.0)}, "fractions"),
-    ({"fractions": ()}, "fractions"), ({"reps": 0}, "reps"), ({"target_budget": 1.5}, "target_budget")])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"model_names": ("huge",)}, "huge"),
+        ({"fractions": (0.5, 1.0)}, "fractions"),
+        ({"fractions": ()}, "fractions"),
+        ({"reps": 0}, "reps"),
+        ({"target_budget": 1.5}, "target_budget"),
+    ],
+)
 def test_bad_arguments_raise_config_errors(kwargs, field):
     with pytest.raises(ConfigError, match=field):
         bench.measure(**kwargs)
@@ -77,10 +95,18 @@ def _finite_positive(value) -> bool:
 
 
 def test_quickest_measurement_gives_the_expected_rows(rank_pools):
-    (rows,) = rank_pools.get(1).run("bench.bench_elastic_step:measure", model_names=("tiny",),
-                                    fractions=(0.5,), target_budget=None, reps=1, warmup=0)
-    assert [r["name"] for r in rows] == ["elastic step tiny full budget b8xs128 [cpu]",
-                                         "elastic step tiny f0.5 (f=0.5)"]
+    (rows,) = rank_pools.get(1).run(
+        "bench.bench_elastic_step:measure",
+        model_names=("tiny",),
+        fractions=(0.5,),
+        target_budget=None,
+        reps=1,
+        warmup=0,
+    )
+    assert [r["name"] for r in rows] == [
+        "elastic step tiny full budget b8xs128 [cpu]",
+        "elastic step tiny f0.5 (f=0.5)",
+    ]
     full, half = rows
     for key in ("plain_full_ms", "plain_copy_ms", "elastic_full_ms", "copy/plain"):
         assert _finite_positive(full[key]), key
@@ -90,13 +116,20 @@ def test_quickest_measurement_gives_the_expected_rows(rank_pools):
 
     cfg = _tiny()
     small = model_for_choice(cfg, bench.fraction_sizes(cfg, 0.5))
-    assert half["flop_ratio"] == pytest.approx(bench.matmul_flops(small, 8, 128)
-                                               / bench.matmul_flops(cfg, 8, 128))
+    assert half["flop_ratio"] == pytest.approx(
+        bench.matmul_flops(small, 8, 128) / bench.matmul_flops(cfg, 8, 128)
+    )
     assert 0 < half["flop_ratio"] <= 1 and 0 < half["budget"] < 1
     assert half["plain_full_ms"] == full["plain_full_ms"]
     assert _finite_positive(half["sliced_ms"])
-    for key in ("sliced/full", "sliced_st/full", "masked/full", "small/full", "sliced/flops",
-                "sliced/small"):
+    for key in (
+        "sliced/full",
+        "sliced_st/full",
+        "masked/full",
+        "small/full",
+        "sliced/flops",
+        "sliced/small",
+    ):
         assert _finite_positive(half[key]), key
     assert half["sliced/full"] == pytest.approx(half["sliced_ms"] / half["plain_full_ms"])
     assert half["sliced/flops"] == pytest.approx(half["sliced/full"] / half["flop_ratio"])

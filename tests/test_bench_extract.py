@@ -11,11 +11,11 @@ pytestmark = [pytest.mark.extract, pytest.mark.export]
 
 
 def test_quickest_run_gives_consistent_rows(rank_pools):
-    (rows,) = rank_pools.get(1).run("bench.bench_extract:run", quick=True, reps=1,
-                                    models=("tiny",))
+    (rows,) = rank_pools.get(1).run("bench.bench_extract:run", quick=True, reps=1, models=("tiny",))
     by = {r["name"]: r for r in rows}
-    assert set(by) == {f"tiny/b{b}/{f}" for b in ("1", "0.4")
-                       for f in ("megatron", "hf_bf16", "hf_nvfp4")}
+    assert set(by) == {
+        f"tiny/b{b}/{f}" for b in ("1", "0.4") for f in ("megatron", "hf_bf16", "hf_nvfp4")
+    }
     for r in rows:
         for key in ("extract_ms", "copy_ms", "extract/copy", "extract_MB/s", "copy_MB/s"):
             assert math.isfinite(r[key]) and r[key] > 0, (r, key)

@@ -22,8 +22,14 @@ CLI = [sys.executable, "-m", "elastic_plugin.cli"]
 
 
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [*CLI, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.mark.models
@@ -48,12 +54,18 @@ def test_info_json_reports_backends():
 
 
 @pytest.mark.demo
-@pytest.mark.parametrize("args,needle", [
-    (["--tensor-model-parallel-size", "3"], "num_attention_heads=4 is not divisible"),
-    (["--train-iters", "0"], "--train-iters=0"),
-    (["--data-path", "/nonexistent/prefix", "--tokenizer", "x.json"], "--data-path /nonexistent/prefix"),
-    (["--tensor-model-parallel-size", "2"], "world size 1 is not divisible"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--tensor-model-parallel-size", "3"], "num_attention_heads=4 is not divisible"),
+        (["--train-iters", "0"], "--train-iters=0"),
+        (
+            ["--data-path", "/nonexistent/prefix", "--tokenizer", "x.json"],
+            "--data-path /nonexistent/prefix",
+        ),
+        (["--tensor-model-parallel-size", "2"], "world size 1 is not divisible"),
+    ],
+)
 def test_train_rejects_bad_input_before_work(tmp_path, args, needle):
     out = tmp_path / "out"
     proc = run_cli("train", "--config", str(TINY), "--out", str(out), *args, timeout=600)
@@ -65,7 +77,9 @@ def test_train_rejects_bad_input_before_work(tmp_path, args, needle):
 @pytest.mark.demo
 def test_train_rejects_unknown_config_key(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text(TINY.read_text().replace("hidden_size: 128", "hidden_size: 128\n  hiden_size: 3"))
+    bad.write_text(
+        TINY.read_text().replace("hidden_size: 128", "hidden_size: 128\n  hiden_size: 3")
+    )
     proc = run_cli("train", "--config", str(bad), "--out", str(tmp_path / "o"), timeout=600)
     assert proc.returncode == 2 and "hiden_size" in proc.stderr
 
@@ -74,16 +88,27 @@ def test_train_rejects_unknown_config_key(tmp_path):
 def trained(tmp_path_factory):
     """A short teacher run of the tiny model (single process, as `make demo QUICK=1`)."""
     out = tmp_path_factory.mktemp("demo")
-    proc = run_cli("train", "--config", str(TINY), "--out", str(out), "--quick",
-                   "--train-iters", "40", "--no-progress")
+    proc = run_cli(
+        "train",
+        "--config",
+        str(TINY),
+        "--out",
+        str(out),
+        "--quick",
+        "--train-iters",
+        "40",
+        "--no-progress",
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return out, json.loads(proc.stdout[proc.stdout.index("{"):])
+    return out, json.loads(proc.stdout[proc.stdout.index("{") :])
 
 
 @pytest.mark.demo
 def test_short_teacher_run_trains_plots_and_checkpoints(trained):
     out, summary = trained
-    metrics = [json.loads(line) for line in (out / "teacher_metrics.jsonl").read_text().splitlines()]
+    metrics = [
+        json.loads(line) for line in (out / "teacher_metrics.jsonl").read_text().splitlines()
+    ]
     losses = [m["train_loss"] for m in metrics if "train_loss" in m]
     assert len(losses) >= 3 and losses[-1] < 0.6 * losses[0], losses
     assert summary["valid_loss"] is not None and summary["valid_loss"] < 3.0
@@ -103,8 +128,12 @@ def test_checkpoint_gives_same_loss_under_other_layouts(trained, rank_pools):
     pool = rank_pools.get(1)
     (reference,) = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", **kwargs)
     pool = rank_pools.get(2)
-    tp = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", tp=2,
-                  sequence_parallel=True, **kwargs)
+    tp = pool.run(
+        "elastic_plugin.testing.cases:eval_loss_from_checkpoint",
+        tp=2,
+        sequence_parallel=True,
+        **kwargs,
+    )
     pp = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", pp=2, **kwargs)
     ep = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", ep=2, **kwargs)
     assert reference is not None and reference < 3.0
@@ -121,14 +150,39 @@ def test_train_under_torchrun_with_tensor_parallel(tmp_path, trained):
     out = tmp_path / "tr"
     out.mkdir()
     shutil.copytree(out_seed / "data", out / "data")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), "-m", "elastic_plugin.cli", "train",
-           "--config", str(TINY), "--out", str(out), "--quick", "--train-iters", "12",
-           "--no-progress", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "elastic_plugin.cli",
+        "train",
+        "--config",
+        str(TINY),
+        "--out",
+        str(out),
+        "--quick",
+        "--train-iters",
+        "12",
+        "--no-progress",
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+    ]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    summary = json.loads(proc.stdout[proc.stdout.index("{"):])
+    summary = json.loads(proc.stdout[proc.stdout.index("{") :])
     meta = json.loads((out / "checkpoints" / "teacher" / "elastic_meta.json").read_text())
     assert meta["layout"]["tp"] == 2 and summary["iterations"] == 12
     assert summary["train_loss"] < 4.0
@@ -140,25 +194,51 @@ def test_train_under_torchrun_with_tensor_parallel(tmp_path, trained):
 def test_importance_and_reorder_cli_keep_the_function(trained, tmp_path, rank_pools):
     out, _ = trained
     scores = tmp_path / "scores.pt"
-    proc = run_cli("importance", "--ckpt", str(out / "checkpoints" / "teacher"), "--out", str(scores),
-                   "--num-samples", "32", "--micro-batch-size", "8", "--no-progress")
+    proc = run_cli(
+        "importance",
+        "--ckpt",
+        str(out / "checkpoints" / "teacher"),
+        "--out",
+        str(scores),
+        "--num-samples",
+        "32",
+        "--micro-batch-size",
+        "8",
+        "--no-progress",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "embedding, ffn, shared_ffn, attention_heads, mamba, experts" in proc.stdout
     reordered = tmp_path / "reordered"
-    proc = run_cli("reorder", "--ckpt", str(out / "checkpoints" / "teacher"), "--scores", str(scores),
-                   "--out", str(reordered))
+    proc = run_cli(
+        "reorder",
+        "--ckpt",
+        str(out / "checkpoints" / "teacher"),
+        "--scores",
+        str(scores),
+        "--out",
+        str(reordered),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta = json.loads((reordered / "elastic_meta.json").read_text())
     assert meta["reordered"] is True and (reordered / "permutations.pt").is_file()
     data = dict(data_dir=str(out / "data"))
     pool = rank_pools.get(1)
-    (teacher,) = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint",
-                          ckpt_dir=str(out / "checkpoints" / "teacher"), **data)
-    (same,) = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint",
-                       ckpt_dir=str(reordered), **data)
+    (teacher,) = pool.run(
+        "elastic_plugin.testing.cases:eval_loss_from_checkpoint",
+        ckpt_dir=str(out / "checkpoints" / "teacher"),
+        **data,
+    )
+    (same,) = pool.run(
+        "elastic_plugin.testing.cases:eval_loss_from_checkpoint", ckpt_dir=str(reordered), **data
+    )
     pool = rank_pools.get(2)
-    tp2 = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", ckpt_dir=str(reordered),
-                   tp=2, sequence_parallel=True, **data)
+    tp2 = pool.run(
+        "elastic_plugin.testing.cases:eval_loss_from_checkpoint",
+        ckpt_dir=str(reordered),
+        tp=2,
+        sequence_parallel=True,
+        **data,
+    )
     assert same == pytest.approx(teacher, rel=1e-5)
     assert tp2 == [pytest.approx(teacher, rel=1e-5)] * 2
 
@@ -167,10 +247,26 @@ def test_importance_and_reorder_cli_keep_the_function(trained, tmp_path, rank_po
 @pytest.mark.importance
 def test_importance_cli_rejects_short_calibration_and_missing_ckpt(trained, tmp_path):
     out, _ = trained
-    proc = run_cli("importance", "--ckpt", str(out / "checkpoints" / "teacher"), "--out",
-                   str(tmp_path / "s.pt"), "--num-samples", "1000000", "--no-progress")
+    proc = run_cli(
+        "importance",
+        "--ckpt",
+        str(out / "checkpoints" / "teacher"),
+        "--out",
+        str(tmp_path / "s.pt"),
+        "--num-samples",
+        "1000000",
+        "--no-progress",
+    )
     assert proc.returncode == 2 and "fewer than num_samples=1000000" in proc.stderr
-    proc = run_cli("reorder", "--ckpt", str(tmp_path / "nope"), "--scores", "x.pt", "--out", str(tmp_path / "o"))
+    proc = run_cli(
+        "reorder",
+        "--ckpt",
+        str(tmp_path / "nope"),
+        "--scores",
+        "x.pt",
+        "--out",
+        str(tmp_path / "o"),
+    )
     assert proc.returncode == 2 and "no such checkpoint directory" in proc.stderr
     assert not (tmp_path / "s.pt").exists() and not (tmp_path / "o").exists()
 
@@ -190,19 +286,57 @@ def test_importance_and_reorder_under_torchrun(trained, tmp_path, rank_pools):
     teacher = str(out / "checkpoints" / "teacher")
 
     def torchrun(*args: str) -> None:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(free_port()), "-m", "elastic_plugin.cli", *args]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "elastic_plugin.cli",
+            *args,
+        ]
+        proc = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
 
     single, tp2 = tmp_path / "single.pt", tmp_path / "tp2.pt"
-    proc = run_cli("importance", "--ckpt", teacher, "--out", str(single), "--num-samples", "16",
-                   "--micro-batch-size", "8", "--no-progress")
+    proc = run_cli(
+        "importance",
+        "--ckpt",
+        teacher,
+        "--out",
+        str(single),
+        "--num-samples",
+        "16",
+        "--micro-batch-size",
+        "8",
+        "--no-progress",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    torchrun("importance", "--ckpt", teacher, "--out", str(tp2), "--num-samples", "16",
-             "--micro-batch-size", "8", "--no-progress", "--tensor-model-parallel-size", "2",
-             "--sequence-parallel")
+    torchrun(
+        "importance",
+        "--ckpt",
+        teacher,
+        "--out",
+        str(tp2),
+        "--num-samples",
+        "16",
+        "--micro-batch-size",
+        "8",
+        "--no-progress",
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+    )
     a, b = ImportanceScores.load(single), ImportanceScores.load(tp2)
     assert a.axes() == b.axes()
     assert rankings_agree(a.embedding, b.embedding)
@@ -210,11 +344,22 @@ def test_importance_and_reorder_under_torchrun(trained, tmp_path, rank_pools):
         for layer in getattr(a, axis):
             assert torch.allclose(getattr(a, axis)[layer], getattr(b, axis)[layer], rtol=1e-5)
     reordered = tmp_path / "reordered_ep2"
-    torchrun("reorder", "--ckpt", teacher, "--scores", str(single), "--out", str(reordered),
-             "--expert-model-parallel-size", "2")
+    torchrun(
+        "reorder",
+        "--ckpt",
+        teacher,
+        "--scores",
+        str(single),
+        "--out",
+        str(reordered),
+        "--expert-model-parallel-size",
+        "2",
+    )
     data = dict(data_dir=str(out / "data"))
-    (reference,) = rank_pools.get(1).run("elastic_plugin.testing.cases:eval_loss_from_checkpoint",
-                                         ckpt_dir=teacher, **data)
-    (loss,) = rank_pools.get(1).run("elastic_plugin.testing.cases:eval_loss_from_checkpoint",
-                                    ckpt_dir=str(reordered), **data)
+    (reference,) = rank_pools.get(1).run(
+        "elastic_plugin.testing.cases:eval_loss_from_checkpoint", ckpt_dir=teacher, **data
+    )
+    (loss,) = rank_pools.get(1).run(
+        "elastic_plugin.testing.cases:eval_loss_from_checkpoint", ckpt_dir=str(reordered), **data
+    )
     assert loss == pytest.approx(reference, rel=1e-5)

@@ -10,13 +10,17 @@ import textwrap
 
 import pytest
 
-
 pytestmark = [pytest.mark.compat]
 
 
 def _run_python(code: str, env: dict[str, str] | None = None) -> str:
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.strip().splitlines()[-1]
 

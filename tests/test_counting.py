@@ -40,7 +40,9 @@ TINY_MAMBA_MIXER = (
     H * (2 * 128 + 2 * 2 * 16 + 8)  # in_proj: z, x (d_inner 128 each), B, C (2 groups x 16), dt (8)
     + (128 + 2 * 2 * 16) * 4  # conv1d weight over x, B, C channels, kernel 4
     + (128 + 2 * 2 * 16)  # conv1d bias
-    + 8 + 8 + 8  # A_log, D, dt_bias (per head)
+    + 8
+    + 8
+    + 8  # A_log, D, dt_bias (per head)
     + 128  # gated RMSNorm over d_inner
     + 128 * H  # out_proj
 )
@@ -73,8 +75,12 @@ def test_tiny_per_layer_matches_hand_computation(tiny):
         assert d["params"] == TINY_LAYER[d["kind"]], d
         assert d["active"] == TINY_LAYER_ACTIVE[d["kind"]], d
     moe = layers[2]["components"]
-    assert moe == {"moe_router": TINY_ROUTER, "moe_experts": 8 * TINY_EXPERT,
-                   "moe_shared_expert": TINY_SHARED, "norms": H}
+    assert moe == {
+        "moe_router": TINY_ROUTER,
+        "moe_experts": 8 * TINY_EXPERT,
+        "moe_shared_expert": TINY_SHARED,
+        "norms": H,
+    }
     assert layers[0]["components"] == {"mamba": TINY_MAMBA_MIXER, "norms": H}
 
 
@@ -102,7 +108,9 @@ def test_layers_plus_embeddings_add_up_to_total(tiny, nano):
     for model in (tiny, nano):
         counts = count_parameters(model)
         layers = count_parameters_per_layer(model)
-        outside = counts.breakdown["embedding"] + counts.breakdown["output_layer"] + model.hidden_size
+        outside = (
+            counts.breakdown["embedding"] + counts.breakdown["output_layer"] + model.hidden_size
+        )
         assert sum(d["params"] for d in layers) + outside == counts.total
         assert sum(d["active"] for d in layers) + outside == counts.active
 
@@ -122,7 +130,7 @@ def test_nano_v3_layer_shapes(nano):
     kinds = [d["kind"] for d in layers]
     assert (kinds.count("mamba"), kinds.count("moe"), kinds.count("attention")) == (23, 23, 6)
     h = 2688
-    mamba = (h * (2 * 4096 + 2 * 8 * 128 + 64) + (4096 + 2048) * 5 + 3 * 64 + 4096 + 4096 * h + h)
+    mamba = h * (2 * 4096 + 2 * 8 * 128 + 64) + (4096 + 2048) * 5 + 3 * 64 + 4096 + 4096 * h + h
     assert layers[0]["params"] == mamba == 38_744_896
     attention = h * (32 + 2 * 2) * 128 + 32 * 128 * h + h
     assert layers[5]["params"] == attention
@@ -167,7 +175,9 @@ def test_swiglu_and_biases_change_count_as_expected(tiny):
     assert both.breakdown["moe_experts"] - swiglu.breakdown["moe_experts"] == 2 * 8 * per_expert
     assert both.breakdown["mamba"] == swiglu.breakdown["mamba"]  # MambaMixer never has biases
     assert both.total - swiglu.total == 2 * (per_attention + per_mlp + per_router + 8 * per_expert)
-    assert both.active - swiglu.active == 2 * (per_attention + per_mlp + per_router + 2 * per_expert)
+    assert both.active - swiglu.active == 2 * (
+        per_attention + per_mlp + per_router + 2 * per_expert
+    )
 
 
 def test_tied_embeddings_have_no_output_layer(tiny):
@@ -224,7 +234,10 @@ def test_format_count():
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "elastic_plugin.models.cli", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 
@@ -268,9 +281,12 @@ def test_cli_invalid_yaml_exits_2(tmp_path, capsys):
 
 
 def test_cli_import_is_light():
-    code = ("import sys, elastic_plugin.models.cli; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    code = (
+        "import sys, elastic_plugin.models.cli; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"

@@ -109,7 +109,10 @@ def test_score_uses_reasoning_gym_scorer() -> None:
     assert tasks.score(ex, None) == 0.0
     record = json.loads(json.dumps(ex.to_record()))
     assert tasks.score(record, ex.answer) == 1.0 and tasks.score(record, wrong) < 1.0
-    assert tasks.parse_completion(f"<think>{ex.thinking}</think>{ex.answer}") == (ex.thinking, ex.answer)
+    assert tasks.parse_completion(f"<think>{ex.thinking}</think>{ex.answer}") == (
+        ex.thinking,
+        ex.answer,
+    )
     assert tasks.parse_completion("12") == (None, "12")
 
 
@@ -141,7 +144,9 @@ def test_tokenizer_round_trip_and_special_tokens(tmp_path) -> None:
     texts = [ex.text for ex in examples]
     tok = train_tokenizer(texts)
     chars = set("".join(texts).replace("<think>", "").replace("</think>", ""))
-    assert chars == set("0123456789+-=,") and tok.vocab_size == len(SPECIAL_TOKENS) + len(chars) == 19
+    assert (
+        chars == set("0123456789+-=,") and tok.vocab_size == len(SPECIAL_TOKENS) + len(chars) == 19
+    )
     assert [tok.vocab[t] for t in SPECIAL_TOKENS] == [0, 1, 2, 3, 4]
     assert (tok.pad, tok.eod, tok.think_open, tok.think_close) == (0, 1, 3, 4)
     for t in SPECIAL_TOKENS:
@@ -151,7 +156,10 @@ def test_tokenizer_round_trip_and_special_tokens(tmp_path) -> None:
     assert len(ids) == len(texts[0]) - len("<think></think>") + 2 + 1  # one id per character
     assert tok.detokenize(ids) == doc
     assert tok.tokenize("7x") == [tok.vocab["7"], tok.unk]
-    assert tok.padded_vocab_size(128) == 128 and tok.padded_vocab_size(8, tensor_model_parallel_size=2) == 32
+    assert (
+        tok.padded_vocab_size(128) == 128
+        and tok.padded_vocab_size(8, tensor_model_parallel_size=2) == 32
+    )
     path = tok.save(tmp_path)
     loaded = JsonTokenizer.from_file(path)
     assert loaded.tokenize(doc) == ids and loaded.unique_identifiers == tok.unique_identifiers
@@ -172,7 +180,11 @@ def test_indexed_dataset_round_trip(tmp_path) -> None:
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 19, size=int(n)) for n in rng.integers(1, 40, size=50)]
     stats = write_indexed_dataset(tmp_path / "d", docs, vocab_size=19)
-    assert (stats.num_documents, stats.num_tokens, stats.dtype) == (50, sum(map(len, docs)), "uint16")
+    assert (stats.num_documents, stats.num_tokens, stats.dtype) == (
+        50,
+        sum(map(len, docs)),
+        "uint16",
+    )
     back = read_indexed_documents(tmp_path / "d")
     assert len(back) == 50 and all(np.array_equal(a, b) for a, b in zip(back, docs))
     with pytest.raises(ValueError, match=r"ids outside \[0, 19\)"):
@@ -225,7 +237,10 @@ def test_gpt_dataset_samples(prepared: PreparedData, gpt) -> None:
 def test_batch_iterator_shapes_sharding_and_resume(gpt) -> None:
     b = next(batch_iterator(gpt.train, 4, seed=1))
     assert b["tokens"].shape == b["labels"].shape == b["position_ids"].shape == (4, SEQ)
-    assert b["tokens"].dtype == b["labels"].dtype == torch.int64 and b["loss_mask"].dtype == torch.float32
+    assert (
+        b["tokens"].dtype == b["labels"].dtype == torch.int64
+        and b["loss_mask"].dtype == torch.float32
+    )
     assert b["attention_mask"].shape == (4, 1, SEQ, SEQ) and b["attention_mask"].dtype == torch.bool
     assert torch.equal(b["tokens"][:, 1:], b["labels"][:, :-1])
     full = batch_iterator(gpt.train, 4, seed=1)
@@ -242,7 +257,9 @@ def test_batch_iterator_shapes_sharding_and_resume(gpt) -> None:
     assert not torch.equal(next(batch_iterator(gpt.train, 4, seed=2))["tokens"], b["tokens"])
     sampler = MicroBatchSampler(10, 3, seed=0, infinite=False)
     flat = [i for batch in sampler for i in batch]
-    assert len(sampler) == 3 and len(set(flat)) == 9 and flat != sorted(flat)  # shuffled, no repeats
+    assert (
+        len(sampler) == 3 and len(set(flat)) == 9 and flat != sorted(flat)
+    )  # shuffled, no repeats
     batches = itertools.islice(MicroBatchSampler(10, 5, shuffle=False, infinite=True), 4)
     assert [i for batch in batches for i in batch] == list(range(10)) * 2  # wraps into epoch 2
     assert batch_iterator(None, 4) is None
@@ -252,13 +269,17 @@ def test_batch_iterator_shapes_sharding_and_resume(gpt) -> None:
 
 def test_build_from_data_path_split_and_errors(prepared: PreparedData, tmp_path) -> None:
     tok = prepared.load_tokenizer()
-    ds = build_gpt_datasets(tok, SEQ, data_path=prepared.train_prefix, split="90,10,0", path_to_cache=tmp_path)
+    ds = build_gpt_datasets(
+        tok, SEQ, data_path=prepared.train_prefix, split="90,10,0", path_to_cache=tmp_path
+    )
     assert ds.train is not None and ds.valid is not None and ds.test is None
     assert len(ds.train) > 5 * len(ds.valid)
     with pytest.raises(ValueError, match=r"no indexed dataset at prefix '.*missing'.*\.bin"):
         build_gpt_datasets(tok, SEQ, data_path=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="either data_path"):
-        build_gpt_datasets(tok, SEQ, data_path=prepared.train_prefix, train_data_path=prepared.train_prefix)
+        build_gpt_datasets(
+            tok, SEQ, data_path=prepared.train_prefix, train_data_path=prepared.train_prefix
+        )
     with pytest.raises(ValueError, match="no data"):
         build_gpt_datasets(tok, SEQ)
 
@@ -309,8 +330,22 @@ def test_cli_prepare_data(tmp_path, capsys) -> None:
     parser = argparse.ArgumentParser(prog="elastic-plugin")
     register_subcommand(parser.add_subparsers(dest="command"))
     args = parser.parse_args(
-        ["prepare-data", "--out", str(tmp_path / "p"), "--task", "products", "--num-train", "50",
-         "--num-valid", "10", "--seed", "3", "--task-arg", "max_digits=3", "--no-progress"]
+        [
+            "prepare-data",
+            "--out",
+            str(tmp_path / "p"),
+            "--task",
+            "products",
+            "--num-train",
+            "50",
+            "--num-valid",
+            "10",
+            "--seed",
+            "3",
+            "--task-arg",
+            "max_digits=3",
+            "--no-progress",
+        ]
     )
     assert args.func(args) == 0
     assert "wrote" in capsys.readouterr().out
@@ -356,10 +391,24 @@ def test_two_ranks_rank0_builds_others_wait(tmp_path) -> None:
     out = tmp_path / "shared"
     procs = []
     for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(script), str(out)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            PYTHONPATH=REPO,
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(out)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     results = []
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=600)
@@ -390,4 +439,6 @@ def test_helpers_compiled_when_missing(tmp_path, monkeypatch) -> None:
     sizes = np.random.default_rng(0).integers(1, 50, size=500).astype(np.int32)
     docs = np.random.default_rng(1).permutation(500).astype(np.int32)
     args = (sizes, docs, 64, 1, int(sizes.sum()), True, 1)
-    assert np.array_equal(built.build_sample_idx_int32(*args), shipped.build_sample_idx_int32(*args))
+    assert np.array_equal(
+        built.build_sample_idx_int32(*args), shipped.build_sample_idx_int32(*args)
+    )

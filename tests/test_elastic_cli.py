@@ -38,18 +38,34 @@ PREFIX = "elastic-plugin elastic-train: error: "
 
 
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT, env={**ENV, **(env or {})})
+    return subprocess.run(
+        [*CLI, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**ENV, **(env or {})},
+    )
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), "-m", "elastic_plugin.cli", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "elastic_plugin.cli",
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=ENV)
 
 
 def json_out(proc: subprocess.CompletedProcess) -> dict:
-    return json.loads(proc.stdout[proc.stdout.index("{"):])
+    return json.loads(proc.stdout[proc.stdout.index("{") :])
 
 
 # ------------------------------------------------------------------------------ the config
@@ -62,7 +78,11 @@ def test_tiny_elastic_config_loads_resolves_and_keeps_the_tiny_model():
     ecfg = ElasticConfig.from_dict(cfg.elastic, source=str(TINY_ELASTIC))
     assert ecfg.budgets == (1.0, 0.77, 0.4) and ecfg.budget_metric == "total_params"
     assert [s.budget_probs for s in ecfg.curriculum] == [None, (0.2, 0.3, 0.5)]
-    assert ecfg.router.freeze_after == 500 and ecfg.router.freeze_select == "loss" and sum(s.iters for s in ecfg.curriculum) == 1500
+    assert (
+        ecfg.router.freeze_after == 500
+        and ecfg.router.freeze_select == "loss"
+        and sum(s.iters for s in ecfg.curriculum) == 1500
+    )
     for tp, ep in ((1, 1), (2, 2)):
         resolved = ecfg.resolve(cfg.model, tp, ep)
         assert resolved.axes["ffn"].candidates == (256, 192, 128)
@@ -85,8 +105,13 @@ def fake(tmp_path):
     config = yaml.safe_load(TINY.read_text())
     reordered = _write_ckpt(tmp_path / "reordered", config, kind="reordered", reordered=True)
     plain = _write_ckpt(tmp_path / "plain", config, kind="teacher", reordered=False)
-    return {"tmp": tmp_path, "reordered": str(reordered), "plain": str(plain),
-            "out": str(tmp_path / "out"), "config": config}
+    return {
+        "tmp": tmp_path,
+        "reordered": str(reordered),
+        "plain": str(plain),
+        "out": str(tmp_path / "out"),
+        "config": config,
+    }
 
 
 @pytest.fixture()
@@ -119,31 +144,69 @@ def _bad_cases(f: dict) -> list[tuple[list[str], dict, str]]:
     return [
         (["--ckpt", str(tmp / "missing")], {}, f"--ckpt {tmp / 'missing'}: no such checkpoint"),
         (["--ckpt", str(incomplete)], {}, "not a complete checkpoint"),
-        (["--ckpt", f["plain"], "--tensor-model-parallel-size", "2", "--sequence-parallel"],
-         {"WORLD_SIZE": "2"}, "run `elastic-plugin importance"),
-        (["--ckpt", ck, "--tensor-model-parallel-size", "2", "--sequence-parallel"], {},
-         "world size 1 is not divisible by --tensor-model-parallel-size (2)"),
-        (["--ckpt", ck, "--expert-model-parallel-size", "3"], {"WORLD_SIZE": "3"},
-         "model.num_moe_experts=8 is not divisible by the expert-parallel size 3"),
-        (["--ckpt", ck, "--tensor-model-parallel-size", "2"], {"WORLD_SIZE": "2"},
-         "need --sequence-parallel"),
-        (["--ckpt", ck, "--elastic-budgets", "1.0", "0.1"], {},
-         "--elastic-budgets: elastic.budgets: budget 0.1 is not reachable"),
-        (["--ckpt", ck, "--config", _yaml(tmp / "bad.yaml", bad_elastic)], {},
-         f"--config {tmp / 'bad.yaml'}: elastic.budgets=[0.5, 1.0]"),
-        (["--ckpt", ck, "--config", _yaml(tmp / "other.yaml", other_model)], {},
-         "its model differs from the checkpoint's (model.hidden_size: 64 vs 128)"),
-        (["--ckpt", ck, "--elastic-soft-masks"], {}, "--elastic-soft-masks needs --elastic-mode masked"),
+        (
+            ["--ckpt", f["plain"], "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+            {"WORLD_SIZE": "2"},
+            "run `elastic-plugin importance",
+        ),
+        (
+            ["--ckpt", ck, "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+            {},
+            "world size 1 is not divisible by --tensor-model-parallel-size (2)",
+        ),
+        (
+            ["--ckpt", ck, "--expert-model-parallel-size", "3"],
+            {"WORLD_SIZE": "3"},
+            "model.num_moe_experts=8 is not divisible by the expert-parallel size 3",
+        ),
+        (
+            ["--ckpt", ck, "--tensor-model-parallel-size", "2"],
+            {"WORLD_SIZE": "2"},
+            "need --sequence-parallel",
+        ),
+        (
+            ["--ckpt", ck, "--elastic-budgets", "1.0", "0.1"],
+            {},
+            "--elastic-budgets: elastic.budgets: budget 0.1 is not reachable",
+        ),
+        (
+            ["--ckpt", ck, "--config", _yaml(tmp / "bad.yaml", bad_elastic)],
+            {},
+            f"--config {tmp / 'bad.yaml'}: elastic.budgets=[0.5, 1.0]",
+        ),
+        (
+            ["--ckpt", ck, "--config", _yaml(tmp / "other.yaml", other_model)],
+            {},
+            "its model differs from the checkpoint's (model.hidden_size: 64 vs 128)",
+        ),
+        (
+            ["--ckpt", ck, "--elastic-soft-masks"],
+            {},
+            "--elastic-soft-masks needs --elastic-mode masked",
+        ),
         (["--ckpt", ck, "--teacher-ckpt", str(tmp / "nope")], {}, f"--teacher-ckpt {tmp / 'nope'}"),
         (["--ckpt", ck, "--train-iters", "0"], {}, "--train-iters=0 must be > 0"),
         (["--ckpt", ck, "--lr", "1e-4", "--min-lr", "1e-3"], {}, "--min-lr=0.001 must be <= --lr"),
-        (["--ckpt", ck, "--global-batch-size", "24"], {},
-         "--global-batch-size=24 must be a multiple of --micro-batch-size=16"),
-        (["--ckpt", ck, "--seq-length", "512"], {}, "--seq-length=512 exceeds model.max_sequence_length"),
-        (["--ckpt", ck, "--config", _yaml(tmp / "long.yaml", long_stage)], {},
-         "elastic.curriculum[0].seq_length=256 exceeds --seq-length=128"),
-        (["--ckpt", ck, "--data-path", "/nonexistent/prefix", "--tokenizer", "t.json"], {},
-         "--data-path /nonexistent/prefix"),
+        (
+            ["--ckpt", ck, "--global-batch-size", "24"],
+            {},
+            "--global-batch-size=24 must be a multiple of --micro-batch-size=16",
+        ),
+        (
+            ["--ckpt", ck, "--seq-length", "512"],
+            {},
+            "--seq-length=512 exceeds model.max_sequence_length",
+        ),
+        (
+            ["--ckpt", ck, "--config", _yaml(tmp / "long.yaml", long_stage)],
+            {},
+            "elastic.curriculum[0].seq_length=256 exceeds --seq-length=128",
+        ),
+        (
+            ["--ckpt", ck, "--data-path", "/nonexistent/prefix", "--tokenizer", "t.json"],
+            {},
+            "--data-path /nonexistent/prefix",
+        ),
     ]
 
 
@@ -165,11 +228,30 @@ def test_bad_input_exits_2_naming_the_flag_before_any_work(fake, no_training, mo
 
 def test_bad_input_in_a_fresh_process_imports_no_megatron(fake):
     """The exit code and message as a user sees them, and proof that no model code ran."""
-    code = ("import sys; from elastic_plugin.cli import main; rc = main(sys.argv[1:]); "
-            "print('megatron' in sys.modules); sys.exit(rc)")
-    proc = subprocess.run([sys.executable, "-c", code, "elastic-train", "--ckpt", fake["reordered"],
-                           "--out", fake["out"], "--elastic-experts-sizes", "8", "1"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV)
+    code = (
+        "import sys; from elastic_plugin.cli import main; rc = main(sys.argv[1:]); "
+        "print('megatron' in sys.modules); sys.exit(rc)"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "elastic-train",
+            "--ckpt",
+            fake["reordered"],
+            "--out",
+            fake["out"],
+            "--elastic-experts-sizes",
+            "8",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=ENV,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(PREFIX) and "--elastic-experts-sizes" in proc.stderr
     assert proc.stdout.strip() == "False"
@@ -182,15 +264,24 @@ def _write_elastic_run(f: dict, iteration: int, train_iters: int, **layout) -> P
     from elastic_plugin.parallel import Layout
 
     out = Path(f["out"])
-    meta = {"kind": "elastic", "iteration": iteration, "consumed_samples": 16 * iteration,
-            "layout": dataclasses.asdict(Layout(**layout)),
-            "config": {**f["config"], "elastic": ElasticConfig().to_dict()},
-            "elastic": {"choices": {"1": {"ffn": 256}}}, "teacher_valid_loss": 1.5,
-            "scheduler": {"max_lr": ElasticSchedule().lr, "min_lr": ElasticSchedule().min_lr,
-                          "lr_decay_steps": train_iters}}
+    meta = {
+        "kind": "elastic",
+        "iteration": iteration,
+        "consumed_samples": 16 * iteration,
+        "layout": dataclasses.asdict(Layout(**layout)),
+        "config": {**f["config"], "elastic": ElasticConfig().to_dict()},
+        "elastic": {"choices": {"1": {"ffn": 256}}},
+        "teacher_valid_loss": 1.5,
+        "scheduler": {
+            "max_lr": ElasticSchedule().lr,
+            "min_lr": ElasticSchedule().min_lr,
+            "lr_decay_steps": train_iters,
+        },
+    }
     _write_ckpt(out / "checkpoints" / "elastic", meta.pop("config"), **meta)
     (out / "elastic_metrics.jsonl").write_text(
-        json.dumps({"iteration": iteration, "valid_loss": {"1": 1.6, "0.77": 1.7}}) + "\n")
+        json.dumps({"iteration": iteration, "valid_loss": {"1": 1.6, "0.77": 1.7}}) + "\n"
+    )
     return out
 
 
@@ -201,10 +292,17 @@ def test_resume_checks_the_saved_run(fake, no_training, monkeypatch, capsys):
     base = ["elastic-train", "--ckpt", fake["reordered"], "--out", fake["out"]]
     cases = [
         ([], {}, "already holds an elastic checkpoint"),
-        (["--resume", "--elastic-budgets", "1.0", "0.5"], {}, "other elastic settings (elastic.budgets)"),
+        (
+            ["--resume", "--elastic-budgets", "1.0", "0.5"],
+            {},
+            "other elastic settings (elastic.budgets)",
+        ),
         (["--resume", "--train-iters", "100"], {}, "was trained with --train-iters 300, not 100"),
-        (["--resume", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
-         {"WORLD_SIZE": "2"}, "resume with the same layout flags"),
+        (
+            ["--resume", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+            {"WORLD_SIZE": "2"},
+            "resume with the same layout flags",
+        ),
     ]
     for args, env, needle in cases:
         for key, value in env.items():
@@ -228,8 +326,16 @@ def test_resume_of_a_finished_run_reports_it_and_trains_nothing(fake, no_trainin
 
 
 # ------------------------------------------------------------------------------ a real run
-SMALL_TRAINING = {"seq_length": 64, "micro_batch_size": 4, "global_batch_size": 4, "train_iters": 6,
-                  "eval_iters": 1, "eval_interval": 6, "log_interval": 2, "lr_warmup_iters": 1}
+SMALL_TRAINING = {
+    "seq_length": 64,
+    "micro_batch_size": 4,
+    "global_batch_size": 4,
+    "train_iters": 6,
+    "eval_iters": 1,
+    "eval_interval": 6,
+    "log_interval": 2,
+    "lr_warmup_iters": 1,
+}
 
 
 @pytest.fixture(scope="module")
@@ -239,35 +345,80 @@ def pipeline(tmp_path_factory):
     config = yaml.safe_load(TINY_ELASTIC.read_text())
     config["training"].update(SMALL_TRAINING)
     config["data"].update(num_train=400, num_valid=40)
-    config["elastic"]["curriculum"] = [{"iters": 2, "seq_length": 32},
-                                       {"iters": 2, "budget_probs": [0.5, 0.3, 0.2]}]
+    config["elastic"]["curriculum"] = [
+        {"iters": 2, "seq_length": 32},
+        {"iters": 2, "budget_probs": [0.5, 0.3, 0.2]},
+    ]
     cfg_path = run / "small_elastic.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
     timings = {}
     for name, args in (
         ("train", ["train", "--config", str(cfg_path), "--out", str(run), "--no-progress"]),
-        ("importance", ["importance", "--ckpt", str(run / "checkpoints" / "teacher"),
-                        "--out", str(run / "scores.pt"), "--num-samples", "16",
-                        "--micro-batch-size", "4", "--no-progress"]),
-        ("reorder", ["reorder", "--ckpt", str(run / "checkpoints" / "teacher"),
-                     "--scores", str(run / "scores.pt"), "--out", str(run / "checkpoints" / "reordered")]),
+        (
+            "importance",
+            [
+                "importance",
+                "--ckpt",
+                str(run / "checkpoints" / "teacher"),
+                "--out",
+                str(run / "scores.pt"),
+                "--num-samples",
+                "16",
+                "--micro-batch-size",
+                "4",
+                "--no-progress",
+            ],
+        ),
+        (
+            "reorder",
+            [
+                "reorder",
+                "--ckpt",
+                str(run / "checkpoints" / "teacher"),
+                "--scores",
+                str(run / "scores.pt"),
+                "--out",
+                str(run / "checkpoints" / "reordered"),
+            ],
+        ),
     ):
         start = time.time()
         proc = run_cli(*args)
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
         timings[name] = time.time() - start
-    return {"run": run, "config": cfg_path, "ckpt": run / "checkpoints" / "reordered",
-            "timings": timings}
+    return {
+        "run": run,
+        "config": cfg_path,
+        "ckpt": run / "checkpoints" / "reordered",
+        "timings": timings,
+    }
 
 
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_elastic_train_under_torchrun_tp2_sp_checkpoints_plots_and_resumes(pipeline, tmp_path):
     out = tmp_path / "elastic"
-    args = ["elastic-train", "--ckpt", str(pipeline["ckpt"]), "--config", str(pipeline["config"]),
-            "--out", str(out), "--train-iters", "4", "--log-interval", "1", "--eval-interval", "4",
-            "--eval-iters", "1", "--no-progress", "--tensor-model-parallel-size", "2",
-            "--sequence-parallel"]
+    args = [
+        "elastic-train",
+        "--ckpt",
+        str(pipeline["ckpt"]),
+        "--config",
+        str(pipeline["config"]),
+        "--out",
+        str(out),
+        "--train-iters",
+        "4",
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        "4",
+        "--eval-iters",
+        "1",
+        "--no-progress",
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+    ]
     first = torchrun(*args, "--stop-after", "2")
     assert first.returncode == 0, first.stderr[-4000:]
     stopped = json_out(first)
@@ -292,7 +443,9 @@ def test_elastic_train_under_torchrun_tp2_sp_checkpoints_plots_and_resumes(pipel
     for sizes in meta["elastic"]["choices"].values():
         for axis, size in sizes.items():
             assert size in meta["elastic"]["axes"][axis]["candidates"]
-    records = [json.loads(line) for line in (out / "elastic_metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (out / "elastic_metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["iteration"] for r in records] == [1, 2, 3, 4], "resume continues the same trace"
     assert records[-1]["valid_loss"] == summary["valid_loss"]
     for plot in summary["plots"]:
@@ -306,13 +459,21 @@ def test_elastic_train_under_torchrun_tp2_sp_checkpoints_plots_and_resumes(pipel
     # every nested model, exported from the TP=2+SP checkpoint by one process, and measured
     assert meta["data"]["valid_data_path"] and Path(meta["tokenizer"]).is_file()
     exports = tmp_path / "exports"
-    proc = run_cli("export", "--ckpt", str(out / "checkpoints" / "elastic"), "--out", str(exports),
-                   "--eval-sequences", "4")
+    proc = run_cli(
+        "export",
+        "--ckpt",
+        str(out / "checkpoints" / "elastic"),
+        "--out",
+        str(exports),
+        "--eval-sequences",
+        "4",
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((exports / "exports.json").read_text())
     rows = {(r["budget"], r["precision"]): r for r in report["exports"]}
-    assert set(rows) == {(b, p) for b in (1.0, 0.77, 0.4)
-                         for p in ("megatron", "bf16", "fp8", "nvfp4")}
+    assert set(rows) == {
+        (b, p) for b in (1.0, 0.77, 0.4) for p in ("megatron", "bf16", "fp8", "nvfp4")
+    }
     for budget in (1.0, 0.77, 0.4):
         bf16, fp8, nvfp4 = (rows[(budget, p)] for p in ("bf16", "fp8", "nvfp4"))
         assert nvfp4["bytes"] < fp8["bytes"] < bf16["bytes"] < rows[(budget, "megatron")]["bytes"]
@@ -321,7 +482,8 @@ def test_elastic_train_under_torchrun_tp2_sp_checkpoints_plots_and_resumes(pipel
         assert bf16["choice"] == meta["elastic"]["choices"][f"{budget:g}"]
         assert (exports / f"hf_{budget:g}_bf16" / "tokenizer.json").is_file()
     assert {(r["budget"], r["precision"]) for r in report["recovery"]} == {
-        (b, p) for b in (1.0, 0.77, 0.4) for p in ("fp8", "nvfp4")}
+        (b, p) for b in (1.0, 0.77, 0.4) for p in ("fp8", "nvfp4")
+    }
     for precision in ("megatron", "bf16", "fp8", "nvfp4"):
         sizes = report["sizes"][precision]
         assert sizes["nested_bytes"] == rows[(1.0, precision)]["bytes"] and sizes["saving"] > 0.3
@@ -329,9 +491,22 @@ def test_elastic_train_under_torchrun_tp2_sp_checkpoints_plots_and_resumes(pipel
     assert (exports / "exports.png").stat().st_size > 10_000
 
     # the demo report: accuracy per budget and precision, budget control, targets, plots
-    proc = run_cli("evaluate", "--ckpt", str(out / "checkpoints" / "elastic"), "--exports",
-                   str(exports), "--out", str(tmp_path / "report"), "--num-problems", "6",
-                   "--batch-size", "3", "--latency-problems", "1", "--no-progress")
+    proc = run_cli(
+        "evaluate",
+        "--ckpt",
+        str(out / "checkpoints" / "elastic"),
+        "--exports",
+        str(exports),
+        "--out",
+        str(tmp_path / "report"),
+        "--num-problems",
+        "6",
+        "--batch-size",
+        "3",
+        "--latency-problems",
+        "1",
+        "--no-progress",
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert report["task"] == "products" and report["problems"] == 6
@@ -347,7 +522,10 @@ def test_elastic_train_under_torchrun_tp2_sp_checkpoints_plots_and_resumes(pipel
     assert report["targets"]["budget_control"]["setting"] == "think 0.4 -> answer 1"
     assert "met" in report["targets"]["retention_0.77"]
     assert {Path(p).name for p in report["plots"]} == {
-        "accuracy_vs_params.png", "loss_per_budget.png", "accuracy_vs_latency.png"}
+        "accuracy_vs_params.png",
+        "loss_per_budget.png",
+        "accuracy_vs_latency.png",
+    }
     assert "## Budget control" in (tmp_path / "report" / "report.md").read_text()
 
 
@@ -355,14 +533,22 @@ def test_elastic_train_under_torchrun_tp2_sp_checkpoints_plots_and_resumes(pipel
 def test_pretrain_script_imports_without_side_effects_and_prints_arch_flags(fake):
     from elastic_plugin.models.config import config_from_dict
 
-    code = ("import sys; sys.path.insert(0, 'examples'); import pretrain_elastic as p; "
-            "print('megatron' in sys.modules, 'torch' in sys.modules, p._SESSION)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT, env=ENV)
+    code = (
+        "import sys; sys.path.insert(0, 'examples'); import pretrain_elastic as p; "
+        "print('megatron' in sys.modules, 'torch' in sys.modules, p._SESSION)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["False", "False", "None"]
-    proc = subprocess.run([sys.executable, str(PRETRAIN), "--print-arch-flags", "--elastic-ckpt",
-                           fake["reordered"]], capture_output=True, text=True, timeout=600, env=ENV)
+    proc = subprocess.run(
+        [sys.executable, str(PRETRAIN), "--print-arch-flags", "--elastic-ckpt", fake["reordered"]],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=ENV,
+    )
     assert proc.returncode == 0, proc.stderr
     flags = shlex.split(proc.stdout)
     sys.path.insert(0, str(PRETRAIN.parent))
@@ -405,20 +591,44 @@ def pretrain_case(workdir: str) -> dict:
     pe.add_pretrain_elastic_args(megatron)  # argparse raises on any conflicting option string
     dest_of = {s: a.dest for a in megatron._actions for s in a.option_strings}
     cfg = load_config(TINY_ELASTIC)
-    result["wrong_dests"] = [(f.flag, f.dest, dest_of.get(f.flag)) for f in pe.arch_flags(cfg.model)
-                             if dest_of.get(f.flag) != f.dest]
+    result["wrong_dests"] = [
+        (f.flag, f.dest, dest_of.get(f.flag))
+        for f in pe.arch_flags(cfg.model)
+        if dest_of.get(f.flag) != f.dest
+    ]
 
     ckpt = Path(workdir) / "init"
     write_init_checkpoint(cfg, ckpt)
-    argv = [*pe.render_arch_flags(cfg.model), "--seq-length", "32", "--micro-batch-size", "2",
-            "--global-batch-size", "2", "--train-iters", "10", "--lr", "1e-3",
-            "--elastic-ckpt", str(ckpt), "--elastic-budgets", "1.0", "0.77", "0.4",
-            "--elastic-router-hidden-size", "32", "--elastic-curriculum", "4,6:0.5/0.3/0.2",
-            "--some-unknown-flag"]
+    argv = [
+        *pe.render_arch_flags(cfg.model),
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "2",
+        "--train-iters",
+        "10",
+        "--lr",
+        "1e-3",
+        "--elastic-ckpt",
+        str(ckpt),
+        "--elastic-budgets",
+        "1.0",
+        "0.77",
+        "0.4",
+        "--elastic-router-hidden-size",
+        "32",
+        "--elastic-curriculum",
+        "4,6:0.5/0.3/0.2",
+        "--some-unknown-flag",
+    ]
     saved_argv = sys.argv
     sys.argv = ["pretrain_elastic.py", *argv]
     try:
-        args = parse_args(extra_args_provider=pe.add_pretrain_elastic_args, ignore_unknown_args=True)
+        args = parse_args(
+            extra_args_provider=pe.add_pretrain_elastic_args, ignore_unknown_args=True
+        )
     finally:
         sys.argv = saved_argv
     result["budgets"] = args.elastic_budgets
@@ -451,11 +661,17 @@ def pretrain_case(workdir: str) -> dict:
         run = pe.session()
         student_ids = {id(p) for p in model.parameters()}
         result["teacher_frozen_and_apart"] = all(
-            not p.requires_grad and id(p) not in student_ids for p in run.teacher.parameters())
+            not p.requires_grad and id(p) not in student_ids for p in run.teacher.parameters()
+        )
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, cfg.model.vocab_size, (2, 33), generator=g)
-        batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(2, 32),
-                 "attention_mask": None, "position_ids": torch.arange(32).expand(2, 32)}
+        batch = {
+            "tokens": tokens[:, :-1],
+            "labels": tokens[:, 1:],
+            "loss_mask": torch.ones(2, 32),
+            "attention_mask": None,
+            "position_ids": torch.arange(32).expand(2, 32),
+        }
         pos = batch["position_ids"]
         with torch.no_grad():
             teacher_logits = run.teacher(batch["tokens"], pos, None)
@@ -473,8 +689,9 @@ def pretrain_case(workdir: str) -> dict:
         result["report_keys"] = sorted(report)
         loss.backward()
         router = pe.step_router(model)
-        result["router_grad"] = sum(float(p.grad.abs().sum()) for p in router.parameters()
-                                    if p.grad is not None)
+        result["router_grad"] = sum(
+            float(p.grad.abs().sum()) for p in router.parameters() if p.grad is not None
+        )
         result["teacher_grads"] = [p.grad for p in run.teacher.parameters() if p.grad is not None]
 
         model.eval()
@@ -487,7 +704,9 @@ def pretrain_case(workdir: str) -> dict:
             evals.append({k: v.tolist() for k, v in loss_fn(output)[2].items()})
         result["evals"] = evals
         with torch.no_grad():
-            teacher_ce = float(run.teacher(batch["tokens"], pos, None, labels=batch["labels"]).sum())
+            teacher_ce = float(
+                run.teacher(batch["tokens"], pos, None, labels=batch["labels"]).sum()
+            )
         result["full_is_chosen"] = table["1"] == run.resolved.full_choice()
         result["teacher_ce"] = teacher_ce
     finally:
@@ -547,8 +766,14 @@ def _dry_run(script: str, *args: str, **env: str) -> subprocess.CompletedProcess
     # in-process init_distributed of an earlier test) has set
     launch_env = ("SLURM_", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
     clean = {k: v for k, v in os.environ.items() if not k.startswith(launch_env)}
-    return subprocess.run(["bash", str(SLURM / script), *args], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT, env={**clean, "DRY_RUN": "1", **env})
+    return subprocess.run(
+        ["bash", str(SLURM / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**clean, "DRY_RUN": "1", **env},
+    )
 
 
 def _split_launch(command: str):
@@ -561,7 +786,7 @@ def _split_launch(command: str):
     assert tokens[0] == "torchrun"
     module = tokens.index("-m")
     launch = get_args_parser().parse_args(tokens[1:])
-    ours = build_parser().parse_args(tokens[module + 2:])
+    ours = build_parser().parse_args(tokens[module + 2 :])
     assert tokens[module + 1] == "elastic_plugin.cli" and launch.module
     return launch, ours
 
@@ -575,18 +800,40 @@ def test_slurm_scripts_are_valid_bash():
 
 
 def test_train_elastic_sbatch_builds_a_command_our_parsers_accept():
-    proc = _dry_run("train_elastic.sbatch", "--elastic-mode", "masked", CKPT="/runs/r/reordered",
-                    OUT="/runs/r", TP="2", EP="2", SLURM_NNODES="2", GPUS_PER_NODE="4",
-                    SLURM_JOB_ID="77", MASTER_ADDR="node01", TRAIN_ITERS="500",
-                    EXTRA_ARGS="--elastic-budgets 1.0 0.5")
+    proc = _dry_run(
+        "train_elastic.sbatch",
+        "--elastic-mode",
+        "masked",
+        CKPT="/runs/r/reordered",
+        OUT="/runs/r",
+        TP="2",
+        EP="2",
+        SLURM_NNODES="2",
+        GPUS_PER_NODE="4",
+        SLURM_JOB_ID="77",
+        MASTER_ADDR="node01",
+        TRAIN_ITERS="500",
+        EXTRA_ARGS="--elastic-budgets 1.0 0.5",
+    )
     assert proc.returncode == 0, proc.stderr
     launch, args = _split_launch(proc.stdout)
     assert (launch.nnodes, launch.nproc_per_node) == ("2", "4")
-    assert (launch.rdzv_backend, launch.rdzv_endpoint, launch.rdzv_id) == ("c10d", "node01:29500", "77")
-    assert args.command == "elastic-train" and args.ckpt == "/runs/r/reordered" and args.out == "/runs/r"
+    assert (launch.rdzv_backend, launch.rdzv_endpoint, launch.rdzv_id) == (
+        "c10d",
+        "node01:29500",
+        "77",
+    )
+    assert (
+        args.command == "elastic-train"
+        and args.ckpt == "/runs/r/reordered"
+        and args.out == "/runs/r"
+    )
     assert args.resume and args.train_iters == 500 and args.save_interval == 100
-    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-            args.expert_model_parallel_size) == (2, 1, 2)
+    assert (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.expert_model_parallel_size,
+    ) == (2, 1, 2)
     assert args.sequence_parallel and args.use_distributed_optimizer
     assert args.elastic_budgets == [1.0, 0.5] and args.elastic_mode == "masked"
     missing = _dry_run("train_elastic.sbatch")
@@ -596,9 +843,15 @@ def test_train_elastic_sbatch_builds_a_command_our_parsers_accept():
 def test_pipeline_chains_the_stages_with_dependencies():
     proc = _dry_run("pipeline.sh", RUN="/runs/r", TP="2")
     assert proc.returncode == 0, proc.stderr
-    submissions = [shlex.split(line) for line in proc.stderr.splitlines() if line.startswith("sbatch")]
-    assert [s[s.index("--job-name") + 1] for s in submissions] == \
-        ["elastic-teacher", "elastic-importance", "elastic-reorder", "elastic-train"]
+    submissions = [
+        shlex.split(line) for line in proc.stderr.splitlines() if line.startswith("sbatch")
+    ]
+    assert [s[s.index("--job-name") + 1] for s in submissions] == [
+        "elastic-teacher",
+        "elastic-importance",
+        "elastic-reorder",
+        "elastic-train",
+    ]
     assert "--dependency" not in submissions[0]
     for previous, current in zip(submissions, submissions[1:]):
         name = previous[previous.index("--job-name") + 1]
@@ -606,7 +859,7 @@ def test_pipeline_chains_the_stages_with_dependencies():
     stages = []
     for submission in submissions[:3]:  # run_stage.sbatch: its arguments are the stage's
         script = next(i for i, t in enumerate(submission) if t.endswith("run_stage.sbatch"))
-        stage = _dry_run("run_stage.sbatch", *submission[script + 1:], TP="2")
+        stage = _dry_run("run_stage.sbatch", *submission[script + 1 :], TP="2")
         assert stage.returncode == 0, stage.stderr
         _, args = _split_launch(stage.stdout)
         assert args.tensor_model_parallel_size == 2 and args.sequence_parallel

@@ -20,14 +20,23 @@ INTERPOLATED = 0.6
 TOKENS = 24
 # every axis at its smallest candidate: what a converged router picks for the 0.4 budget (two
 # training iterations leave the router near its initialisation, which barely shrinks anything)
-SMALL = {"embedding": 64, "ffn": 128, "shared_ffn": 64, "attention_heads": 2, "mamba_heads": 4,
-         "mamba_head_dim": 8, "experts": 4}
+SMALL = {
+    "embedding": 64,
+    "ffn": 128,
+    "shared_ffn": 64,
+    "attention_heads": 2,
+    "mamba_heads": 4,
+    "mamba_head_dim": 8,
+    "experts": 4,
+}
 
 
 # ------------------------------------------------------------------------------ rank cases
 def _tokens(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(3)
-    return torch.randint(0, vocab, (2, TOKENS), generator=gen), torch.arange(TOKENS).expand(2, TOKENS)
+    return torch.randint(0, vocab, (2, TOKENS), generator=gen), torch.arange(TOKENS).expand(
+        2, TOKENS
+    )
 
 
 def _plain_model(out: Path, layout):
@@ -61,8 +70,8 @@ def extract_case(workdir: str) -> dict:
     from megatron.core import dist_checkpointing
 
     from elastic_plugin.elastic.config import ElasticConfig
-    from elastic_plugin.export.extract import extract_nested
     from elastic_plugin.elastic.model import build_elastic_chunks, router_of
+    from elastic_plugin.export.extract import extract_nested
     from elastic_plugin.models.config import ConfigError
     from elastic_plugin.parallel import Layout, initialize_layout
     from elastic_plugin.testing import elastic_cases as ec
@@ -80,8 +89,10 @@ def extract_case(workdir: str) -> dict:
     elastic = chunks[0]
     picks = router_of(elastic).choose(INTERPOLATED, interpolate=True)
     interp_choice = {n: s.candidates[picks[n][0]] for n, s in resolved.axes.items()}
-    choices = {**{float(k): v for k, v in meta["elastic"]["choices"].items()},
-               INTERPOLATED: interp_choice}
+    choices = {
+        **{float(k): v for k, v in meta["elastic"]["choices"].items()},
+        INTERPOLATED: interp_choice,
+    }
     references, full = {}, _logits(elastic, vocab)
     for budget, choice in choices.items():
         state.set_sizes(choice)
@@ -94,17 +105,25 @@ def extract_case(workdir: str) -> dict:
         summary = extract_nested(ckpt, budget, out, interpolate=budget == INTERPOLATED)
         model, small_cfg, saved = _plain_model(out, Layout())
         torch.save({"logits": reference, "choice": choice}, work / f"ref_{budget:g}.pt")
-        results.append({
-            "budget": budget, "choice": choice, "summary": summary, "meta_kind": saved["kind"],
-            "meta_choice": saved["choice"], "has_elastic_section": "elastic" in saved["config"],
-            "hidden": small_cfg.model.hidden_size, "reordered": saved.get("reordered"),
-            "classes": sorted({f"{type(m).__module__}.{type(m).__name__}"
-                               for m in model.modules()}),
-            "num_params": sum(p.numel() for p in model.parameters()),
-            "diff": (_logits(model, vocab) - reference).abs().max().item(),
-            "vs_full": (reference - full).abs().max().item(),
-            "tmp_left": out.with_name(out.name + ".tmp").exists(),
-        })
+        results.append(
+            {
+                "budget": budget,
+                "choice": choice,
+                "summary": summary,
+                "meta_kind": saved["kind"],
+                "meta_choice": saved["choice"],
+                "has_elastic_section": "elastic" in saved["config"],
+                "hidden": small_cfg.model.hidden_size,
+                "reordered": saved.get("reordered"),
+                "classes": sorted(
+                    {f"{type(m).__module__}.{type(m).__name__}" for m in model.modules()}
+                ),
+                "num_params": sum(p.numel() for p in model.parameters()),
+                "diff": (_logits(model, vocab) - reference).abs().max().item(),
+                "vs_full": (reference - full).abs().max().item(),
+                "tmp_left": out.with_name(out.name + ".tmp").exists(),
+            }
+        )
 
     # interrupted: the dist-checkpoint save dies after writing a file into <out>.tmp
     out = work / "interrupted"
@@ -128,15 +147,21 @@ def extract_case(workdir: str) -> dict:
     rerun_diff = (_logits(model, vocab) - references[0.4][0]).abs().max().item()
     # a target layout the interpolated choice cannot split under, found after the router ran
     try:
-        extract_nested(ckpt, INTERPOLATED, work / "bad_target", interpolate=True,
-                       target=(1, 1, 16))
+        extract_nested(ckpt, INTERPOLATED, work / "bad_target", interpolate=True, target=(1, 1, 16))
         target_error = ""
     except ConfigError as exc:
         target_error = str(exc)
-    return {"ckpt": str(ckpt), "results": results, "interrupted": interrupted,
-            "after_crash": after_crash, "rerun_out": rerun["out"], "rerun_diff": rerun_diff,
-            "rerun_tmp_left": out.with_name(out.name + ".tmp").exists(),
-            "bad_target_exists": (work / "bad_target").exists(), "target_error": target_error}
+    return {
+        "ckpt": str(ckpt),
+        "results": results,
+        "interrupted": interrupted,
+        "after_crash": after_crash,
+        "rerun_out": rerun["out"],
+        "rerun_diff": rerun_diff,
+        "rerun_tmp_left": out.with_name(out.name + ".tmp").exists(),
+        "bad_target_exists": (work / "bad_target").exists(),
+        "target_error": target_error,
+    }
 
 
 def tp2_case(workdir: str, budget: float) -> dict:
@@ -144,13 +169,17 @@ def tp2_case(workdir: str, budget: float) -> dict:
     from elastic_plugin.parallel import Layout
 
     work = Path(workdir)
-    model, cfg, _ = _plain_model(work / f"nested_{budget:g}",
-                                 Layout(tp=2, sequence_parallel=True))  # MoE + TP needs SP
+    model, cfg, _ = _plain_model(
+        work / f"nested_{budget:g}", Layout(tp=2, sequence_parallel=True)
+    )  # MoE + TP needs SP
     ref = torch.load(work / f"ref_{budget:g}.pt")
     logits = _logits(model, cfg.model.vocab_size)
     local = sum(p.numel() for p in model.parameters())
-    return {"diff": (logits - ref["logits"]).abs().max().item(), "local_params": local,
-            "tp": model.config.tensor_model_parallel_size}
+    return {
+        "diff": (logits - ref["logits"]).abs().max().item(),
+        "local_params": local,
+        "tp": model.config.tensor_model_parallel_size,
+    }
 
 
 # ------------------------------------------------------------------------------ tests
@@ -172,10 +201,15 @@ def test_extracted_model_is_plain_megatron_with_the_elastic_logits(extracted):
     budgets = [row["budget"] for row in r["results"]]
     assert sorted(budgets) == sorted([1.0, 0.77, 0.4, INTERPOLATED])
     for row in r["results"]:
-        print(f"budget {row['budget']:g}: {row['choice']} max |plain - elastic| = {row['diff']:.2e}")
+        print(
+            f"budget {row['budget']:g}: {row['choice']} max |plain - elastic| = {row['diff']:.2e}"
+        )
         assert row["diff"] <= TOL, row
-        elastic = [c for c in row["classes"] if c.startswith("elastic_plugin.elastic.")
-                   or "Elastic" in c or "BudgetRouter" in c]
+        elastic = [
+            c
+            for c in row["classes"]
+            if c.startswith("elastic_plugin.elastic.") or "Elastic" in c or "BudgetRouter" in c
+        ]
         assert not elastic, elastic
         assert "megatron.core.models.hybrid.hybrid_model.HybridModel" in row["classes"]
         assert row["meta_kind"] == "extracted" and not row["has_elastic_section"]
@@ -222,12 +256,24 @@ def _fake_ckpt(path: Path, **meta_changes) -> Path:
 
     path.mkdir(parents=True)
     cfg = load_config(CONFIG)
-    small = {"embedding": 64, "ffn": 128, "shared_ffn": 64, "attention_heads": 2,
-             "mamba_heads": 4, "mamba_head_dim": 8, "experts": 4}
-    meta = {"kind": "elastic", "layout": {"tp": 1, "pp": 1, "ep": 1},
-            "config": cfg.to_dict() | {"elastic": ELASTIC},
-            "elastic": {"budgets": [1.0, 0.77, 0.4],
-                        "choices": {"1": {**small, "embedding": 128}, "0.77": small, "0.4": small}}}
+    small = {
+        "embedding": 64,
+        "ffn": 128,
+        "shared_ffn": 64,
+        "attention_heads": 2,
+        "mamba_heads": 4,
+        "mamba_head_dim": 8,
+        "experts": 4,
+    }
+    meta = {
+        "kind": "elastic",
+        "layout": {"tp": 1, "pp": 1, "ep": 1},
+        "config": cfg.to_dict() | {"elastic": ELASTIC},
+        "elastic": {
+            "budgets": [1.0, 0.77, 0.4],
+            "choices": {"1": {**small, "embedding": 128}, "0.77": small, "0.4": small},
+        },
+    }
     meta.update(meta_changes)
     (path / "elastic_meta.json").write_text(json.dumps(meta))
     (path / "metadata.json").write_text("{}")
@@ -248,8 +294,13 @@ def test_bad_input_exits_2_with_clear_messages_and_writes_nothing(tmp_path, no_e
     from elastic_plugin.cli import main
 
     good = _fake_ckpt(tmp_path / "good")
-    hetero = _fake_ckpt(tmp_path / "hetero", elastic={
-        "budgets": [1.0, 0.5], "choices": {"1": {"ffn": [256, 256]}, "0.5": {"ffn": [256, 128]}}})
+    hetero = _fake_ckpt(
+        tmp_path / "hetero",
+        elastic={
+            "budgets": [1.0, 0.5],
+            "choices": {"1": {"ffn": [256, 256]}, "0.5": {"ffn": [256, 128]}},
+        },
+    )
     teacher = _fake_ckpt(tmp_path / "teacher", kind="reordered")
     incomplete = tmp_path / "incomplete"
     incomplete.mkdir()
@@ -264,15 +315,23 @@ def test_bad_input_exits_2_with_clear_messages_and_writes_nothing(tmp_path, no_e
         (["--ckpt", str(incomplete)], "not a complete checkpoint"),
         (["--ckpt", str(teacher)], "kind='reordered', not an elastic checkpoint"),
         (["--budget", "0.6"], "--budget 0.6 was not trained; trained budgets: 1, 0.77, 0.4"),
-        (["--budget", "0.3", "--interpolate"], "--budget 0.3 is outside the trained range [0.4, 1]"),
+        (
+            ["--budget", "0.3", "--interpolate"],
+            "--budget 0.3 is outside the trained range [0.4, 1]",
+        ),
         (["--budget", "1.2", "--interpolate"], "outside the trained range"),
         (["--budget", "nan"], "not a number"),
-        (["--target-tensor-model-parallel-size", "4"],
-         "--target-tensor-model-parallel-size 4: the extracted model (budget 0.4) does not split "
-         "this way: model.num_attention_heads=2 is not divisible by the tensor-parallel size 4"),
+        (
+            ["--target-tensor-model-parallel-size", "4"],
+            "--target-tensor-model-parallel-size 4: the extracted model (budget 0.4) does not split "
+            "this way: model.num_attention_heads=2 is not divisible by the tensor-parallel size 4",
+        ),
         (["--target-expert-model-parallel-size", "8"], "model.num_moe_experts=4"),
         (["--target-pipeline-model-parallel-size", "3"], "--target-pipeline-model-parallel-size 3"),
-        (["--target-tensor-model-parallel-size", "0"], "--target-tensor-model-parallel-size 0: must be >= 1"),
+        (
+            ["--target-tensor-model-parallel-size", "0"],
+            "--target-tensor-model-parallel-size 0: must be >= 1",
+        ),
         (["--ckpt", str(hetero), "--budget", "0.5"], "per-layer sizes (ffn=[256, 128])"),
         (["--out", str(full_dir)], f"--out {full_dir}: exists and is not an empty directory"),
         (["--out", str(good / "elastic_meta.json")], "exists and is not an empty directory"),
@@ -305,9 +364,11 @@ def test_bad_input_in_a_fresh_process_imports_no_megatron(tmp_path):
     import sys
 
     good = _fake_ckpt(tmp_path / "good")
-    code = ("import sys; from elastic_plugin.cli import main; rc = main(['extract', '--ckpt', "
-            f"{str(good)!r}, '--budget', '0.5', '--out', {str(tmp_path / 'o')!r}]); "
-            "print(rc, 'megatron' in sys.modules)")
+    code = (
+        "import sys; from elastic_plugin.cli import main; rc = main(['extract', '--ckpt', "
+        f"{str(good)!r}, '--budget', '0.5', '--out', {str(tmp_path / 'o')!r}]); "
+        "print(rc, 'megatron' in sys.modules)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.split() == ["2", "False"], proc
     assert "--budget 0.5 was not trained" in proc.stderr

@@ -16,9 +16,15 @@ import torch
 
 pytestmark = [pytest.mark.elastic, pytest.mark.kernels]
 
-SIZES = {"embedding": [1.0, 0.5], "ffn": [1.0, 0.5], "shared_ffn": [1.0, 0.5],
-         "attention_heads": [1.0, 0.5], "mamba_heads": [1.0, 0.5], "mamba_head_dim": [1.0, 0.5],
-         "experts": [1.0, 0.5]}
+SIZES = {
+    "embedding": [1.0, 0.5],
+    "ffn": [1.0, 0.5],
+    "shared_ffn": [1.0, 0.5],
+    "attention_heads": [1.0, 0.5],
+    "mamba_heads": [1.0, 0.5],
+    "mamba_head_dim": [1.0, 0.5],
+    "experts": [1.0, 0.5],
+}
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -75,7 +81,9 @@ def test_amax_reduce_hook_sets_the_scale_and_must_keep_its_shape():
     t = torch.linspace(-1, 1, 12).reshape(3, 4)
     _, scales = quantize_e4m3(t, "row", amax_reduce=lambda amax: torch.full_like(amax, 4.0))
     assert torch.equal(scales, torch.full((3, 1), 4.0 / 448))
-    with pytest.raises(ValueError, match=r"amax_reduce must return a tensor of the amax's shape \[3, 1\]"):
+    with pytest.raises(
+        ValueError, match=r"amax_reduce must return a tensor of the amax's shape \[3, 1\]"
+    ):
         quantize_e4m3(t, "row", amax_reduce=lambda amax: amax.reshape(-1))
 
 
@@ -119,7 +127,7 @@ def test_sliced_fp8_model_equals_the_extracted_model_in_fp8(setup, scaling):
             extracted = small(tokens, position, None)
     assert torch.allclose(sliced_plain, extracted_plain, atol=2e-5, rtol=1e-5)
     assert _relative(sliced, sliced_plain) > 1e-3  # FP8 changed the logits ...
-    assert _relative(sliced, sliced_plain) < 0.5   # ... by FP8's rounding (0.23 measured), not more
+    assert _relative(sliced, sliced_plain) < 0.5  # ... by FP8's rounding (0.23 measured), not more
     assert _relative(sliced, extracted) < 1e-5, _relative(sliced, extracted)
 
 
@@ -145,8 +153,11 @@ def test_every_block_linear_runs_fp8_but_not_the_output_layer(setup, monkeypatch
 
     monkeypatch.setattr(fp8, "runs_fp8", runs_spy)
     monkeypatch.setattr(fp8, "fp8_linear", linear_spy)
-    linears = {name: id(m) for name, m in model.named_modules()
-               if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+    linears = {
+        name: id(m)
+        for name, m in model.named_modules()
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+    }
     for sizes in (None, resolved.smallest_choice()):  # the full model and a sliced one
         seen.clear()
         if sizes is not None:
@@ -168,8 +179,8 @@ def test_scaled_mm_path_equals_the_emulation_and_gradients_flow(setup, monkeypat
     """method='scaled_mm' is the CUDA path without Transformer Engine; torch runs it on CPU too.
     Every GEMM of the model is checked against the emulation on the same inputs (through the
     whole model, a last-bit difference can flip an E4M3 rounding and grow layer by layer)."""
-    from elastic_plugin.elastic.layers.fp8 import fp8_gemm
     import elastic_plugin.ops as fp8_ops
+    from elastic_plugin.elastic.layers.fp8 import fp8_gemm
 
     model, _, state, resolved, tokens, position = setup
     calls = []

@@ -17,9 +17,9 @@ from elastic_plugin.cli import main
 from elastic_plugin.elastic.config import ElasticConfig, MemorySpec
 from elastic_plugin.elastic.cost import BYTES_PER_PARAM, ElasticCost
 from elastic_plugin.models.axes import model_for_choice
-from elastic_plugin.nested.cli import compact_sizes, inspect_checkpoint
 from elastic_plugin.models.config import load_config
 from elastic_plugin.models.counting import count_parameters
+from elastic_plugin.nested.cli import compact_sizes, inspect_checkpoint
 
 pytestmark = [pytest.mark.elastic, pytest.mark.extract]
 
@@ -28,22 +28,63 @@ TINY_ELASTIC = ROOT / "examples" / "configs" / "tiny_elastic.yaml"
 PREFIX = "elastic-plugin inspect: error: "
 
 HOMOGENEOUS = {
-    "1": {"embedding": 128, "ffn": 256, "shared_ffn": 128, "attention_heads": 4,
-          "mamba_heads": 8, "mamba_head_dim": 16, "experts": 8},
-    "0.77": {"embedding": 96, "ffn": 256, "shared_ffn": 128, "attention_heads": 4,
-             "mamba_heads": 8, "mamba_head_dim": 12, "experts": 8},
-    "0.4": {"embedding": 64, "ffn": 128, "shared_ffn": 64, "attention_heads": 2,
-            "mamba_heads": 6, "mamba_head_dim": 8, "experts": 4},
+    "1": {
+        "embedding": 128,
+        "ffn": 256,
+        "shared_ffn": 128,
+        "attention_heads": 4,
+        "mamba_heads": 8,
+        "mamba_head_dim": 16,
+        "experts": 8,
+    },
+    "0.77": {
+        "embedding": 96,
+        "ffn": 256,
+        "shared_ffn": 128,
+        "attention_heads": 4,
+        "mamba_heads": 8,
+        "mamba_head_dim": 12,
+        "experts": 8,
+    },
+    "0.4": {
+        "embedding": 64,
+        "ffn": 128,
+        "shared_ffn": 64,
+        "attention_heads": 2,
+        "mamba_heads": 6,
+        "mamba_head_dim": 8,
+        "experts": 4,
+    },
 }
 # tiny: M*E-M*E- -> every per-layer axis has two layers (mamba 1,5; attention 2,6; moe 3,7; mlp 4,8)
 HETEROGENEOUS = {
-    "1": {"embedding": 128, "ffn": [256, 256], "shared_ffn": [128, 128], "attention_heads": [4, 4],
-          "mamba_heads": [8, 8], "mamba_head_dim": [16, 16], "experts": [8, 8]},
-    "0.77": {"embedding": 96, "ffn": [256, 192], "shared_ffn": [128, 128],
-             "attention_heads": [4, 2], "mamba_heads": [8, 6], "mamba_head_dim": [16, 12],
-             "experts": [8, 6]},
-    "0.4": {"embedding": 64, "ffn": [128, 192], "shared_ffn": [64, 96], "attention_heads": [2, 4],
-            "mamba_heads": [4, 6], "mamba_head_dim": [8, 12], "experts": [4, 6]},
+    "1": {
+        "embedding": 128,
+        "ffn": [256, 256],
+        "shared_ffn": [128, 128],
+        "attention_heads": [4, 4],
+        "mamba_heads": [8, 8],
+        "mamba_head_dim": [16, 16],
+        "experts": [8, 8],
+    },
+    "0.77": {
+        "embedding": 96,
+        "ffn": [256, 192],
+        "shared_ffn": [128, 128],
+        "attention_heads": [4, 2],
+        "mamba_heads": [8, 6],
+        "mamba_head_dim": [16, 12],
+        "experts": [8, 6],
+    },
+    "0.4": {
+        "embedding": 64,
+        "ffn": [128, 192],
+        "shared_ffn": [64, 96],
+        "attention_heads": [2, 4],
+        "mamba_heads": [4, 6],
+        "mamba_head_dim": [8, 12],
+        "experts": [4, 6],
+    },
 }
 LAYOUT = {"tp": 1, "pp": 1, "ep": 1, "sequence_parallel": False, "distributed_optimizer": False}
 
@@ -57,20 +98,32 @@ def _setup(heterogeneous: bool):
     return cfg, ecfg, ecfg.resolve(cfg.model)
 
 
-def write_ckpt(path: Path, heterogeneous: bool = False, choices: dict | None = None,
-               **overrides) -> Path:
+def write_ckpt(
+    path: Path, heterogeneous: bool = False, choices: dict | None = None, **overrides
+) -> Path:
     """An elastic checkpoint's metadata, shaped like ``train._meta`` writes it."""
     cfg, ecfg, resolved = _setup(heterogeneous)
     choices = choices or (HETEROGENEOUS if heterogeneous else HOMOGENEOUS)
     meta = {
-        "kind": "elastic", "iteration": 7, "consumed_samples": 112, "layout": LAYOUT,
+        "kind": "elastic",
+        "iteration": 7,
+        "consumed_samples": 112,
+        "layout": LAYOUT,
         "config": cfg.to_dict() | {"elastic": ecfg.to_dict()},
         "elastic": {
-            "budgets": list(resolved.budgets), "metric": ecfg.budget_metric,
-            "axes": {n: {"full": s.full, "candidates": list(s.candidates),
-                         "layers": list(s.layers), "unit": s.unit}
-                     for n, s in resolved.axes.items()},
-            "choices": choices, "cost_fraction": {},
+            "budgets": list(resolved.budgets),
+            "metric": ecfg.budget_metric,
+            "axes": {
+                n: {
+                    "full": s.full,
+                    "candidates": list(s.candidates),
+                    "layers": list(s.layers),
+                    "unit": s.unit,
+                }
+                for n, s in resolved.axes.items()
+            },
+            "choices": choices,
+            "cost_fraction": {},
         },
     } | overrides
     path.mkdir(parents=True, exist_ok=True)
@@ -86,18 +139,24 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 def _expected_row(model, resolved, choice, batch, seq):
     cost = {m: ElasticCost(model, resolved, metric=m) for m in ("total_params", "active_params")}
-    mem = {p: ElasticCost(model, resolved, metric="memory", memory=MemorySpec(batch, seq, p))
-           for p in ("bf16", "fp8", "nvfp4")}
-    return (cost["total_params"].of_choice(choice), cost["active_params"].of_choice(choice),
-            {p: c.of_choice(choice) for p, c in mem.items()})
+    mem = {
+        p: ElasticCost(model, resolved, metric="memory", memory=MemorySpec(batch, seq, p))
+        for p in ("bf16", "fp8", "nvfp4")
+    }
+    return (
+        cost["total_params"].of_choice(choice),
+        cost["active_params"].of_choice(choice),
+        {p: c.of_choice(choice) for p, c in mem.items()},
+    )
 
 
 @pytest.mark.parametrize("heterogeneous", [False, True])
 def test_json_matches_elastic_cost(tmp_path, capsys, heterogeneous):
     ckpt = write_ckpt(tmp_path / "elastic", heterogeneous)
     cfg, _, resolved = _setup(heterogeneous)
-    rc, out, err = run(capsys, "--ckpt", str(ckpt), "--json", "--batch-size", "3",
-                       "--seq-length", "64")
+    rc, out, err = run(
+        capsys, "--ckpt", str(ckpt), "--json", "--batch-size", "3", "--seq-length", "64"
+    )
     assert rc == 0, err
     data = json.loads(out)
     assert data["iteration"] == 7 and data["layout"] == LAYOUT
@@ -109,8 +168,10 @@ def test_json_matches_elastic_cost(tmp_path, capsys, heterogeneous):
     assert [r["label"] for r in rows] == ["full", *table]
     assert rows[0]["budget"] is None and [r["budget"] for r in rows[1:]] == [1.0, 0.77, 0.4]
     full_count = count_parameters(cfg.model)
-    assert (rows[0]["total_params"], rows[0]["active_params"]) == (full_count.total,
-                                                                   full_count.active)
+    assert (rows[0]["total_params"], rows[0]["active_params"]) == (
+        full_count.total,
+        full_count.active,
+    )
     assert rows[0]["choice"] == resolved.full_choice() and rows[0]["fraction"] == 1.0
     frac_cost = ElasticCost(cfg.model, resolved, metric="total_params")
     for row in rows[1:]:
@@ -133,9 +194,15 @@ def test_params_equal_counting_of_the_plain_models(tmp_path):
         assert (row.total_params, row.active_params) == (ref.total, ref.active)
     info = inspect_checkpoint(write_ckpt(tmp_path / "het", True))
     for row in info.rows[1:]:
-        halves = [count_parameters(model_for_choice(
-            cfg.model, {a: (v[i] if isinstance(v, list) else v) for a, v in row.choice.items()}))
-            for i in (0, 1)]
+        halves = [
+            count_parameters(
+                model_for_choice(
+                    cfg.model,
+                    {a: (v[i] if isinstance(v, list) else v) for a, v in row.choice.items()},
+                )
+            )
+            for i in (0, 1)
+        ]
         assert 2 * row.total_params == halves[0].total + halves[1].total
         assert 2 * row.active_params == halves[0].active + halves[1].active
     low = info.rows[-1]
@@ -151,9 +218,14 @@ def test_memory_formula_and_flags(tmp_path):
     batch, seq = 2, 64
     d_inner = m.mamba_num_heads * m.mamba_head_dim
     conv_dim = d_inner + 2 * m.mamba_num_groups * m.mamba_state_dim
-    state = (2 * (2 * m.num_query_groups * m.kv_channels * seq * batch * 2)        # 2 attn layers
-             + 2 * (d_inner * m.mamba_state_dim * batch * 4
-                    + (m.mamba_conv_kernel - 1) * conv_dim * batch * 2))          # 2 Mamba layers
+    state = (
+        2 * (2 * m.num_query_groups * m.kv_channels * seq * batch * 2)  # 2 attn layers
+        + 2
+        * (
+            d_inner * m.mamba_state_dim * batch * 4
+            + (m.mamba_conv_kernel - 1) * conv_dim * batch * 2
+        )
+    )  # 2 Mamba layers
     full = inspect_checkpoint(ckpt, batch, seq).rows[0]
     for precision, per_param in (("bf16", 2.0), ("fp8", 1.0), ("nvfp4", 0.5625)):
         assert BYTES_PER_PARAM[precision] == per_param
@@ -164,8 +236,9 @@ def test_memory_formula_and_flags(tmp_path):
     four = inspect_checkpoint(ckpt, 4, 64).rows
     for a, b in zip(one, four):  # state grows linearly with the batch, weights do not
         weights = a.total_params * 2.0
-        assert b.memory_bytes["bf16"] - weights == pytest.approx(4 * (a.memory_bytes["bf16"]
-                                                                      - weights), rel=1e-12)
+        assert b.memory_bytes["bf16"] - weights == pytest.approx(
+            4 * (a.memory_bytes["bf16"] - weights), rel=1e-12
+        )
 
 
 def test_table(tmp_path, capsys):
@@ -183,7 +256,7 @@ def test_table(tmp_path, capsys):
 
     def cells(name: str) -> list[str]:
         line = next(line for line in table if line.startswith(name))
-        return [c.strip() for c in line[len(table[1].split("  ")[0]):].split("  ") if c.strip()]
+        return [c.strip() for c in line[len(table[1].split("  ")[0]) :].split("  ") if c.strip()]
 
     assert cells("total params") == [f"{r.total_params:,}" for r in info.rows]
     assert cells("active params") == [f"{r.active_params:,}" for r in info.rows]
@@ -192,7 +265,8 @@ def test_table(tmp_path, capsys):
     for precision in ("bf16", "fp8", "nvfp4"):
         assert f"memory {precision}" in out
     assert [float(c) for c in cells("total_params fraction")] == pytest.approx(
-        [r.fraction for r in info.rows], abs=1e-4)
+        [r.fraction for r in info.rows], abs=1e-4
+    )
 
 
 def test_compact_sizes():
@@ -229,8 +303,12 @@ def test_bad_input(tmp_path, capsys):
     err = error("--ckpt", str(write_ckpt(tmp_path / "badlen", True, bad_len)))
     assert "choices['0.4']['ffn']" in err and "one per layer [4, 8]" in err
     bad_axis = dict(HOMOGENEOUS, **{"1": dict(HOMOGENEOUS["1"], heads=3)})
-    assert "unknown axis heads" in error("--ckpt", str(write_ckpt(tmp_path / "ax", False, bad_axis)))
+    assert "unknown axis heads" in error(
+        "--ckpt", str(write_ckpt(tmp_path / "ax", False, bad_axis))
+    )
     too_big = dict(HOMOGENEOUS, **{"1": dict(HOMOGENEOUS["1"], experts=9)})
-    assert "integers in [1, 8]" in error("--ckpt", str(write_ckpt(tmp_path / "big", False, too_big)))
+    assert "integers in [1, 8]" in error(
+        "--ckpt", str(write_ckpt(tmp_path / "big", False, too_big))
+    )
     no_choices = write_ckpt(tmp_path / "nochoice", elastic={"metric": "total_params"})
     assert "lacks the elastic config or the choice table" in error("--ckpt", str(no_choices))

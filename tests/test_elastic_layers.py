@@ -13,16 +13,27 @@ import torch
 pytestmark = [pytest.mark.elastic]
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml"
-SIZES = {"embedding": [1.0, 0.5], "ffn": [1.0, 0.5], "shared_ffn": [1.0, 0.5],
-         "attention_heads": [1.0, 0.5], "mamba_heads": [1.0, 0.5], "mamba_head_dim": [1.0, 0.5],
-         "experts": [1.0, 0.5]}
+SIZES = {
+    "embedding": [1.0, 0.5],
+    "ffn": [1.0, 0.5],
+    "shared_ffn": [1.0, 0.5],
+    "attention_heads": [1.0, 0.5],
+    "mamba_heads": [1.0, 0.5],
+    "mamba_head_dim": [1.0, 0.5],
+    "experts": [1.0, 0.5],
+}
 
 
 @pytest.fixture(scope="module")
 def setup():
     from elastic_plugin.compat import enable_cpu_megatron
     from elastic_plugin.models.config import load_config
-    from elastic_plugin.parallel import Layout, build_model_chunks, init_distributed, initialize_layout
+    from elastic_plugin.parallel import (
+        Layout,
+        build_model_chunks,
+        init_distributed,
+        initialize_layout,
+    )
     from elastic_plugin.testing.elastic_model import make_elastic
 
     enable_cpu_megatron()
@@ -52,8 +63,9 @@ def _grads(model, tokens, position):
     model.zero_grad(set_to_none=True)
     out = model(tokens, position, None)
     out.float().pow(2).mean().backward()
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                          if p.grad is not None}
+    return out.detach(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 def test_cleared_state_is_megatrons_forward(setup):
@@ -65,9 +77,19 @@ def test_cleared_state_is_megatrons_forward(setup):
     assert type(model.output_layer).__name__ == "ElasticColumnParallelLinear"
 
 
-@pytest.mark.parametrize("small", [
-    {"embedding"}, {"ffn"}, {"shared_ffn"}, {"attention_heads"}, {"mamba_heads"},
-    {"mamba_head_dim"}, {"experts"}, set(SIZES)])
+@pytest.mark.parametrize(
+    "small",
+    [
+        {"embedding"},
+        {"ffn"},
+        {"shared_ffn"},
+        {"attention_heads"},
+        {"mamba_heads"},
+        {"mamba_head_dim"},
+        {"experts"},
+        set(SIZES),
+    ],
+)
 def test_sliced_equals_masked_for_a_hard_choice(setup, small):
     from elastic_plugin.elastic.layers.state import MASKED, SLICED
 
@@ -109,8 +131,9 @@ def test_soft_masks_give_every_axis_a_router_gradient(setup):
     model, state, resolved, tokens, position, _ = setup
     probs = {}
     for name, spec in resolved.axes.items():
-        probs[name] = torch.full((1, len(spec.candidates)), 1.0 / len(spec.candidates),
-                                 requires_grad=True)
+        probs[name] = torch.full(
+            (1, len(spec.candidates)), 1.0 / len(spec.candidates), requires_grad=True
+        )
     state.set_choice(probs, MASKED)
     out = model(tokens, position, None)
     out.float().pow(2).mean().backward()
@@ -123,8 +146,11 @@ def test_switched_off_experts_get_no_tokens(setup):
     from elastic_plugin.elastic.layers.state import SLICED
 
     model, state, resolved, tokens, position, _ = setup
-    routers = [layer.mlp.router for layer in model.decoder.layers
-               if hasattr(getattr(layer, "mlp", None), "router")]
+    routers = [
+        layer.mlp.router
+        for layer in model.decoder.layers
+        if hasattr(getattr(layer, "mlp", None), "router")
+    ]
     maps = []
     originals = [r.routing for r in routers]
 
@@ -133,6 +159,7 @@ def test_switched_off_experts_get_no_tokens(setup):
             probs, routing_map = original(logits, *args, **kwargs)
             maps.append((probs.detach(), routing_map.detach()))
             return probs, routing_map
+
         return run
 
     for r, orig in zip(routers, originals):

@@ -19,6 +19,7 @@ CASES = "elastic_plugin.testing.loss_cases"
 
 # ---------------------------------------------------------------- vocab_parallel_kl, one rank
 
+
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
 @pytest.mark.parametrize("shape", [(2, 3, 11), (4, 2, 7), (5, 32)])
 def test_kl_matches_kl_div_and_its_gradient(shape, temperature):
@@ -103,12 +104,19 @@ def test_distillation_loss_func_masks_tokens_and_accepts_transposed_mask():
 
 # ---------------------------------------------------------------- vocab_parallel_kl, TP=2
 
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("use_default_group", [True, False])
 def test_kl_under_tensor_parallel_matches_single_rank(rank_pools, use_default_group):
     shape = (3, 5, 16)
-    results = rank_pools.get(2).run(f"{CASES}:tp_kl_matches_reference", tp=2, shape=shape,
-                                    temperature=2.0, seed=7, use_default_group=use_default_group)
+    results = rank_pools.get(2).run(
+        f"{CASES}:tp_kl_matches_reference",
+        tp=2,
+        shape=shape,
+        temperature=2.0,
+        seed=7,
+        use_default_group=use_default_group,
+    )
     assert sorted(r["tp_rank"] for r in results) == [0, 1]
     for r in results:
         assert r["tp_world"] == 2
@@ -123,6 +131,7 @@ def test_kl_under_tensor_parallel_matches_single_rank(rank_pools, use_default_gr
 
 
 # ---------------------------------------------------------------- budget loss
+
 
 def test_budget_loss_formula_and_gradient_sign():
     full, budget = 1000.0, 0.5
@@ -147,6 +156,7 @@ def test_budget_loss_rejects_bad_budget():
 
 # ---------------------------------------------------------------- metrics
 
+
 class FakeWriter:
     def __init__(self) -> None:
         self.calls: list[tuple[str, float, int]] = []
@@ -160,7 +170,10 @@ def _record(it: int) -> dict:
         "train_loss": {0.5: 2.0 / (it + 1), 1.0: torch.tensor(1.0 / (it + 1))},
         "budget_loss": {0.5: 0.1, 1.0: 0.0},
         **({"valid_loss": {0.5: 1.5, 1.0: 0.8}} if it % 2 == 1 else {}),
-        "choices": {0.5: {"ffn": 128, "mamba_heads": [4, 6]}, 1.0: {"ffn": 256, "mamba_heads": [8, 8]}},
+        "choices": {
+            0.5: {"ffn": 128, "mamba_heads": [4, 6]},
+            1.0: {"ffn": 256, "mamba_heads": [8, 8]},
+        },
         "temperature": 1.0 - 0.1 * it,
         "logit_scale": 1.0 + it,
         "lr": 1e-4,
@@ -206,8 +219,9 @@ def test_metrics_plots_without_tensorboard(tmp_path):
 
 
 def test_metrics_choice_fractions_use_full_sizes(tmp_path):
-    metrics = ElasticMetrics(tmp_path, budgets=[0.5, 1.0], writer=FakeWriter(),
-                             full_sizes={"ffn": 512})
+    metrics = ElasticMetrics(
+        tmp_path, budgets=[0.5, 1.0], writer=FakeWriter(), full_sizes={"ffn": 512}
+    )
     metrics.log(0, _record(0))
     fractions = metrics._fractions(metrics.history())
     assert fractions["ffn"]["0.5"] == ([0], [0.25])  # given full size

@@ -53,16 +53,26 @@ def test_sliced_equals_masked_with_hard_masks(rank_pools, mem_eff):
         assert r["sliced_grad_inside_block"][name] > 0.0, name
 
 
-@pytest.mark.parametrize("mem_eff,d_has_hdim", [(True, False), (False, True)],
-                         ids=["fused", "unfused-D-per-channel"])
+@pytest.mark.parametrize(
+    "mem_eff,d_has_hdim", [(True, False), (False, True)], ids=["fused", "unfused-D-per-channel"]
+)
 def test_sliced_equals_smaller_megatron_mixer(rank_pools, mem_eff, d_has_hdim):
-    (r,) = _run(rank_pools, "sliced_matches_smaller_mixer", k=K, p=P, h=H, mem_eff=mem_eff,
-                d_has_hdim=d_has_hdim)
+    (r,) = _run(
+        rank_pools,
+        "sliced_matches_smaller_mixer",
+        k=K,
+        p=P,
+        h=H,
+        mem_eff=mem_eff,
+        d_has_hdim=d_has_hdim,
+    )
     groups, state = 2, 16
     assert r["shapes"] == {
         "small_in_proj": [2 * K * groups * P + 2 * groups * state + K * groups, H],
-        "small_heads": K * groups, "small_groups": groups,
-        "active_in_proj_rows": 2 * K * groups * P + 2 * groups * state + K * groups}
+        "small_heads": K * groups,
+        "small_groups": groups,
+        "active_in_proj_rows": 2 * K * groups * P + 2 * groups * state + K * groups,
+    }
     assert r["cached"] and r["index_sets_match_layout"]
     assert r["out_scale"] > 0.1
     assert r["out"] <= RTOL and r["x_grad"] <= RTOL
@@ -89,8 +99,9 @@ def test_bad_arguments_raise_clear_errors(rank_pools):
 
 @pytest.mark.multirank
 def test_tensor_and_sequence_parallel_match_single_rank(rank_pools):
-    results = rank_pools.get(2).run(f"{CASES}:tp_sp_matches_single_rank", config_path=CONFIG,
-                                    k=K, p=P, h=H)
+    results = rank_pools.get(2).run(
+        f"{CASES}:tp_sp_matches_single_rank", config_path=CONFIG, k=K, p=P, h=H
+    )
     assert sorted(r["rank"] for r in results) == [0, 1]
     for r in results:
         assert r["weights_equal"], r
@@ -108,7 +119,9 @@ def test_timing_sliced_vs_full(rank_pools, capsys):
     (t,) = _run(rank_pools, "timing")
     assert t["full_ms"] > 0
     with capsys.disabled():
-        print(f"\n[elastic mamba fwd+bwd, half heads/group & half head dim] full "
-              f"{t['full_ms']:.1f} ms, sliced {t['sliced_ms']:.1f} ms, plain smaller mixer "
-              f"{t['small_ms']:.1f} ms; sliced/full {t['sliced_over_full']:.2f}, "
-              f"small/full {t['small_over_full']:.2f}, sliced/small {t['sliced_over_small']:.2f}")
+        print(
+            f"\n[elastic mamba fwd+bwd, half heads/group & half head dim] full "
+            f"{t['full_ms']:.1f} ms, sliced {t['sliced_ms']:.1f} ms, plain smaller mixer "
+            f"{t['small_ms']:.1f} ms; sliced/full {t['sliced_over_full']:.2f}, "
+            f"small/full {t['small_over_full']:.2f}, sliced/small {t['sliced_over_small']:.2f}"
+        )

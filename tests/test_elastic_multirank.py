@@ -28,9 +28,15 @@ def references(rank_pools, tmp_path_factory):
         key = (pattern, mode, heterogeneous, fp8_gemm)
         if key not in made:
             work = tmp_path_factory.mktemp("elastic_ref")
-            (info,) = rank_pools.get(1).run(f"{CASES}:make_elastic_reference", config_path=CONFIG,
-                                            workdir=str(work), pattern=pattern, mode=mode,
-                                            heterogeneous=heterogeneous, fp8_gemm=fp8_gemm)
+            (info,) = rank_pools.get(1).run(
+                f"{CASES}:make_elastic_reference",
+                config_path=CONFIG,
+                workdir=str(work),
+                pattern=pattern,
+                mode=mode,
+                heterogeneous=heterogeneous,
+                fp8_gemm=fp8_gemm,
+            )
             assert len(info["losses"]) == 3 and info["trace"]
             made[key] = str(work)
         return made[key]
@@ -38,12 +44,28 @@ def references(rank_pools, tmp_path_factory):
     return get
 
 
-def _check(rank_pools, references, world: int, pattern=None, mode="sliced",
-           heterogeneous=False, fp8_gemm="off", loss_rtol=LOSS_RTOL, **layout):
+def _check(
+    rank_pools,
+    references,
+    world: int,
+    pattern=None,
+    mode="sliced",
+    heterogeneous=False,
+    fp8_gemm="off",
+    loss_rtol=LOSS_RTOL,
+    **layout,
+):
     work = references(pattern, mode, heterogeneous, fp8_gemm)
-    results = rank_pools.get(world).run(f"{CASES}:check_elastic", config_path=CONFIG,
-                                        workdir=work, pattern=pattern, mode=mode,
-                                        heterogeneous=heterogeneous, fp8_gemm=fp8_gemm, **layout)
+    results = rank_pools.get(world).run(
+        f"{CASES}:check_elastic",
+        config_path=CONFIG,
+        workdir=work,
+        pattern=pattern,
+        mode=mode,
+        heterogeneous=heterogeneous,
+        fp8_gemm=fp8_gemm,
+        **layout,
+    )
     ref_trace = {(it, mb): (b, c) for it, mb, b, c in results[0]["ref_trace"]}
     for r in results:
         # every rank routed its micro-batches exactly as the single rank did
@@ -73,8 +95,15 @@ def test_fp8_gemm_tensor_parallel_sequence_parallel(rank_pools, references, scal
     """elastic.fp8_gemm under TP=2 + SP: the amax of every operand sharded along the contraction
     dim is reduced over TP, so two ranks quantize exactly as one does (same losses, gradients,
     router choices); and FP8 really ran: the losses differ from the model-dtype reference."""
-    results = _check(rank_pools, references, 2, fp8_gemm=scaling, loss_rtol=FP8_LOSS_RTOL, tp=2,
-                     sequence_parallel=True)
+    results = _check(
+        rank_pools,
+        references,
+        2,
+        fp8_gemm=scaling,
+        loss_rtol=FP8_LOSS_RTOL,
+        tp=2,
+        sequence_parallel=True,
+    )
     from elastic_plugin.testing.elastic_cases import reference_losses
 
     plain = reference_losses(references())
@@ -105,8 +134,7 @@ def test_masked_mode_tensor_parallel_no_moe(rank_pools, references):
 
 @pytest.mark.slow
 def test_heterogeneous_tp_pp_ep_on_4_ranks(rank_pools, references):
-    _check(rank_pools, references, 4, heterogeneous=True, tp=2, pp=2, ep=1,
-           sequence_parallel=True)
+    _check(rank_pools, references, 4, heterogeneous=True, tp=2, pp=2, ep=1, sequence_parallel=True)
 
 
 def _assert_same_trace(result):
@@ -123,14 +151,16 @@ def _assert_same_trace(result):
 
 
 def test_stop_and_resume_reproduces_the_loss_trace(rank_pools, tmp_path):
-    (result,) = rank_pools.get(1).run(f"{CASES}:train_and_resume", config_path=CONFIG,
-                                      workdir=str(tmp_path))
+    (result,) = rank_pools.get(1).run(
+        f"{CASES}:train_and_resume", config_path=CONFIG, workdir=str(tmp_path)
+    )
     _assert_same_trace(result)
 
 
 def test_stop_and_resume_under_pipeline_parallel(rank_pools, tmp_path):
-    results = rank_pools.get(2).run(f"{CASES}:train_and_resume", config_path=CONFIG,
-                                    workdir=str(tmp_path), pp=2)
+    results = rank_pools.get(2).run(
+        f"{CASES}:train_and_resume", config_path=CONFIG, workdir=str(tmp_path), pp=2
+    )
     for result in results:
         _assert_same_trace(result)
 
@@ -139,9 +169,17 @@ def test_fp8_training_with_loss_selected_freeze_resumes_exactly(rank_pools, tmp_
     """elastic.fp8_gemm=row through train_elastic: FP8 training steps, FP8 validation and the
     loss-selected freeze measured in FP8; stop + resume reproduces the uninterrupted run, and
     the checkpoint records the precision."""
-    (result,) = rank_pools.get(1).run(f"{CASES}:train_and_resume", config_path=CONFIG,
-                                      workdir=str(tmp_path), iters=6, stop=3, freeze_after=2,
-                                      freeze_select="loss", freeze_candidates=2, fp8_gemm="row")
+    (result,) = rank_pools.get(1).run(
+        f"{CASES}:train_and_resume",
+        config_path=CONFIG,
+        workdir=str(tmp_path),
+        iters=6,
+        stop=3,
+        freeze_after=2,
+        freeze_select="loss",
+        freeze_candidates=2,
+        fp8_gemm="row",
+    )
     _assert_same_trace(result)
     assert result["fp8_gemm_meta"] == "row"
     assert set(result["freeze_search"]) == {"1", "0.77", "0.4"}
@@ -151,8 +189,14 @@ def test_frozen_router_fixes_the_choices_and_survives_resume(rank_pools, tmp_pat
     """router.freeze_after=2: from iteration 3 on, every budget keeps the choice the router made
     then (the table no longer moves), the checkpoint records
     it, and stop-at-3 + resume reproduces the uninterrupted run."""
-    (result,) = rank_pools.get(1).run(f"{CASES}:train_and_resume", config_path=CONFIG,
-                                      workdir=str(tmp_path), iters=6, stop=3, freeze_after=2)
+    (result,) = rank_pools.get(1).run(
+        f"{CASES}:train_and_resume",
+        config_path=CONFIG,
+        workdir=str(tmp_path),
+        iters=6,
+        stop=3,
+        freeze_after=2,
+    )
     _assert_same_trace(result)
     per_iteration = dict(result["choices_per_iteration"])
     assert all(per_iteration[i] == per_iteration[3] for i in range(3, 7))
@@ -164,9 +208,17 @@ def test_loss_selected_freeze_under_pipeline_parallel(rank_pools, tmp_path):
     feasible choices per budget on validation data, keep the same lowest-loss one (never worse
     than the router's own pick), record the search in the checkpoint, and stop-at-3 + resume
     reproduces the uninterrupted run (the table is restored, not searched again)."""
-    results = rank_pools.get(2).run(f"{CASES}:train_and_resume", config_path=CONFIG,
-                                    workdir=str(tmp_path), iters=6, stop=3, pp=2,
-                                    freeze_after=2, freeze_select="loss", freeze_candidates=4)
+    results = rank_pools.get(2).run(
+        f"{CASES}:train_and_resume",
+        config_path=CONFIG,
+        workdir=str(tmp_path),
+        iters=6,
+        stop=3,
+        pp=2,
+        freeze_after=2,
+        freeze_select="loss",
+        freeze_candidates=4,
+    )
     assert results[0]["choices_full"] == results[1]["choices_full"]
     for result in results:
         _assert_same_trace(result)
@@ -185,9 +237,15 @@ def test_loss_selected_freeze_under_pipeline_parallel(rank_pools, tmp_path):
 def test_every_rank_routes_identically_over_many_steps(rank_pools, tmp_path):
     """TP=2 x PP=2, heterogeneous (per-layer) router: 50 iterations x 2 micro-batches, the same
     budget and the same per-layer choice on all four ranks, and budgets actually vary."""
-    results = rank_pools.get(4).run(f"{CASES}:route_trace", config_path=CONFIG,
-                                    workdir=str(tmp_path), iters=50, tp=2, pp=2,
-                                    sequence_parallel=True)
+    results = rank_pools.get(4).run(
+        f"{CASES}:route_trace",
+        config_path=CONFIG,
+        workdir=str(tmp_path),
+        iters=50,
+        tp=2,
+        pp=2,
+        sequence_parallel=True,
+    )
     assert sorted((pp, tp) for pp, tp, _ in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     traces = [trace for _, _, trace in results]
     assert len(traces[0]) == 100
@@ -197,12 +255,13 @@ def test_every_rank_routes_identically_over_many_steps(rank_pools, tmp_path):
 
 
 def test_self_teacher_and_router_lr_group(rank_pools, tmp_path):
-    (result,) = rank_pools.get(1).run(f"{CASES}:self_teacher_and_param_groups",
-                                      config_path=CONFIG, workdir=str(tmp_path))
-    assert result["kd_first"] == pytest.approx(0.0, abs=1e-6)   # full choice vs itself
-    assert result["kd_second"] > 1e-4                             # a drawn (smaller) choice
+    (result,) = rank_pools.get(1).run(
+        f"{CASES}:self_teacher_and_param_groups", config_path=CONFIG, workdir=str(tmp_path)
+    )
+    assert result["kd_first"] == pytest.approx(0.0, abs=1e-6)  # full choice vs itself
+    assert result["kd_second"] > 1e-4  # a drawn (smaller) choice
     router = [g for g in result["groups"] if g["router"]]
     others = [g for g in result["groups"] if not g["router"]]
     assert router and others
-    assert all(g["max_lr"] == pytest.approx(1e-2) for g in router)   # 1e-3 x lr_mult 10
+    assert all(g["max_lr"] == pytest.approx(1e-2) for g in router)  # 1e-3 x lr_mult 10
     assert all(g["max_lr"] in (None, pytest.approx(1e-3)) for g in others)

@@ -94,7 +94,9 @@ def test_prefix_masks_match_loop():
     torch.testing.assert_close(masks, ref)
     one_hot = torch.tensor([[0.0, 1.0, 0.0]])
     assert prefix_masks(one_hot, CANDIDATES, FULL).tolist() == [[1.0] * 6 + [0.0] * 2]
-    torch.testing.assert_close(expected_sizes(probs, CANDIDATES), probs @ torch.tensor([8.0, 6.0, 4.0]))
+    torch.testing.assert_close(
+        expected_sizes(probs, CANDIDATES), probs @ torch.tensor([8.0, 6.0, 4.0])
+    )
     assert hard_sizes(probs, CANDIDATES) == [CANDIDATES[i] for i in probs.argmax(-1).tolist()]
     with pytest.raises(ConfigError, match="full=8"):
         prefix_masks(probs, (9, 6, 4), FULL)
@@ -107,7 +109,9 @@ def test_gradients_reach_router_through_masks_and_sizes(hard):
     router = BudgetRouter(BUDGETS, {"ffn": (3, 2)}, hidden_size=16)
     probs = router(router.encode(0.75), 1.0, 1.0, hard, _gen(0))["ffn"]
     target = torch.linspace(0, 1, FULL)
-    loss = (prefix_masks(probs, CANDIDATES, FULL) * target).sum() + expected_sizes(probs, CANDIDATES).pow(2).sum()
+    loss = (prefix_masks(probs, CANDIDATES, FULL) * target).sum() + expected_sizes(
+        probs, CANDIDATES
+    ).pow(2).sum()
     loss.backward()
     for name, p in router.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
@@ -141,11 +145,15 @@ def test_router_shapes_homogeneous_and_heterogeneous():
     torch.testing.assert_close(probs["ffn"].sum(-1), torch.ones(5))
     choice = router.choose(0.5)
     assert len(choice["hidden"]) == 1 and len(choice["ffn"]) == 5
-    assert choice == {k: v.argmax(-1).tolist() for k, v in router.logits(router.encode(0.5)).items()}
+    assert choice == {
+        k: v.argmax(-1).tolist() for k, v in router.logits(router.encode(0.5)).items()
+    }
     with pytest.raises(ConfigError, match="not a trained budget"):
         router.choose(0.6)
     mixed = router.logits(router.encode(0.6, interpolate=True))
-    assert router.choose(0.6, interpolate=True) == {k: v.argmax(-1).tolist() for k, v in mixed.items()}
+    assert router.choose(0.6, interpolate=True) == {
+        k: v.argmax(-1).tolist() for k, v in mixed.items()
+    }
     with pytest.raises(ConfigError, match="shape"):
         router.logits(torch.ones(2))
     with pytest.raises(ConfigError, match="num_candidates"):
@@ -160,7 +168,9 @@ def test_router_deterministic_across_instances():
     for other in (b, c):
         for (n, p), (_, q) in zip(a.named_parameters(), other.named_parameters()):
             assert torch.equal(p, q), n
-    assert not torch.equal(a.routers["ffn"].fc1.weight, BudgetRouter(BUDGETS, axes, seed=1).routers["ffn"].fc1.weight)
+    assert not torch.equal(
+        a.routers["ffn"].fc1.weight, BudgetRouter(BUDGETS, axes, seed=1).routers["ffn"].fc1.weight
+    )
     torch.manual_seed(5)
     d = BudgetRouter(BUDGETS, axes, seed=None)
     torch.manual_seed(5)
@@ -174,9 +184,15 @@ def test_router_deterministic_across_instances():
 
 def test_router_init_prefers_plausible_candidates():
     fractions = {"ffn": [c / FULL for c in CANDIDATES], "heads": [1.0, 0.5]}
-    router = BudgetRouter(BUDGETS, {"ffn": (3, 4), "heads": (2, 1), "experts": (3, 1)}, candidate_fractions=fractions)
+    router = BudgetRouter(
+        BUDGETS, {"ffn": (3, 4), "heads": (2, 1), "experts": (3, 1)}, candidate_fractions=fractions
+    )
     assert router.choose(1.0) == {"ffn": [0] * 4, "heads": [0], "experts": [0]}
-    assert router.choose(0.75) == {"ffn": [1] * 4, "heads": [0], "experts": [1]}  # heads: tie -> larger
+    assert router.choose(0.75) == {
+        "ffn": [1] * 4,
+        "heads": [0],
+        "experts": [1],
+    }  # heads: tie -> larger
     assert router.choose(0.5) == {"ffn": [2] * 4, "heads": [1], "experts": [2]}
     logits = router.logits(router.encode(0.75))["ffn"]
     torch.testing.assert_close(logits, torch.tensor([[0.0, 2.0, 0.0]] * 4), atol=1e-4, rtol=0)
@@ -195,7 +211,8 @@ def test_router_learns_budget_to_size():
     for _ in range(200):
         opt.zero_grad()
         loss = sum(
-            (router(router.encode(b), 1.0, 1.0, False, gen)["ffn"] @ (frac - b).pow(2)).sum() for b in BUDGETS
+            (router(router.encode(b), 1.0, 1.0, False, gen)["ffn"] @ (frac - b).pow(2)).sum()
+            for b in BUDGETS
         )
         loss.backward()
         opt.step()
@@ -248,7 +265,9 @@ def test_sampler_deterministic_and_varied():
     assert draws == [b.budget_index(it, mb) for it in range(1, 21) for mb in range(8)]
     assert draws == [a.budget_index(it, mb) for it in range(1, 21) for mb in range(8)]  # stateless
     assert len(set(draws)) == 3
-    assert [a.budget_index(1, mb) for mb in range(30)] != [a.budget_index(2, mb) for mb in range(30)]
+    assert [a.budget_index(1, mb) for mb in range(30)] != [
+        a.budget_index(2, mb) for mb in range(30)
+    ]
     other = BudgetSampler(BUDGETS, None, seed=4, total_iters=100)
     assert draws != [other.budget_index(it, mb) for it in range(1, 21) for mb in range(8)]
     # noise generators: reproducible, distinct per micro-batch
@@ -264,10 +283,16 @@ def _chi_square(counts: Counter, probs, n: int) -> float:
 
 
 def test_sampler_stages_and_frequencies():
-    stages = [Stage(10, None, 512), Stage(20, (0.5, 0.3, 0.2), 1024), Stage(5, (0.0, 0.0, 1.0), None)]
+    stages = [
+        Stage(10, None, 512),
+        Stage(20, (0.5, 0.3, 0.2), 1024),
+        Stage(5, (0.0, 0.0, 1.0), None),
+    ]
     s = BudgetSampler(BUDGETS, stages, seed=0, total_iters=100)
     assert s.stage(1)[0] == 0 and s.stage(10)[0] == 0 and s.stage(11)[0] == 1
-    assert s.stage(30)[0] == 1 and s.stage(31)[0] == 2 and s.stage(500)[0] == 2  # last stage continues
+    assert (
+        s.stage(30)[0] == 1 and s.stage(31)[0] == 2 and s.stage(500)[0] == 2
+    )  # last stage continues
     assert s.seq_length(5) == 512 and s.seq_length(11) == 1024 and s.seq_length(99) is None
     assert {s.budget_index(it, mb) for it in range(31, 60) for mb in range(10)} == {2}
 
@@ -298,10 +323,17 @@ def _opinionated_router(tiny):
     from elastic_plugin.elastic.cost import ElasticCost
     from elastic_plugin.elastic.router import make_router
 
-    resolved = ElasticConfig.from_dict({
-        "budgets": [1.0, 0.77, 0.4],
-        "sizes": {"embedding": [1.0, 0.75, 0.5], "ffn": [1.0, 0.5], "experts": [1.0, 0.5],
-                  "mamba_heads": [1.0, 0.5]}}).resolve(tiny)
+    resolved = ElasticConfig.from_dict(
+        {
+            "budgets": [1.0, 0.77, 0.4],
+            "sizes": {
+                "embedding": [1.0, 0.75, 0.5],
+                "ffn": [1.0, 0.5],
+                "experts": [1.0, 0.5],
+                "mamba_heads": [1.0, 0.5],
+            },
+        }
+    ).resolve(tiny)
     router, cost = make_router(resolved, seed=3), ElasticCost(tiny, resolved)
     with torch.no_grad():
         for p in router.parameters():
@@ -327,23 +359,33 @@ def test_frozen_choice_is_the_most_likely_one_within_budget(tiny):
         for sizes in itertools.product(*(resolved.axes[n].candidates for n in names)):
             choice = dict(zip(names, sizes))
             fraction = cost.of_choice(choice) / cost.full
-            logp = sum(torch.log_softmax(logits[n][0].double(), -1)[
-                resolved.axes[n].candidates.index(s)].item() for n, s in choice.items())
+            logp = sum(
+                torch.log_softmax(logits[n][0].double(), -1)[
+                    resolved.axes[n].candidates.index(s)
+                ].item()
+                for n, s in choice.items()
+            )
             scored.append((abs(fraction / budget - 1), logp, choice))
         feasible = [s for s in scored if s[0] <= 0.05]
         assert feasible, budget
         assert table[f"{budget:g}"] == max(feasible, key=lambda s: s[1])[2]
         nearest = min(scored, key=lambda s: s[0])[2]
-        assert constrained_choice(router, resolved, cost, budget, tolerance=0.0) == nearest \
+        assert (
+            constrained_choice(router, resolved, cost, budget, tolerance=0.0) == nearest
             or abs(cost.of_choice(nearest) / cost.full / budget - 1) == 0.0
+        )
 
 
 def test_loss_selected_freeze_keeps_the_lowest_loss_among_the_likeliest(tiny):
     """freeze_select=loss: per budget, the router's N most likely feasible choices (all when
     None) are measured and the lowest loss wins; with N=1 it is the likelihood freeze; the
     record names the winner's loss, the router's own pick's loss and the cost fraction."""
-    from elastic_plugin.elastic.freeze import (by_likelihood, constrained_table,
-                                               feasible_choices, loss_selected_table)
+    from elastic_plugin.elastic.freeze import (
+        by_likelihood,
+        constrained_table,
+        feasible_choices,
+        loss_selected_table,
+    )
 
     resolved, router, cost = _opinionated_router(tiny)
 
@@ -371,8 +413,9 @@ def test_loss_selected_freeze_keeps_the_lowest_loss_among_the_likeliest(tiny):
         assert search[label]["router_choice_loss"] == pytest.approx(fake_loss(ranked[0]))
         assert ranked[search[label]["router_rank_of_choice"]] == table[label]
     some = [b for b in resolved.budgets if len(feasible_choices(resolved, cost, b)) > 2]
-    assert some and any(table[f"{b:g}"] != constrained_table(router, resolved, cost)[f"{b:g}"]
-                        for b in some)  # the measured pick differs from the likeliest somewhere
+    assert some and any(
+        table[f"{b:g}"] != constrained_table(router, resolved, cost)[f"{b:g}"] for b in some
+    )  # the measured pick differs from the likeliest somewhere
 
     top2, _ = loss_selected_table(router, resolved, cost, evaluate, candidates=2)
     one, _ = loss_selected_table(router, resolved, cost, evaluate, candidates=1)

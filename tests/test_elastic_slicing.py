@@ -12,14 +12,36 @@ import torch
 pytestmark = [pytest.mark.elastic]
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml"
-SIZES = {"embedding": [128, 96, 64], "ffn": [256, 128], "shared_ffn": [128, 64],
-         "attention_heads": [4, 2], "mamba_heads": [8, 4], "mamba_head_dim": [16, 8],
-         "experts": [8, 4]}
-SMALL = {"embedding": 64, "ffn": 128, "shared_ffn": 64, "attention_heads": 2, "mamba_heads": 4,
-         "mamba_head_dim": 8, "experts": 4}
-CHOICES = [{"embedding": 96}, {"embedding": 64}, {"ffn": 128}, {"shared_ffn": 64},
-           {"attention_heads": 2}, {"mamba_heads": 4}, {"mamba_head_dim": 8}, {"experts": 4},
-           SMALL, {**SMALL, "embedding": 96, "mamba_head_dim": 12, "experts": 2}]
+SIZES = {
+    "embedding": [128, 96, 64],
+    "ffn": [256, 128],
+    "shared_ffn": [128, 64],
+    "attention_heads": [4, 2],
+    "mamba_heads": [8, 4],
+    "mamba_head_dim": [16, 8],
+    "experts": [8, 4],
+}
+SMALL = {
+    "embedding": 64,
+    "ffn": 128,
+    "shared_ffn": 64,
+    "attention_heads": 2,
+    "mamba_heads": 4,
+    "mamba_head_dim": 8,
+    "experts": 4,
+}
+CHOICES = [
+    {"embedding": 96},
+    {"embedding": 64},
+    {"ffn": 128},
+    {"shared_ffn": 64},
+    {"attention_heads": 2},
+    {"mamba_heads": 4},
+    {"mamba_head_dim": 8},
+    {"experts": 4},
+    SMALL,
+    {**SMALL, "embedding": 96, "mamba_head_dim": 12, "experts": 2},
+]
 TOL = 1e-5
 
 
@@ -27,8 +49,12 @@ TOL = 1e-5
 def setup():
     from elastic_plugin.compat import enable_cpu_megatron
     from elastic_plugin.models.config import load_config
-    from elastic_plugin.parallel import (Layout, build_model_chunks, init_distributed,
-                                         initialize_layout)
+    from elastic_plugin.parallel import (
+        Layout,
+        build_model_chunks,
+        init_distributed,
+        initialize_layout,
+    )
     from elastic_plugin.testing.elastic_model import make_elastic
 
     enable_cpu_megatron()
@@ -38,8 +64,11 @@ def setup():
     model = build_model_chunks(cfg, Layout(), wrap_ddp=False)[0][0]
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():  # no constant tensors (norms = 1, D = 1, bias = 0): a wrong slice shows
-        for tensor in [*model.parameters(), model.decoder.layers[2].mlp.router.expert_bias,
-                       model.decoder.layers[6].mlp.router.expert_bias]:
+        for tensor in [
+            *model.parameters(),
+            model.decoder.layers[2].mlp.router.expert_bias,
+            model.decoder.layers[6].mlp.router.expert_bias,
+        ]:
             tensor.add_(0.1 * torch.randn(tensor.shape, generator=gen))
     state, resolved = make_elastic(model, cfg, SIZES)
     tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=gen)
@@ -55,15 +84,18 @@ def _plain(model_cfg):
 
 def _param_count(sliced: dict, module: torch.nn.Module) -> int:
     buffers = {name for name, _ in module.named_buffers()}
-    return sum(v.numel() for k, v in sliced.items()
-               if torch.is_tensor(v) and k not in buffers and not k.endswith("_extra_state"))
+    return sum(
+        v.numel()
+        for k, v in sliced.items()
+        if torch.is_tensor(v) and k not in buffers and not k.endswith("_extra_state")
+    )
 
 
 @pytest.mark.parametrize("choice", CHOICES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_sliced_plain_model_equals_elastic(setup, choice):
     from elastic_plugin.models.axes import model_for_choice
-    from elastic_plugin.nested.slicing import sliced_state_dict
     from elastic_plugin.models.counting import count_parameters
+    from elastic_plugin.nested.slicing import sliced_state_dict
 
     cfg, model, state, _, tokens, position = setup
     state.clear()
@@ -123,8 +155,9 @@ def test_wrong_block_is_detected(setup):
     sliced = sliced_state_dict(model, cfg, choice)
     d, block = cfg.head_dim, (cfg.num_attention_heads // cfg.query_groups + 2) * cfg.head_dim
     full = model.decoder.layers[1].self_attention.linear_qkv.weight.detach()
-    rows = torch.cat([torch.arange(g * block + d, (g + 1) * block)
-                      for g in range(cfg.query_groups)])
+    rows = torch.cat(
+        [torch.arange(g * block + d, (g + 1) * block) for g in range(cfg.query_groups)]
+    )
     sliced["decoder.layers.1.self_attention.linear_qkv.weight"] = full[rows].clone()
     plain = _plain(model_for_choice(cfg, choice))
     plain.load_state_dict(sliced, strict=True)
@@ -146,17 +179,26 @@ def test_heterogeneous_shapes(setup):
     spec = resolved.axes
     assert spec["mamba_heads"].layers == (1, 5) and spec["attention_heads"].layers == (2, 6)
     assert spec["experts"].layers == (3, 7) and spec["ffn"].layers == (4, 8)
-    choice = {"embedding": 96, "mamba_heads": [4, 8], "mamba_head_dim": [16, 8],
-              "attention_heads": [2, 4], "experts": [8, 4], "shared_ffn": [64, 128],
-              "ffn": [128, 256]}
+    choice = {
+        "embedding": 96,
+        "mamba_heads": [4, 8],
+        "mamba_head_dim": [16, 8],
+        "attention_heads": [2, 4],
+        "experts": [8, 4],
+        "shared_ffn": [64, 128],
+        "ffn": [128, 256],
+    }
     sliced = sliced_state_dict(model, cfg, choice)
     h, g, n, d = 96, cfg.mamba_num_groups, cfg.mamba_state_dim, cfg.head_dim
     shape = lambda key: tuple(sliced[f"decoder.layers.{key}"].shape)  # noqa: E731
     for i, (nh, p) in enumerate([(4, 16), (8, 8)]):
         layer = (0, 4)[i]
         assert shape(f"{layer}.mixer.in_proj.weight") == (2 * nh * p + 2 * g * n + nh, h)
-        assert shape(f"{layer}.mixer.conv1d_weight") == (nh * p + 2 * g * n, 1,
-                                                         cfg.mamba_conv_kernel)
+        assert shape(f"{layer}.mixer.conv1d_weight") == (
+            nh * p + 2 * g * n,
+            1,
+            cfg.mamba_conv_kernel,
+        )
         assert shape(f"{layer}.mixer.A_log") == shape(f"{layer}.mixer.dt_bias") == (nh,)
         assert shape(f"{layer}.mixer.norm.weight") == (nh * p,)
         assert shape(f"{layer}.mixer.out_proj.weight") == (h, nh * p)
@@ -186,25 +228,29 @@ def test_heterogeneous_shapes(setup):
         assert torch.equal(value, homogeneous[index][key]), key
 
     cost = ElasticCost(cfg, resolved, metric="total_params")
-    count = sum(v.numel() for k, v in sliced.items() if torch.is_tensor(v)
-                and not k.endswith("expert_bias"))
+    count = sum(
+        v.numel() for k, v in sliced.items() if torch.is_tensor(v) and not k.endswith("expert_bias")
+    )
     assert count == cost.of_choice(choice)
 
 
-@pytest.mark.parametrize("choice, axis", [
-    ({"attention_heads": 3}, "attention_heads"),   # not a multiple of the 2 query groups
-    ({"mamba_heads": 5}, "mamba_heads"),           # not a multiple of the 2 Mamba groups
-    ({"ffn": 512}, "ffn"),                         # bigger than full
-    ({"mamba_head_dim": 0}, "mamba_head_dim"),
-    ({"experts": 1}, "experts"),                   # fewer than top-k
-    ({"embedding": 64.0}, "embedding"),            # not an int
-    ({"embedding": [64, 64]}, "embedding"),        # the hidden size is global
-    ({"ffn": [128, 128, 128]}, "ffn"),             # 2 dense layers
-    ({"vision_heads": 2}, "vision_heads"),         # unknown axis
-])
+@pytest.mark.parametrize(
+    "choice, axis",
+    [
+        ({"attention_heads": 3}, "attention_heads"),  # not a multiple of the 2 query groups
+        ({"mamba_heads": 5}, "mamba_heads"),  # not a multiple of the 2 Mamba groups
+        ({"ffn": 512}, "ffn"),  # bigger than full
+        ({"mamba_head_dim": 0}, "mamba_head_dim"),
+        ({"experts": 1}, "experts"),  # fewer than top-k
+        ({"embedding": 64.0}, "embedding"),  # not an int
+        ({"embedding": [64, 64]}, "embedding"),  # the hidden size is global
+        ({"ffn": [128, 128, 128]}, "ffn"),  # 2 dense layers
+        ({"vision_heads": 2}, "vision_heads"),  # unknown axis
+    ],
+)
 def test_bad_choice_names_the_axis(setup, choice, axis):
-    from elastic_plugin.nested.slicing import sliced_state_dict
     from elastic_plugin.models.config import ConfigError
+    from elastic_plugin.nested.slicing import sliced_state_dict
 
     cfg, model, _, _, _, _ = setup
     with pytest.raises(ConfigError, match=axis):
@@ -214,8 +260,8 @@ def test_bad_choice_names_the_axis(setup, choice, axis):
 def test_model_not_matching_config(setup):
     import dataclasses
 
-    from elastic_plugin.nested.slicing import sliced_state_dict
     from elastic_plugin.models.config import ConfigError
+    from elastic_plugin.nested.slicing import sliced_state_dict
 
     cfg, model, _, _, _, _ = setup
     other = dataclasses.replace(cfg, hybrid_layer_pattern="M*E-M*E-M*")
@@ -230,8 +276,8 @@ def test_slicing_and_reorder_run_on_the_csrc_gather_ops(setup, monkeypatch):
     copy of the model computes the same logits, and undoing the permutation restores every
     weight bit for bit."""
     import elastic_plugin.ops as ops
+    from elastic_plugin.importance.reorder import Permutations, apply_permutations, within_groups
     from elastic_plugin.nested.slicing import sliced_state_dict
-    from elastic_plugin.importance.reorder import Permutations, within_groups, apply_permutations
 
     cfg, model, state, _, tokens, position = setup
     calls = {"ordered_gather": 0, "ordered_gather_many": []}
@@ -248,8 +294,13 @@ def test_slicing_and_reorder_run_on_the_csrc_gather_ops(setup, monkeypatch):
     monkeypatch.setattr(ops, "ordered_gather", counting_gather)
     monkeypatch.setattr(ops, "ordered_gather_many", counting_many)
     sliced = sliced_state_dict(model, cfg, SMALL)
-    assert calls["ordered_gather"] >= len([k for k, v in sliced.items() if torch.is_tensor(v)
-                                           and not k.endswith("_extra_state")]) // 2
+    assert (
+        calls["ordered_gather"]
+        >= len(
+            [k for k, v in sliced.items() if torch.is_tensor(v) and not k.endswith("_extra_state")]
+        )
+        // 2
+    )
 
     state.clear()
     plain = _plain(cfg)
@@ -261,7 +312,8 @@ def test_slicing_and_reorder_run_on_the_csrc_gather_ops(setup, monkeypatch):
         if type(layer).__name__ == "MambaLayer":
             perms.mamba_channels[number] = torch.randperm(cfg.mamba_head_dim, generator=gen)
             perms.mamba_heads[number] = within_groups(
-                torch.rand(cfg.mamba_num_heads, generator=gen), cfg.mamba_num_groups)
+                torch.rand(cfg.mamba_num_heads, generator=gen), cfg.mamba_num_groups
+            )
         if type(layer).__name__ == "MLPLayer":
             perms.ffn[number] = torch.randperm(cfg.ffn_hidden_size, generator=gen)
     with torch.no_grad():
@@ -271,6 +323,12 @@ def test_slicing_and_reorder_run_on_the_csrc_gather_ops(setup, monkeypatch):
     assert (after - before).abs().max().item() <= TOL
     residual_tensors = max(calls["ordered_gather_many"])
     assert residual_tensors >= 20  # every norm, linear input/output and embedding in one call
-    moved = [k for k, v in plain.state_dict().items() if torch.is_tensor(v) and k in original
-             and v.shape == original[k].shape and not torch.equal(v, original[k])]
+    moved = [
+        k
+        for k, v in plain.state_dict().items()
+        if torch.is_tensor(v)
+        and k in original
+        and v.shape == original[k].shape
+        and not torch.equal(v, original[k])
+    ]
     assert len(moved) >= residual_tensors

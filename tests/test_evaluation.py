@@ -4,12 +4,13 @@ counts), a setting run on a tiny model against plain generation, and bad input f
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-pytestmark = [pytest.mark.inference,
-              pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning")]
+pytestmark = [
+    pytest.mark.inference,
+    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,9 @@ def test_completions_are_scored_on_the_answer_with_token_counts(problems):
 
     tok = problems.tokenizer
     e0, e1, e2 = problems.examples[:3]
-    right = tok.tokenize(f"<think>{e0.thinking}</think>{e0.answer}") + [tok.eod] + tok.tokenize("99")
+    right = (
+        tok.tokenize(f"<think>{e0.thinking}</think>{e0.answer}") + [tok.eod] + tok.tokenize("99")
+    )
     wrong = tok.tokenize(f"<think>{e1.thinking}</think>{int(e1.answer) + 1}")
     unclosed = tok.tokenize(f"<think>{e2.thinking},{e2.answer}")
     scored = score_completions(problems.slice(0, 3), [right, wrong, unclosed])
@@ -46,8 +49,12 @@ def test_a_setting_runs_what_generate_runs(problems):
     setting scores exactly plain greedy generation; capped thinking never thinks longer than
     the cap + the forced </think>; latency fields are measured."""
     from elastic_plugin.evaluation.problems import score_completions
-    from elastic_plugin.evaluation.settings import (MAX_ANSWER_TOKENS, MAX_THINK_TOKENS, Setting,
-                                                    run_setting)
+    from elastic_plugin.evaluation.settings import (
+        MAX_ANSWER_TOKENS,
+        MAX_THINK_TOKENS,
+        Setting,
+        run_setting,
+    )
     from elastic_plugin.inference import generate
     from elastic_plugin.testing.inference_cases import tiny_inference_model
 
@@ -56,10 +63,15 @@ def test_a_setting_runs_what_generate_runs(problems):
     try:
         model, _ = tiny_inference_model(seed=2)
         models = {(1.0, "fp32"): model}
-        single = run_setting(Setting("full", 1.0, 1.0), models, problems, batch_size=4,
-                             latency_problems=2)
-        plain = generate(model, problems.prompts, MAX_THINK_TOKENS + MAX_ANSWER_TOKENS,
-                         stop_tokens=[problems.eod])
+        single = run_setting(
+            Setting("full", 1.0, 1.0), models, problems, batch_size=4, latency_problems=2
+        )
+        plain = generate(
+            model,
+            problems.prompts,
+            MAX_THINK_TOKENS + MAX_ANSWER_TOKENS,
+            stop_tokens=[problems.eod],
+        )
         assert single["accuracy"] == score_completions(problems, plain.tokens).accuracy
         assert single["kind"] == "single" and single["problems"] == 6
         assert single["latency_ms_batch1"] > 0 and single["latency_ms_batched"] > 0
@@ -79,17 +91,17 @@ def test_a_setting_runs_what_generate_runs(problems):
         settings_module._completions = recording
         try:
             latency = settings_module.interleaved_latencies(
-                [Setting("full", 1.0, 1.0), Setting("capped", 1.0, 1.0, cap=3)], models,
-                problems, 3)
+                [Setting("full", 1.0, 1.0), Setting("capped", 1.0, 1.0, cap=3)], models, problems, 3
+            )
         finally:
             settings_module._completions = original
         assert set(latency) == {"full", "capped"}
-        assert all(v["latency_ms_batch1"] > 0 and v["latency_ms_batch1_mean"] > 0
-                   for v in latency.values())
+        assert all(
+            v["latency_ms_batch1"] > 0 and v["latency_ms_batch1_mean"] > 0 for v in latency.values()
+        )
         timed = calls[2:]  # after one warm-up call per setting
         assert len(timed) == 6 and all(n == 1 for _, n in timed)
-        assert [name for name, _ in timed] == ["full", "capped", "capped", "full", "full",
-                                               "capped"]
+        assert [name for name, _ in timed] == ["full", "capped", "capped", "full", "full", "capped"]
     finally:
         torch.set_num_threads(threads)
 
@@ -110,11 +122,12 @@ def test_evaluate_rejects_bad_input_before_loading(tmp_path, monkeypatch, capsys
     (tmp_path / "exports").mkdir()
     out = tmp_path / "out"
     for argv, message in (
-            (["--ckpt", str(tmp_path / "nope")], "no such checkpoint directory"),
-            (["--ckpt", str(no_data)], "is not a prepared task directory"),
-            (["--ckpt", str(good), "--num-problems", "0"], "--num-problems=0: must be an int >= 1"),
-            (["--ckpt", str(good), "--batch-size", "-2"], "--batch-size=-2"),
-            (["--ckpt", str(good), "--exports", str(tmp_path / "exports")], "no exports.json")):
+        (["--ckpt", str(tmp_path / "nope")], "no such checkpoint directory"),
+        (["--ckpt", str(no_data)], "is not a prepared task directory"),
+        (["--ckpt", str(good), "--num-problems", "0"], "--num-problems=0: must be an int >= 1"),
+        (["--ckpt", str(good), "--batch-size", "-2"], "--batch-size=-2"),
+        (["--ckpt", str(good), "--exports", str(tmp_path / "exports")], "no exports.json"),
+    ):
         assert main(["evaluate", "--out", str(out), *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("elastic-plugin evaluate: error:") and message in err, err

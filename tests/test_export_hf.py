@@ -20,8 +20,12 @@ def plain():
     """The tiny Megatron model with no constant tensors (a wrong mapping shows in the logits)."""
     from elastic_plugin.compat import enable_cpu_megatron
     from elastic_plugin.models.config import load_config
-    from elastic_plugin.parallel import (Layout, build_model_chunks, init_distributed,
-                                         initialize_layout)
+    from elastic_plugin.parallel import (
+        Layout,
+        build_model_chunks,
+        init_distributed,
+        initialize_layout,
+    )
 
     enable_cpu_megatron()
     init_distributed()
@@ -30,8 +34,10 @@ def plain():
     model = build_model_chunks(cfg, Layout(), wrap_ddp=False)[0][0].eval()
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
-        for tensor in [*model.parameters(), *(b for n, b in model.named_buffers()
-                                              if n.endswith("expert_bias"))]:
+        for tensor in [
+            *model.parameters(),
+            *(b for n, b in model.named_buffers() if n.endswith("expert_bias")),
+        ]:
             tensor.add_(0.1 * torch.randn(tensor.shape, generator=gen))
     tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=gen)
     with torch.no_grad():
@@ -42,8 +48,12 @@ def plain():
 def test_plain_model_round_trips_and_loads_in_stock_transformers(plain, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from elastic_plugin.export.hf import (hf_config, hf_to_megatron, megatron_to_hf,
-                                          write_hf_checkpoint)
+    from elastic_plugin.export.hf import (
+        hf_config,
+        hf_to_megatron,
+        megatron_to_hf,
+        write_hf_checkpoint,
+    )
 
     cfg, model, tokens, reference = plain
     state = model.state_dict()
@@ -69,8 +79,12 @@ def test_plain_model_round_trips_and_loads_in_stock_transformers(plain, tmp_path
 
 def test_a_wrong_layout_is_caught(plain, tmp_path):
     """The reference check can fail: K and V exchanged in the split changes the logits."""
-    from elastic_plugin.export.hf import hf_config, load_hf_model, megatron_to_hf, \
-        write_hf_checkpoint
+    from elastic_plugin.export.hf import (
+        hf_config,
+        load_hf_model,
+        megatron_to_hf,
+        write_hf_checkpoint,
+    )
 
     cfg, model, tokens, reference = plain
     hf = megatron_to_hf(model.state_dict(), cfg)
@@ -89,20 +103,23 @@ def test_bad_models_and_flags_are_refused_naming_the_field(tiny, tmp_path):
     from elastic_plugin.export.hf_compat import check_hf_compatible
     from elastic_plugin.models.config import ConfigError
 
-    for change, field in (({"activation": "swiglu"}, "model.activation"),
-                          ({"position_embedding_type": "rope"}, "model.position_embedding_type"),
-                          ({"moe_router_score_function": "softmax"},
-                           "model.moe_router_score_function"),
-                          ({"layernorm_epsilon": 1e-6}, "model.layernorm_epsilon")):
+    for change, field in (
+        ({"activation": "swiglu"}, "model.activation"),
+        ({"position_embedding_type": "rope"}, "model.position_embedding_type"),
+        ({"moe_router_score_function": "softmax"}, "model.moe_router_score_function"),
+        ({"layernorm_epsilon": 1e-6}, "model.layernorm_epsilon"),
+    ):
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             check_hf_compatible(dataclasses.replace(tiny, **change))
     check_hf_compatible(tiny)
-    cases = [(("onnx", None, None, None), "--format 'onnx': allowed: megatron, hf"),
-             (("hf", None, "int4", None), "--quantize 'int4': allowed: fp8, nvfp4"),
-             (("hf", "fp64", None, None), "--dtype 'fp64': allowed: bf16, fp16, fp32"),
-             (("megatron", None, "fp8", None), "--quantize goes with --format hf"),
-             (("megatron", "bf16", None, None), "--dtype goes with --format hf"),
-             (("hf", None, None, (2, 1, 1)), "--target-* layouts go with --format megatron")]
+    cases = [
+        (("onnx", None, None, None), "--format 'onnx': allowed: megatron, hf"),
+        (("hf", None, "int4", None), "--quantize 'int4': allowed: fp8, nvfp4"),
+        (("hf", "fp64", None, None), "--dtype 'fp64': allowed: bf16, fp16, fp32"),
+        (("megatron", None, "fp8", None), "--quantize goes with --format hf"),
+        (("megatron", "bf16", None, None), "--dtype goes with --format hf"),
+        (("hf", None, None, (2, 1, 1)), "--target-* layouts go with --format megatron"),
+    ]
     for args, message in cases:
         with pytest.raises(ConfigError) as err:
             _check_format(*args, tiny)
@@ -113,8 +130,9 @@ def test_bad_models_and_flags_are_refused_naming_the_field(tiny, tmp_path):
 @pytest.fixture(scope="module")
 def exported(rank_pools, tmp_path_factory):
     work = tmp_path_factory.mktemp("hf_export")
-    (result,) = rank_pools.get(1).run("elastic_plugin.testing.export_cases:hf_export_case",
-                                      config_path=CONFIG, workdir=str(work))
+    (result,) = rank_pools.get(1).run(
+        "elastic_plugin.testing.export_cases:hf_export_case", config_path=CONFIG, workdir=str(work)
+    )
     return work, result
 
 
@@ -124,8 +142,10 @@ def test_nested_hf_exports_give_the_elastic_logits(exported):
     elastic model at that budget; bf16 is close; the nested models really differ from full."""
     _, r = exported
     for row in r["rows"]:
-        print(f"budget {row['budget']:g} {row['quantize'] or row['dtype']}: "
-              f"max diff {row['diff']:.2e}, rel {row['rel']:.2e}, bytes {row['summary']['bytes']}")
+        print(
+            f"budget {row['budget']:g} {row['quantize'] or row['dtype']}: "
+            f"max diff {row['diff']:.2e}, rel {row['rel']:.2e}, bytes {row['summary']['bytes']}"
+        )
         assert row["vs_full"] > 1e-3
         assert {"config.json", "model.safetensors", "export_meta.json"} <= set(row["files"])
         if row["dtype"] == "fp32":
@@ -135,18 +155,25 @@ def test_nested_hf_exports_give_the_elastic_logits(exported):
     by = {(row["budget"], row["quantize"] or row["dtype"]): row for row in r["rows"]}
     per_layer = by[(0.77, "fp32")]["config"]
     assert per_layer["layer_overrides"] == {
-        "4": {"mamba_num_heads": 8, "mamba_head_dim": 8}, "5": {"num_attention_heads": 4},
+        "4": {"mamba_num_heads": 8, "mamba_head_dim": 8},
+        "5": {"num_attention_heads": 4},
         "6": {"n_routed_experts": 4, "moe_shared_expert_intermediate_size": 128},
-        "7": {"intermediate_size": 256}}
+        "7": {"intermediate_size": 256},
+    }
     assert per_layer["hidden_size"] == 96
     small = by[(0.4, "fp32")]["config"]
     assert "layer_overrides" not in small and small["hidden_size"] == 64
     assert small["n_routed_experts"] == 4 and small["mamba_num_heads"] == 4
-    assert by[(0.4, "fp32")]["summary"]["params"]["total"] < by[(0.77, "fp32")]["summary"]["params"]["total"]
+    assert (
+        by[(0.4, "fp32")]["summary"]["params"]["total"]
+        < by[(0.77, "fp32")]["summary"]["params"]["total"]
+    )
     for budget in (0.4, 0.77):  # bf16 halves the fp32 bytes (up to the small json files)
         ratio = by[(budget, "bf16")]["summary"]["bytes"] / by[(budget, "fp32")]["summary"]["bytes"]
         assert 0.45 < ratio < 0.55, ratio
-    assert "per-layer sizes" in r["per_layer_megatron"] and "Hugging Face" in r["per_layer_megatron"]
+    assert (
+        "per-layer sizes" in r["per_layer_megatron"] and "Hugging Face" in r["per_layer_megatron"]
+    )
 
 
 @pytest.mark.multirank
@@ -184,22 +211,31 @@ def test_cli_flags_are_checked_before_loading(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(extract_cli, "run_extraction", refuse)
     monkeypatch.setattr(report, "load_source", refuse)
     good = _fake_ckpt(tmp_path / "good")
-    hetero = _fake_ckpt(tmp_path / "hetero", elastic={
-        "budgets": [1.0, 0.5], "choices": {"1": {"ffn": [256, 256]}, "0.5": {"ffn": [256, 128]}}})
+    hetero = _fake_ckpt(
+        tmp_path / "hetero",
+        elastic={
+            "budgets": [1.0, 0.5],
+            "choices": {"1": {"ffn": [256, 256]}, "0.5": {"ffn": [256, 128]}},
+        },
+    )
     out = tmp_path / "out"
     base = ["extract", "--ckpt", str(good), "--budget", "0.4", "--out", str(out)]
     for extra, message in (
-            (["--format", "onnx"], "--format 'onnx': allowed: megatron, hf"),
-            (["--format", "hf", "--quantize", "int8"], "--quantize 'int8': allowed: fp8, nvfp4"),
-            (["--quantize", "fp8"], "--quantize goes with --format hf"),
-            (["--format", "hf", "--target-tensor-model-parallel-size", "2"],
-             "--target-* layouts go with --format megatron")):
+        (["--format", "onnx"], "--format 'onnx': allowed: megatron, hf"),
+        (["--format", "hf", "--quantize", "int8"], "--quantize 'int8': allowed: fp8, nvfp4"),
+        (["--quantize", "fp8"], "--quantize goes with --format hf"),
+        (
+            ["--format", "hf", "--target-tensor-model-parallel-size", "2"],
+            "--target-* layouts go with --format megatron",
+        ),
+    ):
         assert main(base + extra) == 2
         err = capsys.readouterr().err
         assert message in err, err
     for extra, message in (
-            (["--precisions", "bf16,int4"], "--precisions bf16,int4: allowed: bf16, fp8, nvfp4"),
-            (["--eval-sequences", "-1"], "--eval-sequences -1: must be >= 0")):
+        (["--precisions", "bf16,int4"], "--precisions bf16,int4: allowed: bf16, fp8, nvfp4"),
+        (["--eval-sequences", "-1"], "--eval-sequences -1: must be >= 0"),
+    ):
         assert main(["export", "--ckpt", str(good), "--out", str(out), *extra]) == 2
         assert message in capsys.readouterr().err
     assert not out.exists()
@@ -207,5 +243,8 @@ def test_cli_flags_are_checked_before_loading(tmp_path, monkeypatch, capsys):
     assert plan.choice == {"ffn": [256, 128]} and plan.dtype == "bf16"
     # export skips the Megatron checkpoint of a per-layer budget and plans the HF ones
     jobs = report._plans(hetero, out, ["bf16"], megatron=True)
-    assert [(j.budget, j.precision) for j in jobs] == [(1.0, "megatron"), (1.0, "bf16"),
-                                                       (0.5, "bf16")]
+    assert [(j.budget, j.precision) for j in jobs] == [
+        (1.0, "megatron"),
+        (1.0, "bf16"),
+        (0.5, "bf16"),
+    ]

@@ -10,9 +10,22 @@ import pytest
 import torch
 
 from elastic_plugin.export.quantize import (
-    DEFAULT_QUANTIZED, E2M1_VALUES, FORMATS, bytes_per_weight, dequantize_fp8, dequantize_nvfp4,
-    dequantize_state_dict, pack_e2m1, quantize_fp8, quantize_nvfp4, quantize_state_dict,
-    quantized_weight_bytes, round_e2m1, tensor_bytes, unpack_e2m1)
+    DEFAULT_QUANTIZED,
+    E2M1_VALUES,
+    FORMATS,
+    bytes_per_weight,
+    dequantize_fp8,
+    dequantize_nvfp4,
+    dequantize_state_dict,
+    pack_e2m1,
+    quantize_fp8,
+    quantize_nvfp4,
+    quantize_state_dict,
+    quantized_weight_bytes,
+    round_e2m1,
+    tensor_bytes,
+    unpack_e2m1,
+)
 from elastic_plugin.models.config import ConfigError
 
 pytestmark = pytest.mark.export
@@ -51,7 +64,7 @@ def test_e2m1_midpoints_go_to_the_even_code_and_neighbours_to_the_nearest() -> N
 
 
 def test_packing_puts_the_even_element_in_the_low_nibble() -> None:
-    row = torch.tensor([[0, .5, 1, 1.5, 2, 3, 4, 6, -.5, -1, -1.5, -2, -3, -4, -6, 6]])
+    row = torch.tensor([[0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.5, -1, -1.5, -2, -3, -4, -6, 6]])
     packed, block_scale, global_scale = quantize_nvfp4(row)
     # amax 6 -> the block scale is exactly 448, the values land on themselves
     assert block_scale.float().item() == 448.0
@@ -68,7 +81,7 @@ def test_fp8_representable_tensors_round_trip_exactly() -> None:
     torch.manual_seed(0)
     grid = torch.randn(64, 48).mul(100).clamp(-448, 448).to(E4M3).float()
     grid[0, 0] = 448.0  # amax 448 -> scale 1
-    for shift in (1.0, 2.0 ** -10, 2.0 ** 6):  # power-of-two scales stay exact
+    for shift in (1.0, 2.0**-10, 2.0**6):  # power-of-two scales stay exact
         w = grid * shift
         q, scale = quantize_fp8(w)
         assert scale.item() == shift
@@ -77,7 +90,7 @@ def test_fp8_representable_tensors_round_trip_exactly() -> None:
 
 def test_nvfp4_representable_tensors_round_trip_exactly() -> None:
     torch.manual_seed(1)
-    g = 2.0 ** -12
+    g = 2.0**-12
     codes = torch.randint(0, 16, (8, 64), dtype=torch.uint8)
     codes[:, ::16] = 7  # every block holds a 6 -> its block scale is recovered exactly
     scales = torch.rand(8, 4).mul(400).add(1).to(E4M3)
@@ -98,11 +111,11 @@ def test_fp8_error_is_within_half_an_e4m3_step() -> None:
     assert q.dtype == E4M3 and scale.dim() == 0 and scale.dtype == torch.float32
     assert scale.item() == pytest.approx(w.abs().max().item() / 448, rel=1e-6)
     err = (dequantize_fp8(q, scale) - w).abs()
-    normal = w.abs() / scale >= 2.0 ** -6  # E4M3 normals: 3 mantissa bits, step 2^-3 relative
+    normal = w.abs() / scale >= 2.0**-6  # E4M3 normals: 3 mantissa bits, step 2^-3 relative
     assert normal.any() and (~normal).any()
     assert (err[normal] <= w.abs()[normal] / 16 * (1 + 1e-6)).all()
     # subnormals: absolute step 2^-9 (times the scale)
-    assert (err[~normal] <= scale * 2.0 ** -10 * (1 + 1e-6)).all()
+    assert (err[~normal] <= scale * 2.0**-10 * (1 + 1e-6)).all()
 
 
 def test_nvfp4_error_is_within_half_a_grid_step_of_each_block() -> None:
@@ -113,7 +126,7 @@ def test_nvfp4_error_is_within_half_a_grid_step_of_each_block() -> None:
     assert global_scale.item() == pytest.approx(w.abs().max().item() / (6 * 448), rel=1e-6)
     blocks = w.view(128, 16, 16)
     exact = blocks.abs().amax(-1) / (6 * global_scale)
-    normal = exact >= 2.0 ** -6  # a normal E4M3 block scale is within 2^-4 of the exact one
+    normal = exact >= 2.0**-6  # a normal E4M3 block scale is within 2^-4 of the exact one
     assert (((block_scale.float() - exact).abs() <= exact / 16 * (1 + 1e-6)) | ~normal).all()
     s = (block_scale.float() * global_scale).unsqueeze(-1)  # the block's effective scale
     y = blocks.abs() / s
@@ -140,7 +153,7 @@ def test_zero_blocks_and_all_zero_tensors_stay_finite_and_zero() -> None:
     w[3, 32:48] *= 1e-9  # a block too small for E4M3: its scale clamps to the smallest, 2^-9
     packed, block_scale, global_scale = quantize_nvfp4(w)
     assert block_scale[1].float().eq(1.0).all() and block_scale[2, 1].float().item() == 1.0
-    assert block_scale[3, 2].float().item() == 2.0 ** -9
+    assert block_scale[3, 2].float().item() == 2.0**-9
     assert unpack_e2m1(packed)[3, 32:48].eq(torch.where(w[3, 32:48] < 0, 8, 0)).all()
     dq = dequantize_nvfp4(packed, block_scale, global_scale)
     assert dq[1].eq(0).all() and dq[2, 16:32].eq(0).all()
@@ -180,8 +193,9 @@ def test_expert_stacks_get_one_scale_per_expert() -> None:
         pe, be, ge = quantize_nvfp4(w[e])
         assert torch.equal(packed[e], pe) and torch.equal(block_scale[e].float(), be.float())
         assert global_scale[e] == ge
-        assert torch.equal(dequantize_nvfp4(packed, block_scale, global_scale)[e],
-                           dequantize_nvfp4(pe, be, ge))
+        assert torch.equal(
+            dequantize_nvfp4(packed, block_scale, global_scale)[e], dequantize_nvfp4(pe, be, ge)
+        )
 
 
 # ------------------------------------------------------------------------------ state dicts
@@ -196,18 +210,23 @@ def _hf_state(in_dim: int = 64) -> dict[str, torch.Tensor]:
         "model.layers.0.mixer.in_proj.weight": r(96, in_dim),
         "model.layers.0.mixer.conv1d.weight": r(48, 1, 4),
         "model.layers.0.mixer.conv1d.bias": r(48),
-        "model.layers.0.mixer.A_log": r(4), "model.layers.0.mixer.D": r(4),
-        "model.layers.0.mixer.dt_bias": r(4), "model.layers.0.mixer.norm.weight": r(32),
+        "model.layers.0.mixer.A_log": r(4),
+        "model.layers.0.mixer.D": r(4),
+        "model.layers.0.mixer.dt_bias": r(4),
+        "model.layers.0.mixer.norm.weight": r(32),
         "model.layers.0.mixer.out_proj.weight": r(h, 32),
-        "model.layers.1.mixer.q_proj.weight": r(64, h), "model.layers.1.mixer.k_proj.weight": r(32, h),
-        "model.layers.1.mixer.v_proj.weight": r(32, h), "model.layers.1.mixer.o_proj.weight": r(h, 64),
+        "model.layers.1.mixer.q_proj.weight": r(64, h),
+        "model.layers.1.mixer.k_proj.weight": r(32, h),
+        "model.layers.1.mixer.v_proj.weight": r(32, h),
+        "model.layers.1.mixer.o_proj.weight": r(h, 64),
         "model.layers.2.mixer.gate.weight": r(e, h).float(),
         "model.layers.2.mixer.gate.e_score_correction_bias": torch.zeros(e),
         "model.layers.2.mixer.experts.up_proj": r(e, f, h),
         "model.layers.2.mixer.experts.down_proj": r(e, h, f),
         "model.layers.2.mixer.shared_experts.up_proj.weight": r(f, h),
         "model.layers.2.mixer.shared_experts.down_proj.weight": r(h, f),
-        "model.layers.3.mixer.up_proj.weight": r(f, h), "model.layers.3.mixer.down_proj.weight": r(h, f),
+        "model.layers.3.mixer.up_proj.weight": r(f, h),
+        "model.layers.3.mixer.down_proj.weight": r(h, f),
         "model.norm_f.weight": r(h),
         "lm_head.weight": r(100, h),
     }
@@ -216,14 +235,22 @@ def _hf_state(in_dim: int = 64) -> dict[str, torch.Tensor]:
 def test_default_quantized_picks_projections_only() -> None:
     state = _hf_state()
     picked = sorted(n for n in state if DEFAULT_QUANTIZED(n))
-    assert picked == sorted([
-        "model.layers.0.mixer.in_proj.weight", "model.layers.0.mixer.out_proj.weight",
-        "model.layers.1.mixer.q_proj.weight", "model.layers.1.mixer.k_proj.weight",
-        "model.layers.1.mixer.v_proj.weight", "model.layers.1.mixer.o_proj.weight",
-        "model.layers.2.mixer.experts.up_proj", "model.layers.2.mixer.experts.down_proj",
-        "model.layers.2.mixer.shared_experts.up_proj.weight",
-        "model.layers.2.mixer.shared_experts.down_proj.weight",
-        "model.layers.3.mixer.up_proj.weight", "model.layers.3.mixer.down_proj.weight"])
+    assert picked == sorted(
+        [
+            "model.layers.0.mixer.in_proj.weight",
+            "model.layers.0.mixer.out_proj.weight",
+            "model.layers.1.mixer.q_proj.weight",
+            "model.layers.1.mixer.k_proj.weight",
+            "model.layers.1.mixer.v_proj.weight",
+            "model.layers.1.mixer.o_proj.weight",
+            "model.layers.2.mixer.experts.up_proj",
+            "model.layers.2.mixer.experts.down_proj",
+            "model.layers.2.mixer.shared_experts.up_proj.weight",
+            "model.layers.2.mixer.shared_experts.down_proj.weight",
+            "model.layers.3.mixer.up_proj.weight",
+            "model.layers.3.mixer.down_proj.weight",
+        ]
+    )
     assert not DEFAULT_QUANTIZED("model.layers.0.mixer.in_proj.bias")
     assert DEFAULT_QUANTIZED("model.layers.2.mixer.experts.5.up_proj.weight")
 
@@ -236,8 +263,9 @@ def test_state_dict_layout_and_round_trip(fmt: str) -> None:
     assert config["producer"]["name"] == "elastic_plugin"
     assert quant["quant_algo"] == {"fp8": "FP8", "nvfp4": "NVFP4"}[fmt]
     assert quant.get("group_size") == (16 if fmt == "nvfp4" else None)
-    assert quant["exclude_modules"] == sorted(["lm_head", "model.layers.0.mixer.conv1d",
-                                               "model.layers.2.mixer.gate"])
+    assert quant["exclude_modules"] == sorted(
+        ["lm_head", "model.layers.0.mixer.conv1d", "model.layers.2.mixer.gate"]
+    )
     # ModelOpt's names: per-expert modules, weight + weight_scale (+ weight_scale_2)
     assert "model.layers.2.mixer.experts.up_proj" not in tensors
     for module in ("model.layers.1.mixer.q_proj", "model.layers.2.mixer.experts.3.down_proj"):
@@ -250,10 +278,17 @@ def test_state_dict_layout_and_round_trip(fmt: str) -> None:
             assert tensors[module + ".weight_scale_2"].shape == ()
     expert = state["model.layers.2.mixer.experts.down_proj"][3]
     quantize = quantize_fp8 if fmt == "fp8" else quantize_nvfp4
-    assert torch.equal(tensors["model.layers.2.mixer.experts.3.down_proj.weight"].view(torch.uint8),
-                       quantize(expert)[0].view(torch.uint8))
-    for name in ("lm_head.weight", "model.embeddings.weight", "model.layers.2.mixer.gate.weight",
-                 "model.layers.0.mixer.A_log", "model.layers.0.mixer.conv1d.weight"):
+    assert torch.equal(
+        tensors["model.layers.2.mixer.experts.3.down_proj.weight"].view(torch.uint8),
+        quantize(expert)[0].view(torch.uint8),
+    )
+    for name in (
+        "lm_head.weight",
+        "model.embeddings.weight",
+        "model.layers.2.mixer.gate.weight",
+        "model.layers.0.mixer.A_log",
+        "model.layers.0.mixer.conv1d.weight",
+    ):
         assert tensors[name] is state[name]
 
     plain = dequantize_state_dict(tensors, config, dtype=torch.bfloat16)
@@ -289,24 +324,32 @@ def test_nvfp4_leaves_non_divisible_input_dims_unquantized_and_excluded() -> Non
     assert name + ".weight_scale" not in tensors
     assert name in config["quantization"]["exclude_modules"]
     assert tensors["model.layers.0.mixer.out_proj.weight"].dtype == torch.uint8
-    assert torch.equal(dequantize_state_dict(tensors, config)[name + ".weight"], state[name + ".weight"])
+    assert torch.equal(
+        dequantize_state_dict(tensors, config)[name + ".weight"], state[name + ".weight"]
+    )
     with pytest.raises(ValueError, match="divide by 16"):
         quantize_nvfp4(state[name + ".weight"])
     tensors, config = quantize_state_dict(state, "fp8")  # FP8 has no block constraint
-    assert tensors[name + ".weight"].dtype == E4M3 and name not in config["quantization"]["exclude_modules"]
+    assert (
+        tensors[name + ".weight"].dtype == E4M3
+        and name not in config["quantization"]["exclude_modules"]
+    )
 
 
 def test_unpicked_experts_are_written_per_expert_and_excluded() -> None:
     state = _hf_state()
-    tensors, config = quantize_state_dict(state, "fp8", lambda n: not n.endswith(".mixer.experts.up_proj")
-                                          and DEFAULT_QUANTIZED(n))
+    tensors, config = quantize_state_dict(
+        state, "fp8", lambda n: not n.endswith(".mixer.experts.up_proj") and DEFAULT_QUANTIZED(n)
+    )
     excluded = config["quantization"]["exclude_modules"]
     assert [m for m in excluded if ".experts." in m] == [
-        f"model.layers.2.mixer.experts.{e}.up_proj" for e in range(4)]
+        f"model.layers.2.mixer.experts.{e}.up_proj" for e in range(4)
+    ]
     assert tensors["model.layers.2.mixer.experts.1.up_proj.weight"].dtype == torch.bfloat16
     plain = dequantize_state_dict(tensors, config)
-    assert torch.equal(plain["model.layers.2.mixer.experts.up_proj"],
-                       state["model.layers.2.mixer.experts.up_proj"])
+    assert torch.equal(
+        plain["model.layers.2.mixer.experts.up_proj"], state["model.layers.2.mixer.experts.up_proj"]
+    )
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -317,8 +360,9 @@ def test_input_amax_becomes_modelopt_input_scales(fmt: str) -> None:
     div = 448.0 if fmt == "fp8" else 6 * 448.0
     assert tensors["model.layers.1.mixer.q_proj.input_scale"].item() == pytest.approx(12 / div)
     for e in range(4):
-        assert tensors[f"model.layers.2.mixer.experts.{e}.up_proj.input_scale"].item() == \
-            pytest.approx(3 / div)
+        assert tensors[
+            f"model.layers.2.mixer.experts.{e}.up_proj.input_scale"
+        ].item() == pytest.approx(3 / div)
     assert "model.layers.1.mixer.k_proj.input_scale" not in tensors
     assert "model.layers.1.mixer.q_proj.input_scale" not in dequantize_state_dict(tensors, config)
     with pytest.raises(ConfigError, match="lm_head"):
@@ -331,8 +375,9 @@ def test_bytes_match_the_formula() -> None:
         tensors, _ = quantize_state_dict(state, fmt)
         picked = {n: w for n, w in state.items() if DEFAULT_QUANTIZED(n)}
         rest = {n: w for n, w in state.items() if n not in picked}
-        expected = tensor_bytes(rest) + sum(quantized_weight_bytes(tuple(w.shape), fmt)
-                                            for w in picked.values())
+        expected = tensor_bytes(rest) + sum(
+            quantized_weight_bytes(tuple(w.shape), fmt) for w in picked.values()
+        )
         assert tensor_bytes(tensors) == expected
         w = torch.randn(256, 256)
         q = quantize_fp8(w) if fmt == "fp8" else quantize_nvfp4(w)
@@ -380,16 +425,24 @@ def test_nvfp4_matches_modelopt_bitwise(dtype: torch.dtype) -> None:
     assert torch.equal(packed, ref._quantized_data)
     assert torch.equal(block_scale.view(torch.uint8), ref_scale.view(torch.uint8))
     assert torch.equal(global_scale, ref_scale_2.float())
-    ref_dq = ref.dequantize(dtype=torch.float32, scale=ref_scale, double_scale=ref_scale_2,
-                            block_sizes={-1: 16})
+    ref_dq = ref.dequantize(
+        dtype=torch.float32, scale=ref_scale, double_scale=ref_scale_2, block_sizes={-1: 16}
+    )
     assert torch.equal(dequantize_nvfp4(packed, block_scale, global_scale), ref_dq)
 
 
 def test_e2m1_rounding_matches_modelopt_including_ties() -> None:
     _, NVFP4QTensor = _modelopt()
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-    x = torch.cat([mids, -mids, torch.tensor(E2M1_VALUES), torch.randn(4096) * 3,
-                   torch.tensor([-1e-7, 6.5, -9.0])])
+    x = torch.cat(
+        [
+            mids,
+            -mids,
+            torch.tensor(E2M1_VALUES),
+            torch.randn(4096) * 3,
+            torch.tensor([-1e-7, 6.5, -9.0]),
+        ]
+    )
     assert torch.equal(round_e2m1(x), NVFP4QTensor._cast_fp4(x.clone()).to(torch.uint8))
 
 
@@ -401,7 +454,9 @@ def test_fp8_matches_modelopt() -> None:
     ref, ref_scale = FP8QTensor.quantize(w.clone())
     assert torch.equal(q.view(torch.uint8), ref._quantized_data.view(torch.uint8))
     assert torch.equal(scale, ref_scale)
-    assert torch.equal(dequantize_fp8(q, scale), ref.dequantize(dtype=torch.float32, scale=ref_scale))
+    assert torch.equal(
+        dequantize_fp8(q, scale), ref.dequantize(dtype=torch.float32, scale=ref_scale)
+    )
     # bf16 weights: ModelOpt's export divides by the fp32 scale in bf16 (0-d type promotion);
     # the fp32 division here differs by at most one E4M3 step
     wb = w.to(torch.bfloat16)

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-
 pytestmark = [pytest.mark.importance]
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
@@ -38,11 +37,15 @@ def test_reap_matches_direct_formula(reference):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", [
-    {"tp": 2, "sequence_parallel": True},
-    {"pp": 2},
-    {"ep": 2},
-], ids=["tp2-sp", "pp2", "ep2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"tp": 2, "sequence_parallel": True},
+        {"pp": 2},
+        {"ep": 2},
+    ],
+    ids=["tp2-sp", "pp2", "ep2"],
+)
 def test_scores_and_rankings_independent_of_layout(reference, layout, rank_pools):
     workdir, _ = reference
     pool = rank_pools.get(2)
@@ -59,16 +62,21 @@ REORDER = "elastic_plugin.testing.reorder_cases"
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world,layout", [
-    (1, {}),
-    (2, {"tp": 2, "sequence_parallel": True}),
-    (2, {"pp": 2}),
-    (2, {"ep": 2}),
-], ids=["tp1", "tp2-sp", "pp2", "ep2"])
+@pytest.mark.parametrize(
+    "world,layout",
+    [
+        (1, {}),
+        (2, {"tp": 2, "sequence_parallel": True}),
+        (2, {"pp": 2}),
+        (2, {"ep": 2}),
+    ],
+    ids=["tp1", "tp2-sp", "pp2", "ep2"],
+)
 def test_reorder_preserves_logits(reference, world, layout, rank_pools):
     workdir, _ = reference
-    reports = rank_pools.get(world).run(f"{REORDER}:logits_preserved", config_path=CONFIG,
-                                        workdir=workdir, **layout)
+    reports = rank_pools.get(world).run(
+        f"{REORDER}:logits_preserved", config_path=CONFIG, workdir=workdir, **layout
+    )
     assert any(r["max_abs_diff"] is not None for r in reports)
     for r in reports:
         assert r["params_moved"] >= r["num_params"] // 2, r  # the reorder really moved weights
@@ -81,14 +89,28 @@ def test_reorder_is_layout_independent(reference, rank_pools):
     """Reorder under TP=2 x EP=2 (4 ranks), save: the same checkpoint as reordering on one rank."""
     workdir, _ = reference
     pool = rank_pools.get(1)
-    pool.run(f"{REORDER}:reorder_and_save", config_path=CONFIG, workdir=workdir, name="reordered_tp1")
+    pool.run(
+        f"{REORDER}:reorder_and_save", config_path=CONFIG, workdir=workdir, name="reordered_tp1"
+    )
     pool = rank_pools.get(4)
-    reports = pool.run(f"{REORDER}:reorder_and_save", config_path=CONFIG, workdir=workdir,
-                       name="reordered_tp2ep2", tp=2, ep=2, sequence_parallel=True)
+    reports = pool.run(
+        f"{REORDER}:reorder_and_save",
+        config_path=CONFIG,
+        workdir=workdir,
+        name="reordered_tp2ep2",
+        tp=2,
+        ep=2,
+        sequence_parallel=True,
+    )
     assert all(r["strided_prefix_ok"] for r in reports), reports
     pool = rank_pools.get(1)
-    (cmp,) = pool.run(f"{REORDER}:compare_saved", config_path=CONFIG, workdir=workdir,
-                      first="reordered_tp1", second="reordered_tp2ep2")
+    (cmp,) = pool.run(
+        f"{REORDER}:compare_saved",
+        config_path=CONFIG,
+        workdir=workdir,
+        first="reordered_tp1",
+        second="reordered_tp2ep2",
+    )
     assert cmp["num_params"] > 20
     assert cmp["mismatched"] == [], cmp["mismatched"]
 

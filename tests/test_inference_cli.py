@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.inference,
-              pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning")]
+pytestmark = [
+    pytest.mark.inference,
+    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
+]
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
 HERE = "test_inference_cli"
@@ -38,8 +40,9 @@ def _tokenizer(path: Path, **kwargs) -> str:
     """A tokenizer.json with every id of the tiny model's vocabulary (128) in use."""
     from elastic_plugin.data.tokenizer import train_tokenizer
 
-    tok = train_tokenizer(kwargs.pop("texts", None) or _texts(), kwargs.pop("vocab_size", 128),
-                          **kwargs)
+    tok = train_tokenizer(
+        kwargs.pop("texts", None) or _texts(), kwargs.pop("vocab_size", 128), **kwargs
+    )
     return tok.save(str(path))
 
 
@@ -85,10 +88,28 @@ def generate_case(workdir: str) -> dict:
     base = ["--ckpt", str(ckpt), "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--json"]
     runs = {
         "plain": ["--budget", "0.4", "--max-new-tokens", "8"],
-        "sampled": ["--budget", "0.4", "--max-new-tokens", "8", "--temperature", "0.8",
-                    "--top-k", "20", "--seed", "3"],
-        "control": ["--think-budget", "0.4", "--answer-budget", "1", "--max-think-tokens", "5",
-                    "--max-new-tokens", "6"],
+        "sampled": [
+            "--budget",
+            "0.4",
+            "--max-new-tokens",
+            "8",
+            "--temperature",
+            "0.8",
+            "--top-k",
+            "20",
+            "--seed",
+            "3",
+        ],
+        "control": [
+            "--think-budget",
+            "0.4",
+            "--answer-budget",
+            "1",
+            "--max-think-tokens",
+            "5",
+            "--max-new-tokens",
+            "6",
+        ],
         "capped": ["--budget", "1", "--max-think-tokens", "4", "--max-new-tokens", "5"],
     }
     out: dict = {"tokenizer": tok_path, "eod": tok.eod, "think_close": tok.think_close}
@@ -111,22 +132,36 @@ def generate_case(workdir: str) -> dict:
 
     (small, _), (full, _) = load_nested_models(ckpt, [0.4, 1.0])
     prompts = [[tok.eod, *tok.tokenize(p)] for p in PROMPTS]
-    control = budget_control_generate(small, full, prompts, tok.think_close, 5, 6,
-                                      answer_stop_tokens=[tok.eod])
-    small_answer = budget_control_generate(small, small, prompts, tok.think_close, 5, 6,
-                                           answer_stop_tokens=[tok.eod])
+    control = budget_control_generate(
+        small, full, prompts, tok.think_close, 5, 6, answer_stop_tokens=[tok.eod]
+    )
+    small_answer = budget_control_generate(
+        small, small, prompts, tok.think_close, 5, 6, answer_stop_tokens=[tok.eod]
+    )
     out["ref"] = {
         "prompts": prompts,
         "plain": generate(small, prompts, 8, stop_tokens=[tok.eod]).tokens,
-        "sampled": generate(small, prompts, 8, greedy=False, temperature=0.8, top_k=20, seed=3,
-                            stop_tokens=[tok.eod]).tokens,
+        "sampled": generate(
+            small,
+            prompts,
+            8,
+            greedy=False,
+            temperature=0.8,
+            top_k=20,
+            seed=3,
+            stop_tokens=[tok.eod],
+        ).tokens,
         "control": [t + a for t, a in zip(control.thinking, control.answers)],
-        "control_thinking": control.thinking, "control_forced": control.think_forced,
+        "control_thinking": control.thinking,
+        "control_forced": control.think_forced,
         "small_answer": [t + a for t, a in zip(small_answer.thinking, small_answer.answers)],
-        "capped": capped_thinking_generate(full, prompts, tok.think_close, 4, 5,
-                                           answer_stop_tokens=[tok.eod]).tokens,
-        "params": {"0.4": sum(p.numel() for p in small.parameters()),
-                   "1": sum(p.numel() for p in full.parameters())},
+        "capped": capped_thinking_generate(
+            full, prompts, tok.think_close, 4, 5, answer_stop_tokens=[tok.eod]
+        ).tokens,
+        "params": {
+            "0.4": sum(p.numel() for p in small.parameters()),
+            "1": sum(p.numel() for p in full.parameters()),
+        },
     }
     return out
 
@@ -138,8 +173,9 @@ def generated(rank_pools, tmp_path_factory):
     return result
 
 
-def _check_records(summary: dict, expected: list[list[int]], tokenizer, eod: int,
-                   think_close: int) -> None:
+def _check_records(
+    summary: dict, expected: list[list[int]], tokenizer, eod: int, think_close: int
+) -> None:
     """Tokens as expected; every derived field consistent with them."""
     from elastic_plugin.data.tasks import parse_completion
 
@@ -162,12 +198,16 @@ def _check_records(summary: dict, expected: list[list[int]], tokenizer, eod: int
         assert record["stop_reason"] in ("stop_token", "max_new_tokens", "max_length")
     timings = summary["timings"]
     # budget control appends a forced </think> itself; the model generated the rest
-    forced = sum(bool(r["think_forced"]) for r in summary["results"]) \
-        if summary["mode"] == "budget_control" else 0
+    forced = (
+        sum(bool(r["think_forced"]) for r in summary["results"])
+        if summary["mode"] == "budget_control"
+        else 0
+    )
     assert timings["generated_tokens"] == sum(len(r["tokens"]) for r in summary["results"]) - forced
     assert timings["prefill_s"] > 0 and timings["decode_s"] > 0 and timings["load_s"] > 0
     assert timings["tokens_per_s"] == pytest.approx(
-        timings["generated_tokens"] / (timings["prefill_s"] + timings["decode_s"]))
+        timings["generated_tokens"] / (timings["prefill_s"] + timings["decode_s"])
+    )
 
 
 @pytest.mark.multirank
@@ -190,8 +230,12 @@ def test_generate_equals_the_library_calls(generated):
 
     sampled = r["sampled"]
     _check_records(sampled, ref["sampled"], tok, eod, close)
-    assert {k: sampled["settings"][k] for k in ("greedy", "temperature", "top_k", "seed")} == \
-        {"greedy": False, "temperature": 0.8, "top_k": 20, "seed": 3}
+    assert {k: sampled["settings"][k] for k in ("greedy", "temperature", "top_k", "seed")} == {
+        "greedy": False,
+        "temperature": 0.8,
+        "top_k": 20,
+        "seed": 3,
+    }
     assert ref["sampled"] != ref["plain"]  # sampling really sampled
 
     # a stop token: the greedy tokens up to its first occurrence (or an earlier <eod>)
@@ -199,7 +243,7 @@ def test_generate_equals_the_library_calls(generated):
     expected = []
     for tokens in ref["plain"]:
         cut = next((i for i, t in enumerate(tokens) if t in (stop_id, eod)), len(tokens) - 1)
-        expected.append(tokens[:cut + 1])
+        expected.append(tokens[: cut + 1])
     _check_records(r["stopped"], expected, tok, eod, close)
     assert r["stopped"]["results"][0]["stop_reason"] == "stop_token"
     assert r["stopped"]["settings"]["stop"] == ["<eod>", r["stop_token"]]
@@ -225,8 +269,9 @@ def test_budget_control_thinks_small_and_answers_with_the_answer_budget(generate
     assert control["models"]["think"]["params"] == ref["params"]["0.4"]
     assert control["models"]["answer"]["params"] == ref["params"]["1"]
     assert ref["params"]["0.4"] < 0.5 * ref["params"]["1"]
-    for record, thinking, forced in zip(control["results"], ref["control_thinking"],
-                                        ref["control_forced"]):
+    for record, thinking, forced in zip(
+        control["results"], ref["control_thinking"], ref["control_forced"]
+    ):
         assert record["think_tokens"] == len(thinking) <= 6 and record["think_closed"]
         assert record["think_forced"] == forced
         assert record["answer_tokens"] <= 6
@@ -234,16 +279,19 @@ def test_budget_control_thinks_small_and_answers_with_the_answer_budget(generate
     assert ref["small_answer"] != ref["control"]
     phases = control["timings"]["phases"]
     assert set(phases) == {"think", "answer"} and phases["answer"]["prefill_s"] > 0
-    assert control["timings"]["generated_tokens"] == \
-        phases["think"]["generated_tokens"] + phases["answer"]["generated_tokens"]
+    assert (
+        control["timings"]["generated_tokens"]
+        == phases["think"]["generated_tokens"] + phases["answer"]["generated_tokens"]
+    )
 
     capped = r["capped"]
     _check_records(capped, ref["capped"], tok, r["eod"], r["think_close"])
     assert capped["mode"] == "capped_thinking" and capped["budgets"] == {"generate": 1.0}
     for record in capped["results"]:
         assert record["think_tokens"] <= 5 and record["answer_tokens"] <= 5
-        assert record["think_forced"] == (record["tokens"].index(r["think_close"]) == 4
-                                          if record["think_closed"] else False)
+        assert record["think_forced"] == (
+            record["tokens"].index(r["think_close"]) == 4 if record["think_closed"] else False
+        )
     text = r["text"]
     assert "mode budget_control" in text and "think: budget 0.4" in text
     assert "answer: budget 1" in text and "tokens/s" in text
@@ -259,12 +307,24 @@ def _fake_ckpt(path: Path, tokenizer: str | None, **meta_changes) -> Path:
     from elastic_plugin.testing.elastic_cases import ELASTIC
 
     path.mkdir(parents=True)
-    small = {"embedding": 64, "ffn": 128, "shared_ffn": 64, "attention_heads": 2,
-             "mamba_heads": 4, "mamba_head_dim": 8, "experts": 4}
-    meta = {"kind": "elastic", "layout": {"tp": 1, "pp": 1, "ep": 1},
-            "config": load_config(CONFIG).to_dict() | {"elastic": ELASTIC},
-            "elastic": {"budgets": [1.0, 0.77, 0.4],
-                        "choices": {"1": {**small, "embedding": 128}, "0.77": small, "0.4": small}}}
+    small = {
+        "embedding": 64,
+        "ffn": 128,
+        "shared_ffn": 64,
+        "attention_heads": 2,
+        "mamba_heads": 4,
+        "mamba_head_dim": 8,
+        "experts": 4,
+    }
+    meta = {
+        "kind": "elastic",
+        "layout": {"tp": 1, "pp": 1, "ep": 1},
+        "config": load_config(CONFIG).to_dict() | {"elastic": ELASTIC},
+        "elastic": {
+            "budgets": [1.0, 0.77, 0.4],
+            "choices": {"1": {**small, "embedding": 128}, "0.77": small, "0.4": small},
+        },
+    }
     if tokenizer is not None:
         meta["tokenizer"] = tokenizer
     meta.update(meta_changes)
@@ -277,22 +337,32 @@ def _fake_ckpt(path: Path, tokenizer: str | None, **meta_changes) -> Path:
 def fakes(tmp_path_factory):
     root = tmp_path_factory.mktemp("fakes")
     tok = _tokenizer(root / "tokenizer.json")
-    no_think = _tokenizer(root / "no_think.json", vocab_size=None,
-                          special_tokens=("<pad>", "<eod>", "<unk>"))
-    too_big = _tokenizer(root / "big.json", vocab_size=None,
-                         texts=["".join(chr(0x100 + i) for i in range(150))])
+    no_think = _tokenizer(
+        root / "no_think.json", vocab_size=None, special_tokens=("<pad>", "<eod>", "<unk>")
+    )
+    too_big = _tokenizer(
+        root / "big.json", vocab_size=None, texts=["".join(chr(0x100 + i) for i in range(150))]
+    )
     incomplete = root / "incomplete"
     incomplete.mkdir()
     (incomplete / "metadata.json").write_text("{}")
     (root / "blank.txt").write_text("\n  \n")
     (root / "prompts.txt").write_text(f"{PROMPTS[0]}\n\n{PROMPTS[1]}\n")
     return {
-        "root": root, "tokenizer": tok, "no_think": no_think, "too_big": too_big,
+        "root": root,
+        "tokenizer": tok,
+        "no_think": no_think,
+        "too_big": too_big,
         "good": _fake_ckpt(root / "good", tok),
         "extracted": _fake_ckpt(root / "extracted", tok, kind="extracted"),
-        "hetero": _fake_ckpt(root / "hetero", tok, elastic={
-            "budgets": [1.0, 0.5], "choices": {"1": {"ffn": [256, 256]},
-                                              "0.5": {"ffn": [256, 128]}}}),
+        "hetero": _fake_ckpt(
+            root / "hetero",
+            tok,
+            elastic={
+                "budgets": [1.0, 0.5],
+                "choices": {"1": {"ffn": [256, 256]}, "0.5": {"ffn": [256, 128]}},
+            },
+        ),
         "untokenized": _fake_ckpt(root / "untokenized", None),
         "lost_tokenizer": _fake_ckpt(root / "lost", str(root / "gone" / "tokenizer.json")),
         "incomplete": incomplete,
@@ -315,50 +385,97 @@ def test_bad_input_exits_2_with_clear_messages(fakes, no_loading, capsys):
     cases = [
         (["--ckpt", str(root / "nope")], (), "no such checkpoint directory"),
         (["--ckpt", str(f["incomplete"])], (), "not a complete checkpoint"),
-        ([], ("--budget",), f"{good} is an elastic checkpoint: choose a trained budget with --budget B "
-         "(or --think-budget B1 --answer-budget B2); trained budgets: 1, 0.77, 0.4"),
+        (
+            [],
+            ("--budget",),
+            f"{good} is an elastic checkpoint: choose a trained budget with --budget B "
+            "(or --think-budget B1 --answer-budget B2); trained budgets: 1, 0.77, 0.4",
+        ),
         (["--budget", "0.6"], (), "--budget 0.6 was not trained; trained budgets: 1, 0.77, 0.4"),
         (["--budget", "nan"], (), "--budget nan: not a number"),
-        (["--think-budget", "0.5", "--answer-budget", "1"], (),
-         "--think-budget 0.5 was not trained; trained budgets: 1, 0.77, 0.4"),
-        (["--think-budget", "0.4", "--answer-budget", "0.3"], (),
-         "--answer-budget 0.3 was not trained"),
+        (
+            ["--think-budget", "0.5", "--answer-budget", "1"],
+            (),
+            "--think-budget 0.5 was not trained; trained budgets: 1, 0.77, 0.4",
+        ),
+        (
+            ["--think-budget", "0.4", "--answer-budget", "0.3"],
+            (),
+            "--answer-budget 0.3 was not trained",
+        ),
         (["--think-budget", "0.4"], (), "--think-budget needs --answer-budget"),
         (["--answer-budget", "1"], (), "--answer-budget needs --think-budget"),
-        (["--budget", "0.4", "--think-budget", "0.4", "--answer-budget", "1"], (),
-         "--budget and --think-budget/--answer-budget exclude each other"),
-        (["--ckpt", str(f["extracted"]), "--budget", "0.4"], (),
-         "--budget 0.4: --ckpt " + str(f["extracted"]) + " is a 'extracted' checkpoint holding "
-         "one model; budget flags (--budget, --think-budget, --answer-budget) need an elastic"),
-        (["--ckpt", str(f["extracted"]), "--think-budget", "0.4", "--answer-budget", "1"],
-         "--ckpt", "--think-budget 0.4: --ckpt"),
-        (["--ckpt", str(f["hetero"]), "--budget", "0.5"], (),
-         "--budget 0.5: the nested model has per-layer sizes (ffn=[256, 128])"),
-        (["--ckpt", str(f["untokenized"])], (),
-         "records no tokenizer; pass --tokenizer PATH"),
-        (["--ckpt", str(f["lost_tokenizer"])], (), "which is not readable here; pass "
-         "--tokenizer PATH"),
-        (["--tokenizer", str(root / "nope.json")], (), f"--tokenizer {root / 'nope.json'}: no "
-         "such file"),
+        (
+            ["--budget", "0.4", "--think-budget", "0.4", "--answer-budget", "1"],
+            (),
+            "--budget and --think-budget/--answer-budget exclude each other",
+        ),
+        (
+            ["--ckpt", str(f["extracted"]), "--budget", "0.4"],
+            (),
+            "--budget 0.4: --ckpt " + str(f["extracted"]) + " is a 'extracted' checkpoint holding "
+            "one model; budget flags (--budget, --think-budget, --answer-budget) need an elastic",
+        ),
+        (
+            ["--ckpt", str(f["extracted"]), "--think-budget", "0.4", "--answer-budget", "1"],
+            "--ckpt",
+            "--think-budget 0.4: --ckpt",
+        ),
+        (
+            ["--ckpt", str(f["hetero"]), "--budget", "0.5"],
+            (),
+            "--budget 0.5: the nested model has per-layer sizes (ffn=[256, 128])",
+        ),
+        (["--ckpt", str(f["untokenized"])], (), "records no tokenizer; pass --tokenizer PATH"),
+        (
+            ["--ckpt", str(f["lost_tokenizer"])],
+            (),
+            "which is not readable here; pass --tokenizer PATH",
+        ),
+        (
+            ["--tokenizer", str(root / "nope.json")],
+            (),
+            f"--tokenizer {root / 'nope.json'}: no such file",
+        ),
         (["--tokenizer", f["too_big"]], (), "more than the model's vocabulary (128)"),
-        (["--tokenizer", f["no_think"], "--max-think-tokens", "4"], (),
-         "--max-think-tokens: budget control needs a </think> token"),
-        (["--stop", "<nope>"], (), f"--stop '<nope>': not a token of the tokenizer "
-         f"{f['tokenizer']}; its special tokens: {SPECIALS}"),
+        (
+            ["--tokenizer", f["no_think"], "--max-think-tokens", "4"],
+            (),
+            "--max-think-tokens: budget control needs a </think> token",
+        ),
+        (
+            ["--stop", "<nope>"],
+            (),
+            f"--stop '<nope>': not a token of the tokenizer "
+            f"{f['tokenizer']}; its special tokens: {SPECIALS}",
+        ),
         (["--prompt", ""], (), "--prompt 1 is empty"),
         (["--prompt", "1+1=", "--prompt", "  "], (), "--prompt 2 is empty"),
-        (["--prompts-file", str(root / "missing.txt")], (),
-         f"--prompts-file {root / 'missing.txt'}: no such file"),
+        (
+            ["--prompts-file", str(root / "missing.txt")],
+            (),
+            f"--prompts-file {root / 'missing.txt'}: no such file",
+        ),
         (["--prompts-file", str(root / "blank.txt")], (), "has no prompts"),
-        (["--prompt", "1" * 300], (), "--prompt 1 has 301 tokens with the <eod> prefix; "
-         "the model's max_sequence_length is 256, so a prompt may have at most 255 tokens"),
-        (["--prompt", "1" * 254, "--think-budget", "0.4", "--answer-budget", "1"], (),
-         "--prompt 1 has 255 tokens with the <eod> prefix; the model's max_sequence_length is "
-         "256, so a prompt may have at most 253 tokens (budget control keeps 2 positions"),
+        (
+            ["--prompt", "1" * 300],
+            (),
+            "--prompt 1 has 301 tokens with the <eod> prefix; "
+            "the model's max_sequence_length is 256, so a prompt may have at most 255 tokens",
+        ),
+        (
+            ["--prompt", "1" * 254, "--think-budget", "0.4", "--answer-budget", "1"],
+            (),
+            "--prompt 1 has 255 tokens with the <eod> prefix; the model's max_sequence_length is "
+            "256, so a prompt may have at most 253 tokens (budget control keeps 2 positions",
+        ),
         (["--max-new-tokens", "0"], (), "--max-new-tokens 0: must be >= 1"),
         (["--max-think-tokens", "0"], (), "--max-think-tokens 0: must be >= 1"),
-        (["--temperature", "0"], (), "--temperature 0.0: must be a number > 0 (for greedy "
-         "decoding pass --greedy"),
+        (
+            ["--temperature", "0"],
+            (),
+            "--temperature 0.0: must be a number > 0 (for greedy decoding pass --greedy",
+        ),
         (["--temperature", "-1"], (), "--temperature -1.0: must be a number > 0"),
         (["--greedy", "--temperature", "0.5"], (), "--greedy and --temperature exclude each other"),
         (["--seed", "3"], (), "--seed 3: goes with sampling"),
@@ -392,25 +509,52 @@ def test_flags_resolve_to_a_plan(fakes):
     def plan(*argv):
         return plan_generation(_parser().parse_args(["generate", *argv]))
 
-    p = plan("--ckpt", str(f["good"]), "--budget", "0.4", "--prompt", PROMPTS[0],
-             "--prompt", PROMPTS[1])
+    p = plan(
+        "--ckpt", str(f["good"]), "--budget", "0.4", "--prompt", PROMPTS[0], "--prompt", PROMPTS[1]
+    )
     assert (p.mode, p.budgets, p.kind) == ("generate", [0.4], "elastic")
     assert p.prompt_ids == [[tok.eod, *tok.tokenize(t)] for t in PROMPTS]
     assert p.stop_tokens == ["<eod>"] and p.stop_ids == [tok.eod] and p.eod == tok.eod
     assert p.sampling == {"greedy": True, "temperature": 1.0, "top_k": None, "top_p": None}
     assert p.max_new_tokens == 64 and p.max_think_tokens is None and p.max_sequence_length == 256
 
-    p = plan("--ckpt", str(f["good"]), "--budget", "0.7700000000001", "--think-cap", "7",
-             "--prompts-file", str(f["root"] / "prompts.txt"), "--stop", "</think>", "=",
-             "--stop", "<eod>", "--top-p", "0.9", "--seed", "5")
+    p = plan(
+        "--ckpt",
+        str(f["good"]),
+        "--budget",
+        "0.7700000000001",
+        "--think-cap",
+        "7",
+        "--prompts-file",
+        str(f["root"] / "prompts.txt"),
+        "--stop",
+        "</think>",
+        "=",
+        "--stop",
+        "<eod>",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "5",
+    )
     assert (p.mode, p.budgets, p.max_think_tokens) == ("capped_thinking", [0.77], 7)
     assert p.prompts == PROMPTS  # the blank line is skipped
     assert p.stop_ids == [tok.think_close, tok.backend.token_to_id("="), tok.eod]
     assert p.sampling == {"greedy": False, "temperature": 1.0, "top_k": None, "top_p": 0.9}
     assert p.seed == 5
 
-    p = plan("--ckpt", str(f["good"]), "--think-budget", "0.4", "--answer-budget", "1",
-             "--prompt", "1" * 252, "--tokenizer", f["tokenizer"])
+    p = plan(
+        "--ckpt",
+        str(f["good"]),
+        "--think-budget",
+        "0.4",
+        "--answer-budget",
+        "1",
+        "--prompt",
+        "1" * 252,
+        "--tokenizer",
+        f["tokenizer"],
+    )
     assert (p.mode, p.budgets, p.think_close) == ("budget_control", [0.4, 1.0], tok.think_close)
     assert len(p.prompt_ids[0]) == 253  # the longest prompt budget control takes
 
@@ -437,7 +581,8 @@ def test_bad_input_in_a_fresh_process_imports_no_megatron(fakes):
         "              ['--budget', '0.4', '--prompt', '1' * 300]):\n"
         f"    a = p.parse_args(['generate', '--ckpt', {good!r}, '--prompt', '1+1=', *extra])\n"
         "    print(a.func(a))\n"
-        "print('megatron' in sys.modules)\n")
+        "print('megatron' in sys.modules)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.split() == ["2", "2", "2", "False"], proc
     assert "--budget 0.5 was not trained" in proc.stderr

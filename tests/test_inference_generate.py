@@ -14,17 +14,32 @@ import torch
 from elastic_plugin.models.config import ConfigError
 from elastic_plugin.testing.inference_cases import random_prompts, tiny_inference_model
 
-pytestmark = [pytest.mark.inference,
-              pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning")]
+pytestmark = [
+    pytest.mark.inference,
+    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
+]
 
 TOL = 1e-5
 LENGTHS = [5, 17, 1, 33]
 NEW = 12
-SIZES = {"embedding": [128, 96, 64], "ffn": [256, 128], "shared_ffn": [128, 64],
-         "attention_heads": [4, 2], "mamba_heads": [8, 4], "mamba_head_dim": [16, 8],
-         "experts": [8, 4]}
-SMALL = {"embedding": 64, "ffn": 128, "shared_ffn": 64, "attention_heads": 2, "mamba_heads": 4,
-         "mamba_head_dim": 8, "experts": 4}
+SIZES = {
+    "embedding": [128, 96, 64],
+    "ffn": [256, 128],
+    "shared_ffn": [128, 64],
+    "attention_heads": [4, 2],
+    "mamba_heads": [8, 4],
+    "mamba_head_dim": [16, 8],
+    "experts": [8, 4],
+}
+SMALL = {
+    "embedding": 64,
+    "ffn": 128,
+    "shared_ffn": 64,
+    "attention_heads": 2,
+    "mamba_heads": 4,
+    "mamba_head_dim": 8,
+    "experts": 4,
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -64,8 +79,11 @@ def test_cached_logits_equal_full_forward(tiny, position_embedding):
     chunks and rows of different lengths decoded in one batch."""
     from elastic_plugin.inference import InferenceCache, decode_step, extend, prefill
 
-    model, cfg = tiny if position_embedding == "none" else tiny_inference_model(
-        seed=2, position_embedding_type="rope")
+    model, cfg = (
+        tiny
+        if position_embedding == "none"
+        else tiny_inference_model(seed=2, position_embedding_type="rope")
+    )
     kinds = {type(layer).__name__ for layer in model.decoder.layers}
     assert kinds == {"MambaLayer", "TransformerLayer", "MoETransformerLayer", "MLPLayer"}
     gen = torch.Generator().manual_seed(5)
@@ -76,8 +94,10 @@ def test_cached_logits_equal_full_forward(tiny, position_embedding):
     steps = [decode_step(model, cache, tokens[:, t]) for t in range(37, 45)]
     cached = torch.cat([logits, torch.stack(steps, dim=1)], dim=1)
     diff = (cached - full).abs().max().item()
-    print(f"[{position_embedding}] max |cached - full| = {diff:.2e} "
-          f"(logits up to {full.abs().max():.2f})")
+    print(
+        f"[{position_embedding}] max |cached - full| = {diff:.2e} "
+        f"(logits up to {full.abs().max():.2f})"
+    )
     assert diff <= TOL
     assert cache.lengths.tolist() == [45, 45, 45]
 
@@ -87,7 +107,7 @@ def test_cached_logits_equal_full_forward(tiny, position_embedding):
 
     ragged = InferenceCache.allocate(model, 3, 64)
     for row, length in enumerate((10, 3, 1)):
-        extend(model, ragged, tokens[row:row + 1, :length], rows=[row])
+        extend(model, ragged, tokens[row : row + 1, :length], rows=[row])
     step = decode_step(model, ragged, torch.stack([tokens[0, 10], tokens[1, 3], tokens[2, 1]]))
     expected = torch.stack([full[0, 10], full[1, 3], full[2, 1]])
     assert (step - expected).abs().max().item() <= TOL
@@ -105,8 +125,7 @@ def test_ragged_prefill_equals_full_forward(tiny):
     """extend_ragged: rows of different lengths advance together up to each distinct length;
     every row's last logits equal the full forward's, rows end exactly at their own length, and
     it takes one forward per distinct length (not per row). A second ragged extend continues."""
-    from elastic_plugin.inference import InferenceCache, extend_ragged
-    from elastic_plugin.inference import steps
+    from elastic_plugin.inference import InferenceCache, extend_ragged, steps
 
     model, cfg = tiny
     gen = torch.Generator().manual_seed(8)
@@ -123,8 +142,12 @@ def test_ragged_prefill_equals_full_forward(tiny):
 
     steps.extend = counting
     try:
-        last = extend_ragged(model, cache, [tokens[i, :n].tolist() for i, n in enumerate(lengths)],
-                             rows=[0, 1, 2, 3, 4])
+        last = extend_ragged(
+            model,
+            cache,
+            [tokens[i, :n].tolist() for i, n in enumerate(lengths)],
+            rows=[0, 1, 2, 3, 4],
+        )
     finally:
         steps.extend = original
     assert len(calls) == len(set(lengths)) == 4
@@ -133,8 +156,9 @@ def test_ragged_prefill_equals_full_forward(tiny):
     assert (last - expected).abs().max().item() <= TOL
     assert cache.lengths.tolist() == lengths + [0]
     # level rows continue with a second ragged feed
-    more = extend_ragged(model, cache, [tokens[0, 7:9].tolist(), tokens[3, 7:20].tolist()],
-                         rows=[0, 3])
+    more = extend_ragged(
+        model, cache, [tokens[0, 7:9].tolist(), tokens[3, 7:20].tolist()], rows=[0, 3]
+    )
     assert (more - torch.stack([full[0, 8], full[3, 19]])).abs().max().item() <= TOL
     with pytest.raises(ConfigError, match=r"rows \[0, 2\] hold different numbers of tokens"):
         extend_ragged(model, cache, [[1], [2]], rows=[0, 2])
@@ -149,8 +173,9 @@ def test_cache_shapes(tiny):
     cache = InferenceCache.allocate(model, 2, 16)
     assert sorted(cache.keys) == [1, 5] and sorted(cache.ssm) == [0, 4]
     assert cache.keys[1].shape == (2, 16, cfg.query_groups, cfg.head_dim)
-    conv_channels = (cfg.mamba_num_heads * cfg.mamba_head_dim
-                     + 2 * cfg.mamba_num_groups * cfg.mamba_state_dim)
+    conv_channels = (
+        cfg.mamba_num_heads * cfg.mamba_head_dim + 2 * cfg.mamba_num_groups * cfg.mamba_state_dim
+    )
     assert cache.conv[0].shape == (2, conv_channels, cfg.mamba_conv_kernel - 1)
     assert cache.ssm[0].shape == (2, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_state_dim)
     assert cache.ssm[0].dtype == torch.float32
@@ -191,7 +216,8 @@ def test_stop_tokens_and_max_length(tiny, greedy_ref):
 
     capped = generate(model, prompts, NEW, max_length=36)
     assert [len(p) + n for p, n in zip(prompts, capped.num_generated)] == [
-        min(len(p) + NEW, 36) for p in prompts]
+        min(len(p) + NEW, 36) for p in prompts
+    ]
     assert capped.stop_reasons[3] == "max_length"
     assert capped.tokens[3] == reference.tokens[3][:3]
 
@@ -208,8 +234,10 @@ def test_sampling_is_seeded(tiny, greedy_ref):
     assert first.tokens != other.tokens
     assert first.tokens != reference.tokens
     # the same draws in the same order as the cache-free reference
-    assert recompute_generate(model, prompts, NEW, greedy=False, temperature=1.5,
-                              seed=11).tokens == first.tokens
+    assert (
+        recompute_generate(model, prompts, NEW, greedy=False, temperature=1.5, seed=11).tokens
+        == first.tokens
+    )
     assert generate(model, prompts, NEW, greedy=False, top_k=1, seed=3).tokens == reference.tokens
     top_p = generate(model, prompts, NEW, greedy=False, top_p=1e-6, seed=3)
     assert top_p.tokens == reference.tokens
@@ -270,8 +298,8 @@ def test_load_nested_model_from_checkpoint(elastic, tmp_path):
 
     from elastic_plugin.checkpoint.io import save_checkpoint
     from elastic_plugin.inference import generate
-    from elastic_plugin.nested.model import load_nested_model, nested_model
     from elastic_plugin.models.config import load_config
+    from elastic_plugin.nested.model import load_nested_model, nested_model
     from elastic_plugin.parallel import Layout
     from elastic_plugin.testing.inference_cases import TINY_CONFIG
 
@@ -282,8 +310,12 @@ def test_load_nested_model_from_checkpoint(elastic, tmp_path):
     experiment = load_config(TINY_CONFIG)
     experiment_dict = {**experiment.to_dict(), "elastic": {"budgets": [1.0, 0.5], "sizes": SIZES}}
     full_choice = {axis: sizes[0] for axis, sizes in SIZES.items()}
-    meta = {"kind": "elastic", "config": experiment_dict, "layout": asdict(Layout()),
-            "elastic": {"budgets": [1.0, 0.5], "choices": {"1": full_choice, "0.5": SMALL}}}
+    meta = {
+        "kind": "elastic",
+        "config": experiment_dict,
+        "layout": asdict(Layout()),
+        "elastic": {"budgets": [1.0, 0.5], "choices": {"1": full_choice, "0.5": SMALL}},
+    }
     save_checkpoint([model], tmp_path / "elastic", meta)
     plain_meta = {"kind": "extracted", "config": experiment.to_dict(), "layout": asdict(Layout())}
     save_checkpoint([model], tmp_path / "plain", plain_meta)
@@ -320,7 +352,7 @@ def test_budget_control_thinks_small_and_answers_full(elastic):
     result = budget_control_generate(small, model, prompts, close, 8, 5)
     for row, tokens in enumerate(free):
         if close in tokens:
-            expected, forced = tokens[:tokens.index(close) + 1], False
+            expected, forced = tokens[: tokens.index(close) + 1], False
         else:
             expected, forced = tokens + [close], True
         assert result.thinking[row] == expected and result.think_forced[row] == forced
@@ -361,22 +393,31 @@ def test_capped_thinking_forces_close_and_continues_on_the_same_cache(tiny):
 
 
 # ------------------------------------------------------------------------------ bad input
-@pytest.mark.parametrize("kwargs, match", [
-    ({"prompts": [[1, 2], [3] * 256]}, r"prompts\[1\] has 256 tokens.*max_sequence_length is 256"),
-    ({"prompts": [[1, 2], [3] * 300]}, r"prompts\[1\] has 300 tokens"),
-    ({"prompts": [[1] * 10], "max_length": 8}, r"prompts\[0\] has 10 tokens.*max_length .* is 8"),
-    ({"max_length": 257}, r"max_length=257.*\[2, 256\]"),
-    ({"stop_tokens": [5, 128]}, r"stop_tokens: \[128\] are outside the vocabulary \[0, 128\)"),
-    ({"stop_tokens": [-1]}, r"stop_tokens"),
-    ({"prompts": [[1], []]}, r"prompts\[1\] is empty"),
-    ({"prompts": []}, r"prompts: must be a non-empty list"),
-    ({"prompts": [[1, 999]]}, r"prompts\[0\]: token ids \[999\]"),
-    ({"max_new_tokens": 0}, r"max_new_tokens=0"),
-    ({"top_k": 5}, r"greedy=False"),
-    ({"greedy": False, "top_k": 0}, r"top_k=0"),
-    ({"greedy": False, "top_p": 0.0}, r"top_p=0.0"),
-    ({"greedy": False, "temperature": 0.0}, r"temperature=0.0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            {"prompts": [[1, 2], [3] * 256]},
+            r"prompts\[1\] has 256 tokens.*max_sequence_length is 256",
+        ),
+        ({"prompts": [[1, 2], [3] * 300]}, r"prompts\[1\] has 300 tokens"),
+        (
+            {"prompts": [[1] * 10], "max_length": 8},
+            r"prompts\[0\] has 10 tokens.*max_length .* is 8",
+        ),
+        ({"max_length": 257}, r"max_length=257.*\[2, 256\]"),
+        ({"stop_tokens": [5, 128]}, r"stop_tokens: \[128\] are outside the vocabulary \[0, 128\)"),
+        ({"stop_tokens": [-1]}, r"stop_tokens"),
+        ({"prompts": [[1], []]}, r"prompts\[1\] is empty"),
+        ({"prompts": []}, r"prompts: must be a non-empty list"),
+        ({"prompts": [[1, 999]]}, r"prompts\[0\]: token ids \[999\]"),
+        ({"max_new_tokens": 0}, r"max_new_tokens=0"),
+        ({"top_k": 5}, r"greedy=False"),
+        ({"greedy": False, "top_k": 0}, r"top_k=0"),
+        ({"greedy": False, "top_p": 0.0}, r"top_p=0.0"),
+        ({"greedy": False, "temperature": 0.0}, r"temperature=0.0"),
+    ],
+)
 def test_bad_input(tiny, kwargs, match):
     from elastic_plugin.inference import generate
 

@@ -56,7 +56,9 @@ def _expected(src: torch.Tensor, perm: torch.Tensor, k: int, dim: int) -> torch.
     return src.index_select(dim, perm[:k])
 
 
-def _assert_same(out: torch.Tensor, src: torch.Tensor, perm: torch.Tensor, k: int, dim: int) -> None:
+def _assert_same(
+    out: torch.Tensor, src: torch.Tensor, perm: torch.Tensor, k: int, dim: int
+) -> None:
     expected = _expected(src, perm, k, dim)
     assert out.dtype == src.dtype and out.shape == expected.shape
     assert out.is_contiguous()
@@ -82,7 +84,7 @@ def _layouts(gen: torch.Generator, dtype: torch.dtype) -> list[tuple[str, torch.
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_matches_index_select_every_dim_and_layout(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
-    for name, src in _layouts(gen, dtype):
+    for _name, src in _layouts(gen, dtype):
         for dim in range(-src.dim(), src.dim()):
             n = src.shape[dim]
             perm = torch.randperm(n, generator=gen)
@@ -94,7 +96,9 @@ def test_matches_index_select_every_dim_and_layout(dtype: torch.dtype) -> None:
                 _assert_same(ref, src, perm, n // 2, dim)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.uint8], ids=str)
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float32, torch.float64, torch.uint8], ids=str
+)
 def test_large_inputs_parallel_and_vector_paths(dtype: torch.dtype) -> None:
     """Big enough for several threads, the prefetching/SIMD last-dim loop and its tails."""
     gen = torch.Generator().manual_seed(1)
@@ -132,7 +136,11 @@ def test_conjugate_view_is_resolved() -> None:
 def test_gradcheck_float64(dim: int) -> None:
     gen = torch.Generator().manual_seed(3)
     base = torch.randn(5, 4, 3, dtype=torch.float64, generator=gen)
-    src = base.transpose(0, 2).detach().requires_grad_(True) if dim == 1 else base.requires_grad_(True)
+    src = (
+        base.transpose(0, 2).detach().requires_grad_(True)
+        if dim == 1
+        else base.requires_grad_(True)
+    )
     perm = torch.randperm(src.shape[dim], generator=gen)
     k = src.shape[dim] - 1
     assert torch.autograd.gradcheck(lambda s: ops.ordered_gather(s, perm, k, dim), (src,))
@@ -151,8 +159,18 @@ def test_backward_scatters_into_kept_rows_only() -> None:
 def test_opcheck() -> None:
     gen = torch.Generator().manual_seed(4)
     cases = [
-        (torch.randn(6, 5, dtype=torch.float64, generator=gen, requires_grad=True), torch.randperm(6, generator=gen), 3, 0),
-        (torch.randn(4, 6, 3, generator=gen).transpose(0, 1), torch.randperm(4, generator=gen), 2, 1),
+        (
+            torch.randn(6, 5, dtype=torch.float64, generator=gen, requires_grad=True),
+            torch.randperm(6, generator=gen),
+            3,
+            0,
+        ),
+        (
+            torch.randn(4, 6, 3, generator=gen).transpose(0, 1),
+            torch.randperm(4, generator=gen),
+            2,
+            1,
+        ),
         (torch.randint(0, 9, (3, 5), generator=gen), torch.randperm(5, generator=gen), 0, -1),
     ]
     for args in cases:
@@ -167,7 +185,9 @@ def test_torch_compile_fullgraph() -> None:
     src = torch.randn(6, 8, generator=gen, requires_grad=True)
     perm = torch.randperm(8, generator=gen)
 
-    gather = torch.compile(lambda x, p: ops.ordered_gather(x, p, 5, 1), fullgraph=True, dynamic=False)
+    gather = torch.compile(
+        lambda x, p: ops.ordered_gather(x, p, 5, 1), fullgraph=True, dynamic=False
+    )
     with torch.no_grad():
         assert torch.equal(gather(src, perm), src[:, perm[:5]])
 
@@ -184,16 +204,61 @@ def test_torch_compile_fullgraph() -> None:
 
 BAD_INPUTS = [
     # (description, call args, exception type, words the message must contain)
-    ("perm 2-D", lambda x: (x, torch.zeros(2, 3, dtype=torch.long), 1, 0), ValueError, ["perm", "1-D"]),
-    ("perm int32", lambda x: (x, torch.arange(4, dtype=torch.int32), 1, 0), TypeError, ["perm", "int64"]),
-    ("k negative", lambda x: (x, torch.arange(4), -1, 0), ValueError, ["k must be in [0, len(perm)=4]"]),
-    ("k too big", lambda x: (x, torch.arange(4), 5, 0), ValueError, ["k must be in [0, len(perm)=4]"]),
+    (
+        "perm 2-D",
+        lambda x: (x, torch.zeros(2, 3, dtype=torch.long), 1, 0),
+        ValueError,
+        ["perm", "1-D"],
+    ),
+    (
+        "perm int32",
+        lambda x: (x, torch.arange(4, dtype=torch.int32), 1, 0),
+        TypeError,
+        ["perm", "int64"],
+    ),
+    (
+        "k negative",
+        lambda x: (x, torch.arange(4), -1, 0),
+        ValueError,
+        ["k must be in [0, len(perm)=4]"],
+    ),
+    (
+        "k too big",
+        lambda x: (x, torch.arange(4), 5, 0),
+        ValueError,
+        ["k must be in [0, len(perm)=4]"],
+    ),
     ("dim too big", lambda x: (x, torch.arange(4), 1, 2), ValueError, ["dim must be in [-2, 1]"]),
-    ("dim too small", lambda x: (x, torch.arange(4), 1, -3), ValueError, ["dim must be in [-2, 1]"]),
-    ("perm value too big", lambda x: (x, torch.tensor([0, 4, 1]), 2, 0), ValueError, ["perm[:k]", "max 4"]),
-    ("perm value negative", lambda x: (x, torch.tensor([-1, 2]), 2, 0), ValueError, ["perm[:k]", "min -1"]),
-    ("perm on meta device", lambda x: (x, torch.arange(4, device="meta"), 1, 0), ValueError, ["perm is on meta"]),
-    ("0-d src", lambda x: (x.sum(), torch.arange(1), 1, 0), ValueError, ["src", "at least 1 dimension"]),
+    (
+        "dim too small",
+        lambda x: (x, torch.arange(4), 1, -3),
+        ValueError,
+        ["dim must be in [-2, 1]"],
+    ),
+    (
+        "perm value too big",
+        lambda x: (x, torch.tensor([0, 4, 1]), 2, 0),
+        ValueError,
+        ["perm[:k]", "max 4"],
+    ),
+    (
+        "perm value negative",
+        lambda x: (x, torch.tensor([-1, 2]), 2, 0),
+        ValueError,
+        ["perm[:k]", "min -1"],
+    ),
+    (
+        "perm on meta device",
+        lambda x: (x, torch.arange(4, device="meta"), 1, 0),
+        ValueError,
+        ["perm is on meta"],
+    ),
+    (
+        "0-d src",
+        lambda x: (x.sum(), torch.arange(1), 1, 0),
+        ValueError,
+        ["src", "at least 1 dimension"],
+    ),
 ]
 
 
@@ -300,7 +365,11 @@ def _child_processes(tmp_path_factory):
         procs[name] = (
             subprocess.Popen(
                 [sys.executable, "-c", _CHILD, str(tmp / f"{name}.pt")],
-                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
             ),
             tmp / f"{name}.pt",
         )
@@ -323,12 +392,21 @@ def child_runs(_child_processes) -> dict[str, tuple[dict, dict]]:
 
 
 def _check_child(report: dict, cases: dict) -> None:
-    for name, (src, perm, k, dim, out) in cases.items():
+    for _name, (src, perm, k, dim, out) in cases.items():
         _assert_same(out, src, perm, k, dim)
-        _assert_same(ops.ordered_gather(src, perm, k, dim), src, perm, k, dim)  # this process agrees
-    assert report["errors"]["k"].startswith("ValueError") and "k must be in" in report["errors"]["k"]
-    assert report["errors"]["perm"].startswith("ValueError") and "perm[:k]" in report["errors"]["perm"]
-    assert report["errors"]["dim"].startswith("ValueError") and "dim must be in" in report["errors"]["dim"]
+        _assert_same(
+            ops.ordered_gather(src, perm, k, dim), src, perm, k, dim
+        )  # this process agrees
+    assert (
+        report["errors"]["k"].startswith("ValueError") and "k must be in" in report["errors"]["k"]
+    )
+    assert (
+        report["errors"]["perm"].startswith("ValueError") and "perm[:k]" in report["errors"]["perm"]
+    )
+    assert (
+        report["errors"]["dim"].startswith("ValueError")
+        and "dim must be in" in report["errors"]["dim"]
+    )
     assert report["checks"]["gradcheck"] is True
     assert set(report["checks"]["opcheck"].values()) == {"SUCCESS"}
 
@@ -350,11 +428,14 @@ def test_scalar_cpu_path_without_simd(child_runs) -> None:
 
 # --- CUDA (skipped without a GPU) ----------------------------------------------------
 
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.complex128], ids=str)
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.complex128], ids=str
+)
 def test_cuda_matches_index_select(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(8)
-    for name, src_cpu in _layouts(gen, dtype) + [("big", _random((67, 1029), dtype, gen))]:
+    for _name, src_cpu in _layouts(gen, dtype) + [("big", _random((67, 1029), dtype, gen))]:
         src = src_cpu.cuda()
         for dim in range(src.dim()):
             perm = torch.randperm(src.shape[dim], generator=gen).cuda()
@@ -375,6 +456,7 @@ def test_cuda_bad_inputs() -> None:
 
 # --- the benchmark runner's plumbing (no timing runs) -------------------------------
 
+
 def test_bench_runner_discovers_and_prints(capsys) -> None:
     sys.path.insert(0, str(REPO / "bench"))
     try:
@@ -387,8 +469,15 @@ def test_bench_runner_discovers_and_prints(capsys) -> None:
     with pytest.raises(SystemExit):
         run_all._select(run_all.discover(), ["nope"])
     calls = []
-    medians = interleaved_medians({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, reps=3, warmup=1)
-    assert set(medians) == {"a", "b"} and calls.count("a") == 4 and calls[2:4] == ["a", "b"] and calls[4:6] == ["b", "a"]
+    medians = interleaved_medians(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, reps=3, warmup=1
+    )
+    assert (
+        set(medians) == {"a", "b"}
+        and calls.count("a") == 4
+        and calls[2:4] == ["a", "b"]
+        and calls[4:6] == ["b", "a"]
+    )
     run_all.print_table([{"name": "x", "t_ms": 1.5}, {"name": "y", "ratio": 0.25}])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["name", "t_ms", "ratio"] and "0.250" in lines[3]
@@ -404,11 +493,15 @@ def test_bench_gather_traffic_bound_counts_whole_lines() -> None:
     src = torch.zeros(4, 64)  # 256 bytes = 4 lines per row
     kept = torch.tensor([0, 1, 17])  # elements 0, 1 in line 0; element 17 in line 1
     assert bench_gather.min_source_bytes(src, 1, kept) == 4 * 2 * 64
-    assert bench_gather.min_source_bytes(src.t(), 0, kept) == 4 * 2 * 64  # rows of a transposed view
+    assert (
+        bench_gather.min_source_bytes(src.t(), 0, kept) == 4 * 2 * 64
+    )  # rows of a transposed view
     assert bench_gather.min_source_bytes(src, 0, torch.tensor([3, 1])) == 2 * 64 * 4  # whole rows
 
 
 def test_gpu_check_script_is_valid_bash() -> None:
     """scripts/gpu_check.sh is the one prepared call for a lent GPU: it must at least parse."""
-    proc = subprocess.run(["bash", "-n", str(REPO / "scripts" / "gpu_check.sh")], capture_output=True, text=True)
+    proc = subprocess.run(
+        ["bash", "-n", str(REPO / "scripts" / "gpu_check.sh")], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr

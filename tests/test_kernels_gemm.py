@@ -84,7 +84,11 @@ def _fallback_child(tmp_path_factory):
     env = {**os.environ, ops.DISABLE_ENV: "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
         [sys.executable, "-c", _CHILD, str(path)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     yield proc, path
     if proc.poll() is None:
@@ -220,12 +224,17 @@ def test_prefix_linear_opcheck() -> None:
     x = torch.randn(3, 4, 10, dtype=torch.float64, generator=gen, requires_grad=True)
     w = torch.randn(6, 10, dtype=torch.float64, generator=gen, requires_grad=True)
     b = torch.randn(6, dtype=torch.float64, generator=gen, requires_grad=True)
-    for args in [(x, w, b, 4, 7), (x, w, None, 6, 10), (x.detach().bfloat16(), w.detach().bfloat16(), None, 2, 3)]:
+    for args in [
+        (x, w, b, 4, 7),
+        (x, w, None, 6, 10),
+        (x.detach().bfloat16(), w.detach().bfloat16(), None, 2, 3),
+    ]:
         result = torch.library.opcheck(LINEAR, args)
         assert set(result.values()) == {"SUCCESS"}, result
 
 
 # --- ordered_gather_many ----------------------------------------------------------------
+
 
 def _layer(gen: torch.Generator) -> tuple[list[torch.Tensor], list[int]]:
     """An FFN-like layer plus awkward layouts, dtypes and sizes (several tasks per tensor)."""
@@ -238,7 +247,9 @@ def _layer(gen: torch.Generator) -> tuple[list[torch.Tensor], list[int]]:
         torch.randn(2, 96, 5, 3, generator=gen).permute(3, 1, 0, 2),  # middle dim, offset tables
         (torch.randn(96, 4, generator=gen) * 9).to(torch.int8),
         torch.randn(4, 96, generator=gen, dtype=torch.float64)[:, ::1],
-        torch.complex(torch.randn(96, 3, generator=gen), torch.randn(96, 3, generator=gen)).to(torch.complex128),
+        torch.complex(torch.randn(96, 3, generator=gen), torch.randn(96, 3, generator=gen)).to(
+            torch.complex128
+        ),
         torch.randn(0, 96, generator=gen),  # empty
     ]
     dims = [0, 0, -1, 0, 1, 0, 1, 0, 1]
@@ -295,11 +306,14 @@ def test_ordered_gather_many_opcheck() -> None:
         torch.randint(0, 9, (2, 5), generator=gen),
     ]
     for k in (0, 3):
-        result = torch.library.opcheck(MANY, (tensors, torch.randperm(5, generator=gen), k, [0, 0, -1]))
+        result = torch.library.opcheck(
+            MANY, (tensors, torch.randperm(5, generator=gen), k, [0, 0, -1])
+        )
         assert set(result.values()) == {"SUCCESS"}, result
 
 
 # --- torch.compile ------------------------------------------------------------------------
+
 
 def test_torch_compile_fullgraph_forward_and_backward() -> None:
     """Inductor on a graph of just the two ops (extern kernels, no C++ codegen), then both
@@ -311,7 +325,10 @@ def test_torch_compile_fullgraph_forward_and_backward() -> None:
     perm = torch.randperm(12, generator=gen)
 
     ops_only = torch.compile(
-        lambda x, w, b, p: (ops.prefix_linear(x, w, b, 7, 15), ops.ordered_gather_many([w, b], p, 5, [0, 0])),
+        lambda x, w, b, p: (
+            ops.prefix_linear(x, w, b, 7, 15),
+            ops.ordered_gather_many([w, b], p, 5, [0, 0]),
+        ),
         fullgraph=True,
         dynamic=False,
     )
@@ -339,6 +356,7 @@ def test_torch_compile_fullgraph_forward_and_backward() -> None:
 
 
 # --- FP8 emulation ------------------------------------------------------------------------
+
 
 def test_quantize_e4m3_per_tensor_and_per_row() -> None:
     gen = torch.Generator().manual_seed(12)
@@ -399,7 +417,9 @@ def test_fp8_prefix_linear_error_and_scaling() -> None:
     def mean_token_error(y: torch.Tensor) -> float:
         return float(((y - exact_out).norm(dim=1) / exact_out.norm(dim=1)).mean())
 
-    assert mean_token_error(y_row) < 0.06 and mean_token_error(y_tensor) > 2 * mean_token_error(y_row)
+    assert mean_token_error(y_row) < 0.06 and mean_token_error(y_tensor) > 2 * mean_token_error(
+        y_row
+    )
 
 
 @pytest.mark.parametrize("scaling", ["tensor", "row"])
@@ -446,7 +466,12 @@ LINEAR_BAD = [
     ("device mismatch", (_X, _W.to("meta"), None, 6, 8), ValueError, ["weight is on meta"]),
     ("bias device", (_X, _W, _B.to("meta"), 6, 8), ValueError, ["bias is on meta"]),
     ("weight 1-D", (_X, _B, None, 6, 6), ValueError, ["weight must be 2-D"]),
-    ("bias shape", (_X, _W, _B[:4], 4, 8), ValueError, ["bias must be 1-D of size weight.size(0)=6"]),
+    (
+        "bias shape",
+        (_X, _W, _B[:4], 4, 8),
+        ValueError,
+        ["bias must be 1-D of size weight.size(0)=6"],
+    ),
     ("0-d x", (_X.sum(), _W, None, 6, 0), ValueError, ["x must have at least 1 dimension"]),
 ]
 
@@ -464,13 +489,28 @@ def test_prefix_linear_bad_inputs(case, entry: str) -> None:
 
 _P = torch.tensor([3, 0, 5, 1, 2, 4])
 MANY_BAD = [
-    ("dims length", ([_W, _B], _P, 2, [0]), ValueError, ["dims must have one entry per tensor (2 tensors)"]),
-    ("perm beyond one tensor", ([_W, _W[:4]], _P, 3, [0, 0]), ValueError, ["perm[:k]", "tensors[1].size(dims[1])=4"]),
+    (
+        "dims length",
+        ([_W, _B], _P, 2, [0]),
+        ValueError,
+        ["dims must have one entry per tensor (2 tensors)"],
+    ),
+    (
+        "perm beyond one tensor",
+        ([_W, _W[:4]], _P, 3, [0, 0]),
+        ValueError,
+        ["perm[:k]", "tensors[1].size(dims[1])=4"],
+    ),
     ("dim out of range", ([_W, _B], _P, 2, [0, 1]), ValueError, ["dims[1] must be in [-1, 0]"]),
     ("tensor device", ([_W, _B.to("meta")], _P, 2, [0, 0]), ValueError, ["tensors[1] is on meta"]),
     ("perm dtype", ([_W], _P.int(), 2, [0]), TypeError, ["perm must be an int64"]),
     ("k too big", ([_W], _P, 7, [0]), ValueError, ["k must be in [0, len(perm)=6]"]),
-    ("0-d tensor", ([_W, _B.sum()], _P, 2, [0, 0]), ValueError, ["tensors[1] must have at least 1 dimension"]),
+    (
+        "0-d tensor",
+        ([_W, _B.sum()], _P, 2, [0, 0]),
+        ValueError,
+        ["tensors[1] must have at least 1 dimension"],
+    ),
 ]
 
 
@@ -489,14 +529,42 @@ def test_ordered_gather_many_bad_inputs(case, entry: str) -> None:
     ("call", "exc_type", "words"),
     [
         (lambda: ops.ordered_gather_many(_W, _P, 2, [0]), TypeError, ["tensors must be a list"]),
-        (lambda: ops.ordered_gather_many([_W, "w"], _P, 2, [0, 0]), TypeError, ["tensors[1] must be a torch.Tensor"]),
-        (lambda: ops.ordered_gather_many([_W], _P, 2, [0.0]), TypeError, ["dims[0] must be an int"]),
+        (
+            lambda: ops.ordered_gather_many([_W, "w"], _P, 2, [0, 0]),
+            TypeError,
+            ["tensors[1] must be a torch.Tensor"],
+        ),
+        (
+            lambda: ops.ordered_gather_many([_W], _P, 2, [0.0]),
+            TypeError,
+            ["dims[0] must be an int"],
+        ),
         (lambda: ops.prefix_linear(_X, _W, None, 6.0, 8), TypeError, ["n must be an int"]),
-        (lambda: ops.prefix_linear(_X, _W, [1.0], 6, 8), TypeError, ["bias must be a torch.Tensor or None"]),
-        (lambda: ops.fp8_prefix_linear(_X, _W, 6, 8, "block"), ValueError, ["scaling must be one of"]),
-        (lambda: ops.fp8_prefix_linear(_X, _W, 6, 8, method="te"), ValueError, ["method must be one of"]),
-        (lambda: ops.fp8_prefix_linear(_X, _W, 6, 8, out_dtype=torch.int8), TypeError, ["out_dtype must be"]),
-        (lambda: ops.fp8_prefix_linear(_X, _W, 6, 9), ValueError, ["k must be in [0, weight.size(1)=8]"]),
+        (
+            lambda: ops.prefix_linear(_X, _W, [1.0], 6, 8),
+            TypeError,
+            ["bias must be a torch.Tensor or None"],
+        ),
+        (
+            lambda: ops.fp8_prefix_linear(_X, _W, 6, 8, "block"),
+            ValueError,
+            ["scaling must be one of"],
+        ),
+        (
+            lambda: ops.fp8_prefix_linear(_X, _W, 6, 8, method="te"),
+            ValueError,
+            ["method must be one of"],
+        ),
+        (
+            lambda: ops.fp8_prefix_linear(_X, _W, 6, 8, out_dtype=torch.int8),
+            TypeError,
+            ["out_dtype must be"],
+        ),
+        (
+            lambda: ops.fp8_prefix_linear(_X, _W, 6, 9),
+            ValueError,
+            ["k must be in [0, weight.size(1)=8]"],
+        ),
         (lambda: ops.fp8_prefix_linear(_X.int(), _W.int(), 6, 8), TypeError, ["x must be"]),
         (lambda: ops.quantize_e4m3(_X.long()), TypeError, ["t must be float16"]),
         (lambda: ops.quantize_e4m3(_X, "row", dim=2), ValueError, ["dim must be in [-2, 1]"]),
@@ -511,12 +579,15 @@ def test_wrapper_and_fp8_bad_inputs(call, exc_type, words) -> None:
 
 # --- backends ------------------------------------------------------------------------------
 
+
 def test_kernels_registered_for_every_device() -> None:
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     for name in ("elastic_plugin::prefix_linear", "elastic_plugin::ordered_gather_many"):
         assert has(name, "Meta") and has(name, "Autograd"), name  # fake rule, autograd
         for key in ("CPU", "CUDA"):  # compiled kernels, or the fallback's device-generic one
-            assert has(name, key) or (ops.backend() == "pytorch" and has(name, "CompositeExplicitAutograd")), key
+            assert has(name, key) or (
+                ops.backend() == "pytorch" and has(name, "CompositeExplicitAutograd")
+            ), key
 
 
 def test_fallback_backend_gives_same_results(_fallback_child) -> None:
@@ -528,13 +599,18 @@ def test_fallback_backend_gives_same_results(_fallback_child) -> None:
     cases = torch.load(path)
     for label in ("col", "row"):
         x, w, b, n, k, y = cases[label]
-        torch.testing.assert_close(y.double(), _expected_linear(x, w, b, n, k), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            y.double(), _expected_linear(x, w, b, n, k), rtol=1e-5, atol=1e-5
+        )
         torch.testing.assert_close(ops.prefix_linear(x, w, b, n, k), y)  # this process agrees
     tensors, perm, k, dims, outs = cases["many"]
     for out, t, d in zip(outs, tensors, dims):
         assert torch.equal(out, t.index_select(d, perm[:k]))
     errors = report["errors"]
-    assert errors["k"].startswith("ValueError") and "k must be in [0, weight.size(1)=16]" in errors["k"]
+    assert (
+        errors["k"].startswith("ValueError")
+        and "k must be in [0, weight.size(1)=16]" in errors["k"]
+    )
     assert errors["dtype"].startswith("TypeError") and "x must be" in errors["dtype"]
     assert errors["many_perm"].startswith("ValueError") and "tensors[1]" in errors["many_perm"]
     assert report["checks"]["gradcheck"] is True
@@ -578,6 +654,7 @@ def test_cuda_fp8_matches_cpu_emulation(scaling: str) -> None:
 
 
 # --- the benchmark (plumbing only, tiny sizes) ----------------------------------------------
+
 
 def test_bench_masked_gemm_runs_tiny() -> None:
     sys.path.insert(0, str(REPO / "bench"))

@@ -25,21 +25,27 @@ from elastic_plugin.ops._quantize import (
 
 pytestmark = [pytest.mark.kernels, pytest.mark.export]
 REPO = Path(__file__).resolve().parents[1]
-needs_kernel = pytest.mark.skipif(not ops.INFO.uses_extension, reason="the C++ extension is not built")
+needs_kernel = pytest.mark.skipif(
+    not ops.INFO.uses_extension, reason="the C++ extension is not built"
+)
 
 
 def _edge_rows() -> tuple[torch.Tensor, torch.Tensor]:
     """Rows that hit every branch: exact grid values and midpoints (scale 448, g = 1/448 so the
     block divides by exactly 1), an all-zero block (scale 1), a tiny block (scale clamps to
     2^-9), a block far above g (scale clamps to 448: codes saturate), signed zeros."""
-    grid = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -.5, -1, -1.5, -2, -3, -4, -6, 6])
-    mids = torch.tensor([.25, .75, 1.25, 1.75, 2.5, 3.5, 5, 6, -.25, -.75, -1.25, -1.75, -2.5, -3.5, -5, -0.])
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.5, -1, -1.5, -2, -3, -4, -6, 6])
+    mids = torch.tensor(
+        [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 6, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5, -0.0]
+    )
     below = torch.nextafter(mids, torch.zeros_like(mids))
-    rows = torch.stack([
-        torch.cat([grid, mids]),
-        torch.cat([below, torch.zeros(16)]),
-        torch.cat([torch.full((16,), 1e-30), torch.linspace(-1e6, 1e6, 16)]),
-    ])
+    rows = torch.stack(
+        [
+            torch.cat([grid, mids]),
+            torch.cat([below, torch.zeros(16)]),
+            torch.cat([torch.full((16,), 1e-30), torch.linspace(-1e6, 1e6, 16)]),
+        ]
+    )
     return rows, torch.tensor([1 / 448, 1 / 448, 1e-3])
 
 
@@ -59,12 +65,24 @@ def test_kernel_bytes_equal_the_reference(dtype) -> None:
         w = w.to(dtype)
         kernel = torch.ops.elastic_plugin.nvfp4_quantize.default(w, row_scale)
         assert _same(kernel, reference_nvfp4_quantize(w, row_scale))
-        assert kernel[0].shape == (w.shape[0], w.shape[1] // 2) and kernel[1].dtype == torch.float8_e4m3fn
+        assert (
+            kernel[0].shape == (w.shape[0], w.shape[1] // 2)
+            and kernel[1].dtype == torch.float8_e4m3fn
+        )
     # the edge rows really reach the branches: exact codes, a zero block's scale 1, clamps
     packed, scale = reference_nvfp4_quantize(rows, scales)
     assert packed[0, :8].tolist() == [0x10, 0x32, 0x54, 0x76, 0xA9, 0xCB, 0xED, 0x7F]
-    assert packed[0, 8:16].tolist() == [0x20, 0x42, 0x64, 0x76, 0xA8, 0xCA, 0xEC, 0x0E]  # ties: even codes
-    assert scale[1, 1].float().item() == 1.0 and scale[2, 0].float().item() == 2.0 ** -9
+    assert packed[0, 8:16].tolist() == [
+        0x20,
+        0x42,
+        0x64,
+        0x76,
+        0xA8,
+        0xCA,
+        0xEC,
+        0x0E,
+    ]  # ties: even codes
+    assert scale[1, 1].float().item() == 1.0 and scale[2, 0].float().item() == 2.0**-9
     assert scale[2, 1].float().item() == 448.0
 
 
@@ -76,15 +94,22 @@ def test_fp8_kernel_bytes_equal_the_reference(dtype) -> None:
     e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     e4m3 = e4m3[torch.isfinite(e4m3)]
     ties = (e4m3[1:] + e4m3[:-1]) / 2  # halfway between neighbours (same sign)
-    special = torch.tensor([0.0, -0.0, 448.0, -448.0, 449.0, 464.0, 480.0, -1e6, 2.0 ** -9, 2.0 ** -10, 3e-3])
+    special = torch.tensor(
+        [0.0, -0.0, 448.0, -448.0, 449.0, 464.0, 480.0, -1e6, 2.0**-9, 2.0**-10, 3e-3]
+    )
     edge = torch.cat([e4m3, ties, special])
     edge = torch.cat([edge, torch.zeros(-edge.numel() % 32)]).reshape(-1, 32)
     random = torch.randn(40, 96, generator=gen) * torch.logspace(-6, 3, 40).view(-1, 1)
-    for w, row_scale in ((edge, torch.ones(edge.shape[0])), (random, torch.rand(40, generator=gen) + 1e-3)):
+    for w, row_scale in (
+        (edge, torch.ones(edge.shape[0])),
+        (random, torch.rand(40, generator=gen) + 1e-3),
+    ):
         w = w.to(dtype)
         got = torch.ops.elastic_plugin.fp8_quantize.default(w, row_scale)
         want = reference_fp8_quantize(w, row_scale)
-        assert got.dtype == torch.float8_e4m3fn and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert got.dtype == torch.float8_e4m3fn and torch.equal(
+            got.view(torch.uint8), want.view(torch.uint8)
+        )
 
 
 def test_bad_input_is_refused_naming_the_argument() -> None:
@@ -92,7 +117,9 @@ def test_bad_input_is_refused_naming_the_argument() -> None:
     for quantize in (reference_fp8_quantize, fp8_quantize):
         with pytest.raises(ValueError, match="fp8_quantize: w has NaN or infinite"):
             quantize(torch.full((2, 3), float("inf")), torch.ones(2))
-        with pytest.raises(ValueError, match=r"fp8_quantize: row_scale must be float32 of shape \[rows=4\]"):
+        with pytest.raises(
+            ValueError, match=r"fp8_quantize: row_scale must be float32 of shape \[rows=4\]"
+        ):
             quantize(w, torch.ones(4, 1))
     implementations = [reference_nvfp4_quantize, nvfp4_quantize]
     for quantize in implementations:
@@ -121,8 +148,12 @@ def test_kernel_refuses_non_finite_weights_itself() -> None:
 
 def test_opcheck() -> None:
     w = torch.randn(8, 64)
-    torch.library.opcheck(torch.ops.elastic_plugin.nvfp4_quantize.default, (w, torch.full((8,), 0.01)))
-    torch.library.opcheck(torch.ops.elastic_plugin.fp8_quantize.default, (w, torch.full((8,), 0.01)))
+    torch.library.opcheck(
+        torch.ops.elastic_plugin.nvfp4_quantize.default, (w, torch.full((8,), 0.01))
+    )
+    torch.library.opcheck(
+        torch.ops.elastic_plugin.fp8_quantize.default, (w, torch.full((8,), 0.01))
+    )
 
 
 _CHILD = textwrap.dedent(
@@ -147,8 +178,14 @@ _CHILD = textwrap.dedent(
 
 def test_fallback_op_without_the_extension() -> None:
     env = {**os.environ, ops.DISABLE_ENV: "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=300,
-                          cwd=REPO, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report == {"backend": "pytorch", "same": True, "wrapper_same": True, "fp8_same": True}
@@ -163,4 +200,6 @@ def test_bench_quantize_runs_quick() -> None:
     rows = bench_quantize.run(reps=1, quick=True)
     assert len(rows) == 2
     for row in rows:
-        assert all(row[key] > 0 for key in ("fp8/copy", "fp8_speedup", "nvfp4/copy", "nvfp4_speedup")), row
+        assert all(
+            row[key] > 0 for key in ("fp8/copy", "fp8_speedup", "nvfp4/copy", "nvfp4_speedup")
+        ), row

@@ -19,7 +19,18 @@ F64 = torch.float64
 
 # ------------------------------------------------------------------------ naive references
 def naive_scan(
-    x, dt, A, B, C, D=None, z=None, dt_bias=None, softplus=False, dt_limit=None, h0=None, seq_idx=None
+    x,
+    dt,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    dt_bias=None,
+    softplus=False,
+    dt_limit=None,
+    h0=None,
+    seq_idx=None,
 ):
     """Sequential recurrence h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t, y_t = C_t h_t + D x_t."""
     b, l, h, p = x.shape
@@ -86,7 +97,7 @@ def make_inputs(b=2, l=37, h=4, p=3, g=2, n=5, dtype=F64, seed=0, grad=False):
     gen = torch.Generator().manual_seed(seed)
 
     def r(*s, scale=1.0):
-        t = (torch.randn(*s, generator=gen, dtype=dtype) * scale)
+        t = torch.randn(*s, generator=gen, dtype=dtype) * scale
         return t.requires_grad_(grad)
 
     return dict(
@@ -108,12 +119,30 @@ def make_inputs(b=2, l=37, h=4, p=3, g=2, n=5, dtype=F64, seed=0, grad=False):
 def test_scan_matches_naive_recurrence(chunk, g):
     t = make_inputs(g=g)
     y, final = M.mamba_chunk_scan_combined(
-        t["x"], t["dt"], t["A"], t["B"], t["C"], chunk, D=t["D"], z=t["z"], dt_bias=t["dt_bias"],
-        dt_softplus=True, initial_states=t["h0"], return_final_states=True,
+        t["x"],
+        t["dt"],
+        t["A"],
+        t["B"],
+        t["C"],
+        chunk,
+        D=t["D"],
+        z=t["z"],
+        dt_bias=t["dt_bias"],
+        dt_softplus=True,
+        initial_states=t["h0"],
+        return_final_states=True,
     )
     y_ref, final_ref = naive_scan(
-        t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"], z=t["z"], dt_bias=t["dt_bias"],
-        softplus=True, h0=t["h0"],
+        t["x"],
+        t["dt"],
+        t["A"],
+        t["B"],
+        t["C"],
+        D=t["D"],
+        z=t["z"],
+        dt_bias=t["dt_bias"],
+        softplus=True,
+        h0=t["h0"],
     )
     assert y.dtype == F64 and y.shape == t["x"].shape
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
@@ -132,7 +161,15 @@ def test_scan_dt_limit_clamps_after_softplus():
     t = make_inputs(l=19)
     lim = (0.3, 0.9)
     y = M.mamba_chunk_scan_combined(
-        t["x"], t["dt"], t["A"], t["B"], t["C"], 4, dt_bias=t["dt_bias"], dt_softplus=True, dt_limit=lim
+        t["x"],
+        t["dt"],
+        t["A"],
+        t["B"],
+        t["C"],
+        4,
+        dt_bias=t["dt_bias"],
+        dt_softplus=True,
+        dt_limit=lim,
     )
     args = (t["x"], t["dt"], t["A"], t["B"], t["C"])
     y_ref, _ = naive_scan(*args, dt_bias=t["dt_bias"], softplus=True, dt_limit=lim)
@@ -159,13 +196,31 @@ def test_scan_gradients_match_naive():
         return (y * wy).sum() + (s * ws).sum()
 
     y, s = M.mamba_chunk_scan_combined(
-        t["x"], t["dt"], t["A"], t["B"], t["C"], 8, D=t["D"], z=t["z"], dt_bias=t["dt_bias"],
-        dt_softplus=True, initial_states=t["h0"], return_final_states=True,
+        t["x"],
+        t["dt"],
+        t["A"],
+        t["B"],
+        t["C"],
+        8,
+        D=t["D"],
+        z=t["z"],
+        dt_bias=t["dt_bias"],
+        dt_softplus=True,
+        initial_states=t["h0"],
+        return_final_states=True,
     )
     grads = torch.autograd.grad(loss(y, s), [t[k] for k in names])
     y_r, s_r = naive_scan(
-        t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"], z=t["z"], dt_bias=t["dt_bias"],
-        softplus=True, h0=t["h0"],
+        t["x"],
+        t["dt"],
+        t["A"],
+        t["B"],
+        t["C"],
+        D=t["D"],
+        z=t["z"],
+        dt_bias=t["dt_bias"],
+        softplus=True,
+        h0=t["h0"],
     )
     grads_ref = torch.autograd.grad(loss(y_r, s_r), [t[k] for k in names])
     for name, g1, g2 in zip(names, grads, grads_ref):
@@ -177,15 +232,32 @@ def test_scan_float32_close_to_float64_and_keeps_dtype():
     t = make_inputs(l=33)
     f32 = {k: v.float() for k, v in t.items()}
     y32, s32 = M.mamba_chunk_scan_combined(
-        f32["x"], f32["dt"], f32["A"], f32["B"], f32["C"], 16, D=f32["D"], dt_softplus=True,
-        initial_states=f32["h0"], return_final_states=True,
+        f32["x"],
+        f32["dt"],
+        f32["A"],
+        f32["B"],
+        f32["C"],
+        16,
+        D=f32["D"],
+        dt_softplus=True,
+        initial_states=f32["h0"],
+        return_final_states=True,
     )
-    y64, s64 = naive_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"], softplus=True, h0=t["h0"])
+    y64, s64 = naive_scan(
+        t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"], softplus=True, h0=t["h0"]
+    )
     assert y32.dtype == torch.float32 and s32.dtype == torch.float32
     torch.testing.assert_close(y32.double(), y64, rtol=1e-4, atol=1e-5)
     yb = M.mamba_chunk_scan_combined(
-        f32["x"].bfloat16(), f32["dt"].bfloat16(), f32["A"], f32["B"].bfloat16(), f32["C"].bfloat16(), 16,
-        dt_softplus=True, return_final_states=True, state_dtype=torch.bfloat16,
+        f32["x"].bfloat16(),
+        f32["dt"].bfloat16(),
+        f32["A"],
+        f32["B"].bfloat16(),
+        f32["C"].bfloat16(),
+        16,
+        dt_softplus=True,
+        return_final_states=True,
+        state_dtype=torch.bfloat16,
     )
     assert yb[0].dtype == torch.bfloat16 and yb[1].dtype == torch.bfloat16
 
@@ -194,18 +266,42 @@ def test_scan_packed_sequences_reset_state():
     t = make_inputs(l=30)
     seq_idx = torch.tensor([[0] * 7 + [1] * 13 + [2] * 10, [0] * 30], dtype=torch.int32)
     y, s = M.mamba_chunk_scan_combined(
-        t["x"], t["dt"], t["A"], t["B"], t["C"], 8, D=t["D"], dt_softplus=True,
-        initial_states=t["h0"], seq_idx=seq_idx, return_final_states=True,
+        t["x"],
+        t["dt"],
+        t["A"],
+        t["B"],
+        t["C"],
+        8,
+        D=t["D"],
+        dt_softplus=True,
+        initial_states=t["h0"],
+        seq_idx=seq_idx,
+        return_final_states=True,
     )
     y_ref, s_ref = naive_scan(
-        t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"], softplus=True, h0=t["h0"], seq_idx=seq_idx
+        t["x"],
+        t["dt"],
+        t["A"],
+        t["B"],
+        t["C"],
+        D=t["D"],
+        softplus=True,
+        h0=t["h0"],
+        seq_idx=seq_idx,
     )
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(s, s_ref, rtol=1e-10, atol=1e-10)
     # the second packed sequence of row 0 equals running it alone from a zero state
     sl = slice(7, 20)
     alone = M.mamba_chunk_scan_combined(
-        t["x"][:1, sl], t["dt"][:1, sl], t["A"], t["B"][:1, sl], t["C"][:1, sl], 8, D=t["D"], dt_softplus=True
+        t["x"][:1, sl],
+        t["dt"][:1, sl],
+        t["A"],
+        t["B"][:1, sl],
+        t["C"][:1, sl],
+        8,
+        D=t["D"],
+        dt_softplus=True,
     )
     torch.testing.assert_close(y[:1, sl], alone, rtol=1e-10, atol=1e-10)
 
@@ -218,10 +314,18 @@ def test_scan_rejects_bad_arguments():
     with pytest.raises(ValueError, match="chunk_size"):
         M.mamba_chunk_scan_combined(t["x"], t["dt"], t["A"], t["B"], t["C"], 0)
     with pytest.raises(ValueError, match="dt_bias"):
-        M.mamba_chunk_scan_combined(t["x"], t["dt"], t["A"], t["B"], t["C"], 4, dt_bias=torch.zeros(3))
+        M.mamba_chunk_scan_combined(
+            t["x"], t["dt"], t["A"], t["B"], t["C"], 4, dt_bias=torch.zeros(3)
+        )
     with pytest.raises(ValueError, match="seq_idx"):
         M.mamba_chunk_scan_combined(
-            t["x"], t["dt"], t["A"], t["B"], t["C"], 4, seq_idx=torch.tensor([[1] * 4 + [0] * 4] * 2)
+            t["x"],
+            t["dt"],
+            t["A"],
+            t["B"],
+            t["C"],
+            4,
+            seq_idx=torch.tensor([[1] * 4 + [0] * 4] * 2),
         )
     with pytest.raises(NotImplementedError):
         M.mamba_chunk_scan_combined(
@@ -242,7 +346,7 @@ def test_causal_conv_matches_naive_loop(width):
     torch.testing.assert_close(out, naive_conv(x, w, bias, silu=True))
     out, fin = M.causal_conv1d_fn(x, w, None, initial_states=init, return_final_states=True)
     torch.testing.assert_close(out, naive_conv(x, w, None, init=init))
-    torch.testing.assert_close(fin, x[..., -(width - 1):])
+    torch.testing.assert_close(fin, x[..., -(width - 1) :])
     seq_idx = torch.tensor([[0] * 4 + [1] * 7, [0] * 2 + [3] * 9], dtype=torch.int32)
     out = M.causal_conv1d_fn(x, w, bias, seq_idx=seq_idx, initial_states=init, activation="swish")
     torch.testing.assert_close(out, naive_conv(x, w, bias, init=init, silu=True, seq_idx=seq_idx))
@@ -253,7 +357,9 @@ def test_causal_conv_matches_naive_loop(width):
 def test_causal_conv_short_sequence_final_state_includes_history():
     x = torch.arange(6, dtype=F64).view(1, 3, 2)
     init = -torch.ones(1, 3, 3, dtype=F64)
-    _, fin = M.causal_conv1d_fn(x, torch.ones(3, 4, dtype=F64), initial_states=init, return_final_states=True)
+    _, fin = M.causal_conv1d_fn(
+        x, torch.ones(3, 4, dtype=F64), initial_states=init, return_final_states=True
+    )
     torch.testing.assert_close(fin, torch.cat([init[..., -1:], x], dim=-1))
 
 
@@ -264,7 +370,9 @@ def test_gated_rmsnorm_matches_formula(group_size, norm_before_gate):
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(3, 5, 8, generator=gen, dtype=F64)
     z = torch.randn(3, 5, 8, generator=gen, dtype=F64)
-    norm = M.RMSNormGated(8, eps=1e-5, group_size=group_size, norm_before_gate=norm_before_gate, dtype=F64)
+    norm = M.RMSNormGated(
+        8, eps=1e-5, group_size=group_size, norm_before_gate=norm_before_gate, dtype=F64
+    )
     assert list(norm.state_dict()) == ["weight"] and norm.bias is None
     with torch.no_grad():
         norm.weight.copy_(torch.randn(8, generator=gen, dtype=F64))
@@ -312,8 +420,18 @@ def test_selective_state_update_stepwise_equals_scan():
     b, l, h, p = t["x"].shape
     n = t["B"].shape[-1]
     y_full, s_full = M.mamba_chunk_scan_combined(
-        t["x"], t["dt"], t["A"], t["B"], t["C"], 4, D=t["D"], z=t["z"], dt_bias=t["dt_bias"],
-        dt_softplus=True, initial_states=t["h0"], return_final_states=True,
+        t["x"],
+        t["dt"],
+        t["A"],
+        t["B"],
+        t["C"],
+        4,
+        D=t["D"],
+        z=t["z"],
+        dt_bias=t["dt_bias"],
+        dt_softplus=True,
+        initial_states=t["h0"],
+        return_final_states=True,
     )
     # Megatron's decode shapes: A (h, p, n), dt/D/dt_bias broadcast over p, per-step (b, 1, ...)
     A3 = t["A"].view(h, 1, 1).expand(h, p, n)
@@ -323,10 +441,20 @@ def test_selective_state_update_stepwise_equals_scan():
     ys = []
     for i in range(l):
         dt_i = t["dt"][:, i : i + 1].unsqueeze(-1).expand(b, 1, h, p)
-        ys.append(M.selective_state_update_ref(
-            state, t["x"][:, i : i + 1], dt_i, A3, t["B"][:, i : i + 1], t["C"][:, i : i + 1], D2,
-            z=t["z"][:, i : i + 1], dt_bias=bias2, dt_softplus=True,
-        ))
+        ys.append(
+            M.selective_state_update_ref(
+                state,
+                t["x"][:, i : i + 1],
+                dt_i,
+                A3,
+                t["B"][:, i : i + 1],
+                t["C"][:, i : i + 1],
+                D2,
+                z=t["z"][:, i : i + 1],
+                dt_bias=bias2,
+                dt_softplus=True,
+            )
+        )
     torch.testing.assert_close(torch.cat(ys, 1), y_full, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(state, s_full, rtol=1e-10, atol=1e-10)
     # mamba_ssm's (b, h, p) single-token layout, several tokens at once, slots and intermediates
@@ -335,12 +463,30 @@ def test_selective_state_update_stepwise_equals_scan():
     inter = torch.zeros(3, 3, h, p, n, dtype=F64)
     dt3 = t["dt"][:, :3].unsqueeze(-1).expand(b, 3, h, p)
     out = M.selective_state_update_ref(
-        state, t["x"][:, :3], dt3, A3, t["B"][:, :3], t["C"][:, :3], D2, t["z"][:, :3], bias2, True,
-        state_batch_indices=torch.tensor([-1, 0]), intermediate_ssm_states=inter,
+        state,
+        t["x"][:, :3],
+        dt3,
+        A3,
+        t["B"][:, :3],
+        t["C"][:, :3],
+        D2,
+        t["z"][:, :3],
+        bias2,
+        True,
+        state_batch_indices=torch.tensor([-1, 0]),
+        intermediate_ssm_states=inter,
     )
     y_row1, _ = naive_scan(
-        t["x"][1:, :3], t["dt"][1:, :3], t["A"], t["B"][1:, :3], t["C"][1:, :3], D=t["D"], z=t["z"][1:, :3],
-        dt_bias=t["dt_bias"], softplus=True, h0=t["h0"][1:],
+        t["x"][1:, :3],
+        t["dt"][1:, :3],
+        t["A"],
+        t["B"][1:, :3],
+        t["C"][1:, :3],
+        D=t["D"],
+        z=t["z"][1:, :3],
+        dt_bias=t["dt_bias"],
+        softplus=True,
+        h0=t["h0"][1:],
     )
     torch.testing.assert_close(out[1:], y_row1, rtol=1e-10, atol=1e-10)
     assert out[0].abs().max() == 0
@@ -348,11 +494,28 @@ def test_selective_state_update_stepwise_equals_scan():
     # per-head A / D / dt_bias / dt give the same as Megatron's expanded ones
     s1, s2 = t["h0"].clone(), t["h0"].clone()
     y1 = M.selective_state_update_ref(
-        s1, t["x"][:, 0], t["dt"][:, 0], t["A"], t["B"][:, 0], t["C"][:, 0], t["D"], None, t["dt_bias"], True
+        s1,
+        t["x"][:, 0],
+        t["dt"][:, 0],
+        t["A"],
+        t["B"][:, 0],
+        t["C"][:, 0],
+        t["D"],
+        None,
+        t["dt_bias"],
+        True,
     )
     y2 = M.selective_state_update_ref(
-        s2, t["x"][:, 0], t["dt"][:, 0].unsqueeze(-1).expand(b, h, p), A3, t["B"][:, 0], t["C"][:, 0], D2,
-        None, bias2, True,
+        s2,
+        t["x"][:, 0],
+        t["dt"][:, 0].unsqueeze(-1).expand(b, h, p),
+        A3,
+        t["B"][:, 0],
+        t["C"][:, 0],
+        D2,
+        None,
+        bias2,
+        True,
     )
     assert y1.shape == (b, h, p)
     torch.testing.assert_close(y1, y2)
@@ -378,8 +541,14 @@ def test_split_conv1d_scan_combined_equals_composition():
     xBC = naive_conv(xBC.transpose(1, 2), cw, cb, silu=True).transpose(1, 2)
     x, Bm, Cm = torch.split(xBC, [dim, g * n, g * n], dim=-1)
     y, fin = naive_scan(
-        x.reshape(b, l, h, p), dt, A, Bm.reshape(b, l, g, n), Cm.reshape(b, l, g, n), D=D,
-        dt_bias=dt_bias, softplus=True,
+        x.reshape(b, l, h, p),
+        dt,
+        A,
+        Bm.reshape(b, l, g, n),
+        Cm.reshape(b, l, g, n),
+        D=D,
+        dt_bias=dt_bias,
+        softplus=True,
     )
     y = y.reshape(b, l, dim)
     gated = y * F.silu(z)
@@ -392,8 +561,18 @@ def test_split_conv1d_scan_combined_equals_composition():
     normed = rmsnorm_formula(y, rw, z, 1e-6, dim // g, norm_before_gate=False)
     ref = torch.cat([x0 * F.silu(z0), normed], -1) @ ow.T
     out, s = M.mamba_split_conv1d_scan_combined(
-        zxbcdt, cw, cb, dt_bias, A, D.view(h, 1).expand(h, p), chunk_size=8, ngroups=g,
-        rmsnorm_weight=rw, outproj_weight=ow, norm_before_gate=False, return_final_states=True,
+        zxbcdt,
+        cw,
+        cb,
+        dt_bias,
+        A,
+        D.view(h, 1).expand(h, p),
+        chunk_size=8,
+        ngroups=g,
+        rmsnorm_weight=rw,
+        outproj_weight=ow,
+        norm_before_gate=False,
+        return_final_states=True,
     )
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(s, fin, rtol=1e-10, atol=1e-10)
@@ -422,11 +601,16 @@ def megatron_cpu():
     from megatron.core import parallel_state
     from megatron.core.ssm import mamba_mixer
 
-    from elastic_plugin.compat.mamba_install import install_mamba_fallbacks, uninstall_mamba_fallbacks
+    from elastic_plugin.compat.mamba_install import (
+        install_mamba_fallbacks,
+        uninstall_mamba_fallbacks,
+    )
 
     own_dist = not dist.is_initialized()
     if own_dist:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        )
     own_mp = not parallel_state.model_parallel_is_initialized()
     if own_mp:
         parallel_state.initialize_model_parallel(1, 1)
@@ -455,14 +639,23 @@ def _build_mixer(mem_eff: bool, seed: int = 0, chunk_size: int = 16):
     from megatron.core.transformer import TransformerConfig
 
     cfg = TransformerConfig(
-        num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-        mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2, mamba_num_heads=8,
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        mamba_state_dim=8,
+        mamba_head_dim=8,
+        mamba_num_groups=2,
+        mamba_num_heads=8,
         use_mamba_mem_eff_path=mem_eff,
     )
     torch.manual_seed(seed)
     return MambaMixer(
-        cfg, MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
-        d_model=32, chunk_size=chunk_size, layer_number=1,
+        cfg,
+        MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
+        d_model=32,
+        chunk_size=chunk_size,
+        layer_number=1,
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
     )
 
@@ -474,11 +667,20 @@ def _mixer_reference(m, hidden):
     di = h * p
     zxbcdt = (hidden @ m.in_proj.weight.T).transpose(0, 1)  # (b, L, proj)
     z, xBC, dt = torch.split(zxbcdt, [di, di + 2 * g * n, h], dim=-1)
-    xBC = naive_conv(xBC.transpose(1, 2), m.conv1d_weight[:, 0], m.conv1d_bias, silu=True).transpose(1, 2)
+    xBC = naive_conv(
+        xBC.transpose(1, 2), m.conv1d_weight[:, 0], m.conv1d_bias, silu=True
+    ).transpose(1, 2)
     x, Bm, Cm = torch.split(xBC, [di, g * n, g * n], dim=-1)
     y, _ = naive_scan(
-        x.reshape(b, L, h, p), dt, -torch.exp(m.A_log), Bm.reshape(b, L, g, n), Cm.reshape(b, L, g, n),
-        D=m.D, z=z.reshape(b, L, h, p), dt_bias=m.dt_bias, softplus=True,
+        x.reshape(b, L, h, p),
+        dt,
+        -torch.exp(m.A_log),
+        Bm.reshape(b, L, g, n),
+        Cm.reshape(b, L, g, n),
+        D=m.D,
+        z=z.reshape(b, L, h, p),
+        dt_bias=m.dt_bias,
+        softplus=True,
     )
     y = rmsnorm_formula(y.reshape(b, L, di), m.norm.weight, None, 1e-5, di // g)
     return (y @ m.out_proj.weight.T).transpose(0, 1)
@@ -490,8 +692,14 @@ def test_install_reports_patched_names(megatron_cpu):
     from elastic_plugin.compat.mamba_ops import install_mamba_fallbacks
 
     assert megatron_cpu["installed"] and not megatron_cpu["mamba_ssm_available"]
-    for name in ("HAVE_MAMBA_SSM", "RMSNormGated", "ExtendedRMSNorm", "mamba_chunk_scan_combined",
-                 "mamba_split_conv1d_scan_combined", "causal_conv1d_fn"):
+    for name in (
+        "HAVE_MAMBA_SSM",
+        "RMSNormGated",
+        "ExtendedRMSNorm",
+        "mamba_chunk_scan_combined",
+        "mamba_split_conv1d_scan_combined",
+        "causal_conv1d_fn",
+    ):
         assert f"mamba_mixer.{name}" in megatron_cpu["patched"]
     assert mamba_mixer.HAVE_MAMBA_SSM is True
     assert mamba_mixer.mamba_split_conv1d_scan_combined is M.mamba_split_conv1d_scan_combined
@@ -501,7 +709,9 @@ def test_install_reports_patched_names(megatron_cpu):
 def test_megatron_mamba_mixer_forward_backward_matches_reference(megatron_cpu):
     m = _build_mixer(mem_eff=True)
     assert isinstance(m.norm, M.ExtendedRMSNormGated)
-    assert {"conv1d_weight", "conv1d_bias", "dt_bias", "A_log", "D", "norm.weight"} <= set(m.state_dict())
+    assert {"conv1d_weight", "conv1d_bias", "dt_bias", "A_log", "D", "norm.weight"} <= set(
+        m.state_dict()
+    )
     sharded = m.sharded_state_dict(prefix="mixer.")
     assert sharded["mixer.norm.weight"].key == "mixer.norm.weight"
     assert sharded["mixer.norm.weight"].data is m.norm.weight

@@ -22,14 +22,19 @@ def pool(rank_pools):
     return rank_pools.get(1)
 
 
-@pytest.mark.parametrize("overrides", [
-    {},
-    {"activation": "swiglu", "moe_shared_expert_intermediate_size": 0},
-    {"untie_embeddings_and_output_weights": False, "position_embedding_type": "rope"},
-], ids=["tiny", "swiglu-no-shared", "tied-rope"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"activation": "swiglu", "moe_shared_expert_intermediate_size": 0},
+        {"untie_embeddings_and_output_weights": False, "position_embedding_type": "rope"},
+    ],
+    ids=["tiny", "swiglu-no-shared", "tied-rope"],
+)
 def test_built_model_matches_arithmetic_count(pool, overrides):
-    (built,) = pool.run("elastic_plugin.testing.cases:built_parameter_counts", config_path=TINY,
-                        overrides=overrides)
+    (built,) = pool.run(
+        "elastic_plugin.testing.cases:built_parameter_counts", config_path=TINY, overrides=overrides
+    )
     expected = count_parameters(replace(load_config(TINY).model, **overrides))
     assert {k: v for k, v in expected.breakdown.items() if v} == built
     assert sum(built.values()) == expected.total
@@ -55,11 +60,14 @@ def test_bad_pattern_symbol():
         config_from_dict(raw)
 
 
-@pytest.mark.parametrize("tp,pp,ep,field", [
-    (4, 1, 1, "num_query_groups"),
-    (1, 3, 1, "pipeline_model_parallel_size"),
-    (1, 1, 3, "num_moe_experts"),
-])
+@pytest.mark.parametrize(
+    "tp,pp,ep,field",
+    [
+        (4, 1, 1, "num_query_groups"),
+        (1, 3, 1, "pipeline_model_parallel_size"),
+        (1, 1, 3, "num_moe_experts"),
+    ],
+)
 def test_layout_that_does_not_divide(tp, pp, ep, field):
     model = load_config(TINY).model
     with pytest.raises(ConfigError, match=field):

@@ -33,8 +33,13 @@ def references(pools, tmp_path_factory):
         key = (pattern, tuple(sorted(overrides.items())))
         if key not in made:
             work = tmp_path_factory.mktemp("reference")
-            (info,) = pools.get(1).run(f"{CASES}:make_reference", config_path=CONFIG,
-                                       workdir=str(work), pattern=pattern, overrides=overrides)
+            (info,) = pools.get(1).run(
+                f"{CASES}:make_reference",
+                config_path=CONFIG,
+                workdir=str(work),
+                pattern=pattern,
+                overrides=overrides,
+            )
             assert info["params"] > 0
             made[key] = str(work)
         return made[key]
@@ -42,13 +47,24 @@ def references(pools, tmp_path_factory):
     return get
 
 
-def _check(pools, references, world_size: int, pattern: str | None = None,
-           overrides: dict | None = None, **layout) -> list[dict]:
+def _check(
+    pools,
+    references,
+    world_size: int,
+    pattern: str | None = None,
+    overrides: dict | None = None,
+    **layout,
+) -> list[dict]:
     overrides = overrides or {}
     workdir = references(pattern, **overrides)
-    results = pools.get(world_size).run(f"{CASES}:check_layout", config_path=CONFIG,
-                                        workdir=workdir, pattern=pattern, overrides=overrides,
-                                        **layout)
+    results = pools.get(world_size).run(
+        f"{CASES}:check_layout",
+        config_path=CONFIG,
+        workdir=workdir,
+        pattern=pattern,
+        overrides=overrides,
+        **layout,
+    )
     losses = [r["loss"] for r in results if r["loss"] is not None]
     assert losses, "no rank reported a loss (the last pipeline stage must)"
     for r in results:
@@ -90,6 +106,7 @@ def test_data_parallel_distributed_optimizer(pools, references):
 
 @pytest.mark.slow
 def test_tp2_pp2_ep2_on_eight_ranks(pools, references):
-    results = _check(pools, references, 8, tp=2, pp=2, ep=2, sequence_parallel=True,
-                     distributed_optimizer=True)
+    results = _check(
+        pools, references, 8, tp=2, pp=2, ep=2, sequence_parallel=True, distributed_optimizer=True
+    )
     assert len(results) == 8

@@ -21,8 +21,14 @@ from elastic_plugin.checkpoint.meta import (
 )
 from elastic_plugin.parallel import barrier, is_rank0
 
-__all__ = ["build_from_checkpoint", "fresh_temporary", "load_checkpoint", "load_optimizer",
-           "publish_directory", "save_checkpoint"]
+__all__ = [
+    "build_from_checkpoint",
+    "fresh_temporary",
+    "load_checkpoint",
+    "load_optimizer",
+    "publish_directory",
+    "save_checkpoint",
+]
 
 
 def save_checkpoint(chunks, out_dir: str | Path, meta: dict[str, Any], optimizer=None) -> Path:

@@ -15,15 +15,26 @@ reordering itself uses, so layout conversion and reordering cannot disagree.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["STRIDED_ATTR", "canonical_weights", "convert_layout", "ep_group_and_size",
-           "global_axes", "mark_loaded_reordered", "permute_", "permute_experts_",
-           "permute_ffn_neurons_", "permute_many_", "strided_index", "tp_group_and_size"]
+__all__ = [
+    "STRIDED_ATTR",
+    "canonical_weights",
+    "convert_layout",
+    "ep_group_and_size",
+    "global_axes",
+    "mark_loaded_reordered",
+    "permute_",
+    "permute_experts_",
+    "permute_ffn_neurons_",
+    "permute_many_",
+    "strided_index",
+    "tp_group_and_size",
+]
 
 STRIDED_ATTR = "_elastic_strided"
 
@@ -49,8 +60,9 @@ def permute_many_(targets: list[tuple[torch.Tensor, int]], index: torch.Tensor) 
     if not targets:
         return
     perm = index.to(device=targets[0][0].device, dtype=torch.long)
-    gathered = ordered_gather_many([t.data for t, _ in targets], perm, perm.numel(),
-                                   [d for _, d in targets])
+    gathered = ordered_gather_many(
+        [t.data for t, _ in targets], perm, perm.numel(), [d for _, d in targets]
+    )
     for (tensor, _), new in zip(targets, gathered):
         tensor.data.copy_(new)
 
@@ -62,8 +74,7 @@ class _Param:
         self.data = view
 
 
-def _permute_sharded_(tensors: list, dim: int, full_index: torch.Tensor,
-                      group) -> None:
+def _permute_sharded_(tensors: list, dim: int, full_index: torch.Tensor, group) -> None:
     """Permute an axis sharded contiguously over ``group``: gather, reindex, keep our block."""
     from elastic_plugin.ops import ordered_gather
 
@@ -134,8 +145,8 @@ def ep_group_and_size():
 
 def global_axes(model: torch.nn.Module):
     """(kind, layer number, module) for every globally ranked, sharded axis of this chunk."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
 
     for layer in model.decoder.layers:
         number = int(layer.layer_number)

@@ -13,7 +13,8 @@ import contextlib
 import functools
 import logging
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -61,9 +62,28 @@ def _patch_rng() -> None:
 
 
 # ------------------------------------------------------------------------- devices
-_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "rand", "randn",
-              "randint", "randperm", "empty_strided", "linspace", "eye", "zeros_like", "ones_like",
-              "empty_like", "full_like", "rand_like", "randn_like")
+_FACTORIES = (
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "tensor",
+    "as_tensor",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "empty_strided",
+    "linspace",
+    "eye",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+)
 
 
 def _is_cuda(device: Any) -> bool:
@@ -123,9 +143,14 @@ def _tensor_type(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def type_(self, *args, **kwargs):
         name = orig(self, *args, **kwargs)
-        if not args and not kwargs and isinstance(name, str) and name.startswith("torch.") \
-                and not name.startswith("torch.cuda."):
-            return "torch.cuda." + name[len("torch."):]
+        if (
+            not args
+            and not kwargs
+            and isinstance(name, str)
+            and name.startswith("torch.")
+            and not name.startswith("torch.cuda.")
+        ):
+            return "torch.cuda." + name[len("torch.") :]
         return name
 
     return type_
@@ -195,8 +220,12 @@ def _move_splits_to_host(tensor: Any, as_numpy: bool = False, record_stream: boo
 def _patch_streams() -> None:
     _patch(torch.cuda, "Stream", _NullStream, "torch.cuda.Stream")
     _patch(torch.cuda, "Event", _NullEvent, "torch.cuda.Event")
-    _patch(torch.cuda, "current_stream", lambda device=None: _THE_STREAM, "torch.cuda.current_stream")
-    _patch(torch.cuda, "default_stream", lambda device=None: _THE_STREAM, "torch.cuda.default_stream")
+    _patch(
+        torch.cuda, "current_stream", lambda device=None: _THE_STREAM, "torch.cuda.current_stream"
+    )
+    _patch(
+        torch.cuda, "default_stream", lambda device=None: _THE_STREAM, "torch.cuda.default_stream"
+    )
     _patch(torch.cuda, "stream", lambda stream=None: contextlib.nullcontext(), "torch.cuda.stream")
     _patch(torch.cuda, "synchronize", lambda device=None: None, "torch.cuda.synchronize")
     _patch(torch.Tensor, "record_stream", lambda self, stream: None, "Tensor.record_stream")
@@ -219,7 +248,6 @@ def _uneven_all_gather(orig: Callable) -> Callable:
 
     @functools.wraps(orig)
     def all_gather(tensor_list, tensor, group=None, async_op=False):
-        import torch.distributed as dist
 
         shapes = {tuple(t.shape) for t in tensor_list} | {tuple(tensor.shape)}
         if len(shapes) == 1 or not _is_gloo(group) or async_op or tensor.dim() == 0:
@@ -250,7 +278,7 @@ def _list_reduce_scatter(orig: Callable) -> Callable:
         dist.all_reduce(flat, op=op or dist.ReduceOp.SUM, group=group)
         rank = dist.get_rank(group)
         start = sum(t.numel() for t in input_list[:rank])
-        output.copy_(flat[start:start + input_list[rank].numel()].view_as(output))
+        output.copy_(flat[start : start + input_list[rank].numel()].view_as(output))
         return None
 
     return reduce_scatter
@@ -260,8 +288,12 @@ def _patch_collectives() -> None:
     import torch.distributed as dist
 
     _patch(dist, "all_gather", _uneven_all_gather(dist.all_gather), "dist.all_gather(uneven, gloo)")
-    _patch(dist, "reduce_scatter", _list_reduce_scatter(dist.reduce_scatter),
-           "dist.reduce_scatter(list, gloo)")
+    _patch(
+        dist,
+        "reduce_scatter",
+        _list_reduce_scatter(dist.reduce_scatter),
+        "dist.reduce_scatter(list, gloo)",
+    )
 
 
 def enable_cpu_megatron(force: bool = False) -> list[str]:
@@ -280,7 +312,10 @@ def enable_cpu_megatron(force: bool = False) -> list[str]:
     from elastic_plugin.compat.mamba_install import install_mamba_fallbacks
 
     patched = install_mamba_fallbacks()
-    _APPLIED.extend(f"mamba:{name}" for name in (patched.get("patched", []) if isinstance(patched, dict) else []))
+    _APPLIED.extend(
+        f"mamba:{name}"
+        for name in (patched.get("patched", []) if isinstance(patched, dict) else [])
+    )
     return applied_patches()
 
 

@@ -11,7 +11,7 @@ Megatron's source is edited, and :func:`uninstall_mamba_fallbacks` restores the 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import torch
 
@@ -19,15 +19,18 @@ MIXER_MODULE = "megatron.core.ssm.mamba_mixer"
 
 # Originals of every global we replaced, and the result of the first install.
 _ORIGINALS: dict[str, Any] = {}
-_RESULT: Optional[dict] = None
+_RESULT: dict | None = None
 
 
-def _sequence_packing_support(for_inference_not_training: bool = True) -> Tuple[bool, Optional[str]]:
+def _sequence_packing_support(for_inference_not_training: bool = True) -> tuple[bool, str | None]:
     """Replacement for Megatron's version check: packed *training* works with the fallbacks
     (``seq_idx`` is honoured by the conv and the scan); dynamic-batching inference does not
     (it needs varlen kernels that only exist in Triton)."""
     if for_inference_not_training:
-        return False, "dynamic-batching Mamba inference needs mamba_ssm/causal_conv1d (not the CPU fallback)"
+        return (
+            False,
+            "dynamic-batching Mamba inference needs mamba_ssm/causal_conv1d (not the CPU fallback)",
+        )
     return True, None
 
 
@@ -84,7 +87,9 @@ def install_mamba_fallbacks(force: bool = False) -> dict:
         "mamba_ssm_available": have_real,
         "installed": True,
         "patched": patched,
-        "reason": "forced" if have_real else "mamba_ssm not importable; pure-PyTorch fallbacks installed",
+        "reason": "forced"
+        if have_real
+        else "mamba_ssm not importable; pure-PyTorch fallbacks installed",
     }
     return dict(_RESULT, patched=list(patched))
 

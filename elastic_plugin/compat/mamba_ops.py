@@ -19,7 +19,7 @@ in the input dtype, so float64 inputs give float64-accurate results (used by the
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -48,23 +48,25 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _check_activation(activation: Union[None, str, bool]) -> bool:
+def _check_activation(activation: None | str | bool) -> bool:
     """Return True when SiLU should be applied; Megatron passes "silu", mamba_ssm also bools."""
     if isinstance(activation, bool):
         return activation
     if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation must be one of {_ACTIVATIONS} (or a bool), got {activation!r}")
+        raise ValueError(
+            f"activation must be one of {_ACTIVATIONS} (or a bool), got {activation!r}"
+        )
     return activation is not None
 
 
-def _check_shape(name: str, t: Optional[Tensor], shape: Sequence[int]) -> None:
+def _check_shape(name: str, t: Tensor | None, shape: Sequence[int]) -> None:
     if t is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
 def _process_dt(
     dt: Tensor,
-    dt_bias: Optional[Tensor],
+    dt_bias: Tensor | None,
     dt_softplus: bool,
     dt_limit: Sequence[float],
 ) -> Tensor:
@@ -102,8 +104,8 @@ def ssd_chunk_scan(
     B: Tensor,
     C: Tensor,
     chunk_size: int,
-    initial_states: Optional[Tensor] = None,
-    seq_idx: Optional[Tensor] = None,
+    initial_states: Tensor | None = None,
+    seq_idx: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Core Mamba-2 SSD scan on already-discretised inputs (no D, no gate).
 
@@ -181,7 +183,9 @@ def ssd_chunk_scan(
     decay_from_start = torch.exp(cs)  # (b, c, g, r, Q)
     if seq_idx is not None:
         entering = ends[:, :-1]  # sequence id of the state entering chunk c
-        decay_from_start = decay_from_start * (sc == entering.unsqueeze(-1)).to(ct)[:, :, None, None]
+        decay_from_start = (
+            decay_from_start * (sc == entering.unsqueeze(-1)).to(ct)[:, :, None, None]
+        )
     y_off = torch.matmul(Cc.unsqueeze(3), prev.transpose(-1, -2))  # (b, c, g, r, Q, p)
     y = y + y_off * decay_from_start.unsqueeze(-1)
 
@@ -196,18 +200,18 @@ def mamba_chunk_scan_combined(
     B: Tensor,
     C: Tensor,
     chunk_size: int,
-    D: Optional[Tensor] = None,
-    z: Optional[Tensor] = None,
-    dt_bias: Optional[Tensor] = None,
-    initial_states: Optional[Tensor] = None,
-    seq_idx: Optional[Tensor] = None,
-    cu_seqlens: Optional[Tensor] = None,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    initial_states: Tensor | None = None,
+    seq_idx: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
     dt_softplus: bool = False,
     dt_limit: Sequence[float] = _NO_LIMIT,
     return_final_states: bool = False,
     return_varlen_states: bool = False,
-    state_dtype: Optional[torch.dtype] = None,
-) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    state_dtype: torch.dtype | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Same contract as ``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined``.
 
     Shapes: ``x (b, l, h, p)``, ``dt (b, l, h)``, ``A (h,)``, ``B, C (b, l, g, n)``,
@@ -218,7 +222,9 @@ def mamba_chunk_scan_combined(
     not supported (dynamic-batching inference only).
     """
     if cu_seqlens is not None or return_varlen_states:
-        raise NotImplementedError("cu_seqlens / return_varlen_states are not supported by the CPU fallback")
+        raise NotImplementedError(
+            "cu_seqlens / return_varlen_states are not supported by the CPU fallback"
+        )
     if x.dim() != 4:
         raise ValueError(f"x must be (batch, seqlen, nheads, headdim), got shape {tuple(x.shape)}")
     b, l, h, p = x.shape
@@ -247,7 +253,9 @@ def mamba_chunk_scan_combined(
 
     out_dtype = x.dtype
     ct = _compute_dtype(x.dtype)
-    dt_p = _process_dt(dt.to(ct), None if dt_bias is None else dt_bias.to(ct), dt_softplus, dt_limit)
+    dt_p = _process_dt(
+        dt.to(ct), None if dt_bias is None else dt_bias.to(ct), dt_softplus, dt_limit
+    )
     y, final = ssd_chunk_scan(
         x.to(ct), dt_p, A.to(ct), B.to(ct), C.to(ct), chunk_size, initial_states, seq_idx
     )
@@ -266,13 +274,13 @@ def mamba_chunk_scan_combined(
 def causal_conv1d_fn(
     x: Tensor,
     weight: Tensor,
-    bias: Optional[Tensor] = None,
-    seq_idx: Optional[Tensor] = None,
-    initial_states: Optional[Tensor] = None,
+    bias: Tensor | None = None,
+    seq_idx: Tensor | None = None,
+    initial_states: Tensor | None = None,
     return_final_states: bool = False,
-    final_states_out: Optional[Tensor] = None,
-    activation: Union[None, str, bool] = None,
-) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    final_states_out: Tensor | None = None,
+    activation: None | str | bool = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Same contract as ``causal_conv1d.causal_conv1d_fn``: depthwise causal conv (+ SiLU).
 
     ``x (b, d, l)``, ``weight (d, w)``, ``bias (d,)``, ``initial_states (b, d, w-1)`` (the inputs
@@ -323,10 +331,10 @@ def causal_conv1d_fn(
 def gated_rms_norm(
     x: Tensor,
     weight: Tensor,
-    bias: Optional[Tensor] = None,
-    z: Optional[Tensor] = None,
+    bias: Tensor | None = None,
+    z: Tensor | None = None,
     eps: float = 1e-6,
-    group_size: Optional[int] = None,
+    group_size: int | None = None,
     norm_before_gate: bool = True,
 ) -> Tensor:
     """``RMSNorm(x) * silu(z)`` (``norm_before_gate``) or ``RMSNorm(x * silu(z))``, per group.
@@ -337,7 +345,9 @@ def gated_rms_norm(
     hidden = x.shape[-1]
     gs = hidden if group_size is None else int(group_size)
     if gs <= 0 or hidden % gs != 0:
-        raise ValueError(f"group_size ({group_size}) must be positive and divide the last dim ({hidden})")
+        raise ValueError(
+            f"group_size ({group_size}) must be positive and divide the last dim ({hidden})"
+        )
     if z is not None and z.shape != x.shape:
         raise ValueError(f"z must have the shape of x {tuple(x.shape)}, got {tuple(z.shape)}")
     ct = _compute_dtype(x.dtype)
@@ -366,10 +376,10 @@ class RMSNormGated(nn.Module):
         self,
         hidden_size: int,
         eps: float = 1e-5,
-        group_size: Optional[int] = None,
+        group_size: int | None = None,
         norm_before_gate: bool = True,
-        device: Optional[Union[torch.device, str]] = None,
-        dtype: Optional[torch.dtype] = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if hidden_size <= 0:
@@ -388,10 +398,15 @@ class RMSNormGated(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
-    def forward(self, x: Tensor, z: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, z: Tensor | None = None) -> Tensor:
         return gated_rms_norm(
-            x, self.weight, self.bias, z=z, eps=self.eps,
-            group_size=self.group_size, norm_before_gate=self.norm_before_gate,
+            x,
+            self.weight,
+            self.bias,
+            z=z,
+            eps=self.eps,
+            group_size=self.group_size,
+            norm_before_gate=self.norm_before_gate,
         )
 
 
@@ -403,7 +418,7 @@ class ExtendedRMSNormGated(RMSNormGated):
     """
 
     def sharded_state_dict(
-        self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
     ):
         from megatron.core import parallel_state
         from megatron.core.transformer.utils import (
@@ -416,8 +431,12 @@ class ExtendedRMSNormGated(RMSNormGated):
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         state_dict = self.state_dict(prefix="", keep_vars=True)
         return make_sharded_tensors_for_checkpoint(
-            state_dict, prefix, {"weight": 0}, sharded_offsets,
-            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"],
+            state_dict,
+            prefix,
+            {"weight": 0},
+            sharded_offsets,
+            tp_group=self.tp_group,
+            dp_cp_group=metadata["dp_cp_group"],
         )
 
 
@@ -425,25 +444,25 @@ class ExtendedRMSNormGated(RMSNormGated):
 def mamba_split_conv1d_scan_combined(
     zxbcdt: Tensor,
     conv1d_weight: Tensor,
-    conv1d_bias: Optional[Tensor],
+    conv1d_bias: Tensor | None,
     dt_bias: Tensor,
     A: Tensor,
     D: Tensor,
     chunk_size: int,
-    initial_states: Optional[Tensor] = None,
-    seq_idx: Optional[Tensor] = None,
+    initial_states: Tensor | None = None,
+    seq_idx: Tensor | None = None,
     dt_limit: Sequence[float] = _NO_LIMIT,
     return_final_states: bool = False,
-    activation: Union[None, str, bool] = "silu",
-    rmsnorm_weight: Optional[Tensor] = None,
+    activation: None | str | bool = "silu",
+    rmsnorm_weight: Tensor | None = None,
     rmsnorm_eps: float = 1e-6,
-    outproj_weight: Optional[Tensor] = None,
-    outproj_bias: Optional[Tensor] = None,
-    headdim: Optional[int] = None,
+    outproj_weight: Tensor | None = None,
+    outproj_bias: Tensor | None = None,
+    headdim: int | None = None,
     ngroups: int = 1,
     norm_before_gate: bool = True,
-    state_dtype: Optional[torch.dtype] = None,
-) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    state_dtype: torch.dtype | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Same contract as ``mamba_ssm``'s ``mamba_split_conv1d_scan_combined`` (Megatron's training op).
 
     ``zxbcdt (b, l, 2*d_mlp + 2*dim + 2*ngroups*dstate + nheads)`` is split into
@@ -454,7 +473,9 @@ def mamba_split_conv1d_scan_combined(
     ``x0 * silu(z0)`` is prepended and ``outproj_weight``/``bias`` applied last.
     """
     if zxbcdt.dim() != 3:
-        raise ValueError(f"zxbcdt must be (batch, seqlen, features), got shape {tuple(zxbcdt.shape)}")
+        raise ValueError(
+            f"zxbcdt must be (batch, seqlen, features), got shape {tuple(zxbcdt.shape)}"
+        )
     if D.dim() == 1:
         if headdim is None:
             raise ValueError("headdim must be given when D has shape (nheads,)")
@@ -505,8 +526,13 @@ def mamba_split_conv1d_scan_combined(
     y = y.reshape(b, l, dim)
     if rmsnorm_weight is not None:
         y = gated_rms_norm(
-            y, rmsnorm_weight, None, z=z, eps=rmsnorm_eps,
-            group_size=dim // ngroups, norm_before_gate=norm_before_gate,
+            y,
+            rmsnorm_weight,
+            None,
+            z=z,
+            eps=rmsnorm_eps,
+            group_size=dim // ngroups,
+            norm_before_gate=norm_before_gate,
         )
     if d_mlp > 0:
         y = torch.cat([x0 * F.silu(z0), y], dim=-1)
@@ -521,10 +547,10 @@ def causal_conv1d_update_ref(
     x: Tensor,
     conv_state: Tensor,
     weight: Tensor,
-    bias: Optional[Tensor] = None,
-    activation: Union[None, str, bool] = None,
-    conv_state_indices: Optional[Tensor] = None,
-    intermediate_conv_states: Optional[Tensor] = None,
+    bias: Tensor | None = None,
+    activation: None | str | bool = None,
+    conv_state_indices: Tensor | None = None,
+    intermediate_conv_states: Tensor | None = None,
 ) -> Tensor:
     """One (or a few) decode steps of the causal conv; updates ``conv_state`` in place.
 
@@ -574,8 +600,12 @@ def causal_conv1d_update_ref(
         vr = rows[valid]
         conv_state[vr] = full[valid, :, full.shape[-1] - state_len :].to(conv_state.dtype)
         if intermediate_conv_states is not None:
-            steps = full[..., 1:].unfold(-1, state_len, 1)  # (b, d, s, state_len): state after step t
-            intermediate_conv_states[vr] = steps[valid].transpose(1, 2).to(intermediate_conv_states.dtype)
+            steps = full[..., 1:].unfold(
+                -1, state_len, 1
+            )  # (b, d, s, state_len): state after step t
+            intermediate_conv_states[vr] = (
+                steps[valid].transpose(1, 2).to(intermediate_conv_states.dtype)
+            )
     out = out.transpose(1, 2).to(xs.dtype)
     return out.squeeze(1) if squeeze else out
 
@@ -587,12 +617,12 @@ def selective_state_update_ref(
     A: Tensor,
     B: Tensor,
     C: Tensor,
-    D: Optional[Tensor] = None,
-    z: Optional[Tensor] = None,
-    dt_bias: Optional[Tensor] = None,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    dt_bias: Tensor | None = None,
     dt_softplus: bool = False,
-    state_batch_indices: Optional[Tensor] = None,
-    intermediate_ssm_states: Optional[Tensor] = None,
+    state_batch_indices: Tensor | None = None,
+    intermediate_ssm_states: Tensor | None = None,
 ) -> Tensor:
     """Single-token SSM recurrence (decode); updates ``state`` in place.
 
@@ -618,7 +648,7 @@ def selective_state_update_ref(
             f"x has {x.dim()} dims; expected {base} or {base + 1} for state {tuple(state.shape)}"
         )
 
-    def std(t: Optional[Tensor]) -> Optional[Tensor]:
+    def std(t: Tensor | None) -> Tensor | None:
         """Bring x/dt/z to (b, s, h, p) and B/C to (b, s, g, n) (head/group axis 1 if absent)."""
         if t is None:
             return None

@@ -21,16 +21,33 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--task", default="chain_sum", choices=available_tasks(), help="reasoning task (default: chain_sum)")
-    p.add_argument("--num-train", type=int, default=50_000, help="training examples (default: 50000)")
+    p.add_argument(
+        "--task",
+        default="chain_sum",
+        choices=available_tasks(),
+        help="reasoning task (default: chain_sum)",
+    )
+    p.add_argument(
+        "--num-train", type=int, default=50_000, help="training examples (default: 50000)"
+    )
     p.add_argument("--num-valid", type=int, default=500, help="held-out examples (default: 500)")
     p.add_argument("--seed", type=int, default=1234, help="training-set seed (default: 1234)")
-    p.add_argument("--heldout-seed", type=int, default=None, help="held-out seed (default: seed + 1)")
     p.add_argument(
-        "--task-arg", action="append", default=[], metavar="KEY=VALUE",
+        "--heldout-seed", type=int, default=None, help="held-out seed (default: seed + 1)"
+    )
+    p.add_argument(
+        "--task-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override a reasoning-gym config field, e.g. --task-arg max_digits=1 (repeatable)",
     )
-    p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size (default: character-level)")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="BPE vocabulary size (default: character-level)",
+    )
     p.add_argument("--force", action="store_true", help="regenerate even if --out matches")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.set_defaults(func=run_prepare_data)
@@ -63,9 +80,16 @@ def run_prepare_data(args: argparse.Namespace) -> int:
 
     try:
         prepared = prepare_dataset(
-            args.out, task=args.task, num_train=args.num_train, num_valid=args.num_valid,
-            seed=args.seed, heldout_seed=args.heldout_seed, task_kwargs=parse_task_args(args.task_arg),
-            vocab_size=args.vocab_size, force=args.force, progress=not args.no_progress,
+            args.out,
+            task=args.task,
+            num_train=args.num_train,
+            num_valid=args.num_valid,
+            seed=args.seed,
+            heldout_seed=args.heldout_seed,
+            task_kwargs=parse_task_args(args.task_arg),
+            vocab_size=args.vocab_size,
+            force=args.force,
+            progress=not args.no_progress,
         )
     except (ValueError, TypeError) as err:
         print(f"prepare-data: error: {err}", file=sys.stderr)

@@ -70,7 +70,12 @@ def write_indexed_dataset(
 
     The token dtype is Megatron's choice for ``vocab_size`` (uint16 below 65500, else int32).
     """
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
+    from megatron.core.datasets.indexed_dataset import (
+        DType,
+        IndexedDatasetBuilder,
+        get_bin_path,
+        get_idx_path,
+    )
 
     if not isinstance(vocab_size, int) or vocab_size <= 0:
         raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
@@ -114,7 +119,7 @@ def write_text_documents(
 
     def docs() -> Iterator[list[int]]:
         for start in range(0, len(texts), batch_size):
-            for ids in tokenizer.tokenize_batch(texts[start:start + batch_size]):
+            for ids in tokenizer.tokenize_batch(texts[start : start + batch_size]):
                 yield ids + [tokenizer.eod] if append_eod else ids
 
     return write_indexed_dataset(
@@ -160,7 +165,9 @@ def compile_dataset_helpers(build_dir: str | os.PathLike | None = None) -> str:
     with open(source, "rb") as fh:
         key = hashlib.sha256(fh.read() + sys.version.encode()).hexdigest()[:16]
     if build_dir is None:
-        build_dir = os.path.join(os.path.expanduser("~"), ".cache", "elastic_plugin", "megatron_helpers", key)
+        build_dir = os.path.join(
+            os.path.expanduser("~"), ".cache", "elastic_plugin", "megatron_helpers", key
+        )
     build_dir = os.fspath(build_dir)
     os.makedirs(build_dir, exist_ok=True)
     target = os.path.join(build_dir, "helpers_cpp" + sysconfig.get_config_var("EXT_SUFFIX"))
@@ -170,14 +177,23 @@ def compile_dataset_helpers(build_dir: str | os.PathLike | None = None) -> str:
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=build_dir)
             os.close(fd)
             cmd = [
-                os.environ.get("CXX", "g++"), "-O3", "-shared", "-std=c++17", "-fPIC",
-                f"-I{_pybind11_include()}", f"-I{sysconfig.get_paths()['include']}",
-                source, "-o", tmp,
+                os.environ.get("CXX", "g++"),
+                "-O3",
+                "-shared",
+                "-std=c++17",
+                "-fPIC",
+                f"-I{_pybind11_include()}",
+                f"-I{sysconfig.get_paths()['include']}",
+                source,
+                "-o",
+                tmp,
             ]
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
                 os.remove(tmp)
-                raise RuntimeError(f"compiling Megatron's helpers.cpp failed:\n{' '.join(cmd)}\n{result.stderr}")
+                raise RuntimeError(
+                    f"compiling Megatron's helpers.cpp failed:\n{' '.join(cmd)}\n{result.stderr}"
+                )
             os.replace(tmp, target)
     return target
 
@@ -187,10 +203,12 @@ def _pybind11_include() -> str:
         import pybind11
 
         return pybind11.get_include()
-    except ImportError:
+    except ImportError as exc:
         path = os.path.join(os.path.dirname(torch.__file__), "include")
         if not os.path.isfile(os.path.join(path, "pybind11", "pybind11.h")):
-            raise RuntimeError("no pybind11 headers found (neither the pybind11 package nor torch's copy)")
+            raise RuntimeError(
+                "no pybind11 headers found (neither the pybind11 package nor torch's copy)"
+            ) from exc
         return path
 
 
@@ -202,7 +220,9 @@ def _load_module(path: str) -> ModuleType:
     """
     import megatron.core.datasets as mds
 
-    spec = importlib.util.spec_from_file_location("_elastic_plugin_megatron_helpers.helpers_cpp", path)
+    spec = importlib.util.spec_from_file_location(
+        "_elastic_plugin_megatron_helpers.helpers_cpp", path
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     sys.modules[_HELPERS_MODULE] = module
@@ -249,19 +269,27 @@ def build_gpt_datasets(
     ``is_built_on_rank`` (default: every rank) is Megatron's hook for ranks that need no data.
     Call on every rank when ``torch.distributed`` is initialised (it holds barriers).
     """
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     if not isinstance(tokenizer, JsonTokenizer) and not hasattr(tokenizer, "eod"):
-        raise TypeError(f"tokenizer must be a JsonTokenizer (or Megatron tokenizer), got {type(tokenizer).__name__}")
+        raise TypeError(
+            f"tokenizer must be a JsonTokenizer (or Megatron tokenizer), got {type(tokenizer).__name__}"
+        )
     if not isinstance(sequence_length, int) or sequence_length <= 0:
         raise ValueError(f"sequence_length must be a positive int, got {sequence_length!r}")
     sizes = list(num_samples)
     if len(sizes) != 3 or any(s is not None and (not isinstance(s, int) or s <= 0) for s in sizes):
-        raise ValueError(f"num_samples must be 3 entries (train, valid, test), each None or > 0, got {num_samples!r}")
+        raise ValueError(
+            f"num_samples must be 3 entries (train, valid, test), each None or > 0, got {num_samples!r}"
+        )
     per_split = [train_data_path, valid_data_path, test_data_path]
     if data_path is not None and any(p is not None for p in per_split):
-        raise ValueError("give either data_path (with split) or train/valid/test_data_path, not both")
+        raise ValueError(
+            "give either data_path (with split) or train/valid/test_data_path, not both"
+        )
     if data_path is None and all(p is None for p in per_split):
         raise ValueError("no data: give data_path or at least one of train/valid/test_data_path")
 
@@ -270,7 +298,11 @@ def build_gpt_datasets(
         blend_kwargs = {"blend": _blend(data_path, "data_path"), "split": split}
     else:
         names = ("train_data_path", "valid_data_path", "test_data_path")
-        blend_kwargs = {"blend_per_split": [None if p is None else _blend(p, n) for p, n in zip(per_split, names)]}
+        blend_kwargs = {
+            "blend_per_split": [
+                None if p is None else _blend(p, n) for p, n in zip(per_split, names)
+            ]
+        }
         sizes = [s if p is not None else None for s, p in zip(sizes, per_split)]
 
     ensure_dataset_helpers()
@@ -287,7 +319,9 @@ def build_gpt_datasets(
         **blend_kwargs,
         **config_kwargs,
     )
-    builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank or (lambda: True), config)
+    builder = BlendedMegatronDatasetBuilder(
+        GPTDataset, sizes, is_built_on_rank or (lambda: True), config
+    )
     return GPTDatasets(*builder.build())
 
 
@@ -300,7 +334,9 @@ def _blend(paths: str | Sequence[str], name: str) -> tuple[list[str], list[float
     try:
         prefixes, weights = get_blend_from_list(items)
     except (AssertionError, ValueError) as err:
-        raise ValueError(f"{name} must be prefixes or 'weight prefix' pairs, got {items!r} ({err})") from None
+        raise ValueError(
+            f"{name} must be prefixes or 'weight prefix' pairs, got {items!r} ({err})"
+        ) from None
     for prefix in prefixes:
         _check_prefix(prefix, name)
     return prefixes, weights
@@ -340,8 +376,10 @@ class MicroBatchSampler(torch.utils.data.Sampler):
         data_parallel_size: int = 1,
     ) -> None:
         for name, value, low in (
-            ("micro_batch_size", micro_batch_size, 1), ("data_parallel_size", data_parallel_size, 1),
-            ("consumed_samples", consumed_samples, 0), ("data_parallel_rank", data_parallel_rank, 0),
+            ("micro_batch_size", micro_batch_size, 1),
+            ("data_parallel_size", data_parallel_size, 1),
+            ("consumed_samples", consumed_samples, 0),
+            ("data_parallel_rank", data_parallel_rank, 0),
         ):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -376,8 +414,10 @@ class MicroBatchSampler(torch.utils.data.Sampler):
                 order = torch.randperm(self.num_samples, generator=gen).tolist()
             else:
                 order = list(range(self.num_samples))
-            for start in range(offset - offset % self.global_batch, self.per_epoch, self.global_batch):
-                yield order[start + lo:start + hi]
+            for start in range(
+                offset - offset % self.global_batch, self.per_epoch, self.global_batch
+            ):
+                yield order[start + lo : start + hi]
             if not self.infinite:
                 return
             epoch, offset = epoch + 1, 0
@@ -410,8 +450,13 @@ def batch_iterator(
         data_parallel_rank = rank if data_parallel_rank is None else data_parallel_rank
         data_parallel_size = size if data_parallel_size is None else data_parallel_size
     sampler = MicroBatchSampler(
-        len(dataset), micro_batch_size, seed=seed, shuffle=shuffle, infinite=infinite,
-        consumed_samples=consumed_samples, data_parallel_rank=data_parallel_rank,
+        len(dataset),
+        micro_batch_size,
+        seed=seed,
+        shuffle=shuffle,
+        infinite=infinite,
+        consumed_samples=consumed_samples,
+        data_parallel_rank=data_parallel_rank,
         data_parallel_size=data_parallel_size,
     )
     loader = torch.utils.data.DataLoader(
@@ -420,7 +465,9 @@ def batch_iterator(
     return _with_attention_mask_key(iter(loader))
 
 
-def _with_attention_mask_key(it: Iterator[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor | None]]:
+def _with_attention_mask_key(
+    it: Iterator[dict[str, torch.Tensor]],
+) -> Iterator[dict[str, torch.Tensor | None]]:
     for batch in it:
         batch.setdefault("attention_mask", None)
         yield batch
@@ -431,5 +478,8 @@ def _data_parallel_defaults() -> tuple[int, int]:
         from megatron.core import parallel_state
 
         if parallel_state.model_parallel_is_initialized():
-            return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+            return (
+                parallel_state.get_data_parallel_rank(),
+                parallel_state.get_data_parallel_world_size(),
+            )
     return 0, 1

@@ -21,9 +21,10 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import version
-from typing import Any, Mapping
+from typing import Any
 
 from .indexed import GPTDatasets, build_gpt_datasets, write_text_documents
 from .tasks import Example, generate_splits, get_task, resolve_task_kwargs
@@ -36,8 +37,13 @@ VALID_PREFIX = "valid_text_document"
 HELDOUT_FILE = "heldout.jsonl"
 META_FILE = "meta.json"
 _OUTPUT_FILES = (
-    TOKENIZER_FILE, f"{TRAIN_PREFIX}.bin", f"{TRAIN_PREFIX}.idx",
-    f"{VALID_PREFIX}.bin", f"{VALID_PREFIX}.idx", HELDOUT_FILE, META_FILE,
+    TOKENIZER_FILE,
+    f"{TRAIN_PREFIX}.bin",
+    f"{TRAIN_PREFIX}.idx",
+    f"{VALID_PREFIX}.bin",
+    f"{VALID_PREFIX}.idx",
+    HELDOUT_FILE,
+    META_FILE,
 )
 
 
@@ -89,8 +95,11 @@ class PreparedData:
         """
         kwargs.setdefault("path_to_cache", os.path.join(self.out_dir, "cache"))
         return build_gpt_datasets(
-            self.load_tokenizer(), sequence_length,
-            train_data_path=self.train_prefix, valid_data_path=self.valid_prefix, **kwargs,
+            self.load_tokenizer(),
+            sequence_length,
+            train_data_path=self.train_prefix,
+            valid_data_path=self.valid_prefix,
+            **kwargs,
         )
 
     @classmethod
@@ -99,7 +108,9 @@ class PreparedData:
         out_dir = os.path.abspath(os.fspath(out_dir))
         meta = _read_meta(out_dir)
         if meta is None or not _complete(out_dir):
-            raise ValueError(f"{out_dir} is not a complete prepared data directory (see prepare_dataset)")
+            raise ValueError(
+                f"{out_dir} is not a complete prepared data directory (see prepare_dataset)"
+            )
         return cls(out_dir, meta, reused=True)
 
 
@@ -133,7 +144,9 @@ def prepare_dataset(
         if value <= 0:
             raise ValueError(f"{name} must be > 0, got {value}")
     if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size <= 0):
-        raise ValueError(f"vocab_size must be None (character-level) or a positive int, got {vocab_size!r}")
+        raise ValueError(
+            f"vocab_size must be None (character-level) or a positive int, got {vocab_size!r}"
+        )
     heldout_seed = seed + 1 if heldout_seed is None else heldout_seed
     settings = {
         "format_version": FORMAT_VERSION,
@@ -166,7 +179,9 @@ def prepare_dataset(
     return _prepare_on_this_rank(out_dir, settings, force, progress)
 
 
-def _prepare_on_this_rank(out_dir: str, settings: dict[str, Any], force: bool, progress: bool) -> PreparedData:
+def _prepare_on_this_rank(
+    out_dir: str, settings: dict[str, Any], force: bool, progress: bool
+) -> PreparedData:
     meta = _read_meta(out_dir)
     if not force and meta is not None and meta.get("settings") == settings and _complete(out_dir):
         return PreparedData(out_dir, meta, reused=True)
@@ -194,17 +209,27 @@ def _prepare_on_this_rank(out_dir: str, settings: dict[str, Any], force: bool, p
 def _write_all(directory: str, settings: dict[str, Any], progress: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     train, heldout, info = generate_splits(
-        settings["task"], settings["num_train"], settings["num_valid"], settings["seed"],
-        settings["heldout_seed"], task_kwargs=settings["task_kwargs"], progress=progress,
+        settings["task"],
+        settings["num_train"],
+        settings["num_valid"],
+        settings["seed"],
+        settings["heldout_seed"],
+        task_kwargs=settings["task_kwargs"],
+        progress=progress,
     )
     t_gen = time.perf_counter() - t0
     train_texts = [ex.text for ex in train]
     tokenizer = train_tokenizer(train_texts, settings["vocab_size_request"])
     tokenizer.save(os.path.join(directory, TOKENIZER_FILE))
     t1 = time.perf_counter()
-    train_stats = write_text_documents(os.path.join(directory, TRAIN_PREFIX), train_texts, tokenizer, progress=progress)
+    train_stats = write_text_documents(
+        os.path.join(directory, TRAIN_PREFIX), train_texts, tokenizer, progress=progress
+    )
     valid_stats = write_text_documents(
-        os.path.join(directory, VALID_PREFIX), [ex.text for ex in heldout], tokenizer, progress=progress
+        os.path.join(directory, VALID_PREFIX),
+        [ex.text for ex in heldout],
+        tokenizer,
+        progress=progress,
     )
     t_write = time.perf_counter() - t1
     with open(os.path.join(directory, HELDOUT_FILE), "w") as fh:
@@ -223,7 +248,9 @@ def _write_all(directory: str, settings: dict[str, Any], progress: bool) -> dict
             "train": train_stats.num_tokens,
             "valid": valid_stats.num_tokens,
             "per_example_mean": round(train_stats.num_tokens / train_stats.num_documents, 3),
-            "per_example_max": max(train_stats.max_document_tokens, valid_stats.max_document_tokens),
+            "per_example_max": max(
+                train_stats.max_document_tokens, valid_stats.max_document_tokens
+            ),
             "dtype": train_stats.dtype,
         },
         "timing_s": {"generate": round(t_gen, 3), "tokenize_write": round(t_write, 3)},

@@ -130,7 +130,7 @@ def parse_completion(completion: str) -> tuple[str | None, str]:
     """
     body = completion
     if body.startswith(THINK_OPEN):
-        body = body[len(THINK_OPEN):]
+        body = body[len(THINK_OPEN) :]
     if THINK_CLOSE in body:
         thinking, answer = body.split(THINK_CLOSE, 1)
         return thinking, answer.strip()
@@ -167,7 +167,9 @@ def _render_products(entry: Mapping[str, Any]) -> tuple[str, str, str]:
     """One partial product per digit of the second factor (least significant first)."""
     parts = entry["metadata"]["expression"].split(" ")
     if len(parts) != 3 or parts[1] != "*":
-        raise RuntimeError(f"products renderer needs 'a * b', got {entry['metadata']['expression']!r}")
+        raise RuntimeError(
+            f"products renderer needs 'a * b', got {entry['metadata']['expression']!r}"
+        )
     a, b = int(parts[0]), int(parts[2])
     if a < 0 or b < 0:
         raise RuntimeError("products renderer needs non-negative factors (allow_negation=False)")
@@ -198,7 +200,13 @@ register_task(
     TaskSpec(
         name="chain_sum",
         rg_dataset="chain_sum",
-        defaults={"min_terms": 3, "max_terms": 5, "min_digits": 1, "max_digits": 2, "allow_negation": False},
+        defaults={
+            "min_terms": 3,
+            "max_terms": 5,
+            "min_digits": 1,
+            "max_digits": 2,
+            "allow_negation": False,
+        },
         render=_render_chain_sum,
         description="add/subtract 3-5 terms of 1-2 digits; thinking = running sums",
     )
@@ -207,7 +215,13 @@ register_task(
     TaskSpec(
         name="products",
         rg_dataset="products",
-        defaults={"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2, "allow_negation": False},
+        defaults={
+            "min_terms": 2,
+            "max_terms": 2,
+            "min_digits": 2,
+            "max_digits": 2,
+            "allow_negation": False,
+        },
         render=_render_products,
         description="a*b (2 digits each); thinking = partial products, answer = their sum",
         check_kwargs=_check_products_kwargs,
@@ -231,7 +245,9 @@ def resolve_task_kwargs(task: str, task_kwargs: Mapping[str, Any] | None = None)
             raise ValueError(f"task_kwargs may not set {reserved}; use num/seed arguments instead")
         kwargs.update(task_kwargs)
     _, config_cls = _rg_classes(spec.rg_dataset)
-    allowed = sorted(f.name for f in dataclasses.fields(config_cls) if f.name not in _RESERVED_FIELDS)
+    allowed = sorted(
+        f.name for f in dataclasses.fields(config_cls) if f.name not in _RESERVED_FIELDS
+    )
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
         raise ValueError(f"unknown task_kwargs {unknown} for task {task!r}; allowed: {allowed}")
@@ -285,7 +301,9 @@ def generate_examples(
     try:
         chunk_index = 0
         while len(examples) < num:
-            dataset = dataset_cls(config_cls(**kwargs, seed=derive_seed(seed, chunk_index), size=_CHUNK))
+            dataset = dataset_cls(
+                config_cls(**kwargs, seed=derive_seed(seed, chunk_index), size=_CHUNK)
+            )
             for i in range(_CHUNK):
                 entry = dataset[i]
                 prompt, thinking, answer = spec.render(entry)
@@ -332,12 +350,21 @@ def generate_splits(
         raise ValueError("heldout_seed must differ from seed (the sets come from different seeds)")
     resolve_task_kwargs(task, task_kwargs)
     heldout, heldout_dups = generate_examples(
-        task, num_heldout, heldout_seed, task_kwargs=task_kwargs, unique=True,
-        progress=progress, desc=f"generate {task} held-out",
+        task,
+        num_heldout,
+        heldout_seed,
+        task_kwargs=task_kwargs,
+        unique=True,
+        progress=progress,
+        desc=f"generate {task} held-out",
     )
     train, overlaps = generate_examples(
-        task, num_train, seed, task_kwargs=task_kwargs,
-        exclude_prompts={ex.prompt for ex in heldout}, progress=progress,
+        task,
+        num_train,
+        seed,
+        task_kwargs=task_kwargs,
+        exclude_prompts={ex.prompt for ex in heldout},
+        progress=progress,
         desc=f"generate {task} train",
     )
     info = {
@@ -361,14 +388,18 @@ def score(example: Example | Mapping[str, Any], predicted_answer: str | None) ->
     if isinstance(example, Mapping):
         example = Example.from_record(example)
     if not isinstance(example, Example):
-        raise TypeError(f"example must be an Example or a record dict, got {type(example).__name__}")
+        raise TypeError(
+            f"example must be an Example or a record dict, got {type(example).__name__}"
+        )
     if predicted_answer is not None and not isinstance(predicted_answer, str):
-        raise TypeError(f"predicted_answer must be a str or None, got {type(predicted_answer).__name__}")
+        raise TypeError(
+            f"predicted_answer must be a str or None, got {type(predicted_answer).__name__}"
+        )
     scorer = _scorer(get_task(example.task).rg_dataset)
     return float(scorer(predicted_answer, dict(example.entry)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _scorer(rg_dataset: str) -> Callable[[str | None, dict], float]:
     from reasoning_gym.factory import get_score_answer_fn
 
@@ -378,7 +409,7 @@ def _scorer(rg_dataset: str) -> Callable[[str | None, dict], float]:
 # --------------------------------------------------------------------------- helpers
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rg_classes(rg_dataset: str) -> tuple[type, type]:
     import reasoning_gym  # noqa: F401  (registers the datasets)
     from reasoning_gym.factory import DATASETS

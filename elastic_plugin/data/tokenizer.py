@@ -44,7 +44,9 @@ class JsonTokenizer(MegatronTokenizerBase):
         pad_token: str | None = PAD_TOKEN,
     ) -> None:
         if not isinstance(tokenizer, Tokenizer):
-            raise TypeError(f"tokenizer must be a tokenizers.Tokenizer, got {type(tokenizer).__name__}")
+            raise TypeError(
+                f"tokenizer must be a tokenizers.Tokenizer, got {type(tokenizer).__name__}"
+            )
         super().__init__(path or "", {})
         self._tok = tokenizer
         self._eod_token = eod_token
@@ -113,7 +115,10 @@ class JsonTokenizer(MegatronTokenizerBase):
     def padded_vocab_size(self, multiple: int = 128, tensor_model_parallel_size: int = 1) -> int:
         """Embedding rows: ``vocab_size`` rounded up to ``multiple * tensor_model_parallel_size``
         (Megatron's ``make_vocab_size_divisible_by`` rule)."""
-        for name, value in (("multiple", multiple), ("tensor_model_parallel_size", tensor_model_parallel_size)):
+        for name, value in (
+            ("multiple", multiple),
+            ("tensor_model_parallel_size", tensor_model_parallel_size),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         step = multiple * tensor_model_parallel_size
@@ -155,7 +160,11 @@ class JsonTokenizer(MegatronTokenizerBase):
         out = {"eod_token": self._eod}
         if self._pad >= 0:
             out["pad_token"] = self._pad
-        named = (("unk_token", UNK_TOKEN), ("think_open_token", THINK_OPEN), ("think_close_token", THINK_CLOSE))
+        named = (
+            ("unk_token", UNK_TOKEN),
+            ("think_open_token", THINK_OPEN),
+            ("think_close_token", THINK_CLOSE),
+        )
         for key, token in named:
             idx = self._tok.token_to_id(token)
             if idx is not None:
@@ -193,7 +202,9 @@ def train_tokenizer(
     for name in (EOD_TOKEN, UNK_TOKEN):
         if name not in special_tokens:
             raise ValueError(f"special_tokens must include {name!r}, got {list(special_tokens)}")
-    split_specials = re.compile("|".join(re.escape(t) for t in sorted(special_tokens, key=len, reverse=True)))
+    split_specials = re.compile(
+        "|".join(re.escape(t) for t in sorted(special_tokens, key=len, reverse=True))
+    )
     pieces = [p for text in texts for p in split_specials.split(text) if p]
     alphabet = sorted({ch for p in pieces for ch in p})
     base_size = len(special_tokens) + len(alphabet)

@@ -23,51 +23,85 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic_plugin.elastic.args import add_elastic_args, elastic_config_from_args
-from elastic_plugin.models.config import ConfigError, ExperimentConfig, config_from_dict, load_config
 from elastic_plugin.checkpoint.meta import CHECKPOINT_META, ELASTIC_SUBDIR, read_checkpoint_meta
-from elastic_plugin.elastic.schedule import ElasticSchedule
-from elastic_plugin.parallel import Layout
-from elastic_plugin.cli_args import add_layout_args, check_data_path_args, layout_from_args
-from elastic_plugin.cli_args import start_ranks
-
+from elastic_plugin.cli_args import (
+    add_layout_args,
+    check_data_path_args,
+    layout_from_args,
+    start_ranks,
+)
 from elastic_plugin.cli_errors import report_bad_input
+from elastic_plugin.elastic.args import add_elastic_args, elastic_config_from_args
+from elastic_plugin.elastic.schedule import ElasticSchedule
+from elastic_plugin.models.config import (
+    ConfigError,
+    ExperimentConfig,
+    config_from_dict,
+    load_config,
+)
+from elastic_plugin.parallel import Layout
+
 PROG = "elastic-plugin elastic-train"
 QUICK_ITERS = 30
 
 # --flag -> ElasticSchedule field, for flags whose default comes from ElasticSchedule
 _SCHEDULE_FLAGS: tuple[tuple[str, str], ...] = (
-    ("--train-iters", "train_iters"), ("--lr", "lr"), ("--min-lr", "min_lr"),
-    ("--lr-warmup-iters", "lr_warmup_iters"), ("--eval-interval", "eval_interval"),
-    ("--log-interval", "log_interval"), ("--eval-iters", "eval_iters"),
+    ("--train-iters", "train_iters"),
+    ("--lr", "lr"),
+    ("--min-lr", "min_lr"),
+    ("--lr-warmup-iters", "lr_warmup_iters"),
+    ("--eval-interval", "eval_interval"),
+    ("--log-interval", "log_interval"),
+    ("--eval-iters", "eval_iters"),
     ("--save-interval", "save_interval"),
 )
 # --flag -> field whose default comes from the experiment config's training: section
 _TRAINING_FLAGS: tuple[tuple[str, str], ...] = (
-    ("--seq-length", "seq_length"), ("--micro-batch-size", "micro_batch_size"),
+    ("--seq-length", "seq_length"),
+    ("--micro-batch-size", "micro_batch_size"),
     ("--global-batch-size", "global_batch_size"),
 )
 
 
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "elastic-train", help="train all nested budgets of a reordered checkpoint (elastic)",
+        "elastic-train",
+        help="train all nested budgets of a reordered checkpoint (elastic)",
         description="Distil every budget of an importance-reordered checkpoint from the frozen "
         "teacher, with a budget router, in one run (any TP/PP/EP layout). Writes "
-        "OUT/checkpoints/elastic, OUT/elastic_metrics.jsonl and loss/router plots.")
-    parser.add_argument("--ckpt", required=True, metavar="DIR",
-                        help="the importance-reordered checkpoint (elastic-plugin reorder --out)")
-    parser.add_argument("--teacher-ckpt", default=None, metavar="DIR",
-                        help="the frozen teacher (default: --ckpt, which computes the same function)")
-    parser.add_argument("--config", default=None, metavar="FILE",
-                        help="experiment YAML whose elastic: section (and training: defaults) to use; "
-                        "default: the checkpoint's own config")
+        "OUT/checkpoints/elastic, OUT/elastic_metrics.jsonl and loss/router plots.",
+    )
+    parser.add_argument(
+        "--ckpt",
+        required=True,
+        metavar="DIR",
+        help="the importance-reordered checkpoint (elastic-plugin reorder --out)",
+    )
+    parser.add_argument(
+        "--teacher-ckpt",
+        default=None,
+        metavar="DIR",
+        help="the frozen teacher (default: --ckpt, which computes the same function)",
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="experiment YAML whose elastic: section (and training: defaults) to use; "
+        "default: the checkpoint's own config",
+    )
     parser.add_argument("--out", default="demo_out", metavar="DIR", help="output folder")
-    sched = parser.add_argument_group("schedule (defaults: the config's training: section for "
-                                      "sequence length and batch sizes, else ElasticSchedule)")
+    sched = parser.add_argument_group(
+        "schedule (defaults: the config's training: section for "
+        "sequence length and batch sizes, else ElasticSchedule)"
+    )
     sched.add_argument("--train-iters", type=int, default=None)
-    sched.add_argument("--lr", type=float, default=None, help="model learning rate (router: x "
-                       "elastic.router.lr_mult)")
+    sched.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="model learning rate (router: x elastic.router.lr_mult)",
+    )
     sched.add_argument("--min-lr", type=float, default=None)
     sched.add_argument("--lr-warmup-iters", type=int, default=None)
     sched.add_argument("--micro-batch-size", type=int, default=None)
@@ -76,23 +110,43 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     sched.add_argument("--eval-interval", type=int, default=None)
     sched.add_argument("--log-interval", type=int, default=None)
     sched.add_argument("--eval-iters", type=int, default=None)
-    sched.add_argument("--save-interval", type=int, default=None,
-                       help="checkpoint every N iterations (0: only at the end)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue OUT/checkpoints/elastic if it exists (else start); safe to "
-                        "pass on every (re)submission of a job")
-    parser.add_argument("--stop-after", type=int, default=None, metavar="N",
-                        help="train at most N iterations in this job, checkpoint and exit; "
-                        "rerun with --resume to continue (time-limited jobs)")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"a short run ({QUICK_ITERS} iterations, evaluation at the end)")
+    sched.add_argument(
+        "--save-interval",
+        type=int,
+        default=None,
+        help="checkpoint every N iterations (0: only at the end)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue OUT/checkpoints/elastic if it exists (else start); safe to "
+        "pass on every (re)submission of a job",
+    )
+    parser.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        metavar="N",
+        help="train at most N iterations in this job, checkpoint and exit; "
+        "rerun with --resume to continue (time-limited jobs)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a short run ({QUICK_ITERS} iterations, evaluation at the end)",
+    )
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--data-path", default=None, metavar="PREFIX",
-                        help="your Megatron indexed dataset prefix (train); default: the data "
-                        "the checkpoint was trained on")
+    parser.add_argument(
+        "--data-path",
+        default=None,
+        metavar="PREFIX",
+        help="your Megatron indexed dataset prefix (train); default: the data "
+        "the checkpoint was trained on",
+    )
     parser.add_argument("--valid-data-path", default=None, metavar="PREFIX")
-    parser.add_argument("--tokenizer", default=None, metavar="FILE",
-                        help="tokenizer.json for --data-path")
+    parser.add_argument(
+        "--tokenizer", default=None, metavar="FILE", help="tokenizer.json for --data-path"
+    )
     add_layout_args(parser)
     add_elastic_args(parser)
     parser.set_defaults(func=run_elastic_train)
@@ -114,8 +168,8 @@ class ElasticInputs:
     """A fully checked command line (checking it imported no Megatron)."""
 
     cfg: ExperimentConfig
-    ecfg: Any                 # ElasticConfig
-    resolved: Any             # ResolvedElastic
+    ecfg: Any  # ElasticConfig
+    resolved: Any  # ResolvedElastic
     layout: Layout
     schedule: dict[str, Any]  # ElasticSchedule fields
     student: Path
@@ -141,8 +195,9 @@ def _model_difference(a, b) -> str | None:
     return None
 
 
-def _experiment_config(args: argparse.Namespace, meta: dict[str, Any]
-                       ) -> tuple[ExperimentConfig, dict[str, Any], str]:
+def _experiment_config(
+    args: argparse.Namespace, meta: dict[str, Any]
+) -> tuple[ExperimentConfig, dict[str, Any], str]:
     """(config, raw elastic: section, its source): the model is always the checkpoint's."""
     ckpt_cfg = config_from_dict(meta["config"], source=f"--ckpt {args.ckpt}/{CHECKPOINT_META}")
     if not args.config:
@@ -150,15 +205,25 @@ def _experiment_config(args: argparse.Namespace, meta: dict[str, Any]
     cfg = load_config(args.config)
     diff = _model_difference(cfg.model, ckpt_cfg.model)
     if diff:
-        raise ConfigError(f"--config {args.config}: its model differs from the checkpoint's "
-                          f"({diff}); the model always comes from --ckpt")
+        raise ConfigError(
+            f"--config {args.config}: its model differs from the checkpoint's "
+            f"({diff}); the model always comes from --ckpt"
+        )
     return cfg, cfg.elastic, f"--config {args.config}"
 
 
 def _positive_flags(args: argparse.Namespace) -> None:
     """Integer flags > 0 (>= 0 where 0 means none), learning rates >= 0: named as typed."""
-    for flag in ("--train-iters", "--eval-interval", "--log-interval", "--eval-iters",
-                 "--seq-length", "--micro-batch-size", "--global-batch-size", "--stop-after"):
+    for flag in (
+        "--train-iters",
+        "--eval-interval",
+        "--log-interval",
+        "--eval-iters",
+        "--seq-length",
+        "--micro-batch-size",
+        "--global-batch-size",
+        "--stop-after",
+    ):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and value <= 0:
             raise ConfigError(f"{flag}={value} must be > 0")
@@ -174,12 +239,21 @@ def _schedule(args: argparse.Namespace, cfg: ExperimentConfig) -> dict[str, Any]
     """ElasticSchedule fields: flags > --quick > config training: (sizes, seed) > ElasticSchedule."""
     values = dataclasses.asdict(ElasticSchedule())
     t = cfg.training
-    values.update(seq_length=t.seq_length, micro_batch_size=t.micro_batch_size,
-                  global_batch_size=t.global_batch_size, seed=t.seed)
+    values.update(
+        seq_length=t.seq_length,
+        micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size,
+        seed=t.seed,
+    )
     if args.quick:
         iters = args.train_iters or QUICK_ITERS
-        values.update(train_iters=iters, eval_interval=iters, log_interval=min(10, iters),
-                      eval_iters=2, lr_warmup_iters=min(values["lr_warmup_iters"], iters // 3))
+        values.update(
+            train_iters=iters,
+            eval_interval=iters,
+            log_interval=min(10, iters),
+            eval_iters=2,
+            lr_warmup_iters=min(values["lr_warmup_iters"], iters // 3),
+        )
     for flag, name in (*_SCHEDULE_FLAGS, *_TRAINING_FLAGS):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
@@ -192,26 +266,33 @@ def _schedule(args: argparse.Namespace, cfg: ExperimentConfig) -> dict[str, Any]
 def _check_schedule(sched: dict[str, Any], cfg: ExperimentConfig, ecfg, layout, world: int) -> None:
     seq = sched["seq_length"]
     if seq > cfg.model.max_sequence_length:
-        raise ConfigError(f"--seq-length={seq} exceeds model.max_sequence_length="
-                          f"{cfg.model.max_sequence_length}")
+        raise ConfigError(
+            f"--seq-length={seq} exceeds model.max_sequence_length={cfg.model.max_sequence_length}"
+        )
     for i, stage in enumerate(ecfg.curriculum):
         if stage.seq_length and stage.seq_length > seq:
-            raise ConfigError(f"elastic.curriculum[{i}].seq_length={stage.seq_length} exceeds "
-                              f"--seq-length={seq}; stages train on a prefix of each sequence, so "
-                              f"raise --seq-length to the longest stage")
+            raise ConfigError(
+                f"elastic.curriculum[{i}].seq_length={stage.seq_length} exceeds "
+                f"--seq-length={seq}; stages train on a prefix of each sequence, so "
+                f"raise --seq-length to the longest stage"
+            )
     dp = world // (layout.tp * layout.pp)
     mbs, gbs = sched["micro_batch_size"], sched["global_batch_size"]
     if gbs % (mbs * dp):
-        raise ConfigError(f"--global-batch-size={gbs} must be a multiple of --micro-batch-size="
-                          f"{mbs} x data-parallel size {dp} (world {world} / TP {layout.tp} / "
-                          f"PP {layout.pp})")
+        raise ConfigError(
+            f"--global-batch-size={gbs} must be a multiple of --micro-batch-size="
+            f"{mbs} x data-parallel size {dp} (world {world} / TP {layout.tp} / "
+            f"PP {layout.pp})"
+        )
 
 
 def _check_layout(cfg: ExperimentConfig, layout, meta: dict[str, Any], ckpt: str) -> None:
     cfg.model.check_parallel(layout.tp, layout.pp, layout.ep)
     if layout.tp > 1 and cfg.model.count("moe") and not layout.sequence_parallel:
-        raise ConfigError("MoE layers with --tensor-model-parallel-size > 1 need "
-                          "--sequence-parallel (Megatron-Core refuses to train them otherwise)")
+        raise ConfigError(
+            "MoE layers with --tensor-model-parallel-size > 1 need "
+            "--sequence-parallel (Megatron-Core refuses to train them otherwise)"
+        )
     layout.check_world(int(os.environ.get("WORLD_SIZE", "1")))
     if meta.get("reordered"):
         return
@@ -220,9 +301,12 @@ def _check_layout(cfg: ExperimentConfig, layout, meta: dict[str, Any], ckpt: str
             f"--ckpt {ckpt} is not importance-reordered; with tensor/expert parallel size > 1 the "
             f"nested widths need the reordered (strided) layout: run `elastic-plugin importance "
             f"--ckpt {ckpt} --out scores.pt` and `elastic-plugin reorder --ckpt {ckpt} --scores "
-            f"scores.pt --out REORDERED`, then pass --ckpt REORDERED")
-    _warn(f"--ckpt {ckpt} is not importance-reordered; the nested models will be the first "
-          f"channels in their original order (run `elastic-plugin reorder` first)")
+            f"scores.pt --out REORDERED`, then pass --ckpt REORDERED"
+        )
+    _warn(
+        f"--ckpt {ckpt} is not importance-reordered; the nested models will be the first "
+        f"channels in their original order (run `elastic-plugin reorder` first)"
+    )
 
 
 def _data_source(args: argparse.Namespace, meta: dict[str, Any]) -> DataSource:
@@ -236,11 +320,16 @@ def _data_source(args: argparse.Namespace, meta: dict[str, Any]) -> DataSource:
     if data.get("data_path"):
         prefixes = (data["data_path"], data.get("valid_data_path") or data["data_path"])
         tokenizer = meta.get("tokenizer")
-        if not all(Path(p + ".idx").is_file() for p in prefixes) or not tokenizer \
-                or not Path(tokenizer).is_file():
-            raise ConfigError(f"--ckpt {args.ckpt} was trained on {data['data_path']} (tokenizer "
-                              f"{tokenizer}), which is not readable here; pass --data-path and "
-                              f"--tokenizer")
+        if (
+            not all(Path(p + ".idx").is_file() for p in prefixes)
+            or not tokenizer
+            or not Path(tokenizer).is_file()
+        ):
+            raise ConfigError(
+                f"--ckpt {args.ckpt} was trained on {data['data_path']} (tokenizer "
+                f"{tokenizer}), which is not readable here; pass --data-path and "
+                f"--tokenizer"
+            )
         return DataSource(prefixes[0], prefixes[1], tokenizer)
     prepared = data.get("prepared")
     if prepared and Path(prepared).is_dir():
@@ -248,35 +337,51 @@ def _data_source(args: argparse.Namespace, meta: dict[str, Any]) -> DataSource:
     return DataSource()  # the built-in task, prepared again from the config's data: section
 
 
-def _check_resume(args: argparse.Namespace, out: Path, ecfg, layout, sched: dict[str, Any]
-                  ) -> dict[str, Any] | None:
+def _check_resume(
+    args: argparse.Namespace, out: Path, ecfg, layout, sched: dict[str, Any]
+) -> dict[str, Any] | None:
     """A resumable run must match the saved one; returns the saved meta when already finished."""
     ckpt = out.joinpath(*ELASTIC_SUBDIR)
     if not (ckpt / CHECKPOINT_META).is_file():
         if ckpt.exists() and not args.resume:
-            raise ConfigError(f"--out {out}: {ckpt} exists but is incomplete; remove it or pass --resume")
+            raise ConfigError(
+                f"--out {out}: {ckpt} exists but is incomplete; remove it or pass --resume"
+            )
         return None
     if not args.resume:
-        raise ConfigError(f"--out {out} already holds an elastic checkpoint ({ckpt}); pass --resume "
-                          f"to continue it, or choose another --out")
+        raise ConfigError(
+            f"--out {out} already holds an elastic checkpoint ({ckpt}); pass --resume "
+            f"to continue it, or choose another --out"
+        )
     meta = _checkpoint_meta(ckpt, "--resume:")
     saved_layout = meta.get("layout") or {}
     if saved_layout != dataclasses.asdict(layout):
-        raise ConfigError(f"--resume: {ckpt} was written with layout {saved_layout}; resume with the "
-                          f"same layout flags (optimizer state is not resharded)")
+        raise ConfigError(
+            f"--resume: {ckpt} was written with layout {saved_layout}; resume with the "
+            f"same layout flags (optimizer state is not resharded)"
+        )
     saved_elastic = (meta.get("config") or {}).get("elastic")
     if saved_elastic != ecfg.to_dict():
-        changed = sorted(k for k in ecfg.to_dict() if (saved_elastic or {}).get(k) != ecfg.to_dict()[k])
-        raise ConfigError(f"--resume: {ckpt} was trained with other elastic settings "
-                          f"(elastic.{', elastic.'.join(changed)}); resume with the same "
-                          f"--config / --elastic-* flags")
+        changed = sorted(
+            k for k in ecfg.to_dict() if (saved_elastic or {}).get(k) != ecfg.to_dict()[k]
+        )
+        raise ConfigError(
+            f"--resume: {ckpt} was trained with other elastic settings "
+            f"(elastic.{', elastic.'.join(changed)}); resume with the same "
+            f"--config / --elastic-* flags"
+        )
     saved = meta.get("scheduler") or {}
-    expected = {"max_lr": ("--lr", sched["lr"]), "min_lr": ("--min-lr", sched["min_lr"]),
-                "lr_decay_steps": ("--train-iters", sched["train_iters"])}
+    expected = {
+        "max_lr": ("--lr", sched["lr"]),
+        "min_lr": ("--min-lr", sched["min_lr"]),
+        "lr_decay_steps": ("--train-iters", sched["train_iters"]),
+    }
     for key, (flag, value) in expected.items():
         if key in saved and float(saved[key]) != float(value):
-            raise ConfigError(f"--resume: {ckpt} was trained with {flag} {saved[key]:g}, not "
-                              f"{value:g}; resume with the same schedule")
+            raise ConfigError(
+                f"--resume: {ckpt} was trained with {flag} {saved[key]:g}, not "
+                f"{value:g}; resume with the same schedule"
+            )
     if int(meta.get("iteration", 0)) >= sched["train_iters"]:
         return meta
     return None
@@ -292,19 +397,27 @@ def _checked_inputs(args: argparse.Namespace) -> ElasticInputs:
     _check_layout(cfg, layout, meta, args.ckpt)
     resolved = ecfg.resolve(cfg.model, layout.tp, layout.ep)
     if ecfg.mode == "sliced" and not ecfg.router.hard:
-        raise ConfigError("--elastic-soft-masks needs --elastic-mode masked (elastic.mode=sliced "
-                          "slices each budget's weights, which needs hard router choices)")
+        raise ConfigError(
+            "--elastic-soft-masks needs --elastic-mode masked (elastic.mode=sliced "
+            "slices each budget's weights, which needs hard router choices)"
+        )
     teacher = None
     if ecfg.teacher == "frozen":
         teacher = Path(args.teacher_ckpt or args.ckpt)
         tmeta = _checkpoint_meta(teacher, "--teacher-ckpt")
-        tcfg = config_from_dict(tmeta["config"], source=f"--teacher-ckpt {teacher}/{CHECKPOINT_META}")
+        tcfg = config_from_dict(
+            tmeta["config"], source=f"--teacher-ckpt {teacher}/{CHECKPOINT_META}"
+        )
         diff = _model_difference(tcfg.model, cfg.model)
         if diff:
-            raise ConfigError(f"--teacher-ckpt {teacher}: another architecture than --ckpt ({diff})")
+            raise ConfigError(
+                f"--teacher-ckpt {teacher}: another architecture than --ckpt ({diff})"
+            )
     elif args.teacher_ckpt:
-        raise ConfigError("--teacher-ckpt is unused with --elastic-teacher self (the model at full "
-                          "budget is its own teacher)")
+        raise ConfigError(
+            "--teacher-ckpt is unused with --elastic-teacher self (the model at full "
+            "budget is its own teacher)"
+        )
     sched = _schedule(args, cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     _check_schedule(sched, cfg, ecfg, layout, world)
@@ -315,13 +428,17 @@ def _checked_inputs(args: argparse.Namespace) -> ElasticInputs:
     data = _data_source(args, meta) if finished is None else DataSource()
     covered = sum(stage.iters for stage in ecfg.curriculum)
     if covered > sched["train_iters"]:
-        _warn(f"elastic.curriculum covers {covered} iterations but the run has "
-              f"{sched['train_iters']}; later stages will not run")
-    return ElasticInputs(cfg, ecfg, resolved, layout, sched, Path(args.ckpt), teacher, out, data,
-                         finished)
+        _warn(
+            f"elastic.curriculum covers {covered} iterations but the run has "
+            f"{sched['train_iters']}; later stages will not run"
+        )
+    return ElasticInputs(
+        cfg, ecfg, resolved, layout, sched, Path(args.ckpt), teacher, out, data, finished
+    )
 
 
 # ------------------------------------------------------------------------------ the run
+
 
 def _finished_summary(inputs: ElasticInputs) -> dict[str, Any]:
     """``--resume`` of a run that already reached --train-iters: report it, train nothing
@@ -333,12 +450,21 @@ def _finished_summary(inputs: ElasticInputs) -> dict[str, Any]:
         for line in metrics.read_text().splitlines():
             record = json.loads(line) if line.strip() else {}
             valid = record.get("valid_loss") or valid
-    plots = [str(p) for p in (inputs.out / "elastic_loss.png", inputs.out / "elastic_router.png")
-             if p.is_file()]
-    return {"checkpoint": str(inputs.out.joinpath(*ELASTIC_SUBDIR)),
-            "iterations": int(meta.get("iteration", 0)), "already_finished": True,
-            "valid_loss": valid, "teacher_valid_loss": meta.get("teacher_valid_loss"),
-            "choices": (meta.get("elastic") or {}).get("choices"), "plots": plots, "seconds": 0.0}
+    plots = [
+        str(p)
+        for p in (inputs.out / "elastic_loss.png", inputs.out / "elastic_router.png")
+        if p.is_file()
+    ]
+    return {
+        "checkpoint": str(inputs.out.joinpath(*ELASTIC_SUBDIR)),
+        "iterations": int(meta.get("iteration", 0)),
+        "already_finished": True,
+        "valid_loss": valid,
+        "teacher_valid_loss": meta.get("teacher_valid_loss"),
+        "choices": (meta.get("elastic") or {}).get("choices"),
+        "plots": plots,
+        "seconds": 0.0,
+    }
 
 
 def _data_feed(inputs: ElasticInputs, layout, progress: bool):
@@ -348,9 +474,14 @@ def _data_feed(inputs: ElasticInputs, layout, progress: bool):
 
     s = inputs.schedule
     training = dataclasses.replace(
-        inputs.cfg.training, seq_length=s["seq_length"], micro_batch_size=s["micro_batch_size"],
-        global_batch_size=s["global_batch_size"], train_iters=s["train_iters"],
-        eval_iters=s["eval_iters"], seed=s["seed"])
+        inputs.cfg.training,
+        seq_length=s["seq_length"],
+        micro_batch_size=s["micro_batch_size"],
+        global_batch_size=s["global_batch_size"],
+        train_iters=s["train_iters"],
+        eval_iters=s["eval_iters"],
+        seed=s["seed"],
+    )
     cfg = dataclasses.replace(inputs.cfg, training=training)
     src = inputs.data
     if src.prepared:
@@ -359,19 +490,31 @@ def _data_feed(inputs: ElasticInputs, layout, progress: bool):
             src = DataSource(prepared.train_prefix, prepared.valid_prefix, prepared.tokenizer_path)
         except ValueError:  # incomplete: prepare the built-in task again from the config
             src = DataSource()
-    return build_data_feed(cfg, inputs.out, layout, data_path=src.data_path,
-                           valid_data_path=src.valid_data_path, tokenizer_path=src.tokenizer,
-                           progress=progress)
+    return build_data_feed(
+        cfg,
+        inputs.out,
+        layout,
+        data_path=src.data_path,
+        valid_data_path=src.valid_data_path,
+        tokenizer_path=src.tokenizer,
+        progress=progress,
+    )
 
 
 def summary(run, train_iters: int) -> dict[str, Any]:
     """What rank 0 prints: where the checkpoint is and how every budget did."""
     last_train = next((h["train_loss"] for h in reversed(run.history) if h.get("train_loss")), {})
-    out = {"checkpoint": run.checkpoint_dir, "iterations": run.iterations,
-           "train_loss": last_train, "valid_loss": run.final_valid,
-           "teacher_valid_loss": run.teacher_valid, "choices": run.choices,
-           "params": run.params, "plots": run.plots,
-           "seconds": round(run.seconds, 1)}
+    out = {
+        "checkpoint": run.checkpoint_dir,
+        "iterations": run.iterations,
+        "train_loss": last_train,
+        "valid_loss": run.final_valid,
+        "teacher_valid_loss": run.teacher_valid,
+        "choices": run.choices,
+        "params": run.params,
+        "plots": run.plots,
+        "seconds": round(run.seconds, 1),
+    }
     if run.iterations < train_iters:
         out["stopped_at"] = f"{run.iterations}/{train_iters}: rerun with --resume to continue"
     return out
@@ -404,18 +547,34 @@ def _train(inputs: ElasticInputs, args: argparse.Namespace) -> int:
         sched.check()
         feed = _data_feed(inputs, layout, progress)
         if feed.vocab_size > inputs.cfg.model.vocab_size:
-            raise ConfigError(f"the tokenizer has {feed.vocab_size} tokens but the checkpoint's "
-                              f"model.vocab_size={inputs.cfg.model.vocab_size}")
+            raise ConfigError(
+                f"the tokenizer has {feed.vocab_size} tokens but the checkpoint's "
+                f"model.vocab_size={inputs.cfg.model.vocab_size}"
+            )
 
         def train_iterator(consumed_samples: int):
-            return batch_iterator(feed.train_dataset, sched.micro_batch_size, seed=sched.seed,
-                                  consumed_samples=consumed_samples)
+            return batch_iterator(
+                feed.train_dataset,
+                sched.micro_batch_size,
+                seed=sched.seed,
+                consumed_samples=consumed_samples,
+            )
 
-        run = train_elastic(inputs.cfg, inputs.ecfg, layout, inputs.student, inputs.out,
-                            train_iterator, feed.valid_iterator, sched,
-                            teacher_ckpt=inputs.teacher, resume=args.resume, progress=progress,
-                            stop_after=args.stop_after,
-                            extra_meta={"data": feed.describe(), "tokenizer": feed.tokenizer_path})
+        run = train_elastic(
+            inputs.cfg,
+            inputs.ecfg,
+            layout,
+            inputs.student,
+            inputs.out,
+            train_iterator,
+            feed.valid_iterator,
+            sched,
+            teacher_ckpt=inputs.teacher,
+            resume=args.resume,
+            progress=progress,
+            stop_after=args.stop_after,
+            extra_meta={"data": feed.describe(), "tokenizer": feed.tokenizer_path},
+        )
     except ConfigError as exc:  # found after start-up; every rank finds it alike
         dist.destroy_process_group()
         return report_bad_input(PROG, exc)

@@ -25,8 +25,9 @@ experts          routed experts per MoE layer, a multiple of EP and >= ``moe_rou
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from elastic_plugin.models.axes import ELASTIC_AXES, model_axes, multiple_name
 from elastic_plugin.models.config import ConfigError, ModelConfig
@@ -52,8 +53,10 @@ class ElasticConfigError(ConfigError):
         text = f"elastic.{field_name}{detail}" if field_name else f"elastic{detail}"
         super().__init__(f"{where}: {text}" if where else text)
 
-    def located(self, where: str | None) -> "ElasticConfigError":
-        return self if self.where or not where else ElasticConfigError(self.field, self.detail, where)
+    def located(self, where: str | None) -> ElasticConfigError:
+        return (
+            self if self.where or not where else ElasticConfigError(self.field, self.detail, where)
+        )
 
 
 # ------------------------------------------------------------------------------ value checks
@@ -105,12 +108,17 @@ def _pair(name: str, value: Any) -> tuple[float, float]:
 
 
 def _unknown_keys(section: str, raw: Mapping[str, Any], cls: type) -> None:
-    allowed = [f.name for f in fields(cls) if f.init and not f.name.startswith("_")
-               and f.name not in ("source", "origins")]
+    allowed = [
+        f.name
+        for f in fields(cls)
+        if f.init and not f.name.startswith("_") and f.name not in ("source", "origins")
+    ]
     unknown = sorted(set(raw) - set(allowed))
     if unknown:
-        raise ElasticConfigError(section, f": unknown key(s) {', '.join(map(str, unknown))}; "
-                                          f"allowed: {', '.join(allowed)}")
+        raise ElasticConfigError(
+            section,
+            f": unknown key(s) {', '.join(map(str, unknown))}; allowed: {', '.join(allowed)}",
+        )
 
 
 def _mapping(section: str, raw: Any) -> dict[str, Any]:
@@ -128,14 +136,14 @@ class RouterConfig:
     router lr ~1e-2 vs model ~1e-4, hence ``lr_mult`` 100)."""
 
     hidden_size: int = 256
-    temperature: tuple[float, float] = (1.0, 0.05)   # (start, end)
-    logit_scale: tuple[float, float] = (1.0, 10.0)   # (start, end)
-    anneal_iters: int | None = None                  # None: anneal over the whole run
-    freeze_after: int | None = None                  # then fix each budget's choice (freeze.py)
-    freeze_select: str = "likelihood"                # how: router likelihood, or measured loss
-    freeze_candidates: int | None = None             # loss: the router's top-N per budget (None: all)
-    hard: bool = True                                # straight-through hard masks; False: soft
-    lr_mult: float = 100.0                           # router lr / model lr
+    temperature: tuple[float, float] = (1.0, 0.05)  # (start, end)
+    logit_scale: tuple[float, float] = (1.0, 10.0)  # (start, end)
+    anneal_iters: int | None = None  # None: anneal over the whole run
+    freeze_after: int | None = None  # then fix each budget's choice (freeze.py)
+    freeze_select: str = "likelihood"  # how: router likelihood, or measured loss
+    freeze_candidates: int | None = None  # loss: the router's top-N per budget (None: all)
+    hard: bool = True  # straight-through hard masks; False: soft
+    lr_mult: float = 100.0  # router lr / model lr
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "temperature", _pair("router.temperature", self.temperature))
@@ -170,11 +178,17 @@ class CurriculumStage:
         probs = tuple(_number(name, p, 0.0, False) for p in _seq(name, self.budget_probs))
         object.__setattr__(self, "budget_probs", probs)
         if not probs or abs(sum(probs) - 1.0) > 1e-6:
-            raise ElasticConfigError(name, f"={list(probs)} sums to {sum(probs):g}; allowed: "
-                                           "non-negative probabilities that sum to 1")
+            raise ElasticConfigError(
+                name,
+                f"={list(probs)} sums to {sum(probs):g}; allowed: "
+                "non-negative probabilities that sum to 1",
+            )
         if num_budgets is not None and len(probs) != num_budgets:
-            raise ElasticConfigError(name, f"={list(probs)} has {len(probs)} entries; allowed: one "
-                                           f"per budget ({num_budgets}, as in elastic.budgets)")
+            raise ElasticConfigError(
+                name,
+                f"={list(probs)} has {len(probs)} entries; allowed: one "
+                f"per budget ({num_budgets}, as in elastic.budgets)",
+            )
 
 
 @dataclass(frozen=True)
@@ -228,10 +242,16 @@ class ElasticConfig:
 
     def _check(self) -> None:
         budgets = _seq("budgets", self.budgets)
-        if (not budgets or not all(_is_number(b) and 0 < b <= 1 for b in budgets)
-                or any(a <= b for a, b in zip(budgets, budgets[1:]))):
-            raise ElasticConfigError("budgets", f"={list(budgets)}; allowed: a non-empty, strictly "
-                                                "descending list of fractions in (0, 1]")
+        if (
+            not budgets
+            or not all(_is_number(b) and 0 < b <= 1 for b in budgets)
+            or any(a <= b for a, b in zip(budgets, budgets[1:]))
+        ):
+            raise ElasticConfigError(
+                "budgets",
+                f"={list(budgets)}; allowed: a non-empty, strictly "
+                "descending list of fractions in (0, 1]",
+            )
         object.__setattr__(self, "budgets", tuple(float(b) for b in budgets))
         _choice("budget_metric", self.budget_metric, BUDGET_METRICS)
         _choice("mode", self.mode, MODES)
@@ -245,31 +265,47 @@ class ElasticConfig:
             raise ElasticConfigError("router", f"={self.router!r}; allowed: a RouterConfig")
         if self.router.freeze_select == "loss":
             if self.router.freeze_after is None:
-                raise ElasticConfigError("router.freeze_select", "=loss needs router.freeze_after "
-                                                                 "(the iteration to search at)")
+                raise ElasticConfigError(
+                    "router.freeze_select",
+                    "=loss needs router.freeze_after (the iteration to search at)",
+                )
             if self.heterogeneous:
-                raise ElasticConfigError("router.freeze_select", "=loss searches homogeneous "
-                                                                 "choices; allowed with "
-                                                                 "heterogeneous=true: likelihood")
-        object.__setattr__(self, "kd_temperature",
-                           _number("kd_temperature", self.kd_temperature, 0.0, True))
-        object.__setattr__(self, "budget_loss_weight",
-                           _number("budget_loss_weight", self.budget_loss_weight, 0.0, False))
-        object.__setattr__(self, "ce_weight_full",
-                           _number("ce_weight_full", self.ce_weight_full, 0.0, False))
+                raise ElasticConfigError(
+                    "router.freeze_select",
+                    "=loss searches homogeneous "
+                    "choices; allowed with "
+                    "heterogeneous=true: likelihood",
+                )
+        object.__setattr__(
+            self, "kd_temperature", _number("kd_temperature", self.kd_temperature, 0.0, True)
+        )
+        object.__setattr__(
+            self,
+            "budget_loss_weight",
+            _number("budget_loss_weight", self.budget_loss_weight, 0.0, False),
+        )
+        object.__setattr__(
+            self, "ce_weight_full", _number("ce_weight_full", self.ce_weight_full, 0.0, False)
+        )
         object.__setattr__(self, "sizes", _check_sizes(self.sizes))
         stages = tuple(self.curriculum)
         for i, stage in enumerate(stages):
             if not isinstance(stage, CurriculumStage):
-                raise ElasticConfigError(f"curriculum[{i}]", f"={stage!r}; allowed: a mapping "
-                                                             "with iters, budget_probs, seq_length")
+                raise ElasticConfigError(
+                    f"curriculum[{i}]",
+                    f"={stage!r}; allowed: a mapping with iters, budget_probs, seq_length",
+                )
             stage.check(f"curriculum[{i}]", len(self.budgets))
         object.__setattr__(self, "curriculum", stages)
 
     # --------------------------------------------------------------------------- (de)serialize
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any] | None, source: str = "<dict>",
-                  origins: Mapping[str, str] | None = None) -> "ElasticConfig":
+    def from_dict(
+        cls,
+        raw: Mapping[str, Any] | None,
+        source: str = "<dict>",
+        origins: Mapping[str, str] | None = None,
+    ) -> ElasticConfig:
         """Strict parse of the ``elastic:`` section: unknown keys are errors (a typo would
         otherwise silently train a different family of models)."""
         origins = dict(origins or {})
@@ -300,11 +336,19 @@ class ElasticConfig:
             "memory": {f.name: getattr(self.memory, f.name) for f in fields(MemorySpec)},
             "sizes": {axis: list(values) for axis, values in self.sizes.items()},
             "heterogeneous": self.heterogeneous,
-            "router": {f.name: (list(v) if isinstance(v, tuple) else v)
-                       for f in fields(RouterConfig) for v in [getattr(self.router, f.name)]},
-            "curriculum": [{"iters": s.iters,
-                            "budget_probs": None if s.budget_probs is None else list(s.budget_probs),
-                            "seq_length": s.seq_length} for s in self.curriculum],
+            "router": {
+                f.name: (list(v) if isinstance(v, tuple) else v)
+                for f in fields(RouterConfig)
+                for v in [getattr(self.router, f.name)]
+            },
+            "curriculum": [
+                {
+                    "iters": s.iters,
+                    "budget_probs": None if s.budget_probs is None else list(s.budget_probs),
+                    "seq_length": s.seq_length,
+                }
+                for s in self.curriculum
+            ],
             "mode": self.mode,
             "teacher": self.teacher,
             "kd_temperature": self.kd_temperature,
@@ -315,7 +359,7 @@ class ElasticConfig:
         }
 
     # --------------------------------------------------------------------------------- resolve
-    def resolve(self, model: ModelConfig, tp: int = 1, ep: int = 1) -> "ResolvedElastic":
+    def resolve(self, model: ModelConfig, tp: int = 1, ep: int = 1) -> ResolvedElastic:
         """Integer candidates per axis for ``model`` under TP/EP, and every check that needs the
         model (divisibility, top-k, reachable budgets). Nothing is built."""
         model.validate()
@@ -331,9 +375,11 @@ class ElasticConfig:
                 raise ElasticConfigError(
                     f"sizes.{missing[0]}",
                     f": this model has no {missing[0]} axis ({_why_absent(missing[0])}); "
-                    f"allowed axes for this model: {', '.join(axes)}")
-            resolved = ResolvedElastic(budgets=self.budgets, axes=axes, config=self, model=model,
-                                       tp=tp, ep=ep)
+                    f"allowed axes for this model: {', '.join(axes)}",
+                )
+            resolved = ResolvedElastic(
+                budgets=self.budgets, axes=axes, config=self, model=model, tp=tp, ep=ep
+            )
             _check_reachable(resolved)
         except ElasticConfigError as exc:
             raise exc.located(self.where(exc.field)) from None
@@ -349,8 +395,10 @@ def parse_curriculum(raw: Any) -> tuple[CurriculumStage, ...]:
     if isinstance(raw, str):
         return tuple(_stage_from_text(i, part) for i, part in enumerate(raw.split(",")))
     if isinstance(raw, Mapping) or not isinstance(raw, Sequence):
-        raise ElasticConfigError("curriculum", f"={raw!r}; allowed: a list of mappings with "
-                                               "iters, budget_probs, seq_length")
+        raise ElasticConfigError(
+            "curriculum",
+            f"={raw!r}; allowed: a list of mappings with iters, budget_probs, seq_length",
+        )
     stages = []
     for i, item in enumerate(raw):
         if isinstance(item, CurriculumStage):
@@ -359,13 +407,15 @@ def parse_curriculum(raw: Any) -> tuple[CurriculumStage, ...]:
         values = _mapping(f"curriculum[{i}]", item)
         _unknown_keys(f"curriculum[{i}]", values, CurriculumStage)
         if "iters" not in values:
-            raise ElasticConfigError(f"curriculum[{i}].iters", ": missing; allowed: a positive "
-                                                               "integer")
+            raise ElasticConfigError(
+                f"curriculum[{i}].iters", ": missing; allowed: a positive integer"
+            )
         try:
             stages.append(CurriculumStage(**values))
         except ElasticConfigError as exc:
-            raise ElasticConfigError(exc.field.replace("curriculum[]", f"curriculum[{i}]"),
-                                     exc.detail) from None
+            raise ElasticConfigError(
+                exc.field.replace("curriculum[]", f"curriculum[{i}]"), exc.detail
+            ) from None
     return tuple(stages)
 
 
@@ -375,16 +425,21 @@ def _stage_from_text(i: int, text: str) -> CurriculumStage:
         if len(parts) > 3:
             raise ValueError(text)
         iters = int(parts[0])
-        probs = tuple(float(p) for p in parts[1].split("/")) if len(parts) > 1 and parts[1] else None
+        probs = (
+            tuple(float(p) for p in parts[1].split("/")) if len(parts) > 1 and parts[1] else None
+        )
         seq = int(parts[2]) if len(parts) > 2 and parts[2] else None
     except ValueError:
-        raise ElasticConfigError(f"curriculum[{i}]", f"={text!r}; allowed: ITERS[:P1/P2/...[:SEQ]] "
-                                                     "(e.g. 100:0.5/0.3/0.2:256)") from None
+        raise ElasticConfigError(
+            f"curriculum[{i}]",
+            f"={text!r}; allowed: ITERS[:P1/P2/...[:SEQ]] (e.g. 100:0.5/0.3/0.2:256)",
+        ) from None
     try:
         return CurriculumStage(iters=iters, budget_probs=probs, seq_length=seq)
     except ElasticConfigError as exc:
-        raise ElasticConfigError(exc.field.replace("curriculum[]", f"curriculum[{i}]"),
-                                 exc.detail) from None
+        raise ElasticConfigError(
+            exc.field.replace("curriculum[]", f"curriculum[{i}]"), exc.detail
+        ) from None
 
 
 def _where(field_name: str, source: str, origins: Mapping[str, str]) -> str | None:
@@ -403,15 +458,19 @@ def _check_sizes(sizes: Any) -> dict[str, tuple[int | float, ...]]:
     out: dict[str, tuple[int | float, ...]] = {}
     for axis, values in sizes.items():
         if axis not in ELASTIC_AXES:
-            raise ElasticConfigError(f"sizes.{axis}", f": unknown axis; allowed: "
-                                                      f"{', '.join(ELASTIC_AXES)}")
+            raise ElasticConfigError(
+                f"sizes.{axis}", f": unknown axis; allowed: {', '.join(ELASTIC_AXES)}"
+            )
         items = _seq(f"sizes.{axis}", values)
         ok = bool(items) and all(
-            (_is_int(v) and v > 0) or (isinstance(v, float) and 0.0 < v <= 1.0) for v in items)
+            (_is_int(v) and v > 0) or (isinstance(v, float) and 0.0 < v <= 1.0) for v in items
+        )
         if not ok:
             raise ElasticConfigError(
-                f"sizes.{axis}", f"={list(items)}; allowed: a non-empty list of fractions in (0, 1] "
-                                 "(floats, e.g. 0.5) or absolute sizes (positive integers, e.g. 64)")
+                f"sizes.{axis}",
+                f"={list(items)}; allowed: a non-empty list of fractions in (0, 1] "
+                "(floats, e.g. 0.5) or absolute sizes (positive integers, e.g. 64)",
+            )
         out[axis] = items
     return out
 
@@ -461,7 +520,9 @@ class ResolvedElastic:
 
     def _axis(self, axis: str) -> AxisSpec:
         if axis not in self.axes:
-            raise KeyError(f"axis {axis!r} is not elastic in this model; axes: {', '.join(self.axes)}")
+            raise KeyError(
+                f"axis {axis!r} is not elastic in this model; axes: {', '.join(self.axes)}"
+            )
         return self.axes[axis]
 
 
@@ -476,14 +537,21 @@ def _why_absent(axis: str) -> str:
     }.get(axis, "")
 
 
-def _resolve_candidates(axis: str, given: tuple[int | float, ...] | None, full: int,
-                        multiple: int, minimum: int, model: ModelConfig) -> tuple[int, ...]:
+def _resolve_candidates(
+    axis: str,
+    given: tuple[int | float, ...] | None,
+    full: int,
+    multiple: int,
+    minimum: int,
+    model: ModelConfig,
+) -> tuple[int, ...]:
     """Fractions round to the nearest allowed multiple (never 0); ints must already be allowed.
     Defaults clamp to the smallest allowed size and drop duplicates; explicit sizes must be
     distinct after rounding (two fractions that give the same width train one model twice)."""
     name = f"sizes.{axis}"
-    allowed = (f"allowed: multiples of {multiple} ({multiple_name(axis, model)}) in "
-               f"[{minimum}, {full}]")
+    allowed = (
+        f"allowed: multiples of {multiple} ({multiple_name(axis, model)}) in [{minimum}, {full}]"
+    )
     if axis == "experts" and minimum > multiple:
         allowed += f" (at least model.moe_router_topk={model.moe_router_topk})"
     values = DEFAULT_FRACTIONS if given is None else given
@@ -497,15 +565,22 @@ def _resolve_candidates(axis: str, given: tuple[int | float, ...] | None, full: 
             size = value
         if size % multiple or size > full or size < minimum:
             what = f"{value!r} (-> {size})" if isinstance(value, float) else f"{value!r}"
-            reason = ("more experts dropped than top-k allows; " if axis == "experts"
-                      and size < model.moe_router_topk else "")
-            raise ElasticConfigError(name, f"={list(values)}: {what} is not allowed; {reason}{allowed}")
+            reason = (
+                "more experts dropped than top-k allows; "
+                if axis == "experts" and size < model.moe_router_topk
+                else ""
+            )
+            raise ElasticConfigError(
+                name, f"={list(values)}: {what} is not allowed; {reason}{allowed}"
+            )
         out.append(size)
     if given is None:
         return tuple(sorted(set(out), reverse=True))
     if len(set(out)) != len(out):
-        raise ElasticConfigError(name, f"={list(values)} resolves to {out} (full {full}); "
-                                       f"sizes must be distinct; {allowed}")
+        raise ElasticConfigError(
+            name,
+            f"={list(values)} resolves to {out} (full {full}); sizes must be distinct; {allowed}",
+        )
     return tuple(sorted(out, reverse=True))
 
 
@@ -520,11 +595,15 @@ def _check_reachable(resolved: ResolvedElastic) -> None:
     for b in resolved.budgets:
         if b < low * (1 - _REL_TOL):
             raise ElasticConfigError(
-                "budgets", f": budget {b:g} is not reachable with budget_metric={cfg.budget_metric}: "
-                           f"the smallest candidates give {low:.4f} of the full model; allowed: "
-                           f"budgets >= {low:.4f}, or add smaller sizes (elastic.sizes.*)")
+                "budgets",
+                f": budget {b:g} is not reachable with budget_metric={cfg.budget_metric}: "
+                f"the smallest candidates give {low:.4f} of the full model; allowed: "
+                f"budgets >= {low:.4f}, or add smaller sizes (elastic.sizes.*)",
+            )
         if b > high * (1 + _REL_TOL):
             raise ElasticConfigError(
-                "budgets", f": budget {b:g} is not reachable with budget_metric={cfg.budget_metric}: "
-                           f"the largest candidates give {high:.4f} of the full model; allowed: "
-                           f"budgets <= {high:.4f}, or add larger sizes (elastic.sizes.*)")
+                "budgets",
+                f": budget {b:g} is not reachable with budget_metric={cfg.budget_metric}: "
+                f"the largest candidates give {high:.4f} of the full model; allowed: "
+                f"budgets <= {high:.4f}, or add larger sizes (elastic.sizes.*)",
+            )

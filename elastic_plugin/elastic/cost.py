@@ -27,7 +27,7 @@ Everything is computed in float64: integer counts stay exact (< 2**53), so ``of_
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -36,9 +36,9 @@ from elastic_plugin.models.axes import MODEL_FIELD
 from elastic_plugin.models.config import ConfigError, ModelConfig
 
 BYTES_PER_PARAM: dict[str, float] = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1.0 / 16}
-KV_CACHE_BYTES = 2      # bf16 K/V cache
-SSM_STATE_BYTES = 4     # fp32 SSM state
-CONV_STATE_BYTES = 2    # bf16 conv state
+KV_CACHE_BYTES = 2  # bf16 K/V cache
+SSM_STATE_BYTES = 4  # fp32 SSM state
+CONV_STATE_BYTES = 2  # bf16 conv state
 
 Number = torch.Tensor
 
@@ -46,15 +46,21 @@ Number = torch.Tensor
 class ElasticCost:
     """C(sizes) for one resolved config; ``full`` is the cost of the original model."""
 
-    def __init__(self, model: ModelConfig, resolved: ResolvedElastic, metric: str | None = None,
-                 memory: MemorySpec | None = None):
+    def __init__(
+        self,
+        model: ModelConfig,
+        resolved: ResolvedElastic,
+        metric: str | None = None,
+        memory: MemorySpec | None = None,
+    ):
         self.model = model
         self.resolved = resolved
         self.metric = metric or resolved.config.budget_metric
         self.memory = memory or resolved.config.memory
         if self.metric not in BUDGET_METRICS:
-            raise ConfigError(f"elastic.budget_metric={self.metric!r}; allowed: "
-                              f"{', '.join(BUDGET_METRICS)}")
+            raise ConfigError(
+                f"elastic.budget_metric={self.metric!r}; allowed: {', '.join(BUDGET_METRICS)}"
+            )
         kinds = model.layer_types
         self._count = {kind: kinds.count(kind) for kind in ("mamba", "attention", "mlp", "moe")}
         self.full: float = self.of_choice(resolved.full_choice())
@@ -65,8 +71,10 @@ class ElasticCost:
         1-d tensor with one entry per layer of ``AxisSpec.layers``; axes left out are full."""
         unknown = sorted(set(sizes) - set(self.resolved.axes))
         if unknown:
-            raise ConfigError(f"cost sizes: unknown axis {', '.join(unknown)}; axes of this model: "
-                              f"{', '.join(self.resolved.axes)}")
+            raise ConfigError(
+                f"cost sizes: unknown axis {', '.join(unknown)}; axes of this model: "
+                f"{', '.join(self.resolved.axes)}"
+            )
         device = next((t.device for t in sizes.values() if isinstance(t, torch.Tensor)), None)
         get = lambda axis: self._size(sizes, axis, device)  # noqa: E731
         m, c = self.model, self._count
@@ -123,11 +131,15 @@ class ElasticCost:
             return torch.tensor(float(full), dtype=torch.float64, device=device)
         value = torch.as_tensor(sizes[axis], device=device).to(torch.float64)
         if not spec.layers and value.dim() != 0:
-            raise ConfigError(f"cost sizes[{axis!r}] has shape {tuple(value.shape)}; allowed: () "
-                              "(a 0-d tensor: one global choice)")
+            raise ConfigError(
+                f"cost sizes[{axis!r}] has shape {tuple(value.shape)}; allowed: () "
+                "(a 0-d tensor: one global choice)"
+            )
         if value.dim() == 1 and value.shape[0] != len(spec.layers) or value.dim() > 1:
-            raise ConfigError(f"cost sizes[{axis!r}] has shape {tuple(value.shape)}; allowed: () or "
-                              f"({len(spec.layers)},), one entry per layer {spec.layers}")
+            raise ConfigError(
+                f"cost sizes[{axis!r}] has shape {tuple(value.shape)}; allowed: () or "
+                f"({len(spec.layers)},), one entry per layer {spec.layers}"
+            )
         return value
 
     def _mlp(self, h: Number, ffn: Number, bias: bool) -> Number:
@@ -142,15 +154,19 @@ class ElasticCost:
         d_inner = nh * p
         bc = 2 * m.mamba_num_groups * m.mamba_state_dim
         conv_dim = d_inner + bc
-        params = (h                                        # pre-norm
-                  + h * (2 * d_inner + bc + nh)            # in_proj: z, x, B, C, dt
-                  + conv_dim * (m.mamba_conv_kernel + 1)   # conv1d weight + bias
-                  + 3 * nh                                 # A_log, D, dt_bias
-                  + d_inner                                # gated RMSNorm
-                  + d_inner * h)                           # out_proj
+        params = (
+            h  # pre-norm
+            + h * (2 * d_inner + bc + nh)  # in_proj: z, x, B, C, dt
+            + conv_dim * (m.mamba_conv_kernel + 1)  # conv1d weight + bias
+            + 3 * nh  # A_log, D, dt_bias
+            + d_inner  # gated RMSNorm
+            + d_inner * h
+        )  # out_proj
         batch = self.memory.batch_size
-        state = (d_inner * m.mamba_state_dim * batch * SSM_STATE_BYTES
-                 + (m.mamba_conv_kernel - 1) * conv_dim * batch * CONV_STATE_BYTES)
+        state = (
+            d_inner * m.mamba_state_dim * batch * SSM_STATE_BYTES
+            + (m.mamba_conv_kernel - 1) * conv_dim * batch * CONV_STATE_BYTES
+        )
         return params, state
 
     def _attention(self, h: Number, heads: Number) -> Number:
@@ -177,5 +193,3 @@ def _layers(per_layer: Number, count: int) -> Number:
 
 def _full_size(model: ModelConfig, axis: str) -> int:
     return getattr(model, MODEL_FIELD[axis])
-
-

@@ -21,23 +21,30 @@ enumerate.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
-from elastic_plugin.elastic.config import ResolvedElastic
 from elastic_plugin.checkpoint.meta import budget_label
+from elastic_plugin.elastic.config import ResolvedElastic
 
-__all__ = ["FREEZE_TOLERANCE", "constrained_choice", "constrained_table", "feasible_choices",
-           "loss_selected_table"]
+__all__ = [
+    "FREEZE_TOLERANCE",
+    "constrained_choice",
+    "constrained_table",
+    "feasible_choices",
+    "loss_selected_table",
+]
 
 FREEZE_TOLERANCE = 0.05  # relative: budget 0.77 accepts cost fractions in [0.73, 0.81]
 
 Choice = dict[str, int]
 
 
-def feasible_choices(resolved: ResolvedElastic, cost, budget: float,
-                     tolerance: float = FREEZE_TOLERANCE) -> list[Choice]:
+def feasible_choices(
+    resolved: ResolvedElastic, cost, budget: float, tolerance: float = FREEZE_TOLERANCE
+) -> list[Choice]:
     """Every homogeneous choice with ``|cost fraction / budget - 1| <= tolerance``, in grid
     order; when none qualifies, the one closest to the budget alone."""
     names = list(resolved.axes)
@@ -53,8 +60,9 @@ def feasible_choices(resolved: ResolvedElastic, cost, budget: float,
 
 
 @torch.no_grad()
-def by_likelihood(router, resolved: ResolvedElastic, budget: float,
-                  choices: list[Choice]) -> list[Choice]:
+def by_likelihood(
+    router, resolved: ResolvedElastic, budget: float, choices: list[Choice]
+) -> list[Choice]:
     """``choices`` sorted by the router's joint log-probability for ``budget``, most likely
     first (ties keep grid order)."""
     names = list(resolved.axes)
@@ -67,26 +75,35 @@ def by_likelihood(router, resolved: ResolvedElastic, budget: float,
     return sorted(choices, key=score, reverse=True)
 
 
-def constrained_choice(router, resolved: ResolvedElastic, cost, budget: float,
-                       tolerance: float = FREEZE_TOLERANCE) -> Choice:
+def constrained_choice(
+    router, resolved: ResolvedElastic, cost, budget: float, tolerance: float = FREEZE_TOLERANCE
+) -> Choice:
     """The most likely homogeneous choice within ``tolerance`` of ``budget`` (the closest to
     the budget if none is)."""
-    return by_likelihood(router, resolved, budget,
-                         feasible_choices(resolved, cost, budget, tolerance))[0]
+    return by_likelihood(
+        router, resolved, budget, feasible_choices(resolved, cost, budget, tolerance)
+    )[0]
 
 
-def constrained_table(router, resolved: ResolvedElastic, cost,
-                      tolerance: float = FREEZE_TOLERANCE) -> dict[str, Choice]:
+def constrained_table(
+    router, resolved: ResolvedElastic, cost, tolerance: float = FREEZE_TOLERANCE
+) -> dict[str, Choice]:
     """Budget label -> :func:`constrained_choice` (homogeneous routers)."""
-    return {budget_label(b): constrained_choice(router, resolved, cost, b, tolerance)
-            for b in resolved.budgets}
+    return {
+        budget_label(b): constrained_choice(router, resolved, cost, b, tolerance)
+        for b in resolved.budgets
+    }
 
 
-def loss_selected_table(router, resolved: ResolvedElastic, cost,
-                        evaluate: Callable[[Mapping[str, Choice]], Mapping[str, float | None]],
-                        candidates: int | None = None, tolerance: float = FREEZE_TOLERANCE,
-                        log: Callable[[str], None] | None = None
-                        ) -> tuple[dict[str, Choice], dict[str, dict[str, Any]]]:
+def loss_selected_table(
+    router,
+    resolved: ResolvedElastic,
+    cost,
+    evaluate: Callable[[Mapping[str, Choice]], Mapping[str, float | None]],
+    candidates: int | None = None,
+    tolerance: float = FREEZE_TOLERANCE,
+    log: Callable[[str], None] | None = None,
+) -> tuple[dict[str, Choice], dict[str, dict[str, Any]]]:
     """Per budget, the feasible choice with the lowest loss among the router's ``candidates``
     most likely ones (all when None). ``evaluate`` maps ``{key: choice}`` to ``{key: loss}`` (on
     every rank the same numbers, e.g. ``train.evaluate_budgets`` on fixed validation batches).
@@ -96,8 +113,9 @@ def loss_selected_table(router, resolved: ResolvedElastic, cost,
     search: dict[str, dict[str, Any]] = {}
     for budget in resolved.budgets:
         label = budget_label(budget)
-        ranked = by_likelihood(router, resolved, budget,
-                               feasible_choices(resolved, cost, budget, tolerance))
+        ranked = by_likelihood(
+            router, resolved, budget, feasible_choices(resolved, cost, budget, tolerance)
+        )
         ranked = ranked[:candidates] if candidates is not None else ranked
         losses = evaluate({f"{label}#{i}": choice for i, choice in enumerate(ranked)})
         scored = [(losses[f"{label}#{i}"], i) for i in range(len(ranked))]
@@ -106,10 +124,16 @@ def loss_selected_table(router, resolved: ResolvedElastic, cost,
             raise RuntimeError(f"freeze: no validation loss came back for budget {label}")
         best_loss, best = min(measured)
         table[label] = ranked[best]
-        search[label] = {"candidates": len(ranked), "loss": best_loss,
-                         "router_choice_loss": scored[0][0], "router_rank_of_choice": best,
-                         "cost_fraction": cost.of_choice(ranked[best]) / cost.full}
+        search[label] = {
+            "candidates": len(ranked),
+            "loss": best_loss,
+            "router_choice_loss": scored[0][0],
+            "router_rank_of_choice": best,
+            "cost_fraction": cost.of_choice(ranked[best]) / cost.full,
+        }
         if log is not None:
-            log(f"freeze {label}: {len(ranked)} choices measured, best loss {best_loss:.4f} "
-                f"(router's most likely: {scored[0][0]:.4f}) -> {ranked[best]}")
+            log(
+                f"freeze {label}: {len(ranked)} choices measured, best loss {best_loss:.4f} "
+                f"(router's most likely: {scored[0][0]:.4f}) -> {ranked[best]}"
+            )
     return table, search

@@ -65,7 +65,7 @@ class _VocabParallelKL(torch.autograd.Function):
             ctx.save_for_backward(diff)
         ctx.temperature = temperature
         ctx.student_dtype = student.dtype
-        return kl * (temperature ** 2)
+        return kl * (temperature**2)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -74,8 +74,12 @@ class _VocabParallelKL(torch.autograd.Function):
         return grad.to(ctx.student_dtype), None, None, None
 
 
-def vocab_parallel_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
-                      temperature: float = 1.0, tp_group=None) -> torch.Tensor:
+def vocab_parallel_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    temperature: float = 1.0,
+    tp_group=None,
+) -> torch.Tensor:
     """Per-token ``T² · KL(p_teacher ‖ p_student)`` for vocab-parallel logit shards.
 
     ``student_logits``/``teacher_logits``: ``[..., V/tp]`` (any leading dims, e.g. ``[b, s]`` or
@@ -85,14 +89,22 @@ def vocab_parallel_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     The T² factor keeps gradient magnitudes independent of T (Hinton et al.).
     """
     if not temperature > 0:
-        raise ConfigError(f"temperature={temperature!r} must be > 0 (the distillation softmax temperature)")
+        raise ConfigError(
+            f"temperature={temperature!r} must be > 0 (the distillation softmax temperature)"
+        )
     if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
-                         f"{tuple(teacher_logits.shape)} must have the same shape (same vocab shard)")
+        raise ValueError(
+            f"student logits {tuple(student_logits.shape)} and teacher logits "
+            f"{tuple(teacher_logits.shape)} must have the same shape (same vocab shard)"
+        )
     if student_logits.dim() < 1 or student_logits.shape[-1] == 0:
-        raise ValueError(f"logits need a non-empty last (vocab) dim, got {tuple(student_logits.shape)}")
+        raise ValueError(
+            f"logits need a non-empty last (vocab) dim, got {tuple(student_logits.shape)}"
+        )
     group = tp_group if tp_group is not None else _default_tp_group()
-    return _VocabParallelKL.apply(student_logits, teacher_logits.detach(), float(temperature), group)
+    return _VocabParallelKL.apply(
+        student_logits, teacher_logits.detach(), float(temperature), group
+    )
 
 
 def budget_loss(cost: torch.Tensor, budget: float, full_cost: float) -> torch.Tensor:
@@ -101,13 +113,20 @@ def budget_loss(cost: torch.Tensor, budget: float, full_cost: float) -> torch.Te
     if not budget > 0:
         raise ConfigError(f"budget={budget!r} must be > 0 (a fraction of the full model's cost)")
     if not full_cost > 0:
-        raise ConfigError(f"full_cost={full_cost!r} must be > 0 (the full model's parameter/memory count)")
+        raise ConfigError(
+            f"full_cost={full_cost!r} must be > 0 (the full model's parameter/memory count)"
+        )
     return torch.abs(cost / (budget * full_cost) - 1.0)
 
 
-def distillation_loss_func(loss_mask: torch.Tensor, student_logits: torch.Tensor,
-                           teacher_logits: torch.Tensor, temperature: float = 1.0, tp_group=None,
-                           report_key: str = "kd loss"):
+def distillation_loss_func(
+    loss_mask: torch.Tensor,
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    temperature: float = 1.0,
+    tp_group=None,
+    report_key: str = "kd loss",
+):
     """Megatron ``loss_func`` convention: ``(kl_sum over masked tokens, num_tokens, {key: [sum, n]})``.
 
     ``loss_mask`` has the logits' leading shape, or its transpose (``[b, s]`` mask with ``[s, b]``
@@ -119,8 +138,10 @@ def distillation_loss_func(loss_mask: torch.Tensor, student_logits: torch.Tensor
         if mask.dim() == 2 and mask.t().shape == kl.shape:
             mask = mask.t()
         else:
-            raise ValueError(f"loss_mask {tuple(loss_mask.shape)} does not match the logits' leading "
-                             f"shape {tuple(kl.shape)} (or its transpose)")
+            raise ValueError(
+                f"loss_mask {tuple(loss_mask.shape)} does not match the logits' leading "
+                f"shape {tuple(kl.shape)} (or its transpose)"
+            )
     loss_sum = torch.sum(kl * mask)
     count = mask.sum()
     report = torch.stack([loss_sum.detach(), count.detach()])

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,8 +24,12 @@ LOSS_PLOT = "elastic_loss.png"
 ROUTER_PLOT = "elastic_router.png"
 
 # record sections keyed by budget, and the TensorBoard prefix each one gets
-_BUDGET_SECTIONS = {"train_loss": "loss", "budget_loss": "budget_loss", "valid_loss": "valid_loss",
-                    "choices": "choice"}
+_BUDGET_SECTIONS = {
+    "train_loss": "loss",
+    "budget_loss": "budget_loss",
+    "valid_loss": "valid_loss",
+    "choices": "choice",
+}
 
 
 def budget_key(budget: Any) -> str:
@@ -40,8 +45,10 @@ def _plain(value: Any) -> Any:
     if torch.is_tensor(value):
         return value.item() if value.numel() == 1 else value.tolist()
     if isinstance(value, Mapping):
-        return {budget_key(k) if isinstance(k, (int, float)) else str(k): _plain(v)
-                for k, v in value.items()}
+        return {
+            budget_key(k) if isinstance(k, (int, float)) else str(k): _plain(v)
+            for k, v in value.items()
+        }
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
@@ -104,8 +111,14 @@ class ElasticMetrics:
     initialised; negative counts from the end, e.g. -1 = the last rank, where Megatron keeps losses).
     """
 
-    def __init__(self, out_dir: Path, budgets: Sequence[float], writer=None,
-                 full_sizes: Mapping[str, int] | None = None, log_rank: int = 0) -> None:
+    def __init__(
+        self,
+        out_dir: Path,
+        budgets: Sequence[float],
+        writer=None,
+        full_sizes: Mapping[str, int] | None = None,
+        log_rank: int = 0,
+    ) -> None:
         if not budgets:
             raise ValueError("budgets must name at least one budget")
         self.out_dir = Path(out_dir)
@@ -116,8 +129,11 @@ class ElasticMetrics:
         self.writer = None
         if self.is_writer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            self.writer = writer if writer is not None else (
-                _megatron_writer() or _tensorboard_writer(self.out_dir / "tensorboard"))
+            self.writer = (
+                writer
+                if writer is not None
+                else (_megatron_writer() or _tensorboard_writer(self.out_dir / "tensorboard"))
+            )
 
     @staticmethod
     def _is_log_rank(log_rank: int) -> bool:
@@ -164,10 +180,14 @@ class ElasticMetrics:
         has_budget_loss = any(rec.get("budget_loss") for rec in history)
         fig = Figure(figsize=(11 if has_budget_loss else 7, 4.5))
         axes = fig.subplots(1, 2 if has_budget_loss else 1, squeeze=False)[0]
-        colors = _colors(self._budget_order(history, "train_loss")
-                         + self._budget_order(history, "valid_loss"))
+        colors = _colors(
+            self._budget_order(history, "train_loss") + self._budget_order(history, "valid_loss")
+        )
         ax = axes[0]
-        for section, style in (("train_loss", dict(lw=1.2)), ("valid_loss", dict(marker="o", ls="--"))):
+        for section, style in (
+            ("train_loss", dict(lw=1.2)),
+            ("valid_loss", dict(marker="o", ls="--")),
+        ):
             for b in self._budget_order(history, section):
                 xs, ys = _series(history, lambda r, b=b, s=section: (r.get(s) or {}).get(b))
                 label = f"{'train' if section == 'train_loss' else 'valid'} b={b}"
@@ -188,6 +208,7 @@ class ElasticMetrics:
 
     def _fractions(self, history: list[dict]) -> dict[str, dict[str, tuple[list, list]]]:
         """axis -> budget -> (iterations, chosen size / full size); per-layer choices are averaged."""
+
         def size(v: Any) -> float | None:
             if _is_number(v):
                 return float(v)
@@ -231,8 +252,12 @@ class ElasticMetrics:
             for b in self._budget_order(history, "choices"):
                 if b in per_budget:
                     ax.plot(*per_budget[b], color=colors[b], label=f"b={b}")
-            ax.set(title=f"router: {axis}", xlabel="iteration", ylabel="chosen size / full",
-                   ylim=(0, 1.05))
+            ax.set(
+                title=f"router: {axis}",
+                xlabel="iteration",
+                ylabel="chosen size / full",
+                ylim=(0, 1.05),
+            )
             ax.legend(fontsize=7)
         if has_temp:
             ax = grid[len(fractions)]

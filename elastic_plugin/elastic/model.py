@@ -46,18 +46,22 @@ def _narrow_stage_input(state: ElasticState):
         if size is not None and tensor is not None and tensor.shape[-1] > size:
             module.input_tensor = tensor[..., :size]
         return None
+
     return hook
 
 
-def attach_elastic(model: torch.nn.Module, resolved, sequence_parallel: bool,
-                   router_seed: int = 0) -> ElasticState:
+def attach_elastic(
+    model: torch.nn.Module, resolved, sequence_parallel: bool, router_seed: int = 0
+) -> ElasticState:
     """Elastify an (unwrapped) model chunk and give it the router; returns the shared state."""
     from megatron.core import parallel_state as ps
 
     mcfg = resolved.model
     state = ElasticState(
-        resolved, RankInfo.current(bool(getattr(model, STRIDED_ATTR, False)), sequence_parallel),
-        groups={"attention_heads": mcfg.query_groups, "mamba_heads": mcfg.mamba_num_groups})
+        resolved,
+        RankInfo.current(bool(getattr(model, STRIDED_ATTR, False)), sequence_parallel),
+        groups={"attention_heads": mcfg.query_groups, "mamba_heads": mcfg.mamba_num_groups},
+    )
     elastify(model, state)
     model.add_module(ROUTER_ATTR, RouterModule(make_router(resolved, router_seed)))
     for param in model.get_submodule(ROUTER_ATTR).parameters():
@@ -85,7 +89,7 @@ def finalize_router_grads(chunks, *args, **kwargs):
         dist.all_reduce(flat, group=ps.get_pipeline_model_parallel_group())
         offset = 0
         for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
     return finalize_model_grads(chunks, *args, **kwargs)
 
@@ -103,8 +107,9 @@ def router_param_groups(lr: float, min_lr: float, lr_mult: float) -> dict:
     return {ParamKey(attr="elastic_router"): {"max_lr": lr * lr_mult, "min_lr": min_lr * lr_mult}}
 
 
-def build_elastic_chunks(ckpt_dir: str | Path, layout, resolved, wrap_ddp: bool = True,
-                         router_seed: int = 0) -> tuple[list[torch.nn.Module], ElasticState, Any]:
+def build_elastic_chunks(
+    ckpt_dir: str | Path, layout, resolved, wrap_ddp: bool = True, router_seed: int = 0
+) -> tuple[list[torch.nn.Module], ElasticState, Any]:
     """Load a (reordered) checkpoint for ``layout``, make it elastic, wrap it in Megatron DDP.
 
     ``initialize_layout(layout)`` must have been called. Returns (chunks, state, meta)."""
@@ -113,12 +118,9 @@ def build_elastic_chunks(ckpt_dir: str | Path, layout, resolved, wrap_ddp: bool 
 
     chunks, _, meta = build_from_checkpoint(ckpt_dir, layout, wrap_ddp=False)
     model = chunks[0]
-    state = attach_elastic(model, resolved, layout.sequence_parallel and layout.tp > 1,
-                           router_seed)
+    state = attach_elastic(model, resolved, layout.sequence_parallel and layout.tp > 1, router_seed)
     if meta.get("kind") == "elastic":
         load_router(model, ckpt_dir)
     if wrap_ddp:
         return [wrap_ddp_chunk(model, layout)], state, meta
     return [model], state, meta
-
-

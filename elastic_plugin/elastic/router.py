@@ -14,9 +14,9 @@ generator seeded identically, so all ranks compute the same choice without commu
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +44,9 @@ def _check_budgets(budgets: Sequence[float]) -> tuple[float, ...]:
     return out
 
 
-def budget_encoding(budget: float, budgets: Sequence[float], interpolate: bool = False) -> torch.Tensor:
+def budget_encoding(
+    budget: float, budgets: Sequence[float], interpolate: bool = False
+) -> torch.Tensor:
     """Router input for ``budget``: the one-hot of a trained budget (float32, CPU, length len(budgets)).
 
     A budget strictly between two trained ones is accepted only with ``interpolate=True`` and gives the
@@ -140,7 +142,10 @@ def expected_sizes(probs: torch.Tensor, candidates: Sequence[int]) -> torch.Tens
 def hard_sizes(probs: torch.Tensor, candidates: Sequence[int]) -> list[int]:
     """The chosen candidate size per layer (argmax of each row)."""
     _candidate_tensor(probs, candidates)
-    return [int(candidates[i]) for i in probs.detach().reshape(-1, len(candidates)).argmax(dim=-1).tolist()]
+    return [
+        int(candidates[i])
+        for i in probs.detach().reshape(-1, len(candidates)).argmax(dim=-1).tolist()
+    ]
 
 
 # ----------------------------------------------------------------------------- router
@@ -154,7 +159,9 @@ def _prior_targets(
     candidate 0 (the largest size, candidates being descending) and the smallest on the last one.
     """
     if fractions is not None:
-        return [min(range(num_candidates), key=lambda c: (abs(fractions[c] - b), c)) for b in budgets]
+        return [
+            min(range(num_candidates), key=lambda c: (abs(fractions[c] - b), c)) for b in budgets
+        ]
     lo, hi = min(budgets), max(budgets)
     if num_candidates == 1 or hi == lo:
         return [0 for _ in budgets]
@@ -186,7 +193,9 @@ class _AxisRouter(torch.nn.Module):
         (the h_i are then independent almost surely), and stays small and trainable (not zero), so
         gradients still reach ``fc1``.
         """
-        eye = torch.eye(self.fc1.in_features, dtype=self.fc1.weight.dtype, device=self.fc1.weight.device)
+        eye = torch.eye(
+            self.fc1.in_features, dtype=self.fc1.weight.dtype, device=self.fc1.weight.device
+        )
         h = self.hidden(eye).double()  # [B, hidden]
         t = torch.zeros(len(targets), self.num_candidates, dtype=torch.float64, device=h.device)
         t[torch.arange(len(targets)), torch.tensor(list(targets))] = strength
@@ -236,11 +245,15 @@ class BudgetRouter(torch.nn.Module):
         fractions = dict(candidate_fractions or {})
         unknown = sorted(set(fractions) - set(axes))
         if unknown:
-            raise ConfigError(f"candidate_fractions: unknown axes {unknown}; router axes are {sorted(axes)}")
+            raise ConfigError(
+                f"candidate_fractions: unknown axes {unknown}; router axes are {sorted(axes)}"
+            )
         self.axes: dict[str, tuple[int, int]] = {}
         for name, shape in axes.items():
             if not isinstance(name, str) or not name or "." in name:
-                raise ConfigError(f"router axis names must be non-empty strings without '.', got {name!r}")
+                raise ConfigError(
+                    f"router axis names must be non-empty strings without '.', got {name!r}"
+                )
             num_candidates, num_layers = (int(v) for v in shape)
             if num_candidates < 1 or num_layers < 1:
                 raise ConfigError(
@@ -256,7 +269,10 @@ class BudgetRouter(torch.nn.Module):
             if seed is not None:
                 torch.manual_seed(seed)
             self.routers = torch.nn.ModuleDict(
-                {name: _AxisRouter(len(self.budgets), c, layers, hidden_size) for name, (c, layers) in self.axes.items()}
+                {
+                    name: _AxisRouter(len(self.budgets), c, layers, hidden_size)
+                    for name, (c, layers) in self.axes.items()
+                }
             )
         for name, router in self.routers.items():
             if init_bias_to_budget:
@@ -344,7 +360,9 @@ class AnnealSchedule:
 
 
 # ------------------------------------------------------------------------------ in a model
-ROUTER_ATTR = "elastic_router"  # the router's submodule name: its checkpoint keys start "elastic_router."
+ROUTER_ATTR = (
+    "elastic_router"  # the router's submodule name: its checkpoint keys start "elastic_router."
+)
 
 
 class RouterModule(torch.nn.Module):
@@ -359,21 +377,35 @@ class RouterModule(torch.nn.Module):
         from megatron.core import parallel_state as ps
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-        replica = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
-                   ps.get_data_parallel_rank(with_context_parallel=True))
-        return {f"{prefix}{name}": ShardedTensor.from_rank_offsets(f"{prefix}{name}", tensor,
-                                                                    replica_id=replica)
-                for name, tensor in self.state_dict(prefix="", keep_vars=True).items()}
+        replica = (
+            ps.get_pipeline_model_parallel_rank(),
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_data_parallel_rank(with_context_parallel=True),
+        )
+        return {
+            f"{prefix}{name}": ShardedTensor.from_rank_offsets(
+                f"{prefix}{name}", tensor, replica_id=replica
+            )
+            for name, tensor in self.state_dict(prefix="", keep_vars=True).items()
+        }
 
 
 def make_router(resolved, seed: int = 0) -> BudgetRouter:
     """One router output per axis (per layer when heterogeneous), biased toward plausible sizes."""
-    axes = {name: (len(spec.candidates), len(spec.layers) if resolved.per_layer(name) else 1)
-            for name, spec in resolved.axes.items()}
-    fractions = {name: [c / spec.full for c in spec.candidates]
-                 for name, spec in resolved.axes.items()}
-    return BudgetRouter(resolved.budgets, axes, hidden_size=resolved.config.router.hidden_size,
-                        candidate_fractions=fractions, seed=seed)
+    axes = {
+        name: (len(spec.candidates), len(spec.layers) if resolved.per_layer(name) else 1)
+        for name, spec in resolved.axes.items()
+    }
+    fractions = {
+        name: [c / spec.full for c in spec.candidates] for name, spec in resolved.axes.items()
+    }
+    return BudgetRouter(
+        resolved.budgets,
+        axes,
+        hidden_size=resolved.config.router.hidden_size,
+        candidate_fractions=fractions,
+        seed=seed,
+    )
 
 
 def load_router(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
@@ -386,4 +418,4 @@ def load_router(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
     sharded = module.sharded_state_dict(prefix=f"{ROUTER_ATTR}.")
     loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
     prefix = f"{ROUTER_ATTR}."
-    module.load_state_dict({k[len(prefix):]: v for k, v in loaded.items() if k.startswith(prefix)})
+    module.load_state_dict({k[len(prefix) :]: v for k, v in loaded.items() if k.startswith(prefix)})

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -43,7 +43,9 @@ class BudgetSampler:
     ``total_iters`` iterations the last stage continues to the end (and beyond).
     """
 
-    def __init__(self, budgets: Sequence[float], stages: Sequence[Stage] | None, seed: int, total_iters: int):
+    def __init__(
+        self, budgets: Sequence[float], stages: Sequence[Stage] | None, seed: int, total_iters: int
+    ):
         self.budgets = tuple(float(b) for b in budgets)
         if not self.budgets:
             raise ConfigError("budgets: at least one trained budget is required, got []")
@@ -64,8 +66,12 @@ class BudgetSampler:
         field = f"curriculum stage {index}"
         if not isinstance(stage.iters, int) or stage.iters < 1:
             raise ConfigError(f"{field}: iters must be an integer >= 1, got {stage.iters!r}")
-        if stage.seq_length is not None and (not isinstance(stage.seq_length, int) or stage.seq_length < 1):
-            raise ConfigError(f"{field}: seq_length must be None or an integer >= 1, got {stage.seq_length!r}")
+        if stage.seq_length is not None and (
+            not isinstance(stage.seq_length, int) or stage.seq_length < 1
+        ):
+            raise ConfigError(
+                f"{field}: seq_length must be None or an integer >= 1, got {stage.seq_length!r}"
+            )
         if stage.budget_probs is None:
             return stage
         probs = tuple(float(p) for p in stage.budget_probs)
@@ -74,7 +80,10 @@ class BudgetSampler:
                 f"{field}: budget_probs has {len(probs)} entries but there are {len(self.budgets)} "
                 f"budgets {list(self.budgets)}"
             )
-        if any(not math.isfinite(p) or p < 0 for p in probs) or abs(sum(probs) - 1.0) > PROB_SUM_TOL:
+        if (
+            any(not math.isfinite(p) or p < 0 for p in probs)
+            or abs(sum(probs) - 1.0) > PROB_SUM_TOL
+        ):
             raise ConfigError(f"{field}: budget_probs must be >= 0 and sum to 1, got {list(probs)}")
         total = sum(probs)
         return Stage(stage.iters, tuple(p / total for p in probs), stage.seq_length)
@@ -101,7 +110,9 @@ class BudgetSampler:
         """Index into ``budgets`` for this (iteration, global micro-batch): stateless and identical on every rank."""
         index, _ = self.stage(iteration)
         cdf = self._cumulative[index]
-        u = (_hash64(self.seed, iteration, microbatch, "budget") >> 11) / float(1 << 53)  # uniform [0, 1)
+        u = (_hash64(self.seed, iteration, microbatch, "budget") >> 11) / float(
+            1 << 53
+        )  # uniform [0, 1)
         for i, c in enumerate(cdf):
             if u < c:
                 return i

@@ -28,11 +28,20 @@ class ElasticSchedule:
     seed: int = 1234
 
     def check(self) -> None:
-        for name in ("train_iters", "global_batch_size", "micro_batch_size", "seq_length",
-                     "log_interval", "eval_interval", "eval_iters"):
+        for name in (
+            "train_iters",
+            "global_batch_size",
+            "micro_batch_size",
+            "seq_length",
+            "log_interval",
+            "eval_interval",
+            "eval_iters",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"elastic training: {name}={value!r} must be a positive integer")
         if not self.lr > 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ConfigError(f"elastic training: need lr > 0 and 0 <= min_lr <= lr "
-                              f"(lr={self.lr}, min_lr={self.min_lr})")
+            raise ConfigError(
+                f"elastic training: need lr > 0 and 0 <= min_lr <= lr "
+                f"(lr={self.lr}, min_lr={self.min_lr})"
+            )

@@ -11,21 +11,22 @@ passes (1F1B under PP) and ``finalize_router_grads`` completes the router's grad
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
+from elastic_plugin.checkpoint.meta import budget_label
 from elastic_plugin.elastic.cost import ElasticCost
 from elastic_plugin.elastic.layers.fp8 import fp8_gemm
+from elastic_plugin.elastic.layers.state import SLICED, ElasticState
 from elastic_plugin.elastic.losses import budget_loss, vocab_parallel_kl
 from elastic_plugin.elastic.model import finalize_router_grads, router_of
 from elastic_plugin.elastic.router import AnnealSchedule, budget_encoding, expected_sizes
 from elastic_plugin.elastic.sampling import BudgetSampler
-from elastic_plugin.elastic.layers.state import SLICED, ElasticState
-from elastic_plugin.training.step import run_schedule, get_batch, train_step
-from elastic_plugin.checkpoint.meta import budget_label
+from elastic_plugin.training.step import get_batch, run_schedule, train_step
 
 
 class _Replay:
@@ -68,7 +69,9 @@ class ElasticStep:
     num_microbatches: int
     teacher_chunks: list[torch.nn.Module] | None = None  # None: the model at full budget
     iteration: int = 1
-    trace: list | None = None  # when a list: (iteration, global micro-batch, budget, choice) per route
+    trace: list | None = (
+        None  # when a list: (iteration, global micro-batch, budget, choice) per route
+    )
     frozen: dict[int, dict[str, torch.Tensor]] | None = None  # budget index -> fixed one-hot choice
     _mb: int = 0
     _teacher_logits: list[torch.Tensor] = field(default_factory=list)
@@ -98,12 +101,23 @@ class ElasticStep:
             encoding = budget_encoding(budget, router.budgets)
             generator = self.sampler.noise_generator(self.iteration, self.global_microbatch(local))
             hard = self.cfg.router.hard or self.cfg.mode == SLICED
-            probs = router(encoding, self.temperature.value(self.iteration - 1),
-                           self.logit_scale.value(self.iteration - 1), hard, generator)
+            probs = router(
+                encoding,
+                self.temperature.value(self.iteration - 1),
+                self.logit_scale.value(self.iteration - 1),
+                hard,
+                generator,
+            )
         self.state.set_choice(probs, self.cfg.mode, with_masks=True)
         if self.trace is not None:
-            self.trace.append((self.iteration, self.global_microbatch(local), index,
-                               {k: v.detach().argmax(-1).tolist() for k, v in probs.items()}))
+            self.trace.append(
+                (
+                    self.iteration,
+                    self.global_microbatch(local),
+                    index,
+                    {k: v.detach().argmax(-1).tolist() for k, v in probs.items()},
+                )
+            )
         return index, probs
 
     def freeze(self, table: dict[str, dict[str, Any]]) -> None:
@@ -116,10 +130,13 @@ class ElasticStep:
             probs = {}
             for name, spec in resolved.axes.items():
                 value = sizes[name]
-                picks = [spec.candidates.index(v) for v in (value if isinstance(value, list)
-                                                            else [value])]
+                picks = [
+                    spec.candidates.index(v)
+                    for v in (value if isinstance(value, list) else [value])
+                ]
                 probs[name] = torch.nn.functional.one_hot(
-                    torch.tensor(picks), len(spec.candidates)).to(torch.float32)
+                    torch.tensor(picks), len(spec.candidates)
+                ).to(torch.float32)
             frozen[index] = probs
         self.frozen = frozen
 
@@ -136,16 +153,23 @@ class ElasticStep:
         return output, keep
 
     @torch.no_grad()
-    def teacher_pass(self, student_chunks, batches: list[dict] | None, seq_length: int,
-                     micro_batch_size: int) -> None:
+    def teacher_pass(
+        self, student_chunks, batches: list[dict] | None, seq_length: int, micro_batch_size: int
+    ) -> None:
         self._teacher_logits = []
         chunks = self.teacher_chunks
         if chunks is None:
             chunks = student_chunks
             self.state.clear()
-        run_schedule(chunks, _Replay(batches) if batches is not None else None,
-                      self.num_microbatches, seq_length, micro_batch_size, forward_only=True,
-                      forward_step_func=self._teacher_forward_step)
+        run_schedule(
+            chunks,
+            _Replay(batches) if batches is not None else None,
+            self.num_microbatches,
+            seq_length,
+            micro_batch_size,
+            forward_only=True,
+            forward_step_func=self._teacher_forward_step,
+        )
 
     # ------------------------------------------------------------------ student
     def _loss(self, local: int, budget_index: int, probs, batch: dict, output_tensor):
@@ -160,8 +184,10 @@ class ElasticStep:
         if cfg.ce_weight_full > 0 and budget == max(self.sampler.budgets):
             from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-            ce = vocab_parallel_cross_entropy(output_tensor.float().transpose(0, 1).contiguous(),
-                                              batch["labels"].transpose(0, 1).contiguous())
+            ce = vocab_parallel_cross_entropy(
+                output_tensor.float().transpose(0, 1).contiguous(),
+                batch["labels"].transpose(0, 1).contiguous(),
+            )
             ce_sum = (ce.transpose(0, 1) * loss_mask).sum()
             total = total + cfg.ce_weight_full * ce_sum
         sizes = {}
@@ -171,8 +197,15 @@ class ElasticStep:
         cost = self.cost(sizes)
         b_loss = budget_loss(cost, budget, self.cost.full).to(kd_sum.dtype)
         total = total + cfg.budget_loss_weight * b_loss * num_tokens.detach()
-        report = torch.stack([kd_sum.detach(), num_tokens.detach(), b_loss.detach(),
-                              ce_sum.detach(), torch.tensor(float(budget_index), device=kd_sum.device)])
+        report = torch.stack(
+            [
+                kd_sum.detach(),
+                num_tokens.detach(),
+                b_loss.detach(),
+                ce_sum.detach(),
+                torch.tensor(float(budget_index), device=kd_sum.device),
+            ]
+        )
         return total, num_tokens.to(torch.int), {"elastic": report}
 
     def _student_forward_step(self, data_iterator, model):
@@ -181,29 +214,42 @@ class ElasticStep:
         batch = get_batch(data_iterator)
         index, probs = self.route(model, local)
         with fp8_gemm(self.cfg.fp8_gemm):  # the backward keeps the recipe it was traced with
-            output = model(batch.get("tokens"), batch.get("position_ids"),
-                           batch.get("attention_mask"))
+            output = model(
+                batch.get("tokens"), batch.get("position_ids"), batch.get("attention_mask")
+            )
         return output, partial(self._loss, local, index, probs, batch)
 
-    def train_step(self, chunks, optimizer, data_iterator: Iterator[dict] | None,
-                   seq_length: int, micro_batch_size: int,
-                   step_optimizer: bool = True) -> dict[str, Any]:
+    def train_step(
+        self,
+        chunks,
+        optimizer,
+        data_iterator: Iterator[dict] | None,
+        seq_length: int,
+        micro_batch_size: int,
+        step_optimizer: bool = True,
+    ) -> dict[str, Any]:
         """Teacher pass, then Megatron's forward-backward + optimizer step on the student."""
         stage_seq = self.sampler.seq_length(self.iteration) or seq_length
         batches = None
         if data_iterator is not None:
-            batches = [truncate_batch(next(data_iterator), stage_seq)
-                       for _ in range(self.num_microbatches)]
+            batches = [
+                truncate_batch(next(data_iterator), stage_seq) for _ in range(self.num_microbatches)
+            ]
         self.teacher_pass(chunks, batches, stage_seq, micro_batch_size)
         self._mb = 0
         try:
             result = train_step(
-                chunks, optimizer, _Replay(batches) if batches is not None else None,
-                self.num_microbatches, stage_seq, micro_batch_size,
+                chunks,
+                optimizer,
+                _Replay(batches) if batches is not None else None,
+                self.num_microbatches,
+                stage_seq,
+                micro_batch_size,
                 step_optimizer=step_optimizer,
                 forward_step_func=self._student_forward_step,
                 finalize_grads_func=finalize_router_grads,
-                reduce_reports=reduce_elastic_reports)
+                reduce_reports=reduce_elastic_reports,
+            )
         finally:
             self.state.clear()
             self._teacher_logits = []
@@ -217,8 +263,10 @@ def reduce_elastic_reports(reports: list[dict]) -> dict[int, dict[str, float]] |
     out: dict[int, dict[str, float]] = {}
     for rep in reports:
         kd_sum, tokens, b_loss, ce_sum, index = (float(x) for x in rep["elastic"])
-        agg = out.setdefault(int(index), {"kd_sum": 0.0, "tokens": 0.0, "budget_loss_sum": 0.0,
-                                          "ce_sum": 0.0, "count": 0.0})
+        agg = out.setdefault(
+            int(index),
+            {"kd_sum": 0.0, "tokens": 0.0, "budget_loss_sum": 0.0, "ce_sum": 0.0, "count": 0.0},
+        )
         agg["kd_sum"] += kd_sum
         agg["tokens"] += tokens
         agg["budget_loss_sum"] += b_loss

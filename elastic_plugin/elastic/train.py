@@ -11,25 +11,26 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from elastic_plugin.checkpoint.meta import budget_label
 from elastic_plugin.elastic.config import ElasticConfig, ResolvedElastic
 from elastic_plugin.elastic.cost import ElasticCost
-from elastic_plugin.elastic.layers.fp8 import fp8_gemm
 from elastic_plugin.elastic.freeze import constrained_table, loss_selected_table
+from elastic_plugin.elastic.layers.fp8 import fp8_gemm
+from elastic_plugin.elastic.layers.state import ElasticState
 from elastic_plugin.elastic.model import build_elastic_chunks, router_of, router_param_groups
 from elastic_plugin.elastic.router import AnnealSchedule
 from elastic_plugin.elastic.sampling import BudgetSampler, Stage
 from elastic_plugin.elastic.schedule import ElasticSchedule
-from elastic_plugin.elastic.layers.state import ElasticState
 from elastic_plugin.elastic.step import ElasticStep
 from elastic_plugin.models.config import ConfigError
-from elastic_plugin.checkpoint.meta import budget_label
 from elastic_plugin.parallel import Layout, build_optimizer, initialize_layout, is_rank0
 from elastic_plugin.training.step import cosine_lr_scheduler, eval_step, share_from_last_stage
 
@@ -50,12 +51,16 @@ class ElasticRun:
 
     def table(self) -> str:
         """Validation loss of every nested model next to the teacher's, as a text table."""
-        lines = ["budget  total params  active params  valid loss  (teacher "
-                 + (f"{self.teacher_valid:.4f})" if self.teacher_valid is not None else "-)")]
+        lines = [
+            "budget  total params  active params  valid loss  (teacher "
+            + (f"{self.teacher_valid:.4f})" if self.teacher_valid is not None else "-)")
+        ]
         for label, counts in self.params.items():
             loss = self.final_valid.get(label)
-            lines.append(f"{label:>6}  {counts['total']:>12,}  {counts['active']:>13,}  "
-                         + (f"{loss:>10.4f}" if loss is not None else f"{'-':>10}"))
+            lines.append(
+                f"{label:>6}  {counts['total']:>12,}  {counts['active']:>13,}  "
+                + (f"{loss:>10.4f}" if loss is not None else f"{'-':>10}")
+            )
         return "\n".join(lines)
 
 
@@ -84,10 +89,13 @@ def _world_sum_from_last_stage(values: torch.Tensor) -> torch.Tensor:
     return values / ps.get_tensor_model_parallel_world_size()
 
 
-
-def evaluate_budgets(chunks, state: ElasticState, table: dict[str, dict[str, Any]],
-                     valid_factory: Callable[[], Iterator[dict] | None], sched: ElasticSchedule
-                     ) -> dict[str, float | None]:
+def evaluate_budgets(
+    chunks,
+    state: ElasticState,
+    table: dict[str, dict[str, Any]],
+    valid_factory: Callable[[], Iterator[dict] | None],
+    sched: ElasticSchedule,
+) -> dict[str, float | None]:
     """Validation LM loss of every budget's nested model (sliced, the router's hard choice),
     with the GEMM precision the student trains in (``elastic.fp8_gemm``)."""
     out: dict[str, float | None] = {}
@@ -95,8 +103,13 @@ def evaluate_budgets(chunks, state: ElasticState, table: dict[str, dict[str, Any
         for label, sizes in table.items():
             state.set_sizes(sizes)
             with fp8_gemm(state.resolved.config.fp8_gemm):
-                loss = eval_step(chunks, valid_factory(), sched.eval_iters, sched.seq_length,
-                                 sched.micro_batch_size)
+                loss = eval_step(
+                    chunks,
+                    valid_factory(),
+                    sched.eval_iters,
+                    sched.seq_length,
+                    sched.micro_batch_size,
+                )
             out[label] = share_from_last_stage(loss)
     finally:
         state.clear()
@@ -104,15 +117,22 @@ def evaluate_budgets(chunks, state: ElasticState, table: dict[str, dict[str, Any
 
 
 def _scheduler(optimizer, sched: ElasticSchedule):
-    return cosine_lr_scheduler(optimizer, sched.lr, sched.min_lr, sched.lr_warmup_iters,
-                               sched.train_iters, sched.weight_decay)
+    return cosine_lr_scheduler(
+        optimizer,
+        sched.lr,
+        sched.min_lr,
+        sched.lr_warmup_iters,
+        sched.train_iters,
+        sched.weight_decay,
+    )
 
 
 def _save(chunks, optimizer, scheduler, out: Path, meta: dict[str, Any]) -> Path:
     from elastic_plugin.checkpoint.io import save_checkpoint
 
-    return save_checkpoint(chunks, out, {**meta, "scheduler": scheduler.state_dict()},
-                           optimizer=optimizer)
+    return save_checkpoint(
+        chunks, out, {**meta, "scheduler": scheduler.state_dict()}, optimizer=optimizer
+    )
 
 
 def train_elastic(
@@ -147,26 +167,34 @@ def train_elastic(
     model_cfg = cfg.model
     resolved = ecfg.resolve(model_cfg, layout.tp, layout.ep)
     if ecfg.router.freeze_select == "loss" and valid_factory is None:
-        raise ConfigError("elastic.router.freeze_select=loss measures candidates on validation "
-                          "data; give validation data (--valid-data-path, or a prepared task) or "
-                          "use freeze_select=likelihood")
+        raise ConfigError(
+            "elastic.router.freeze_select=loss measures candidates on validation "
+            "data; give validation data (--valid-data-path, or a prepared task) or "
+            "use freeze_select=likelihood"
+        )
     if ecfg.mode == "sliced" and not ecfg.router.hard:
-        raise ConfigError("elastic.mode=sliced needs hard router choices (elastic.router.hard=true); "
-                          "soft masks need elastic.mode=masked")
+        raise ConfigError(
+            "elastic.mode=sliced needs hard router choices (elastic.router.hard=true); "
+            "soft masks need elastic.mode=masked"
+        )
     out_dir = Path(out_dir)
     ckpt_dir = out_dir / "checkpoints" / ELASTIC_CKPT
     world = dist.get_world_size() if dist.is_initialized() else 1
     dp = world // (layout.tp * layout.pp)
     if sched.global_batch_size % (sched.micro_batch_size * dp):
-        raise ConfigError(f"global_batch_size={sched.global_batch_size} must be a multiple of "
-                          f"micro_batch_size={sched.micro_batch_size} x data-parallel size {dp}")
+        raise ConfigError(
+            f"global_batch_size={sched.global_batch_size} must be a multiple of "
+            f"micro_batch_size={sched.micro_batch_size} x data-parallel size {dp}"
+        )
     start_iter, consumed = 1, 0
     source = Path(student_ckpt)
     if resume and (ckpt_dir / "elastic_meta.json").is_file():
         meta = read_checkpoint_meta(ckpt_dir)
         if meta.get("layout") != asdict(layout):
-            raise ConfigError(f"resume: {ckpt_dir} was written with layout {meta.get('layout')}; "
-                              f"resume with the same layout (optimizer state is not resharded)")
+            raise ConfigError(
+                f"resume: {ckpt_dir} was written with layout {meta.get('layout')}; "
+                f"resume with the same layout (optimizer state is not resharded)"
+            )
         source, start_iter = ckpt_dir, int(meta["iteration"]) + 1
         consumed = int(meta["consumed_samples"])
     num_microbatches = sched.global_batch_size // (sched.micro_batch_size * dp)
@@ -178,9 +206,14 @@ def train_elastic(
         for chunk in teacher_chunks:
             chunk.requires_grad_(False)
     optimizer = build_optimizer(
-        chunks, lr=sched.lr, min_lr=sched.min_lr, weight_decay=sched.weight_decay,
-        clip_grad=sched.clip_grad, distributed_optimizer=layout.distributed_optimizer,
-        config_overrides=router_param_groups(sched.lr, sched.min_lr, ecfg.router.lr_mult))
+        chunks,
+        lr=sched.lr,
+        min_lr=sched.min_lr,
+        weight_decay=sched.weight_decay,
+        clip_grad=sched.clip_grad,
+        distributed_optimizer=layout.distributed_optimizer,
+        config_overrides=router_param_groups(sched.lr, sched.min_lr, ecfg.router.lr_mult),
+    )
     scheduler = _scheduler(optimizer, sched)
     if start_iter > 1:
         load_optimizer(chunks, optimizer, ckpt_dir)
@@ -208,12 +241,25 @@ def train_elastic(
         return frozen_table or choice_table(router, resolved)
 
     def meta_now() -> dict[str, Any]:
-        return _meta(cfg, ecfg, layout, resolved, current_table(), iteration, consumed,
-                     teacher_valid, frozen=bool(frozen_table),
-                     freeze_search=freeze_search) | dict(extra_meta or {})
+        return _meta(
+            cfg,
+            ecfg,
+            layout,
+            resolved,
+            current_table(),
+            iteration,
+            consumed,
+            teacher_valid,
+            frozen=bool(frozen_table),
+            freeze_search=freeze_search,
+        ) | dict(extra_meta or {})
 
-    metrics = ElasticMetrics(out_dir, resolved.budgets, log_rank=0,
-                             full_sizes={n: s.full for n, s in resolved.axes.items()})
+    metrics = ElasticMetrics(
+        out_dir,
+        resolved.budgets,
+        log_rank=0,
+        full_sizes={n: s.full for n, s in resolved.axes.items()},
+    )
     if is_rank0():
         out_dir.mkdir(parents=True, exist_ok=True)
         if start_iter == 1:
@@ -225,47 +271,78 @@ def train_elastic(
     if valid_factory is not None:
         eval_chunks = teacher_chunks or chunks
         state.clear()
-        teacher_valid = share_from_last_stage(eval_step(eval_chunks, valid_factory(), sched.eval_iters,
-                                                sched.seq_length, sched.micro_batch_size))
+        teacher_valid = share_from_last_stage(
+            eval_step(
+                eval_chunks,
+                valid_factory(),
+                sched.eval_iters,
+                sched.seq_length,
+                sched.micro_batch_size,
+            )
+        )
     bar = None
     if progress and is_rank0():
         from tqdm import tqdm
 
-        bar = tqdm(total=sched.train_iters, initial=start_iter - 1, desc="elastic", unit="it",
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=sched.train_iters,
+            initial=start_iter - 1,
+            desc="elastic",
+            unit="it",
+            dynamic_ncols=True,
+        )
     history: list[dict[str, Any]] = []
     valid: dict[str, float | None] = {}
     start = time.time()
-    last = sched.train_iters if stop_after is None else min(sched.train_iters, start_iter - 1 + stop_after)
+    last = (
+        sched.train_iters
+        if stop_after is None
+        else min(sched.train_iters, start_iter - 1 + stop_after)
+    )
     iteration = start_iter - 1
     freeze_after = ecfg.router.freeze_after
     for iteration in range(start_iter, last + 1):
         step.iteration = iteration
         if freeze_after is not None and iteration > freeze_after and not frozen_table:
             frozen_table, freeze_search = _freeze_table(
-                ecfg, router, resolved, step.cost,
+                ecfg,
+                router,
+                resolved,
+                step.cost,
                 lambda table: evaluate_budgets(chunks, state, table, valid_factory, sched),
-                log=(bar.write if bar is not None else None))
+                log=(bar.write if bar is not None else None),
+            )
             step.freeze(frozen_table)
-        result = step.train_step(chunks, optimizer, train_iterator, sched.seq_length,
-                                 sched.micro_batch_size)
+        result = step.train_step(
+            chunks, optimizer, train_iterator, sched.seq_length, sched.micro_batch_size
+        )
         scheduler.step(increment=1)
         consumed += sched.global_batch_size
         for index, agg in (result["loss"] or {}).items():
-            window[index] += torch.tensor([agg["kd_sum"], agg["tokens"], agg["budget_loss_sum"],
-                                           agg["count"]], dtype=torch.float64)
+            window[index] += torch.tensor(
+                [agg["kd_sum"], agg["tokens"], agg["budget_loss_sum"], agg["count"]],
+                dtype=torch.float64,
+            )
         record: dict[str, Any] = {}
         if iteration % sched.log_interval == 0 or iteration == last:
             totals = _world_sum_from_last_stage(window.clone())
             window.zero_()
-            kd = {budget_label(b): float(totals[i, 0] / totals[i, 1])
-                  for i, b in enumerate(resolved.budgets) if totals[i, 1] > 0}
+            kd = {
+                budget_label(b): float(totals[i, 0] / totals[i, 1])
+                for i, b in enumerate(resolved.budgets)
+                if totals[i, 1] > 0
+            }
             if any(not math.isfinite(v) for v in kd.values()):
-                raise FloatingPointError(f"elastic training diverged at iteration {iteration}: {kd}")
+                raise FloatingPointError(
+                    f"elastic training diverged at iteration {iteration}: {kd}"
+                )
             record = {
                 "train_loss": kd,
-                "budget_loss": {budget_label(b): float(totals[i, 2] / totals[i, 3])
-                                for i, b in enumerate(resolved.budgets) if totals[i, 3] > 0},
+                "budget_loss": {
+                    budget_label(b): float(totals[i, 2] / totals[i, 3])
+                    for i, b in enumerate(resolved.budgets)
+                    if totals[i, 3] > 0
+                },
                 "choices": current_table(),
                 "temperature": step.temperature.value(iteration - 1),
                 "logit_scale": step.logit_scale.value(iteration - 1),
@@ -273,8 +350,9 @@ def train_elastic(
                 "grad_norm": float(result.get("grad_norm") or 0.0),
                 "elapsed_s": round(time.time() - start, 2),
             }
-        if valid_factory is not None and (iteration % sched.eval_interval == 0
-                                          or iteration == sched.train_iters):
+        if valid_factory is not None and (
+            iteration % sched.eval_interval == 0 or iteration == sched.train_iters
+        ):
             valid = evaluate_budgets(chunks, state, current_table(), valid_factory, sched)
             record["valid_loss"] = valid
         if record:
@@ -291,31 +369,57 @@ def train_elastic(
     table = current_table()
     saved = _save(chunks, optimizer, scheduler, ckpt_dir, meta_now())
     plots = [str(p) for p in metrics.plot()] if is_rank0() else []
-    counts = {metric: ElasticCost(model_cfg, resolved, metric=f"{metric}_params")
-              for metric in ("total", "active")}
-    params = {label: {m: int(c.of_choice(sizes)) for m, c in counts.items()}
-              for label, sizes in table.items()}
-    return ElasticRun(str(saved), iteration, history, {k: v for k, v in valid.items()
-                                                       if v is not None},
-                      teacher_valid, table, plots, time.time() - start, params)
+    counts = {
+        metric: ElasticCost(model_cfg, resolved, metric=f"{metric}_params")
+        for metric in ("total", "active")
+    }
+    params = {
+        label: {m: int(c.of_choice(sizes)) for m, c in counts.items()}
+        for label, sizes in table.items()
+    }
+    return ElasticRun(
+        str(saved),
+        iteration,
+        history,
+        {k: v for k, v in valid.items() if v is not None},
+        teacher_valid,
+        table,
+        plots,
+        time.time() - start,
+        params,
+    )
 
 
-def _freeze_table(ecfg: ElasticConfig, router, resolved: ResolvedElastic, cost,
-                  evaluate: Callable, log: Callable[[str], None] | None = None
-                  ) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
+def _freeze_table(
+    ecfg: ElasticConfig,
+    router,
+    resolved: ResolvedElastic,
+    cost,
+    evaluate: Callable,
+    log: Callable[[str], None] | None = None,
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
     """The table the router freezes to (``elastic/freeze.py``), and the loss search's record."""
     if ecfg.heterogeneous:
         return choice_table(router, resolved), None
     if ecfg.router.freeze_select == "loss":
-        return loss_selected_table(router, resolved, cost, evaluate,
-                                   ecfg.router.freeze_candidates, log=log)
+        return loss_selected_table(
+            router, resolved, cost, evaluate, ecfg.router.freeze_candidates, log=log
+        )
     return constrained_table(router, resolved, cost), None
 
 
-def _meta(cfg, ecfg: ElasticConfig, layout: Layout, resolved: ResolvedElastic,
-          table: dict[str, dict[str, Any]], iteration: int, consumed: int,
-          teacher_valid: float | None, frozen: bool = False,
-          freeze_search: dict[str, Any] | None = None) -> dict[str, Any]:
+def _meta(
+    cfg,
+    ecfg: ElasticConfig,
+    layout: Layout,
+    resolved: ResolvedElastic,
+    table: dict[str, dict[str, Any]],
+    iteration: int,
+    consumed: int,
+    teacher_valid: float | None,
+    frozen: bool = False,
+    freeze_search: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     from elastic_plugin.elastic.cost import ElasticCost
 
     cost = ElasticCost(cfg.model, resolved)
@@ -328,8 +432,15 @@ def _meta(cfg, ecfg: ElasticConfig, layout: Layout, resolved: ResolvedElastic,
         "elastic": {
             "budgets": list(resolved.budgets),
             "metric": ecfg.budget_metric,
-            "axes": {n: {"full": s.full, "candidates": list(s.candidates), "layers": list(s.layers),
-                         "unit": s.unit} for n, s in resolved.axes.items()},
+            "axes": {
+                n: {
+                    "full": s.full,
+                    "candidates": list(s.candidates),
+                    "layers": list(s.layers),
+                    "unit": s.unit,
+                }
+                for n, s in resolved.axes.items()
+            },
             "choices": table,
             "cost_fraction": {b: cost.of_choice(sizes) / cost.full for b, sizes in table.items()},
             **({"frozen_choices": table} if frozen else {}),

@@ -29,10 +29,10 @@ def load_export_model(export_dir: str | Path) -> tuple[torch.nn.Module, dict[str
     Homogeneous exports only (plain Megatron builds every layer of a kind alike)."""
     from safetensors.torch import load_file
 
-    from elastic_plugin.models.axes import model_for_choice
     from elastic_plugin.export.extract import EXPORT_META
-    from elastic_plugin.nested.choice import homogeneous_choice
     from elastic_plugin.export.hf import HF_QUANT_CONFIG, HF_WEIGHTS, hf_to_megatron
+    from elastic_plugin.models.axes import model_for_choice
+    from elastic_plugin.nested.choice import homogeneous_choice
     from elastic_plugin.parallel import Layout, build_model_chunks
 
     export_dir = Path(export_dir)
@@ -43,12 +43,16 @@ def load_export_model(export_dir: str | Path) -> tuple[torch.nn.Module, dict[str
     if (export_dir / HF_QUANT_CONFIG).is_file():
         from elastic_plugin.export.quantize import dequantize_state_dict
 
-        tensors = dequantize_state_dict(tensors, json.loads((export_dir / HF_QUANT_CONFIG).read_text()))
+        tensors = dequantize_state_dict(
+            tensors, json.loads((export_dir / HF_QUANT_CONFIG).read_text())
+        )
     state = {k: v.float() for k, v in hf_to_megatron(tensors, small).items()}
     model = build_model_chunks(small, Layout(), wrap_ddp=False)[0][0]
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
-        raise ConfigError(f"{export_dir}: weights do not fit the model (missing {missing[:3]}, "
-                          f"unexpected {unexpected[:3]})")
+        raise ConfigError(
+            f"{export_dir}: weights do not fit the model (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]})"
+        )
     return model.eval(), meta

@@ -9,8 +9,9 @@ meaning score 1.0.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from elastic_plugin.data.tasks import Example, parse_completion, score
 
@@ -30,9 +31,14 @@ class Problems:
     def __len__(self) -> int:
         return len(self.examples)
 
-    def slice(self, start: int, stop: int) -> "Problems":
-        return Problems(self.examples[start:stop], self.prompts[start:stop], self.eod,
-                        self.think_close, self.tokenizer)
+    def slice(self, start: int, stop: int) -> Problems:
+        return Problems(
+            self.examples[start:stop],
+            self.prompts[start:stop],
+            self.eod,
+            self.think_close,
+            self.tokenizer,
+        )
 
 
 def load_problems(prepared_dir: str, count: int) -> Problems:
@@ -71,7 +77,7 @@ def score_completions(problems: Problems, completions: Sequence[Sequence[int]]) 
     for example, tokens in zip(problems.examples, completions):
         tokens = list(tokens)
         if problems.eod in tokens:
-            tokens = tokens[:tokens.index(problems.eod)]
+            tokens = tokens[: tokens.index(problems.eod)]
         if problems.think_close in tokens:
             cut = tokens.index(problems.think_close) + 1
         else:

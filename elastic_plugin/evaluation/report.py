@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from elastic_plugin.checkpoint.meta import (
     budget_label,
@@ -30,7 +31,7 @@ REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 HELDOUT_FILE = "heldout.jsonl"  # = data.prepare.HELDOUT_FILE (that module imports Megatron)
 PRECISIONS = ("bf16", "fp8", "nvfp4")
-CAP_FRACTIONS = (0.25, 0.5, 0.75)   # standard budget control: caps as fractions of the full
+CAP_FRACTIONS = (0.25, 0.5, 0.75)  # standard budget control: caps as fractions of the full
 #                                     model's mean thinking length
 TARGETS = {"speedup": 1.5, "accuracy_drop_points": 2.0, "retention": 0.9}
 
@@ -46,18 +47,31 @@ def _valid_losses(ckpt: Path) -> dict[str, float]:
     return last
 
 
-def _check_inputs(ckpt: Path, exports: Path | None, out: Path, num_problems: int,
-                  batch_size: int, latency_problems: int) -> dict[str, Any]:
+def _check_inputs(
+    ckpt: Path,
+    exports: Path | None,
+    out: Path,
+    num_problems: int,
+    batch_size: int,
+    latency_problems: int,
+) -> dict[str, Any]:
     meta = read_elastic_meta(ckpt)
-    for flag, value, low in (("--num-problems", num_problems, 1), ("--batch-size", batch_size, 1),
-                             ("--latency-problems", latency_problems, 0)):
+    for flag, value, low in (
+        ("--num-problems", num_problems, 1),
+        ("--batch-size", batch_size, 1),
+        ("--latency-problems", latency_problems, 0),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(f"{flag}={value!r}: must be an int >= {low}")
     if _prepared_dir(meta) is None:
-        raise ConfigError(f"--ckpt {ckpt}: its data ({meta.get('data')}) is not a prepared task "
-                          f"directory here; evaluation needs the task's held-out problems")
+        raise ConfigError(
+            f"--ckpt {ckpt}: its data ({meta.get('data')}) is not a prepared task "
+            f"directory here; evaluation needs the task's held-out problems"
+        )
     if exports is not None and not (exports / "exports.json").is_file():
-        raise ConfigError(f"--exports {exports}: no exports.json (run `elastic-plugin export` first)")
+        raise ConfigError(
+            f"--exports {exports}: no exports.json (run `elastic-plugin export` first)"
+        )
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a directory")
     return meta
@@ -67,8 +81,9 @@ def _prepared_dir(meta: dict[str, Any]) -> str | None:
     """The prepared task directory the checkpoint was trained on: recorded as such, or the
     folder of its data prefix (elastic-train records the teacher's prepared data by prefix)."""
     data = meta.get("data") or {}
-    candidates = [data.get("prepared")] + [str(Path(p).parent) for p in (
-        data.get("valid_data_path"), data.get("data_path")) if p]
+    candidates = [data.get("prepared")] + [
+        str(Path(p).parent) for p in (data.get("valid_data_path"), data.get("data_path")) if p
+    ]
     for candidate in candidates:
         if candidate and (Path(candidate) / HELDOUT_FILE).is_file():
             return candidate
@@ -83,16 +98,27 @@ def _settings(budgets: Sequence[float], mean_think: float) -> list:
     for answer in sorted(budgets, reverse=True):
         for think in sorted(budgets, reverse=True):
             if think < answer:
-                out.append(Setting(f"think {budget_label(think)} -> answer {budget_label(answer)}",
-                                   think, answer))
+                out.append(
+                    Setting(
+                        f"think {budget_label(think)} -> answer {budget_label(answer)}",
+                        think,
+                        answer,
+                    )
+                )
     caps = sorted({max(1, round(f * mean_think)) for f in CAP_FRACTIONS})
     out += [Setting(f"full, thinking capped at {cap}", full, full, cap=cap) for cap in caps]
     return out
 
 
-def evaluate_demo(ckpt_dir: str | Path, out_dir: str | Path, exports_dir: str | Path | None = None,
-                  num_problems: int = 200, batch_size: int = 50, latency_problems: int = 32,
-                  progress: bool = True) -> dict[str, Any]:
+def evaluate_demo(
+    ckpt_dir: str | Path,
+    out_dir: str | Path,
+    exports_dir: str | Path | None = None,
+    num_problems: int = 200,
+    batch_size: int = 50,
+    latency_problems: int = 32,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Run the evaluation (see the module docstring); returns the report dict."""
     import torch
 
@@ -112,7 +138,9 @@ def evaluate_demo(ckpt_dir: str | Path, out_dir: str | Path, exports_dir: str | 
         budgets = sorted(trained_budgets(meta), reverse=True)
         problems = load_problems(_prepared_dir(meta), num_problems)
         models = load_budget_models(ckpt, budgets)
-        export_rows = json.loads((exports / "exports.json").read_text())["exports"] if exports else []
+        export_rows = (
+            json.loads((exports / "exports.json").read_text())["exports"] if exports else []
+        )
         for row in export_rows:
             if row["precision"] in PRECISIONS:
                 models[(row["budget"], row["precision"])], _ = load_export_model(row["path"])
@@ -123,13 +151,16 @@ def evaluate_demo(ckpt_dir: str | Path, out_dir: str | Path, exports_dir: str | 
 
         per_model, singles = {}, []
         for budget, precision in sorted(models, key=lambda k: (-k[0], k[1])):
-            setting = Setting(f"budget {budget_label(budget)} ({precision})", budget, budget,
-                              precision=precision)
+            setting = Setting(
+                f"budget {budget_label(budget)} ({precision})", budget, budget, precision=precision
+            )
             result = run_setting(setting, models, problems, batch_size, 0)
             per_model[(budget, precision)] = result
             singles += [setting] if precision == "fp32" else []
-            log(f"{setting.name}: accuracy {result['accuracy']:.3f}, thinking "
-                f"{result['think_tokens_mean']:.1f} tokens")
+            log(
+                f"{setting.name}: accuracy {result['accuracy']:.3f}, thinking "
+                f"{result['think_tokens_mean']:.1f} tokens"
+            )
         full = max(budgets)
         reference = per_model[(full, "fp32")]
         control, settings = [reference], _settings(budgets, reference["think_tokens_mean"])
@@ -137,21 +168,26 @@ def evaluate_demo(ckpt_dir: str | Path, out_dir: str | Path, exports_dir: str | 
             result = run_setting(setting, models, problems, batch_size, 0)
             control.append(result)
             log(f"{setting.name}: accuracy {result['accuracy']:.3f}")
-        log(f"latency at batch 1: {len(singles + settings)} settings interleaved over "
-            f"{min(latency_problems, len(problems))} problems")
+        log(
+            f"latency at batch 1: {len(singles + settings)} settings interleaved over "
+            f"{min(latency_problems, len(problems))} problems"
+        )
         latency = interleaved_latencies(singles + settings, models, problems, latency_problems)
         for result in [*per_model.values(), *control[1:]]:
             result.update(latency.get(result["name"], {}))
         control[0] = reference | {"name": f"full ({budget_label(full)}) thinking freely"}
         for result in control[1:]:
-            log(f"{result['name']}: latency {result.get('latency_ms_batch1') or float('nan'):.1f} "
+            log(
+                f"{result['name']}: latency {result.get('latency_ms_batch1') or float('nan'):.1f} "
                 f"ms at batch 1 (full model thinking: "
-                f"{reference.get('latency_ms_batch1') or float('nan'):.1f} ms)")
+                f"{reference.get('latency_ms_batch1') or float('nan'):.1f} ms)"
+            )
     finally:
         torch.set_num_threads(threads)
 
-    report = _assemble(ckpt, meta, budgets, problems, per_model, control, export_rows,
-                       _valid_losses(ckpt))
+    report = _assemble(
+        ckpt, meta, budgets, problems, per_model, control, export_rows, _valid_losses(ckpt)
+    )
     report["plots"] = [str(p) for p in draw_report_plots(report, ckpt, out)]
     report["seconds"] = round(time.time() - started, 1)
     (out / REPORT_JSON).write_text(json.dumps(report, indent=2) + "\n")
@@ -159,34 +195,67 @@ def evaluate_demo(ckpt_dir: str | Path, out_dir: str | Path, exports_dir: str | 
     return report
 
 
-def _assemble(ckpt: Path, meta: dict[str, Any], budgets: list[float], problems,
-              per_model: dict, control: list[dict], export_rows: list[dict],
-              valid: dict[str, float]) -> dict[str, Any]:
+def _assemble(
+    ckpt: Path,
+    meta: dict[str, Any],
+    budgets: list[float],
+    problems,
+    per_model: dict,
+    control: list[dict],
+    export_rows: list[dict],
+    valid: dict[str, float],
+) -> dict[str, Any]:
     params = _params(ckpt, meta, budgets)
     rows = []
     for budget in budgets:
         fp32 = per_model[(budget, "fp32")]
-        row = {"budget": budget, "params": params[budget_label(budget)],
-               "choice": stored_choices(meta).get(budget_label(budget)),
-               "valid_loss": valid.get(budget_label(budget)),
-               "accuracy": {p: per_model[(budget, p)]["accuracy"] for p in ("fp32", *PRECISIONS)
-                            if (budget, p) in per_model},
-               "think_tokens_mean": fp32["think_tokens_mean"],
-               "latency_ms_batch1": fp32["latency_ms_batch1"],
-               "latency_ms_batched": fp32["latency_ms_batched"],
-               "export": {r["precision"]: {"bytes": r["bytes"], "valid_loss": r.get("valid_loss")}
-                          for r in export_rows if r["budget"] == budget}}
+        row = {
+            "budget": budget,
+            "params": params[budget_label(budget)],
+            "choice": stored_choices(meta).get(budget_label(budget)),
+            "valid_loss": valid.get(budget_label(budget)),
+            "accuracy": {
+                p: per_model[(budget, p)]["accuracy"]
+                for p in ("fp32", *PRECISIONS)
+                if (budget, p) in per_model
+            },
+            "think_tokens_mean": fp32["think_tokens_mean"],
+            "latency_ms_batch1": fp32["latency_ms_batch1"],
+            "latency_ms_batched": fp32["latency_ms_batched"],
+            "export": {
+                r["precision"]: {"bytes": r["bytes"], "valid_loss": r.get("valid_loss")}
+                for r in export_rows
+                if r["budget"] == budget
+            },
+        }
         rows.append(row)
-    return {"task": problems.examples[0].task, "problems": len(problems),
-            "checkpoint": str(ckpt), "teacher_valid_loss": meta.get("teacher_valid_loss"),
-            "budgets": rows, "budget_control": [_strip(c) for c in control],
-            "targets": _targets(rows, control)}
+    return {
+        "task": problems.examples[0].task,
+        "problems": len(problems),
+        "checkpoint": str(ckpt),
+        "teacher_valid_loss": meta.get("teacher_valid_loss"),
+        "budgets": rows,
+        "budget_control": [_strip(c) for c in control],
+        "targets": _targets(rows, control),
+    }
 
 
 def _strip(result: dict[str, Any]) -> dict[str, Any]:
-    keep = ("name", "kind", "think", "answer", "cap", "precision", "accuracy",
-            "think_tokens_mean", "answer_tokens_mean", "latency_ms_batch1",
-            "latency_ms_batch1_mean", "latency_ms_batched", "examples")
+    keep = (
+        "name",
+        "kind",
+        "think",
+        "answer",
+        "cap",
+        "precision",
+        "accuracy",
+        "think_tokens_mean",
+        "answer_tokens_mean",
+        "latency_ms_batch1",
+        "latency_ms_batch1_mean",
+        "latency_ms_batched",
+        "examples",
+    )
     return {k: result.get(k) for k in keep}
 
 
@@ -195,9 +264,12 @@ def _params(ckpt: Path, meta: dict[str, Any], budgets: list[float]) -> dict[str,
     from elastic_plugin.nested.choice import homogeneous_choice, nested_params
 
     model = config_from_dict(meta["config"], source=f"--ckpt {ckpt}").model
-    return {budget_label(budget): nested_params(
-                meta, model, homogeneous_choice(stored_choice(meta, budget, ckpt), budget), ckpt)
-            for budget in budgets}
+    return {
+        budget_label(budget): nested_params(
+            meta, model, homogeneous_choice(stored_choice(meta, budget, ckpt), budget), ckpt
+        )
+        for budget in budgets
+    }
 
 
 def _targets(rows: list[dict], control: list[dict]) -> dict[str, Any]:
@@ -207,8 +279,13 @@ def _targets(rows: list[dict], control: list[dict]) -> dict[str, Any]:
     full, smallest = rows[0], rows[-1]
     reference = control[0]
     out: dict[str, Any] = {}
-    elastic = [c for c in control if c["kind"] == "elastic" and c["answer"] == full["budget"]
-               and c["think"] == smallest["budget"]]
+    elastic = [
+        c
+        for c in control
+        if c["kind"] == "elastic"
+        and c["answer"] == full["budget"]
+        and c["think"] == smallest["budget"]
+    ]
     if elastic:
         e = elastic[0]
         measured = reference.get("latency_ms_batch1") and e.get("latency_ms_batch1")
@@ -217,7 +294,8 @@ def _targets(rows: list[dict], control: list[dict]) -> dict[str, Any]:
         ratio = smallest["params"]["active"] / full["params"]["active"]
         think, answer = e["think_tokens_mean"], e["answer_tokens_mean"]
         out["budget_control"] = {
-            "setting": e["name"], "speedup_batch1": speedup,
+            "setting": e["name"],
+            "speedup_batch1": speedup,
             "speedup_batched": reference["latency_ms_batched"] / e["latency_ms_batched"],
             # not measured: what the same tokens would give if a decode step cost time in
             # proportion to active parameters and the re-prefill were free (a ceiling)
@@ -225,17 +303,27 @@ def _targets(rows: list[dict], control: list[dict]) -> dict[str, Any]:
             / (think * ratio + answer),
             "accuracy_drop_points": drop,
             "target": f">= {TARGETS['speedup']}x lower latency at <= "
-                      f"{TARGETS['accuracy_drop_points']} points lower accuracy",
-            "met": (speedup is not None and speedup >= TARGETS["speedup"]
-                    and drop <= TARGETS["accuracy_drop_points"])}
+            f"{TARGETS['accuracy_drop_points']} points lower accuracy",
+            "met": (
+                speedup is not None
+                and speedup >= TARGETS["speedup"]
+                and drop <= TARGETS["accuracy_drop_points"]
+            ),
+        }
     for row in rows[1:]:
-        retention = row["accuracy"]["fp32"] / full["accuracy"]["fp32"] \
-            if full["accuracy"]["fp32"] else None
-        entry = {"retention": retention, "accuracy": row["accuracy"]["fp32"],
-                 "full_accuracy": full["accuracy"]["fp32"]}
+        retention = (
+            row["accuracy"]["fp32"] / full["accuracy"]["fp32"] if full["accuracy"]["fp32"] else None
+        )
+        entry = {
+            "retention": retention,
+            "accuracy": row["accuracy"]["fp32"],
+            "full_accuracy": full["accuracy"]["fp32"],
+        }
         if abs(row["budget"] - 0.77) < 1e-9:
-            entry |= {"target": f">= {TARGETS['retention']:.0%} of the full model's accuracy",
-                      "met": retention is not None and retention >= TARGETS["retention"]}
+            entry |= {
+                "target": f">= {TARGETS['retention']:.0%} of the full model's accuracy",
+                "met": retention is not None and retention >= TARGETS["retention"],
+            }
         out[f"retention_{budget_label(row['budget'])}"] = entry
     return out
 
@@ -245,32 +333,50 @@ def _ms(value: float | None) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = [f"# Elastic nested models on `{report['task']}`", "",
-             f"{report['problems']} held-out problems, scored by reasoning-gym; teacher "
-             f"validation loss {report['teacher_valid_loss']}.", "",
-             "## Nested models", "",
-             "| budget | params (total / active) | valid loss | accuracy fp32 | bf16 | fp8 | nvfp4 "
-             "| thinking tokens | latency batch 1 (ms) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Elastic nested models on `{report['task']}`",
+        "",
+        f"{report['problems']} held-out problems, scored by reasoning-gym; teacher "
+        f"validation loss {report['teacher_valid_loss']}.",
+        "",
+        "## Nested models",
+        "",
+        "| budget | params (total / active) | valid loss | accuracy fp32 | bf16 | fp8 | nvfp4 "
+        "| thinking tokens | latency batch 1 (ms) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["budgets"]:
         acc = r["accuracy"]
         cell = lambda p: f"{100 * acc[p]:.1f}%" if p in acc else "-"  # noqa: E731
         loss = f"{r['valid_loss']:.4f}" if r["valid_loss"] is not None else "-"
-        lines.append(f"| {budget_label(r['budget'])} | {r['params']['total']:,} / "
-                     f"{r['params']['active']:,} | {loss} | {cell('fp32')} | {cell('bf16')} | "
-                     f"{cell('fp8')} | {cell('nvfp4')} | {r['think_tokens_mean']:.1f} | "
-                     f"{_ms(r['latency_ms_batch1'])} |")
-    lines += ["", "## Budget control", "",
-              "| setting | accuracy | thinking tokens | answer tokens | latency batch 1 (ms) | "
-              "latency batched (ms/problem) |", "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {budget_label(r['budget'])} | {r['params']['total']:,} / "
+            f"{r['params']['active']:,} | {loss} | {cell('fp32')} | {cell('bf16')} | "
+            f"{cell('fp8')} | {cell('nvfp4')} | {r['think_tokens_mean']:.1f} | "
+            f"{_ms(r['latency_ms_batch1'])} |"
+        )
+    lines += [
+        "",
+        "## Budget control",
+        "",
+        "| setting | accuracy | thinking tokens | answer tokens | latency batch 1 (ms) | "
+        "latency batched (ms/problem) |",
+        "|---|---|---|---|---|---|",
+    ]
     for c in report["budget_control"]:
-        lines.append(f"| {c['name']} | {100 * c['accuracy']:.1f}% | {c['think_tokens_mean']:.1f} | "
-                     f"{c['answer_tokens_mean']:.1f} | {_ms(c['latency_ms_batch1'])} | "
-                     f"{c['latency_ms_batched']:.2f} |")
+        lines.append(
+            f"| {c['name']} | {100 * c['accuracy']:.1f}% | {c['think_tokens_mean']:.1f} | "
+            f"{c['answer_tokens_mean']:.1f} | {_ms(c['latency_ms_batch1'])} | "
+            f"{c['latency_ms_batched']:.2f} |"
+        )
     lines += ["", "## Targets", ""]
     for name, t in report["targets"].items():
         verdict = "" if "met" not in t else (" — **met**" if t["met"] else " — **missed**")
-        body = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
-                         for k, v in t.items() if k != "met")
+        body = ", ".join(
+            f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in t.items()
+            if k != "met"
+        )
         lines.append(f"- {name}: {body}{verdict}")
     lines += ["", *[f"![{Path(p).stem}]({Path(p).name})" for p in report.get("plots", [])], ""]
     return "\n".join(lines)

@@ -44,23 +44,34 @@ class Setting:
 
 
 def _completions(setting: Setting, models: dict, problems: Problems) -> list[list[int]]:
-    from elastic_plugin.inference import (budget_control_generate, capped_thinking_generate,
-                                          generate)
+    from elastic_plugin.inference import budget_control_generate, capped_thinking_generate, generate
 
     think = models[(setting.think, setting.precision)]
     answer = models[(setting.answer, setting.precision)]
     stops = [problems.eod]
     if setting.kind == "single":
-        result = generate(think, problems.prompts, MAX_THINK_TOKENS + MAX_ANSWER_TOKENS,
-                          stop_tokens=stops)
+        result = generate(
+            think, problems.prompts, MAX_THINK_TOKENS + MAX_ANSWER_TOKENS, stop_tokens=stops
+        )
         return result.tokens
     if setting.kind == "capped":
-        return capped_thinking_generate(think, problems.prompts, problems.think_close,
-                                        setting.cap, MAX_ANSWER_TOKENS,
-                                        answer_stop_tokens=stops).tokens
-    result = budget_control_generate(think, answer, problems.prompts, problems.think_close,
-                                     MAX_THINK_TOKENS, MAX_ANSWER_TOKENS,
-                                     answer_stop_tokens=stops)
+        return capped_thinking_generate(
+            think,
+            problems.prompts,
+            problems.think_close,
+            setting.cap,
+            MAX_ANSWER_TOKENS,
+            answer_stop_tokens=stops,
+        ).tokens
+    result = budget_control_generate(
+        think,
+        answer,
+        problems.prompts,
+        problems.think_close,
+        MAX_THINK_TOKENS,
+        MAX_ANSWER_TOKENS,
+        answer_stop_tokens=stops,
+    )
     return [t + a for t, a in zip(result.thinking, result.answers)]
 
 
@@ -73,8 +84,9 @@ def _warm_up(setting: Setting, models: dict, problems: Problems, batch_size: int
     _completions(setting, models, problems.slice(0, min(batch_size, len(problems), 8)))
 
 
-def run_setting(setting: Setting, models: dict, problems: Problems, batch_size: int,
-                latency_problems: int) -> dict[str, Any]:
+def run_setting(
+    setting: Setting, models: dict, problems: Problems, batch_size: int, latency_problems: int
+) -> dict[str, Any]:
     """Accuracy over ``problems`` in batches of ``batch_size``; latency per problem at batch 1
     over the first ``latency_problems`` (:func:`interleaved_latencies` of this one setting;
     None when 0)."""
@@ -86,24 +98,29 @@ def run_setting(setting: Setting, models: dict, problems: Problems, batch_size: 
             completions += _completions(setting, models, problems.slice(start, start + batch_size))
         batched_s = time.perf_counter() - began
     latency = interleaved_latencies([setting], models, problems, latency_problems).get(
-        setting.name, {})
+        setting.name, {}
+    )
     scored = score_completions(problems, completions)
     return {
-        **asdict(setting), "kind": setting.kind, "problems": len(problems),
+        **asdict(setting),
+        "kind": setting.kind,
+        "problems": len(problems),
         "accuracy": scored.accuracy,
         "think_tokens_mean": statistics.fmean(scored.think_tokens),
         "answer_tokens_mean": statistics.fmean(scored.answer_tokens),
         "latency_ms_batch1": latency.get("latency_ms_batch1"),
         "latency_ms_batch1_mean": latency.get("latency_ms_batch1_mean"),
         "latency_ms_batched": 1e3 * batched_s / len(problems),
-        "examples": [{"prompt": e.prompt, "expected": e.answer, "answer": a, "correct": c}
-                     for e, a, c in list(zip(problems.examples, scored.answers,
-                                             scored.correct))[:3]],
+        "examples": [
+            {"prompt": e.prompt, "expected": e.answer, "answer": a, "correct": c}
+            for e, a, c in list(zip(problems.examples, scored.answers, scored.correct))[:3]
+        ],
     }
 
 
-def interleaved_latencies(settings: list[Setting], models: dict, problems: Problems,
-                          count: int) -> dict[str, dict[str, float]]:
+def interleaved_latencies(
+    settings: list[Setting], models: dict, problems: Problems, count: int
+) -> dict[str, dict[str, float]]:
     """Per setting name: the median and mean time to answer one problem at batch 1
     (``latency_ms_batch1`` / ``latency_ms_batch1_mean``) over the first ``count`` problems.
 
@@ -123,6 +140,11 @@ def interleaved_latencies(settings: list[Setting], models: dict, problems: Probl
                 began = time.perf_counter()
                 _completions(setting, models, one)
                 times[setting.name].append(time.perf_counter() - began)
-    return {name: {"latency_ms_batch1": 1e3 * statistics.median(t),
-                   "latency_ms_batch1_mean": 1e3 * statistics.fmean(t)}
-            for name, t in times.items() if t}
+    return {
+        name: {
+            "latency_ms_batch1": 1e3 * statistics.median(t),
+            "latency_ms_batch1_mean": 1e3 * statistics.fmean(t),
+        }
+        for name, t in times.items()
+        if t
+    }

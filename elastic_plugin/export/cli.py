@@ -38,45 +38,84 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     _register_extract(subparsers)
     _register_export(subparsers)
 
+
 def _register_extract(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "extract", help="extract one nested model of an elastic checkpoint (zero-shot)",
+        "extract",
+        help="extract one nested model of an elastic checkpoint (zero-shot)",
         description="Cut the nested model of one budget out of an elastic checkpoint and save it "
-        "as a plain, smaller Megatron-Core checkpoint (loads under any TP/PP/EP layout).")
-    parser.add_argument("--ckpt", required=True, metavar="DIR",
-                        help="the elastic checkpoint (OUT/checkpoints/elastic of elastic-train)")
-    parser.add_argument("--budget", required=True, type=float, metavar="B",
-                        help="a trained budget (e.g. 0.4), or one in between with --interpolate")
-    parser.add_argument("--out", required=True, metavar="DIR",
-                        help="new checkpoint directory (must not exist, or be empty)")
-    parser.add_argument("--interpolate", action="store_true",
-                        help="allow an untrained budget inside the trained range (the router's "
-                        "choice for it)")
-    parser.add_argument("--format", default="megatron", choices=None, metavar="{megatron,hf}",
-                        help="megatron: a plain Megatron-Core dist checkpoint (default); hf: "
-                        "Hugging Face NemotronH safetensors + config.json")
-    parser.add_argument("--dtype", default=None, metavar="{bf16,fp16,fp32}",
-                        help="--format hf: dtype of the written weights (default bf16)")
-    parser.add_argument("--quantize", default=None, metavar="{fp8,nvfp4}",
-                        help="--format hf: quantize the linear weights (FP8 E4M3 per-tensor "
-                        "scales, or NVFP4 E2M1 with an E4M3 scale per 16 values + FP32 scale)")
-    group = parser.add_argument_group("target layout (checked only: the extracted sizes must "
-                                      "divide it)")
+        "as a plain, smaller Megatron-Core checkpoint (loads under any TP/PP/EP layout).",
+    )
+    parser.add_argument(
+        "--ckpt",
+        required=True,
+        metavar="DIR",
+        help="the elastic checkpoint (OUT/checkpoints/elastic of elastic-train)",
+    )
+    parser.add_argument(
+        "--budget",
+        required=True,
+        type=float,
+        metavar="B",
+        help="a trained budget (e.g. 0.4), or one in between with --interpolate",
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="new checkpoint directory (must not exist, or be empty)",
+    )
+    parser.add_argument(
+        "--interpolate",
+        action="store_true",
+        help="allow an untrained budget inside the trained range (the router's choice for it)",
+    )
+    parser.add_argument(
+        "--format",
+        default="megatron",
+        choices=None,
+        metavar="{megatron,hf}",
+        help="megatron: a plain Megatron-Core dist checkpoint (default); hf: "
+        "Hugging Face NemotronH safetensors + config.json",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        metavar="{bf16,fp16,fp32}",
+        help="--format hf: dtype of the written weights (default bf16)",
+    )
+    parser.add_argument(
+        "--quantize",
+        default=None,
+        metavar="{fp8,nvfp4}",
+        help="--format hf: quantize the linear weights (FP8 E4M3 per-tensor "
+        "scales, or NVFP4 E2M1 with an E4M3 scale per 16 values + FP32 scale)",
+    )
+    group = parser.add_argument_group(
+        "target layout (checked only: the extracted sizes must divide it)"
+    )
     group.add_argument("--target-tensor-model-parallel-size", type=int, default=None, metavar="N")
-    group.add_argument("--target-pipeline-model-parallel-size", type=int, default=None,
-                       metavar="N")
+    group.add_argument("--target-pipeline-model-parallel-size", type=int, default=None, metavar="N")
     group.add_argument("--target-expert-model-parallel-size", type=int, default=None, metavar="N")
     parser.set_defaults(func=run_extract)
 
 
 def _target(args: argparse.Namespace) -> tuple[int, int, int] | None:
-    values = (args.target_tensor_model_parallel_size, args.target_pipeline_model_parallel_size,
-              args.target_expert_model_parallel_size)
+    values = (
+        args.target_tensor_model_parallel_size,
+        args.target_pipeline_model_parallel_size,
+        args.target_expert_model_parallel_size,
+    )
     if all(v is None for v in values):
         return None
-    for flag, value in zip(("--target-tensor-model-parallel-size",
-                            "--target-pipeline-model-parallel-size",
-                            "--target-expert-model-parallel-size"), values):
+    for flag, value in zip(
+        (
+            "--target-tensor-model-parallel-size",
+            "--target-pipeline-model-parallel-size",
+            "--target-expert-model-parallel-size",
+        ),
+        values,
+    ):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value}: must be >= 1")
     return tuple(1 if v is None else v for v in values)  # type: ignore[return-value]
@@ -85,8 +124,16 @@ def _target(args: argparse.Namespace) -> tuple[int, int, int] | None:
 def run_extract(args: argparse.Namespace) -> int:
     start = time.time()
     try:
-        plan = plan_extraction(args.ckpt, args.budget, args.out, args.interpolate, _target(args),
-                               args.format, args.dtype, args.quantize)
+        plan = plan_extraction(
+            args.ckpt,
+            args.budget,
+            args.out,
+            args.interpolate,
+            _target(args),
+            args.format,
+            args.dtype,
+            args.quantize,
+        )
         summary = run_extraction(plan)  # raises ConfigError before writing (interpolated choice)
     except ConfigError as exc:
         return report_bad_input(EXTRACT_PROG, exc)
@@ -97,19 +144,32 @@ def run_extract(args: argparse.Namespace) -> int:
 
 def _register_export(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "export", help="export every nested model (Megatron + HF in BF16/FP8/NVFP4) and measure it",
+        "export",
+        help="export every nested model (Megatron + HF in BF16/FP8/NVFP4) and measure it",
         description="Extract every trained budget of an elastic checkpoint as a plain Megatron "
         "checkpoint and as Hugging Face NemotronH safetensors in each precision; report sizes, "
-        "validation loss per export, and one nested checkpoint vs separate ones.")
+        "validation loss per export, and one nested checkpoint vs separate ones.",
+    )
     parser.add_argument("--ckpt", required=True, metavar="DIR", help="the elastic checkpoint")
-    parser.add_argument("--out", required=True, metavar="DIR",
-                        help="new directory for the exports and the report")
-    parser.add_argument("--precisions", default="bf16,fp8,nvfp4", metavar="LIST",
-                        help="comma-separated HF export precisions (bf16, fp8, nvfp4)")
-    parser.add_argument("--no-megatron", action="store_true",
-                        help="skip the plain Megatron checkpoints")
-    parser.add_argument("--eval-sequences", type=int, default=64, metavar="N",
-                        help="validation sequences per export (0: no evaluation)")
+    parser.add_argument(
+        "--out", required=True, metavar="DIR", help="new directory for the exports and the report"
+    )
+    parser.add_argument(
+        "--precisions",
+        default="bf16,fp8,nvfp4",
+        metavar="LIST",
+        help="comma-separated HF export precisions (bf16, fp8, nvfp4)",
+    )
+    parser.add_argument(
+        "--no-megatron", action="store_true", help="skip the plain Megatron checkpoints"
+    )
+    parser.add_argument(
+        "--eval-sequences",
+        type=int,
+        default=64,
+        metavar="N",
+        help="validation sequences per export (0: no evaluation)",
+    )
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=run_export)
 
@@ -121,8 +181,14 @@ def run_export(args: argparse.Namespace) -> int:
         if args.eval_sequences < 0:
             raise ConfigError(f"--eval-sequences {args.eval_sequences}: must be >= 0")
         precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
-        report = export_all(args.ckpt, args.out, precisions, not args.no_megatron,
-                            args.eval_sequences, progress=not args.no_progress)
+        report = export_all(
+            args.ckpt,
+            args.out,
+            precisions,
+            not args.no_megatron,
+            args.eval_sequences,
+            progress=not args.no_progress,
+        )
     except ConfigError as exc:
         return report_bad_input("elastic-plugin export", exc)
     print(open(f"{args.out}/{REPORT_MD}").read())

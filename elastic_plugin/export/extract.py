@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from elastic_plugin.checkpoint.meta import (
     CHECKPOINT_META,
@@ -37,12 +38,21 @@ from elastic_plugin.nested.choice import homogeneous_choice, interpolated_choice
 EXTRACTED_KIND = "extracted"
 FORMATS = ("megatron", "hf")
 EXPORT_META = "export_meta.json"  # what an HF export was cut from (budget, choice, source)
-_TARGET_FLAGS = (("--target-tensor-model-parallel-size", "tp"),
-                 ("--target-pipeline-model-parallel-size", "pp"),
-                 ("--target-expert-model-parallel-size", "ep"))
+_TARGET_FLAGS = (
+    ("--target-tensor-model-parallel-size", "tp"),
+    ("--target-pipeline-model-parallel-size", "pp"),
+    ("--target-expert-model-parallel-size", "ep"),
+)
 
-__all__ = ["ExtractPlan", "plan_extraction", "extract_nested", "run_extraction", "load_source",
-           "check_target_layout", "extracted_config"]
+__all__ = [
+    "ExtractPlan",
+    "plan_extraction",
+    "extract_nested",
+    "run_extraction",
+    "load_source",
+    "check_target_layout",
+    "extracted_config",
+]
 
 
 # ------------------------------------------------------------------------------ input checks
@@ -53,26 +63,34 @@ def check_target_layout(model: ModelConfig, tp: int, pp: int, ep: int, budget: f
         try:
             model.check_parallel(**{key: size})
         except ConfigError as exc:
-            raise ConfigError(f"{flag} {size}: the extracted model (budget {budget:g}) does not "
-                              f"split this way: {exc}") from None
+            raise ConfigError(
+                f"{flag} {size}: the extracted model (budget {budget:g}) does not "
+                f"split this way: {exc}"
+            ) from None
 
 
-def extracted_config(meta: Mapping[str, Any], model: ModelConfig,
-                     target: tuple[int, int, int] | None) -> dict[str, Any]:
+def extracted_config(
+    meta: Mapping[str, Any], model: ModelConfig, target: tuple[int, int, int] | None
+) -> dict[str, Any]:
     """The source's experiment config with the reduced model and no elastic section. Its
     ``parallel:`` section (the default layout of later jobs) must divide the reduced model: the
     target layout when given, else the source's when it divides, else TP=PP=EP=1."""
     raw = {k: v for k, v in meta["config"].items() if k != "elastic"}
     parallel = dict(raw.get("parallel") or {})
-    tp, pp, ep = target or (parallel.get("tensor_model_parallel_size", 1),
-                            parallel.get("pipeline_model_parallel_size", 1),
-                            parallel.get("expert_model_parallel_size", 1))
+    tp, pp, ep = target or (
+        parallel.get("tensor_model_parallel_size", 1),
+        parallel.get("pipeline_model_parallel_size", 1),
+        parallel.get("expert_model_parallel_size", 1),
+    )
     try:
         model.check_parallel(tp, pp, ep)
     except ConfigError:
         tp, pp, ep = 1, 1, 1
-    parallel.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                    expert_model_parallel_size=ep)
+    parallel.update(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+    )
     if tp == 1:
         parallel["sequence_parallel"] = False
     elif model.count("moe"):
@@ -91,16 +109,21 @@ class ExtractPlan:
     out: Path
     budget: float
     meta: dict[str, Any]
-    model: ModelConfig                  # the full (elastic) model
-    choice: dict[str, Any] | None       # None: ask the router; per-layer lists only for "hf"
+    model: ModelConfig  # the full (elastic) model
+    choice: dict[str, Any] | None  # None: ask the router; per-layer lists only for "hf"
     target: tuple[int, int, int] | None
     fmt: str = "megatron"
-    dtype: str = "bf16"                 # HF only: the floating dtype of the written tensors
-    quantize: str | None = None         # HF only: "fp8" / "nvfp4" weights
+    dtype: str = "bf16"  # HF only: the floating dtype of the written tensors
+    quantize: str | None = None  # HF only: "fp8" / "nvfp4" weights
 
 
-def _check_format(fmt: str, dtype: str | None, quantize: str | None,
-                  target: tuple[int, int, int] | None, model: ModelConfig) -> str:
+def _check_format(
+    fmt: str,
+    dtype: str | None,
+    quantize: str | None,
+    target: tuple[int, int, int] | None,
+    model: ModelConfig,
+) -> str:
     """Flag combinations; returns the dtype to use."""
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt!r}: allowed: {', '.join(FORMATS)}")
@@ -111,20 +134,29 @@ def _check_format(fmt: str, dtype: str | None, quantize: str | None,
     if fmt == "megatron":
         for flag, value in (("--quantize", quantize), ("--dtype", dtype)):
             if value is not None:
-                raise ConfigError(f"{flag} goes with --format hf (a Megatron checkpoint keeps the "
-                                  f"model's own dtype)")
+                raise ConfigError(
+                    f"{flag} goes with --format hf (a Megatron checkpoint keeps the "
+                    f"model's own dtype)"
+                )
         return "fp32"
     if target is not None:
-        raise ConfigError("--target-* layouts go with --format megatron (an HF export has no "
-                          "parallel layout)")
+        raise ConfigError(
+            "--target-* layouts go with --format megatron (an HF export has no parallel layout)"
+        )
     check_hf_compatible(model)
     return dtype or "bf16"
 
 
-def plan_extraction(ckpt_dir: str | Path, budget: float, out_dir: str | Path,
-                    interpolate: bool = False,
-                    target: tuple[int, int, int] | None = None, fmt: str = "megatron",
-                    dtype: str | None = None, quantize: str | None = None) -> ExtractPlan:
+def plan_extraction(
+    ckpt_dir: str | Path,
+    budget: float,
+    out_dir: str | Path,
+    interpolate: bool = False,
+    target: tuple[int, int, int] | None = None,
+    fmt: str = "megatron",
+    dtype: str | None = None,
+    quantize: str | None = None,
+) -> ExtractPlan:
     """Everything that can be wrong with the request, found without torch."""
     meta = read_elastic_meta(ckpt_dir)
     cfg = config_from_dict(meta["config"], source=f"--ckpt {ckpt_dir}/{CHECKPOINT_META}")
@@ -140,19 +172,26 @@ def plan_extraction(ckpt_dir: str | Path, budget: float, out_dir: str | Path,
         choice = homogeneous_choice(raw, match) if fmt == "megatron" else raw
         budget = match
     elif not min(budgets) < budget < max(budgets):
-        raise ConfigError(f"--budget {budget:g} is outside the trained range "
-                          f"[{min(budgets):g}, {max(budgets):g}]; trained budgets: {trained}")
+        raise ConfigError(
+            f"--budget {budget:g} is outside the trained range "
+            f"[{min(budgets):g}, {max(budgets):g}]; trained budgets: {trained}"
+        )
     elif not interpolate:
-        raise ConfigError(f"--budget {budget:g} was not trained; trained budgets: {trained} "
-                          f"(pass --interpolate to let the router blend the two nearest)")
+        raise ConfigError(
+            f"--budget {budget:g} was not trained; trained budgets: {trained} "
+            f"(pass --interpolate to let the router blend the two nearest)"
+        )
     if target is not None and choice is not None:
         check_target_layout(model_for_choice(cfg.model, choice), *target, budget)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out {out}: exists and is not an empty directory (choose a new path; "
-                          f"nothing is overwritten)")
-    return ExtractPlan(Path(ckpt_dir), out, float(budget), meta, cfg.model, choice, target,
-                       fmt, dtype, quantize)
+        raise ConfigError(
+            f"--out {out}: exists and is not an empty directory (choose a new path; "
+            f"nothing is overwritten)"
+        )
+    return ExtractPlan(
+        Path(ckpt_dir), out, float(budget), meta, cfg.model, choice, target, fmt, dtype, quantize
+    )
 
 
 # ------------------------------------------------------------------------------ the heavy part
@@ -167,8 +206,13 @@ def load_source(plan: ExtractPlan):
     return chunks[0], meta
 
 
-def _write_megatron(plan: ExtractPlan, full, source_meta: dict[str, Any],
-                    choice: dict[str, int], provenance: dict[str, Any]) -> dict[str, Any]:
+def _write_megatron(
+    plan: ExtractPlan,
+    full,
+    source_meta: dict[str, Any],
+    choice: dict[str, int],
+    provenance: dict[str, Any],
+) -> dict[str, Any]:
     from elastic_plugin.checkpoint.io import save_checkpoint
     from elastic_plugin.checkpoint.layout import STRIDED_ATTR
     from elastic_plugin.nested.slicing import nested_state_dict
@@ -184,14 +228,19 @@ def _write_megatron(plan: ExtractPlan, full, source_meta: dict[str, Any],
     del state
     # a prefix of an importance order is still importance-ordered (canonical on disk)
     setattr(plain, STRIDED_ATTR, bool(source_meta.get("reordered")))
-    out_meta = {"kind": EXTRACTED_KIND, "config": config,
-                "layout": dataclasses.asdict(Layout()), **provenance}
+    out_meta = {
+        "kind": EXTRACTED_KIND,
+        "config": config,
+        "layout": dataclasses.asdict(Layout()),
+        **provenance,
+    }
     saved = save_checkpoint([plain], plan.out, out_meta)
     return {"out": str(saved.resolve()), "bytes": _dir_bytes(saved)}
 
 
-def _write_hf(plan: ExtractPlan, full, choice: dict[str, Any],
-              provenance: dict[str, Any]) -> dict[str, Any]:
+def _write_hf(
+    plan: ExtractPlan, full, choice: dict[str, Any], provenance: dict[str, Any]
+) -> dict[str, Any]:
     from elastic_plugin.checkpoint.io import fresh_temporary, publish_directory
     from elastic_plugin.export.hf import hf_config, megatron_to_hf, write_hf_checkpoint
     from elastic_plugin.nested.slicing import nested_state_dict
@@ -204,10 +253,23 @@ def _write_hf(plan: ExtractPlan, full, choice: dict[str, Any],
 
         tensors, quant_config = quantize_state_dict(tensors, plan.quantize)
     tmp = fresh_temporary(plan.out)
-    write_hf_checkpoint(tmp, tensors, config, plan.dtype, plan.meta.get("tokenizer"),
-                        quant_config, {EXPORT_META: {
-                            "kind": "hf", "dtype": plan.dtype, "quantize": plan.quantize,
-                            "model": dataclasses.asdict(plan.model), **provenance}})
+    write_hf_checkpoint(
+        tmp,
+        tensors,
+        config,
+        plan.dtype,
+        plan.meta.get("tokenizer"),
+        quant_config,
+        {
+            EXPORT_META: {
+                "kind": "hf",
+                "dtype": plan.dtype,
+                "quantize": plan.quantize,
+                "model": dataclasses.asdict(plan.model),
+                **provenance,
+            }
+        },
+    )
     publish_directory(tmp, plan.out)
     return {"out": str(plan.out.resolve()), "bytes": _dir_bytes(plan.out)}
 
@@ -224,9 +286,14 @@ def _token_ids(meta: Mapping[str, Any]) -> dict[str, int]:
 
 
 def _provenance(plan: ExtractPlan, choice: Mapping[str, Any]) -> dict[str, Any]:
-    return {"source": str(plan.ckpt), "budget": plan.budget, "interpolated": plan.choice is None,
-            "choice": dict(choice), "params": nested_params(plan.meta, plan.model, choice, plan.ckpt),
-            **{k: plan.meta[k] for k in ("data", "tokenizer") if k in plan.meta}}
+    return {
+        "source": str(plan.ckpt),
+        "budget": plan.budget,
+        "interpolated": plan.choice is None,
+        "choice": dict(choice),
+        "params": nested_params(plan.meta, plan.model, choice, plan.ckpt),
+        **{k: plan.meta[k] for k in ("data", "tokenizer") if k in plan.meta},
+    }
 
 
 def _dir_bytes(path: Path) -> int:
@@ -238,8 +305,11 @@ def run_extraction(plan: ExtractPlan, source=None) -> dict[str, Any]:
     Megatron checkpoint, or HF safetensors, optionally quantized). Returns the summary."""
     full, source_meta = source if source is not None else load_source(plan)
     interpolated = plan.choice is None
-    choice = (interpolated_choice(plan.ckpt, plan.meta, plan.model, plan.budget) if interpolated
-              else plan.choice)
+    choice = (
+        interpolated_choice(plan.ckpt, plan.meta, plan.model, plan.budget)
+        if interpolated
+        else plan.choice
+    )
     if plan.fmt == "megatron" and interpolated:
         choice = homogeneous_choice(choice, plan.budget)
     provenance = _provenance(plan, choice)
@@ -247,15 +317,28 @@ def run_extraction(plan: ExtractPlan, source=None) -> dict[str, Any]:
         written = _write_megatron(plan, full, source_meta, choice, provenance)
     else:
         written = _write_hf(plan, full, choice, provenance)
-    return {**written, "format": plan.fmt, "dtype": plan.dtype, "quantize": plan.quantize,
-            "budget": plan.budget, "interpolated": interpolated, "choice": choice,
-            "params": provenance["params"]}
+    return {
+        **written,
+        "format": plan.fmt,
+        "dtype": plan.dtype,
+        "quantize": plan.quantize,
+        "budget": plan.budget,
+        "interpolated": interpolated,
+        "choice": choice,
+        "params": provenance["params"],
+    }
 
 
-def extract_nested(ckpt_dir: str | Path, budget: float, out_dir: str | Path,
-                   interpolate: bool = False,
-                   target: tuple[int, int, int] | None = None, fmt: str = "megatron",
-                   dtype: str | None = None, quantize: str | None = None) -> dict[str, Any]:
+def extract_nested(
+    ckpt_dir: str | Path,
+    budget: float,
+    out_dir: str | Path,
+    interpolate: bool = False,
+    target: tuple[int, int, int] | None = None,
+    fmt: str = "megatron",
+    dtype: str | None = None,
+    quantize: str | None = None,
+) -> dict[str, Any]:
     """Extract the nested model of ``budget`` from an elastic checkpoint into ``out_dir``.
 
     Single process (TP=PP=EP=1; the source may have any layout). A trained budget uses the
@@ -269,5 +352,6 @@ def extract_nested(ckpt_dir: str | Path, budget: float, out_dir: str | Path,
     "params": {"total", "active"}, "bytes"}``. Raises ``ConfigError`` for bad input (before
     loading anything when possible).
     """
-    return run_extraction(plan_extraction(ckpt_dir, budget, out_dir, interpolate, target, fmt,
-                                          dtype, quantize))
+    return run_extraction(
+        plan_extraction(ckpt_dir, budget, out_dir, interpolate, target, fmt, dtype, quantize)
+    )

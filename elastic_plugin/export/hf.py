@@ -20,16 +20,25 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from elastic_plugin.export.hf_compat import check_hf_compatible
 from elastic_plugin.models.config import ConfigError, ModelConfig
 
-__all__ = ["check_hf_compatible", "megatron_to_hf", "hf_to_megatron", "hf_config",
-           "write_hf_checkpoint", "load_hf_model", "HF_WEIGHTS", "HF_CONFIG"]
+__all__ = [
+    "check_hf_compatible",
+    "megatron_to_hf",
+    "hf_to_megatron",
+    "hf_config",
+    "write_hf_checkpoint",
+    "load_hf_model",
+    "HF_WEIGHTS",
+    "HF_CONFIG",
+]
 
 HF_WEIGHTS = "model.safetensors"
 HF_CONFIG = "config.json"
@@ -48,30 +57,40 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # ------------------------------------------------------------------------------ renaming
 def _expert_count(state: Mapping[str, torch.Tensor], prefix: str) -> int:
     head = f"{prefix}mlp.experts.local_experts."
-    ids = {int(k[len(head):].split(".", 1)[0]) for k in state if k.startswith(head)}
+    ids = {int(k[len(head) :].split(".", 1)[0]) for k in state if k.startswith(head)}
     if not ids:
         legacy = [k for k in state if k.startswith(f"{prefix}mlp.experts.")]
-        raise ConfigError(f"--format hf: layer {prefix!r} has no per-expert linears "
-                          f"(SequentialMLP); found {legacy[:2]} (grouped-GEMM experts are not "
-                          "supported by the exporter)")
+        raise ConfigError(
+            f"--format hf: layer {prefix!r} has no per-expert linears "
+            f"(SequentialMLP); found {legacy[:2]} (grouped-GEMM experts are not "
+            "supported by the exporter)"
+        )
     if ids != set(range(len(ids))):
         raise ConfigError(f"--format hf: layer {prefix!r} has experts {sorted(ids)}, not 0..E-1")
     return len(ids)
 
 
-def _split_qkv(qkv: torch.Tensor, groups: int, head_dim: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _split_qkv(
+    qkv: torch.Tensor, groups: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     per_group = qkv.shape[0] // (groups * head_dim)
     blocks = qkv.reshape(groups, per_group, head_dim, -1)
-    q = blocks[:, :per_group - 2].reshape(-1, qkv.shape[-1])
+    q = blocks[:, : per_group - 2].reshape(-1, qkv.shape[-1])
     return q, blocks[:, -2].reshape(-1, qkv.shape[-1]), blocks[:, -1].reshape(-1, qkv.shape[-1])
 
 
-def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, head_dim: int
-              ) -> torch.Tensor:
+def _fuse_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, head_dim: int
+) -> torch.Tensor:
     width = q.shape[-1]
-    blocks = torch.cat([q.reshape(groups, -1, head_dim, width), k.reshape(groups, 1, head_dim, width),
-                        v.reshape(groups, 1, head_dim, width)], dim=1)
+    blocks = torch.cat(
+        [
+            q.reshape(groups, -1, head_dim, width),
+            k.reshape(groups, 1, head_dim, width),
+            v.reshape(groups, 1, head_dim, width),
+        ],
+        dim=1,
+    )
     return blocks.reshape(-1, width)
 
 
@@ -79,32 +98,50 @@ def _layer_pairs(kind: str, src: str, dst: str) -> list[tuple[str, str]]:
     """(Megatron name, HF name) of the tensors renamed one to one."""
     if kind == "mamba":
         names = [("norm.weight", "norm.weight")] + [
-            (f"mixer.{m}", f"mixer.{h}") for m, h in (
-                ("in_proj.weight", "in_proj.weight"), ("conv1d_weight", "conv1d.weight"),
-                ("conv1d_bias", "conv1d.bias"), ("dt_bias", "dt_bias"), ("A_log", "A_log"),
-                ("D", "D"), ("norm.weight", "norm.weight"), ("out_proj.weight", "out_proj.weight"))]
+            (f"mixer.{m}", f"mixer.{h}")
+            for m, h in (
+                ("in_proj.weight", "in_proj.weight"),
+                ("conv1d_weight", "conv1d.weight"),
+                ("conv1d_bias", "conv1d.bias"),
+                ("dt_bias", "dt_bias"),
+                ("A_log", "A_log"),
+                ("D", "D"),
+                ("norm.weight", "norm.weight"),
+                ("out_proj.weight", "out_proj.weight"),
+            )
+        ]
     elif kind == "attention":
-        names = [("input_layernorm.weight", "norm.weight"),
-                 ("self_attention.linear_proj.weight", "mixer.o_proj.weight")]
+        names = [
+            ("input_layernorm.weight", "norm.weight"),
+            ("self_attention.linear_proj.weight", "mixer.o_proj.weight"),
+        ]
     elif kind == "mlp":
-        names = [("pre_mlp_layernorm.weight", "norm.weight"),
-                 ("mlp.linear_fc1.weight", "mixer.up_proj.weight"),
-                 ("mlp.linear_fc2.weight", "mixer.down_proj.weight")]
+        names = [
+            ("pre_mlp_layernorm.weight", "norm.weight"),
+            ("mlp.linear_fc1.weight", "mixer.up_proj.weight"),
+            ("mlp.linear_fc2.weight", "mixer.down_proj.weight"),
+        ]
     else:  # moe
-        names = [("pre_mlp_layernorm.weight", "norm.weight"),
-                 ("mlp.router.weight", "mixer.gate.weight"),
-                 ("mlp.router.expert_bias", "mixer.gate.e_score_correction_bias"),
-                 ("mlp.shared_experts.linear_fc1.weight", "mixer.shared_experts.up_proj.weight"),
-                 ("mlp.shared_experts.linear_fc2.weight", "mixer.shared_experts.down_proj.weight")]
+        names = [
+            ("pre_mlp_layernorm.weight", "norm.weight"),
+            ("mlp.router.weight", "mixer.gate.weight"),
+            ("mlp.router.expert_bias", "mixer.gate.e_score_correction_bias"),
+            ("mlp.shared_experts.linear_fc1.weight", "mixer.shared_experts.up_proj.weight"),
+            ("mlp.shared_experts.linear_fc2.weight", "mixer.shared_experts.down_proj.weight"),
+        ]
     return [(src + m, dst + h) for m, h in names]
 
 
-_GLOBAL = (("embedding.word_embeddings.weight", "model.embeddings.weight"),
-           ("decoder.final_norm.weight", "model.norm_f.weight"),
-           ("output_layer.weight", "lm_head.weight"))
+_GLOBAL = (
+    ("embedding.word_embeddings.weight", "model.embeddings.weight"),
+    ("decoder.final_norm.weight", "model.norm_f.weight"),
+    ("output_layer.weight", "lm_head.weight"),
+)
 
 
-def megatron_to_hf(state: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+def megatron_to_hf(
+    state: Mapping[str, torch.Tensor], model: ModelConfig
+) -> dict[str, torch.Tensor]:
     """A TP=1 Megatron ``HybridModel`` state dict (plain or sliced, homogeneous or per layer) in
     NemotronH names and layouts. ``_extra_state`` entries are dropped; anything else left over
     is an error (a tensor silently lost would make a different model)."""
@@ -119,28 +156,49 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], model: ModelConfig) -> dic
             raise ConfigError(f"--format hf: the model state has no {src!r}")
 
     for src, dst in _GLOBAL:
-        move(src, dst, optional=dst == "lm_head.weight" and not model.untie_embeddings_and_output_weights)
+        move(
+            src,
+            dst,
+            optional=dst == "lm_head.weight" and not model.untie_embeddings_and_output_weights,
+        )
     for i, kind in enumerate(model.layer_types):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
         for a, b in _layer_pairs(kind, src, dst):
-            move(a, b, optional=b.endswith(("e_score_correction_bias", "conv1d.bias"))
-                 or ".shared_experts." in b)
+            move(
+                a,
+                b,
+                optional=b.endswith(("e_score_correction_bias", "conv1d.bias"))
+                or ".shared_experts." in b,
+            )
         if kind == "attention":
-            q, k, v = _split_qkv(left.pop(src + "self_attention.linear_qkv.weight"),
-                                 model.query_groups, model.head_dim)
-            out.update({dst + "mixer.q_proj.weight": q, dst + "mixer.k_proj.weight": k,
-                        dst + "mixer.v_proj.weight": v})
+            q, k, v = _split_qkv(
+                left.pop(src + "self_attention.linear_qkv.weight"),
+                model.query_groups,
+                model.head_dim,
+            )
+            out.update(
+                {
+                    dst + "mixer.q_proj.weight": q,
+                    dst + "mixer.k_proj.weight": k,
+                    dst + "mixer.v_proj.weight": v,
+                }
+            )
         elif kind == "moe":
             experts = _expert_count(left, src)
             for fc, name in (("linear_fc1", "up_proj"), ("linear_fc2", "down_proj")):
                 out[f"{dst}mixer.experts.{name}"] = torch.stack(
-                    [left.pop(f"{src}mlp.experts.local_experts.{e}.{fc}.weight")
-                     for e in range(experts)]).contiguous()
+                    [
+                        left.pop(f"{src}mlp.experts.local_experts.{e}.{fc}.weight")
+                        for e in range(experts)
+                    ]
+                ).contiguous()
             bias = dst + "mixer.gate.e_score_correction_bias"
             if bias not in out:  # no expert bias in Megatron: NemotronH adds zeros
                 out[bias] = torch.zeros(experts, dtype=torch.float32)
     if left:
-        raise ConfigError(f"--format hf: tensors without a NemotronH counterpart: {sorted(left)[:5]}")
+        raise ConfigError(
+            f"--format hf: tensors without a NemotronH counterpart: {sorted(left)[:5]}"
+        )
     return out
 
 
@@ -161,7 +219,9 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[s
         if kind == "attention":
             out[src + "self_attention.linear_qkv.weight"] = _fuse_qkv(
                 *(left.pop(f"{dst}mixer.{p}_proj.weight") for p in "qkv"),
-                model.query_groups, model.head_dim)
+                model.query_groups,
+                model.head_dim,
+            )
         elif kind == "moe":
             for fc, name in (("linear_fc1", "up_proj"), ("linear_fc2", "down_proj")):
                 for e, w in enumerate(left.pop(f"{dst}mixer.experts.{name}")):
@@ -174,66 +234,103 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[s
 
 
 # ------------------------------------------------------------------------------ config.json
-def _layer_fields(kind: str, hf: Mapping[str, torch.Tensor], i: int, head_dim: int
-                  ) -> dict[str, int]:
+def _layer_fields(
+    kind: str, hf: Mapping[str, torch.Tensor], i: int, head_dim: int
+) -> dict[str, int]:
     """The NemotronH config fields of layer ``i``, read off its tensors."""
     p = f"model.layers.{i}.mixer."
     if kind == "mamba":
         heads = hf[p + "A_log"].numel()
-        return {"mamba_num_heads": heads, "mamba_head_dim": hf[p + "out_proj.weight"].shape[1] // heads}
+        return {
+            "mamba_num_heads": heads,
+            "mamba_head_dim": hf[p + "out_proj.weight"].shape[1] // heads,
+        }
     if kind == "attention":
         return {"num_attention_heads": hf[p + "q_proj.weight"].shape[0] // head_dim}
     if kind == "mlp":
         return {"intermediate_size": hf[p + "up_proj.weight"].shape[0]}
     up = hf[p + "experts.up_proj"]
     shared = hf.get(p + "shared_experts.up_proj.weight")
-    return {"n_routed_experts": up.shape[0], "moe_intermediate_size": up.shape[1],
-            "moe_shared_expert_intermediate_size": 0 if shared is None else shared.shape[0]}
+    return {
+        "n_routed_experts": up.shape[0],
+        "moe_intermediate_size": up.shape[1],
+        "moe_shared_expert_intermediate_size": 0 if shared is None else shared.shape[0],
+    }
 
 
-def hf_config(hf: Mapping[str, torch.Tensor], model: ModelConfig, dtype: str = "bf16",
-              token_ids: Mapping[str, int] | None = None) -> dict[str, Any]:
+def hf_config(
+    hf: Mapping[str, torch.Tensor],
+    model: ModelConfig,
+    dtype: str = "bf16",
+    token_ids: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
     """``config.json`` for the converted tensors. Global fields take the first layer of each
     kind; layers that differ go to ``layer_overrides`` (only heterogeneous models have any)."""
     if dtype not in _DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: allowed: {', '.join(_DTYPES)}")
     vocab, hidden = hf["model.embeddings.weight"].shape
-    per_layer = [_layer_fields(kind, hf, i, model.head_dim) for i, kind in enumerate(model.layer_types)]
+    per_layer = [
+        _layer_fields(kind, hf, i, model.head_dim) for i, kind in enumerate(model.layer_types)
+    ]
     defaults: dict[str, int] = {}
     for fields in per_layer:
         for key, value in fields.items():
             defaults.setdefault(key, value)
-    overrides = {str(i): diff for i, fields in enumerate(per_layer)
-                 if (diff := {k: v for k, v in fields.items() if defaults[k] != v})}
+    overrides = {
+        str(i): diff
+        for i, fields in enumerate(per_layer)
+        if (diff := {k: v for k, v in fields.items() if defaults[k] != v})
+    }
     blocks = [HF_BLOCK[kind] for kind in model.layer_types]
     ids = dict(token_ids or {})
     config = {
-        "architectures": [HF_ARCHITECTURE], "model_type": "nemotron_h", "torch_dtype": {
-            "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype],
-        "vocab_size": int(vocab), "hidden_size": int(hidden),
-        "layers_block_type": blocks, "num_hidden_layers": len(blocks),
+        "architectures": [HF_ARCHITECTURE],
+        "model_type": "nemotron_h",
+        "torch_dtype": {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype],
+        "vocab_size": int(vocab),
+        "hidden_size": int(hidden),
+        "layers_block_type": blocks,
+        "num_hidden_layers": len(blocks),
         "hybrid_override_pattern": "".join(PATTERN[k] for k in model.layer_types),
-        "num_attention_heads": defaults.get("num_attention_heads", max(model.num_attention_heads, 1)),
+        "num_attention_heads": defaults.get(
+            "num_attention_heads", max(model.num_attention_heads, 1)
+        ),
         "num_key_value_heads": model.query_groups if model.count("attention") else 1,
-        "head_dim": model.head_dim, "attention_bias": False,
+        "head_dim": model.head_dim,
+        "attention_bias": False,
         "intermediate_size": defaults.get("intermediate_size", model.ffn_hidden_size or 1),
-        "mlp_hidden_act": "relu2", "mlp_bias": False, "use_bias": False,
+        "mlp_hidden_act": "relu2",
+        "mlp_bias": False,
+        "use_bias": False,
         "mamba_num_heads": defaults.get("mamba_num_heads", model.mamba_num_heads or 1),
         "mamba_head_dim": defaults.get("mamba_head_dim", model.mamba_head_dim),
-        "n_groups": model.mamba_num_groups, "ssm_state_size": model.mamba_state_dim,
-        "conv_kernel": model.mamba_conv_kernel, "chunk_size": model.mamba_chunk_size,
-        "use_conv_bias": True, "mamba_hidden_act": "silu", "time_step_min": NO_DT_FLOOR,
+        "n_groups": model.mamba_num_groups,
+        "ssm_state_size": model.mamba_state_dim,
+        "conv_kernel": model.mamba_conv_kernel,
+        "chunk_size": model.mamba_chunk_size,
+        "use_conv_bias": True,
+        "mamba_hidden_act": "silu",
+        "time_step_min": NO_DT_FLOOR,
         "n_routed_experts": defaults.get("n_routed_experts", max(model.num_moe_experts, 2)),
         "num_experts_per_tok": model.moe_router_topk,
-        "moe_intermediate_size": defaults.get("moe_intermediate_size", model.moe_ffn_hidden_size or 1),
+        "moe_intermediate_size": defaults.get(
+            "moe_intermediate_size", model.moe_ffn_hidden_size or 1
+        ),
         "moe_shared_expert_intermediate_size": defaults.get(
-            "moe_shared_expert_intermediate_size", model.moe_shared_expert_intermediate_size),
-        "n_shared_experts": 1, "norm_topk_prob": model.moe_router_topk > 1,
-        "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
-        "layer_norm_epsilon": model.layernorm_epsilon, "residual_in_fp32": False,
+            "moe_shared_expert_intermediate_size", model.moe_shared_expert_intermediate_size
+        ),
+        "n_shared_experts": 1,
+        "norm_topk_prob": model.moe_router_topk > 1,
+        "routed_scaling_factor": 1.0,
+        "n_group": 1,
+        "topk_group": 1,
+        "layer_norm_epsilon": model.layernorm_epsilon,
+        "residual_in_fp32": False,
         "max_position_embeddings": model.max_sequence_length,
         "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
-        "pad_token_id": ids.get("pad"), "bos_token_id": ids.get("bos"), "eos_token_id": ids.get("eos"),
+        "pad_token_id": ids.get("pad"),
+        "bos_token_id": ids.get("bos"),
+        "eos_token_id": ids.get("eos"),
     }
     if overrides:
         config["layer_overrides"] = overrides
@@ -241,11 +338,15 @@ def hf_config(hf: Mapping[str, torch.Tensor], model: ModelConfig, dtype: str = "
 
 
 # ------------------------------------------------------------------------------ files
-def write_hf_checkpoint(out_dir: str | Path, tensors: Mapping[str, torch.Tensor],
-                        config: Mapping[str, Any], dtype: str = "bf16",
-                        tokenizer_file: str | Path | None = None,
-                        quant_config: Mapping[str, Any] | None = None,
-                        extra_files: Mapping[str, Any] | None = None) -> int:
+def write_hf_checkpoint(
+    out_dir: str | Path,
+    tensors: Mapping[str, torch.Tensor],
+    config: Mapping[str, Any],
+    dtype: str = "bf16",
+    tokenizer_file: str | Path | None = None,
+    quant_config: Mapping[str, Any] | None = None,
+    extra_files: Mapping[str, Any] | None = None,
+) -> int:
     """Write ``model.safetensors`` (floating tensors cast to ``dtype``; quantized and integer
     tensors as they are), ``config.json``, optional ``hf_quant_config.json``, the tokenizer and
     JSON extras into an existing directory. Returns the bytes written."""
@@ -253,18 +354,36 @@ def write_hf_checkpoint(out_dir: str | Path, tensors: Mapping[str, torch.Tensor]
 
     out = Path(out_dir)
     target = _DTYPES[dtype]
-    cast = {k: (v.to(target) if v.dtype in (torch.float32, torch.float64, torch.bfloat16,
-                                            torch.float16) and not _keep_fp32(k) else v)
-            .detach().contiguous().cpu() for k, v in tensors.items()}
+    cast = {
+        k: (
+            v.to(target)
+            if v.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+            and not _keep_fp32(k)
+            else v
+        )
+        .detach()
+        .contiguous()
+        .cpu()
+        for k, v in tensors.items()
+    }
     save_file(cast, str(out / HF_WEIGHTS), metadata={"format": "pt"})
     (out / HF_CONFIG).write_text(json.dumps(dict(config), indent=2) + "\n")
     if quant_config is not None:
         (out / HF_QUANT_CONFIG).write_text(json.dumps(dict(quant_config), indent=2) + "\n")
     if tokenizer_file is not None and Path(tokenizer_file).is_file():
         shutil.copyfile(tokenizer_file, out / "tokenizer.json")
-        (out / "tokenizer_config.json").write_text(json.dumps({
-            "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>",
-            "eos_token": "<eod>", "unk_token": "<unk>"}, indent=2) + "\n")
+        (out / "tokenizer_config.json").write_text(
+            json.dumps(
+                {
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "pad_token": "<pad>",
+                    "eos_token": "<eod>",
+                    "unk_token": "<unk>",
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     for name, payload in (extra_files or {}).items():
         (out / name).write_text(json.dumps(payload, indent=2) + "\n")
     return sum(p.stat().st_size for p in out.iterdir() if p.is_file())
@@ -273,8 +392,9 @@ def write_hf_checkpoint(out_dir: str | Path, tensors: Mapping[str, torch.Tensor]
 def _keep_fp32(name: str) -> bool:
     """Tensors NemotronH keeps in float32 whatever the model dtype: the router and its bias,
     and quantization scales."""
-    return name.endswith(("gate.weight", "e_score_correction_bias", "weight_scale",
-                          "weight_scale_2", "input_scale"))
+    return name.endswith(
+        ("gate.weight", "e_score_correction_bias", "weight_scale", "weight_scale_2", "input_scale")
+    )
 
 
 def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32):
@@ -290,12 +410,14 @@ def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32):
 
     path = Path(path)
     if not (path / HF_CONFIG).is_file() or not (path / HF_WEIGHTS).is_file():
-        raise ConfigError(f"{path}: not a complete Hugging Face export (needs {HF_CONFIG} and "
-                          f"{HF_WEIGHTS})")
+        raise ConfigError(
+            f"{path}: not a complete Hugging Face export (needs {HF_CONFIG} and {HF_WEIGHTS})"
+        )
     raw = json.loads((path / HF_CONFIG).read_text())
     overrides = raw.pop("layer_overrides", {})
-    config = NemotronHConfig(**{k: v for k, v in raw.items()
-                                if k not in ("architectures", "model_type", "torch_dtype")})
+    config = NemotronHConfig(
+        **{k: v for k, v in raw.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    )
     model = NemotronHForCausalLM(config)
     for index, fields in overrides.items():
         layer_config = copy.deepcopy(config)
@@ -303,14 +425,20 @@ def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32):
             setattr(layer_config, key, value)
         model.model.layers[int(index)] = NemotronHBlock(layer_config, int(index))
     state = load_file(str(path / HF_WEIGHTS))
-    if (path / HF_QUANT_CONFIG).is_file():  # FP8 / NVFP4: the weights the quantized model computes with
+    if (
+        path / HF_QUANT_CONFIG
+    ).is_file():  # FP8 / NVFP4: the weights the quantized model computes with
         from elastic_plugin.export.quantize import dequantize_state_dict
 
         state = dequantize_state_dict(state, json.loads((path / HF_QUANT_CONFIG).read_text()))
     missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]:
-        raise ConfigError(f"{path}: weights do not match config.json "
-                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    if unexpected or [
+        k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings
+    ]:
+        raise ConfigError(
+            f"{path}: weights do not match config.json "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.to(dtype).eval()

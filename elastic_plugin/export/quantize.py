@@ -35,7 +35,7 @@ algorithms also quantize activations with calibrated static scales (``X.input_sc
 from __future__ import annotations
 
 import re
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -51,11 +51,28 @@ from elastic_plugin.ops import (
 )
 from elastic_plugin.ops import NVFP4_BLOCK as BLOCK
 
-__all__ = ["FORMATS", "QUANT_ALGO", "NVFP4_BLOCK", "E4M3_MAX", "E2M1_MAX", "E2M1_VALUES",
-           "quantize_fp8", "dequantize_fp8", "quantize_nvfp4", "dequantize_nvfp4",
-           "pack_e2m1", "unpack_e2m1", "round_e2m1", "DEFAULT_QUANTIZED", "check_format",
-           "quantize_state_dict", "dequantize_state_dict", "tensor_bytes",
-           "quantized_weight_bytes", "bytes_per_weight"]
+__all__ = [
+    "FORMATS",
+    "QUANT_ALGO",
+    "NVFP4_BLOCK",
+    "E4M3_MAX",
+    "E2M1_MAX",
+    "E2M1_VALUES",
+    "quantize_fp8",
+    "dequantize_fp8",
+    "quantize_nvfp4",
+    "dequantize_nvfp4",
+    "pack_e2m1",
+    "unpack_e2m1",
+    "round_e2m1",
+    "DEFAULT_QUANTIZED",
+    "check_format",
+    "quantize_state_dict",
+    "dequantize_state_dict",
+    "tensor_bytes",
+    "quantized_weight_bytes",
+    "bytes_per_weight",
+]
 
 FORMATS = ("fp8", "nvfp4")
 QUANT_ALGO = {"fp8": "FP8", "nvfp4": "NVFP4"}
@@ -117,8 +134,9 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return fp8_quantize(rows, row_scale).reshape(w.shape), scale
 
 
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
-                   ) -> torch.Tensor:
+def dequantize_fp8(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """``q * scale`` (computed in fp32, then cast to ``dtype``)."""
     return (q.float() * _per_expert(scale.float(), q.dim())).to(dtype)
 
@@ -143,8 +161,9 @@ def _e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
 def _blocks(w: torch.Tensor) -> torch.Tensor:
     """``w`` viewed as [..., in/16, 16] blocks along the input dim."""
     if w.shape[-1] % NVFP4_BLOCK:
-        raise ValueError(f"NVFP4 needs the input dim to divide by {NVFP4_BLOCK}; "
-                         f"got shape {tuple(w.shape)}")
+        raise ValueError(
+            f"NVFP4 needs the input dim to divide by {NVFP4_BLOCK}; got shape {tuple(w.shape)}"
+        )
     return w.reshape(*w.shape[:-1], w.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
 
 
@@ -161,8 +180,12 @@ def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return (packed.reshape(*w.shape[:-1], -1), block_scale.reshape(*w.shape[:-1], -1), gs)
 
 
-def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
-                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_nvfp4(
+    packed: torch.Tensor,
+    block_scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """``e2m1(code) * (block_scale * global_scale)`` per 16-value block, in fp32, cast to dtype."""
     values = _blocks(_e2m1_decode(unpack_e2m1(packed)))
     g = _per_expert(global_scale.float(), values.dim() - 1)
@@ -192,10 +215,12 @@ def _entries(state: Mapping[str, torch.Tensor]):
             yield name, None, t
 
 
-def quantize_state_dict(state: Mapping[str, torch.Tensor], fmt: str,
-                        quantize: Callable[[str], bool] = DEFAULT_QUANTIZED,
-                        input_amax: Mapping[str, float | torch.Tensor] | None = None,
-                        ) -> tuple[dict[str, torch.Tensor], dict]:
+def quantize_state_dict(
+    state: Mapping[str, torch.Tensor],
+    fmt: str,
+    quantize: Callable[[str], bool] = DEFAULT_QUANTIZED,
+    input_amax: Mapping[str, float | torch.Tensor] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict]:
     """All tensors of the quantized export and its ``hf_quant_config.json`` dict.
 
     ``quantize(name)`` picks the tensors (HF names; a 3-D expert stack by its own name). A picked
@@ -212,8 +237,10 @@ def quantize_state_dict(state: Mapping[str, torch.Tensor], fmt: str,
         t = state[n]
         stack = bool(_EXPERT_STACK.search(n)) and t.dim() == 3
         if not (stack or (n.endswith(WEIGHT) and t.dim() == 2)) or not t.is_floating_point():
-            raise ConfigError(f"--quantize {fmt}: {n!r} (shape {tuple(t.shape)}, {t.dtype}) is not a "
-                              "2-D linear weight or a 3-D experts.{up,down}_proj stack")
+            raise ConfigError(
+                f"--quantize {fmt}: {n!r} (shape {tuple(t.shape)}, {t.dtype}) is not a "
+                "2-D linear weight or a 3-D experts.{up,down}_proj stack"
+            )
     amax = dict(input_amax or {})
     unknown = sorted(set(amax) - {n.removesuffix(WEIGHT) for n in picked})
     if unknown:
@@ -241,30 +268,36 @@ def quantize_state_dict(state: Mapping[str, torch.Tensor], fmt: str,
         key = source.removesuffix(WEIGHT)
         if key in amax:
             out[module + INPUT_SCALE] = _positive(
-                torch.as_tensor(amax[key], dtype=torch.float32).reshape(()) / act_max)
+                torch.as_tensor(amax[key], dtype=torch.float32).reshape(()) / act_max
+            )
 
     quantization: dict = {"quant_algo": QUANT_ALGO[fmt], "kv_cache_quant_algo": None}
     if fmt == "nvfp4":
         quantization["group_size"] = NVFP4_BLOCK
     quantization["exclude_modules"] = sorted(exclude)
-    return out, {"producer": {"name": "elastic_plugin", "version": __version__},
-                 "quantization": quantization}
+    return out, {
+        "producer": {"name": "elastic_plugin", "version": __version__},
+        "quantization": quantization,
+    }
 
 
 def _is_embedding(name: str) -> bool:
     return bool(re.search(r"(^|\.)(embeddings|embed_tokens)\.weight$", name))
 
 
-def dequantize_state_dict(tensors: Mapping[str, torch.Tensor], quant_config: Mapping,
-                          dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def dequantize_state_dict(
+    tensors: Mapping[str, torch.Tensor], quant_config: Mapping, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """The inverse layout of :func:`quantize_state_dict`: plain names and shapes, quantized
     weights dequantized to ``dtype`` (others unchanged), scales and ``input_scale`` dropped, and
     per-expert ``…experts.{e}.{proj}.weight`` restacked into the 3-D ``…experts.{proj}``."""
     algo = quant_config.get("quantization", {}).get("quant_algo")
     fmt = {v: k for k, v in QUANT_ALGO.items()}.get(algo)
     if fmt is None:
-        raise ConfigError(f"hf_quant_config.json quantization.quant_algo must be one of "
-                          f"{', '.join(QUANT_ALGO.values())}; got {algo!r}")
+        raise ConfigError(
+            f"hf_quant_config.json quantization.quant_algo must be one of "
+            f"{', '.join(QUANT_ALGO.values())}; got {algo!r}"
+        )
     plain: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if name.endswith((SCALE, SCALE_2, INPUT_SCALE)):
@@ -286,7 +319,7 @@ def _restack_experts(plain: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for name in plain:
         m = _EXPERT_ONE.match(name)
         if m:
-            groups.setdefault(f"{m['head']}.{m['proj']}", {})[int(m['e'])] = name
+            groups.setdefault(f"{m['head']}.{m['proj']}", {})[int(m["e"])] = name
     out: dict[str, torch.Tensor] = {}
     for name, t in plain.items():
         m = _EXPERT_ONE.match(name)

@@ -13,12 +13,18 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
+from elastic_plugin.checkpoint.meta import (
+    budget_label,
+    read_elastic_meta,
+    stored_choices,
+    trained_budgets,
+)
 from elastic_plugin.export.extract import ExtractPlan, load_source, plan_extraction, run_extraction
-from elastic_plugin.checkpoint.meta import budget_label, read_elastic_meta, stored_choices, trained_budgets
 from elastic_plugin.export.hf_compat import QUANTIZE_FORMATS
 from elastic_plugin.models.config import ConfigError
 
@@ -33,7 +39,7 @@ __all__ = ["export_all", "PRECISIONS", "validation_tokens", "hf_validation_loss"
 @dataclass
 class _Job:
     budget: float
-    precision: str          # "megatron" (the plain Megatron checkpoint) or an HF precision
+    precision: str  # "megatron" (the plain Megatron checkpoint) or an HF precision
     plan: ExtractPlan
 
 
@@ -43,8 +49,9 @@ def _plans(ckpt: Path, out: Path, precisions: Sequence[str], megatron: bool) -> 
     if bad or not precisions:
         raise ConfigError(f"--precisions {','.join(precisions)}: allowed: {', '.join(PRECISIONS)}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out {out}: exists and is not an empty directory (nothing is "
-                          f"overwritten)")
+        raise ConfigError(
+            f"--out {out}: exists and is not an empty directory (nothing is overwritten)"
+        )
     meta = read_elastic_meta(ckpt)
     jobs = []
     choices = stored_choices(meta)
@@ -52,13 +59,29 @@ def _plans(ckpt: Path, out: Path, precisions: Sequence[str], megatron: bool) -> 
         choice = choices.get(budget_label(budget), {})
         per_layer = any(isinstance(v, list) and len(set(v)) > 1 for v in choice.values())
         if megatron and not per_layer:
-            jobs.append(_Job(budget, "megatron", plan_extraction(
-                ckpt, budget, out / f"megatron_{budget_label(budget)}")))
+            jobs.append(
+                _Job(
+                    budget,
+                    "megatron",
+                    plan_extraction(ckpt, budget, out / f"megatron_{budget_label(budget)}"),
+                )
+            )
         for precision in precisions:
             quantize = None if precision == "bf16" else precision
-            jobs.append(_Job(budget, precision, plan_extraction(
-                ckpt, budget, out / f"hf_{budget_label(budget)}_{precision}", fmt="hf", dtype="bf16",
-                quantize=quantize)))
+            jobs.append(
+                _Job(
+                    budget,
+                    precision,
+                    plan_extraction(
+                        ckpt,
+                        budget,
+                        out / f"hf_{budget_label(budget)}_{precision}",
+                        fmt="hf",
+                        dtype="bf16",
+                        quantize=quantize,
+                    ),
+                )
+            )
     return jobs
 
 
@@ -71,8 +94,10 @@ def _valid_prefix(meta: dict[str, Any]) -> str:
         from elastic_plugin.data.prepare import PreparedData
 
         return PreparedData.load(data["prepared"]).valid_prefix
-    raise ConfigError("the checkpoint records no validation data (meta 'data'); pass "
-                      "--eval-sequences 0 to skip the evaluation")
+    raise ConfigError(
+        "the checkpoint records no validation data (meta 'data'); pass "
+        "--eval-sequences 0 to skip the evaluation"
+    )
 
 
 def validation_tokens(meta: dict[str, Any], sequences: int, seq_length: int):
@@ -87,9 +112,10 @@ def validation_tokens(meta: dict[str, Any], sequences: int, seq_length: int):
     flat = np.concatenate(docs) if docs else np.zeros(0, dtype=np.int64)
     count = min(sequences, (len(flat) - 1) // seq_length)
     if count < 1:
-        raise ConfigError(f"the validation data has {len(flat)} tokens: too few for one sequence "
-                          f"of {seq_length}")
-    windows = [flat[i * seq_length: i * seq_length + seq_length + 1] for i in range(count)]
+        raise ConfigError(
+            f"the validation data has {len(flat)} tokens: too few for one sequence of {seq_length}"
+        )
+    windows = [flat[i * seq_length : i * seq_length + seq_length + 1] for i in range(count)]
     return torch.as_tensor(np.stack(windows).astype(np.int64))
 
 
@@ -105,17 +131,25 @@ def hf_validation_loss(path: Path, tokens, batch_size: int = 8) -> float:
     with torch.no_grad():
         for batch in tokens.split(batch_size):
             logits = model(batch[:, :-1]).logits
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                   batch[:, 1:].reshape(-1), reduction="sum")
+            loss = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(),
+                batch[:, 1:].reshape(-1),
+                reduction="sum",
+            )
             total += loss.item()
             count += batch[:, 1:].numel()
     return total / count
 
 
 # ------------------------------------------------------------------------------ the job
-def export_all(ckpt_dir: str | Path, out_dir: str | Path, precisions: Sequence[str] = PRECISIONS,
-               megatron: bool = True, eval_sequences: int = 64, progress: bool = True
-               ) -> dict[str, Any]:
+def export_all(
+    ckpt_dir: str | Path,
+    out_dir: str | Path,
+    precisions: Sequence[str] = PRECISIONS,
+    megatron: bool = True,
+    eval_sequences: int = 64,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Export every trained budget (see the module docstring); returns the report dict."""
     ckpt, out = Path(ckpt_dir), Path(out_dir)
     jobs = _plans(ckpt, out, list(precisions), megatron)
@@ -129,21 +163,34 @@ def export_all(ckpt_dir: str | Path, out_dir: str | Path, precisions: Sequence[s
     for index, job in enumerate(jobs, 1):
         began = time.time()
         summary = run_extraction(job.plan, source)
-        row = {"budget": job.budget, "precision": job.precision, "path": summary["out"],
-               "bytes": summary["bytes"], "params": summary["params"],
-               "choice": summary["choice"], "seconds": round(time.time() - began, 3)}
+        row = {
+            "budget": job.budget,
+            "precision": job.precision,
+            "path": summary["out"],
+            "bytes": summary["bytes"],
+            "params": summary["params"],
+            "choice": summary["choice"],
+            "seconds": round(time.time() - began, 3),
+        }
         if tokens is not None and job.precision != "megatron":
             row["valid_loss"] = hf_validation_loss(Path(summary["out"]), tokens)
         rows.append(row)
         if progress:
             loss = f", valid loss {row['valid_loss']:.4f}" if "valid_loss" in row else ""
-            print(f"[{index}/{len(jobs)}] budget {budget_label(job.budget)} {job.precision}: "
-                  f"{row['bytes'] / 1e6:.2f} MB{loss} ({row['seconds']:.1f} s)", flush=True)
+            print(
+                f"[{index}/{len(jobs)}] budget {budget_label(job.budget)} {job.precision}: "
+                f"{row['bytes'] / 1e6:.2f} MB{loss} ({row['seconds']:.1f} s)",
+                flush=True,
+            )
     del source
-    report = {"source": str(ckpt), "eval": {"sequences": 0 if tokens is None else len(tokens),
-                                            "seq_length": seq_length},
-              "exports": rows, "recovery": _recovery(rows), "sizes": _sizes(rows, ckpt),
-              "seconds": round(time.time() - start, 2)}
+    report = {
+        "source": str(ckpt),
+        "eval": {"sequences": 0 if tokens is None else len(tokens), "seq_length": seq_length},
+        "exports": rows,
+        "recovery": _recovery(rows),
+        "sizes": _sizes(rows, ckpt),
+        "seconds": round(time.time() - start, 2),
+    }
     (out / REPORT_JSON).write_text(json.dumps(report, indent=2) + "\n")
     (out / REPORT_MD).write_text(markdown(report))
     plot_exports(report, out / REPORT_PNG)
@@ -158,51 +205,87 @@ def _recovery(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ref = base.get(r["budget"])
         if ref is None or r["precision"] in ("bf16", "megatron") or "valid_loss" not in r:
             continue
-        out.append({"budget": r["budget"], "precision": r["precision"],
-                    "valid_loss": r["valid_loss"], "bf16_valid_loss": ref["valid_loss"],
-                    "delta_loss": r["valid_loss"] - ref["valid_loss"],
-                    "loss_ratio": r["valid_loss"] / ref["valid_loss"],
-                    "bytes_ratio": r["bytes"] / ref["bytes"]})
+        out.append(
+            {
+                "budget": r["budget"],
+                "precision": r["precision"],
+                "valid_loss": r["valid_loss"],
+                "bf16_valid_loss": ref["valid_loss"],
+                "delta_loss": r["valid_loss"] - ref["valid_loss"],
+                "loss_ratio": r["valid_loss"] / ref["valid_loss"],
+                "bytes_ratio": r["bytes"] / ref["bytes"],
+            }
+        )
     return out
 
 
 def _sizes(rows: list[dict[str, Any]], ckpt: Path) -> dict[str, Any]:
     """One nested checkpoint vs separate ones, per precision: the largest budget's export holds
     every nested model (they are its prefixes); separate checkpoints sum the exports."""
-    out: dict[str, Any] = {"elastic_checkpoint_bytes": sum(
-        p.stat().st_size for p in ckpt.rglob("*") if p.is_file())}
+    out: dict[str, Any] = {
+        "elastic_checkpoint_bytes": sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
+    }
     for precision in sorted({r["precision"] for r in rows}):
         mine = [r for r in rows if r["precision"] == precision]
         nested = max(mine, key=lambda r: r["budget"])["bytes"]
         separate = sum(r["bytes"] for r in mine)
-        out[precision] = {"nested_bytes": nested, "separate_bytes": separate,
-                          "saving": 1 - nested / separate, "models": len(mine)}
+        out[precision] = {
+            "nested_bytes": nested,
+            "separate_bytes": separate,
+            "saving": 1 - nested / separate,
+            "models": len(mine),
+        }
     return out
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = ["# Nested model exports", "", f"Source: `{report['source']}`; validation: "
-             f"{report['eval']['sequences']} sequences of {report['eval']['seq_length']} tokens.",
-             "", "| budget | format | params (total / active) | size (MB) | valid loss |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "# Nested model exports",
+        "",
+        f"Source: `{report['source']}`; validation: "
+        f"{report['eval']['sequences']} sequences of {report['eval']['seq_length']} tokens.",
+        "",
+        "| budget | format | params (total / active) | size (MB) | valid loss |",
+        "|---|---|---|---|---|",
+    ]
     for r in report["exports"]:
         loss = f"{r['valid_loss']:.4f}" if "valid_loss" in r else "-"
-        lines.append(f"| {budget_label(r['budget'])} | {r['precision']} | {r['params']['total']:,} / "
-                     f"{r['params']['active']:,} | {r['bytes'] / 1e6:.3f} | {loss} |")
+        lines.append(
+            f"| {budget_label(r['budget'])} | {r['precision']} | {r['params']['total']:,} / "
+            f"{r['params']['active']:,} | {r['bytes'] / 1e6:.3f} | {loss} |"
+        )
     if report["recovery"]:
-        lines += ["", "## Quantized vs BF16", "", "| budget | format | Δ valid loss | loss ratio "
-                  "| bytes ratio |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Quantized vs BF16",
+            "",
+            "| budget | format | Δ valid loss | loss ratio | bytes ratio |",
+            "|---|---|---|---|---|",
+        ]
         for r in report["recovery"]:
-            lines.append(f"| {budget_label(r['budget'])} | {r['precision']} | {r['delta_loss']:+.4f} | "
-                         f"{r['loss_ratio']:.4f} | {r['bytes_ratio']:.3f} |")
-    lines += ["", "## One nested checkpoint vs separate checkpoints", "",
-              "| format | models | nested (MB) | separate (MB) | saving |", "|---|---|---|---|---|"]
+            lines.append(
+                f"| {budget_label(r['budget'])} | {r['precision']} | {r['delta_loss']:+.4f} | "
+                f"{r['loss_ratio']:.4f} | {r['bytes_ratio']:.3f} |"
+            )
+    lines += [
+        "",
+        "## One nested checkpoint vs separate checkpoints",
+        "",
+        "| format | models | nested (MB) | separate (MB) | saving |",
+        "|---|---|---|---|---|",
+    ]
     for precision, s in report["sizes"].items():
         if isinstance(s, dict):
-            lines.append(f"| {precision} | {s['models']} | {s['nested_bytes'] / 1e6:.3f} | "
-                         f"{s['separate_bytes'] / 1e6:.3f} | {100 * s['saving']:.1f}% |")
-    lines += ["", f"The elastic checkpoint itself (weights, router, optimizer state): "
-              f"{report['sizes']['elastic_checkpoint_bytes'] / 1e6:.3f} MB.", ""]
+            lines.append(
+                f"| {precision} | {s['models']} | {s['nested_bytes'] / 1e6:.3f} | "
+                f"{s['separate_bytes'] / 1e6:.3f} | {100 * s['saving']:.1f}% |"
+            )
+    lines += [
+        "",
+        f"The elastic checkpoint itself (weights, router, optimizer state): "
+        f"{report['sizes']['elastic_checkpoint_bytes'] / 1e6:.3f} MB.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -221,11 +304,17 @@ def plot_exports(report: dict[str, Any], path: Path) -> Path | None:
         mine = sorted((r for r in rows if r["precision"] == precision), key=lambda r: r["bytes"])
         if not mine:
             continue
-        ax.plot([r["bytes"] / 1e6 for r in mine], [r["valid_loss"] for r in mine], "o-",
-                label=precision)
+        ax.plot(
+            [r["bytes"] / 1e6 for r in mine], [r["valid_loss"] for r in mine], "o-", label=precision
+        )
         for r in mine:
-            ax.annotate(budget_label(r["budget"]), (r["bytes"] / 1e6, r["valid_loss"]), fontsize=7,
-                        textcoords="offset points", xytext=(3, 3))
+            ax.annotate(
+                budget_label(r["budget"]),
+                (r["bytes"] / 1e6, r["valid_loss"]),
+                fontsize=7,
+                textcoords="offset points",
+                xytext=(3, 3),
+            )
     ax.set_xlabel("export size on disk (MB)")
     ax.set_ylabel("validation loss")
     ax.set_title("Nested models: size vs quality per precision")

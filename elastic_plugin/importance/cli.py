@@ -11,49 +11,80 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from elastic_plugin.checkpoint.meta import read_checkpoint_meta
+from elastic_plugin.cli_args import add_layout_args, layout_from_args, start_ranks
+from elastic_plugin.cli_errors import report_bad_input
 from elastic_plugin.importance.hooks import AXES
 from elastic_plugin.models.config import ConfigError, ParallelConfig
-from elastic_plugin.cli_args import add_layout_args, layout_from_args
-from elastic_plugin.cli_args import start_ranks
-from elastic_plugin.checkpoint.meta import read_checkpoint_meta
-
-from elastic_plugin.cli_errors import report_bad_input
 
 
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     imp = subparsers.add_parser(
-        "importance", help="rank every width axis of a checkpoint (scores file)",
-        description="Forward passes over calibration data with hooks; writes importance scores.")
-    imp.add_argument("--ckpt", required=True, metavar="DIR", help="a checkpoint written by this plugin")
+        "importance",
+        help="rank every width axis of a checkpoint (scores file)",
+        description="Forward passes over calibration data with hooks; writes importance scores.",
+    )
+    imp.add_argument(
+        "--ckpt", required=True, metavar="DIR", help="a checkpoint written by this plugin"
+    )
     imp.add_argument("--out", required=True, metavar="FILE", help="scores file to write (.pt)")
-    imp.add_argument("--num-samples", type=int, default=256, help="calibration samples (per DP rank)")
+    imp.add_argument(
+        "--num-samples", type=int, default=256, help="calibration samples (per DP rank)"
+    )
     imp.add_argument("--seq-length", type=int, default=None, help="default: the checkpoint's")
     imp.add_argument("--micro-batch-size", type=int, default=8)
-    imp.add_argument("--axes", nargs="+", default=None, choices=list(AXES) + ["shared_ffn"],
-                     help="axes that must be present (default: all the model has)")
-    imp.add_argument("--data-path", default=None, metavar="PREFIX",
-                     help="Megatron indexed dataset (default: the checkpoint's prepared data)")
+    imp.add_argument(
+        "--axes",
+        nargs="+",
+        default=None,
+        choices=list(AXES) + ["shared_ffn"],
+        help="axes that must be present (default: all the model has)",
+    )
+    imp.add_argument(
+        "--data-path",
+        default=None,
+        metavar="PREFIX",
+        help="Megatron indexed dataset (default: the checkpoint's prepared data)",
+    )
     imp.add_argument("--tokenizer", default=None, metavar="FILE")
-    imp.add_argument("--resume-dir", default=None, metavar="DIR",
-                     help="keep partial statistics here; rerun the same command to resume")
-    imp.add_argument("--depth", action="store_true",
-                     help="also score layers by the logit change when each is skipped (L+1 forwards/batch)")
+    imp.add_argument(
+        "--resume-dir",
+        default=None,
+        metavar="DIR",
+        help="keep partial statistics here; rerun the same command to resume",
+    )
+    imp.add_argument(
+        "--depth",
+        action="store_true",
+        help="also score layers by the logit change when each is skipped (L+1 forwards/batch)",
+    )
     imp.add_argument("--depth-batches", type=int, default=2, help="calibration batches for --depth")
-    imp.add_argument("--plot", default=None, metavar="PNG", help="also draw the sorted scores per axis")
+    imp.add_argument(
+        "--plot", default=None, metavar="PNG", help="also draw the sorted scores per axis"
+    )
     imp.add_argument("--no-progress", action="store_true")
     add_layout_args(imp)
     imp.set_defaults(func=run_importance)
 
     reo = subparsers.add_parser(
-        "reorder", help="write an importance-reordered checkpoint (same function, nested prefixes)")
+        "reorder", help="write an importance-reordered checkpoint (same function, nested prefixes)"
+    )
     reo.add_argument("--ckpt", required=True, metavar="DIR")
     reo.add_argument("--scores", required=True, metavar="FILE")
     reo.add_argument("--out", required=True, metavar="DIR")
-    reo.add_argument("--mamba-top-channels", type=int, default=None,
-                     help="rank Mamba heads by their norm over this many top channels (default: all)")
-    reo.add_argument("--mamba-source", default="out_proj_input", choices=["out_proj_input", "x_proj"],
-                     help="Mamba statistic: out_proj's input (default; prunes better here) or the "
-                     "x-projection (the published definition)")
+    reo.add_argument(
+        "--mamba-top-channels",
+        type=int,
+        default=None,
+        help="rank Mamba heads by their norm over this many top channels (default: all)",
+    )
+    reo.add_argument(
+        "--mamba-source",
+        default="out_proj_input",
+        choices=["out_proj_input", "x_proj"],
+        help="Mamba statistic: out_proj's input (default; prunes better here) or the "
+        "x-projection (the published definition)",
+    )
     add_layout_args(reo)
     reo.set_defaults(func=run_reorder)
 
@@ -80,18 +111,29 @@ def _calibration(args, meta, cfg, seq_length: int):
 
     if args.data_path:
         if not Path(args.data_path + ".idx").is_file():
-            raise ConfigError(f"--data-path {args.data_path}: no .idx/.bin (Megatron indexed dataset prefix)")
+            raise ConfigError(
+                f"--data-path {args.data_path}: no .idx/.bin (Megatron indexed dataset prefix)"
+            )
         if not args.tokenizer or not Path(args.tokenizer).is_file():
-            raise ConfigError(f"--tokenizer {args.tokenizer}: --data-path needs an existing tokenizer.json")
+            raise ConfigError(
+                f"--tokenizer {args.tokenizer}: --data-path needs an existing tokenizer.json"
+            )
         tokenizer, prefix = JsonTokenizer.from_file(args.tokenizer), args.data_path
     else:
         prepared_dir = (meta.get("data") or {}).get("prepared")
         if not prepared_dir or not Path(prepared_dir).is_dir():
-            raise ConfigError(f"--ckpt {args.ckpt} names no prepared data; pass --data-path and --tokenizer")
+            raise ConfigError(
+                f"--ckpt {args.ckpt} names no prepared data; pass --data-path and --tokenizer"
+            )
         prepared = PreparedData.load(prepared_dir)
         tokenizer, prefix = prepared.load_tokenizer(), prepared.train_prefix
-    datasets = build_gpt_datasets(tokenizer, seq_length, train_data_path=prefix,
-                                  num_samples=(None, None, None), seed=cfg.training.seed)
+    datasets = build_gpt_datasets(
+        tokenizer,
+        seq_length,
+        train_data_path=prefix,
+        num_samples=(None, None, None),
+        seed=cfg.training.seed,
+    )
     return datasets.train
 
 
@@ -113,32 +155,48 @@ def run_importance(args: argparse.Namespace) -> int:
     try:
         dataset = _calibration(args, meta, cfg, seq_length)
         dp = dist.get_world_size() // (layout.tp * layout.pp)
-        check_calibration(len(dataset) // dp if dataset is not None else None, args.num_samples,
-                          args.micro_batch_size)
+        check_calibration(
+            len(dataset) // dp if dataset is not None else None,
+            args.num_samples,
+            args.micro_batch_size,
+        )
     except (ConfigError, CalibrationError) as exc:
         return report_bad_input("elastic-plugin importance", exc)
     chunks, cfg, _ = build_from_checkpoint(args.ckpt, layout)
-    iterator = batch_iterator(dataset, args.micro_batch_size, seed=cfg.training.seed,
-                              shuffle=False, infinite=False)
-    scores = collect_importance(chunks, iterator, args.num_samples, seq_length, args.micro_batch_size,
-                                axes=args.axes, resume_dir=args.resume_dir,
-                                progress=not args.no_progress, num_available=None,
-                                meta={"ckpt": str(args.ckpt), "layout": layout.__dict__})
+    iterator = batch_iterator(
+        dataset, args.micro_batch_size, seed=cfg.training.seed, shuffle=False, infinite=False
+    )
+    scores = collect_importance(
+        chunks,
+        iterator,
+        args.num_samples,
+        seq_length,
+        args.micro_batch_size,
+        axes=args.axes,
+        resume_dir=args.resume_dir,
+        progress=not args.no_progress,
+        num_available=None,
+        meta={"ckpt": str(args.ckpt), "layout": layout.__dict__},
+    )
     if args.depth:
         from elastic_plugin.importance.depth import depth_scores
 
-        again = batch_iterator(dataset, args.micro_batch_size, seed=cfg.training.seed,
-                               shuffle=False, infinite=False)
+        again = batch_iterator(
+            dataset, args.micro_batch_size, seed=cfg.training.seed, shuffle=False, infinite=False
+        )
         batches = [] if again is None else [b for _, b in zip(range(args.depth_batches), again)]
-        scores.depth = depth_scores(chunks, batches, seq_length, args.micro_batch_size,
-                                    progress=not args.no_progress)
+        scores.depth = depth_scores(
+            chunks, batches, seq_length, args.micro_batch_size, progress=not args.no_progress
+        )
     if dist.get_rank() == 0:
         scores.save(args.out)
         if args.plot:
             from elastic_plugin.importance.scores import plot_scores
 
             plot_scores(scores, args.plot)
-        print(f"importance scores ({', '.join(scores.axes())}) over {scores.tokens} tokens -> {args.out}")
+        print(
+            f"importance scores ({', '.join(scores.axes())}) over {scores.tokens} tokens -> {args.out}"
+        )
     dist.destroy_process_group()
     return 0
 
@@ -162,12 +220,19 @@ def run_reorder(args: argparse.Namespace) -> int:
     from elastic_plugin.importance.reorder import Permutations, apply_permutations
 
     chunks, cfg, meta = build_from_checkpoint(args.ckpt, layout)
-    perms = Permutations.from_scores(ImportanceScores.load(args.scores), cfg.model.query_groups,
-                                     cfg.model.mamba_num_groups, args.mamba_top_channels,
-                                     args.mamba_source)
+    perms = Permutations.from_scores(
+        ImportanceScores.load(args.scores),
+        cfg.model.query_groups,
+        cfg.model.mamba_num_groups,
+        args.mamba_top_channels,
+        args.mamba_source,
+    )
     apply_permutations(chunks[0], perms)
-    save_checkpoint(chunks, Path(args.out), {**meta, "kind": "reordered", "scores": str(args.scores),
-                                             "source_ckpt": str(args.ckpt)})
+    save_checkpoint(
+        chunks,
+        Path(args.out),
+        {**meta, "kind": "reordered", "scores": str(args.scores), "source_ckpt": str(args.ckpt)},
+    )
     if dist.get_rank() == 0:
         perms.save(Path(args.out) / "permutations.pt")
         print(f"reordered checkpoint -> {args.out}")

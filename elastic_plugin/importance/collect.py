@@ -7,8 +7,9 @@ progress on rank 0, hooks removed afterwards (also on error), partial statistics
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,7 +92,8 @@ def collect_importance(
         if saved["num_batches"] != num_batches or saved["micro_batch_size"] != micro_batch_size:
             raise CalibrationError(
                 f"{partial} was collected with a different num_samples/micro_batch_size; "
-                "delete the resume directory or use the same settings")
+                "delete the resume directory or use the same settings"
+            )
         stats, done = LocalStats.from_state_dict(saved["stats"]), int(saved["batches_done"])
     hooks = ImportanceHooks(model, stats)
     try:
@@ -100,8 +102,11 @@ def collect_importance(
             for _ in range(done):  # skip what a previous run already saw
                 next(data_iterator)
         bar = _progress(num_batches, done) if progress and _rank() == 0 else None
-        batches = _counted(data_iterator, num_batches - done, micro_batch_size) \
-            if data_iterator is not None else None
+        batches = (
+            _counted(data_iterator, num_batches - done, micro_batch_size)
+            if data_iterator is not None
+            else None
+        )
         with torch.no_grad():
             for chunk in chunks:
                 chunk.eval()
@@ -119,9 +124,12 @@ def collect_importance(
         for chunk in chunks:
             chunk.train()
     config = model.config
-    scores = reduce_local_stats(stats, config.hidden_size, bool(config.sequence_parallel),
-                                meta={"num_samples_per_dp_rank": num_samples,
-                                      "seq_length": seq_length, **(meta or {})})
+    scores = reduce_local_stats(
+        stats,
+        config.hidden_size,
+        bool(config.sequence_parallel),
+        meta={"num_samples_per_dp_rank": num_samples, "seq_length": seq_length, **(meta or {})},
+    )
     if partial is not None and partial.exists():
         partial.unlink()
     return scores
@@ -139,12 +147,20 @@ def _check_axes(axes: Iterable[str] | None, present: set[str]) -> None:
             )
 
 
-def _save_partial(path: Path, stats: LocalStats, done: int, num_batches: int,
-                  micro_batch_size: int) -> None:
+def _save_partial(
+    path: Path, stats: LocalStats, done: int, num_batches: int, micro_batch_size: int
+) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save({"stats": stats.state_dict(), "batches_done": done, "num_batches": num_batches,
-                "micro_batch_size": micro_batch_size}, tmp)
+    torch.save(
+        {
+            "stats": stats.state_dict(),
+            "batches_done": done,
+            "num_batches": num_batches,
+            "micro_batch_size": micro_batch_size,
+        },
+        tmp,
+    )
     tmp.replace(path)
 
 

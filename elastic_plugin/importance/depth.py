@@ -8,7 +8,7 @@ logits: partial sums are all-reduced over TP).
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -39,9 +39,14 @@ def _forward_logits(chunks, batch: dict, seq_length: int, micro_batch_size: int)
 
     stage_reads = ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()
     out = get_forward_backward_func()(
-        forward_step_func=_logits_step, data_iterator=iter([batch]) if stage_reads else None,
-        model=chunks, num_microbatches=1, seq_length=seq_length,
-        micro_batch_size=micro_batch_size, forward_only=True)
+        forward_step_func=_logits_step,
+        data_iterator=iter([batch]) if stage_reads else None,
+        model=chunks,
+        num_microbatches=1,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=True,
+    )
     return out[0]["logits"] if out else None
 
 
@@ -57,8 +62,9 @@ def _global_layer_numbers(model) -> list[int]:
 
 
 @torch.no_grad()
-def depth_scores(chunks, batches: Iterable[dict], seq_length: int, micro_batch_size: int,
-                 progress: bool = False) -> dict[int, float]:
+def depth_scores(
+    chunks, batches: Iterable[dict], seq_length: int, micro_batch_size: int, progress: bool = False
+) -> dict[int, float]:
     """Normalized logit MSE per global layer number (identical on every rank)."""
     from megatron.core import parallel_state as ps
 
@@ -86,7 +92,9 @@ def depth_scores(chunks, batches: Iterable[dict], seq_length: int, micro_batch_s
             for i, number in enumerate(numbers):
                 handle = None
                 if number in local_layers:
-                    handle = local_layers[number].register_forward_hook(_skip_hook, with_kwargs=True)
+                    handle = local_layers[number].register_forward_hook(
+                        _skip_hook, with_kwargs=True
+                    )
                 try:
                     skipped = _forward_logits(chunks, batch, seq_length, micro_batch_size)
                 finally:

@@ -18,8 +18,9 @@ them into global scores. What each hook measures (DESIGN.md, "Importance"):
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -41,11 +42,14 @@ class LocalStats:
         slot[layer] = slot[layer] + value if layer in slot else value
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sums": {a: dict(v) for a, v in self.sums.items()},
-                "expert_tokens": dict(self.expert_tokens), "tokens_seen": self.tokens_seen}
+        return {
+            "sums": {a: dict(v) for a, v in self.sums.items()},
+            "expert_tokens": dict(self.expert_tokens),
+            "tokens_seen": self.tokens_seen,
+        }
 
     @classmethod
-    def from_state_dict(cls, state: dict[str, Any]) -> "LocalStats":
+    def from_state_dict(cls, state: dict[str, Any]) -> LocalStats:
         stats = cls()
         for axis, layers in state["sums"].items():
             stats.sums[axis].update(layers)
@@ -144,7 +148,7 @@ class ImportanceHooks:
 
         def hook(_m, _inp, out):
             zxbcdt = out[0] if isinstance(out, tuple) else out
-            x = _flat_tokens(zxbcdt)[:, d_inner:2 * d_inner].reshape(-1, heads, head_dim)
+            x = _flat_tokens(zxbcdt)[:, d_inner : 2 * d_inner].reshape(-1, heads, head_dim)
             self.stats.add("mamba", layer, x.double().pow(2).sum(0))
 
         self._hook(mixer.in_proj, hook)
@@ -169,6 +173,7 @@ class ImportanceHooks:
         n_local = len(local)
 
         for index, expert in enumerate(local):
+
             def hook(_m, _inp, out, index=index):
                 rows = out[0] if isinstance(out, tuple) else out
                 rows = _flat_tokens(rows).double()
@@ -176,10 +181,12 @@ class ImportanceHooks:
                     rows = rows.clone()
                     torch.distributed.all_reduce(rows, group=tp_group)
                 sums = self.stats.sums["experts"].setdefault(
-                    layer, torch.zeros(n_local, dtype=torch.float64))
+                    layer, torch.zeros(n_local, dtype=torch.float64)
+                )
                 sums[index] += rows.norm(dim=-1).sum()
                 counts = self.stats.expert_tokens.setdefault(
-                    layer, torch.zeros(n_local, dtype=torch.float64))
+                    layer, torch.zeros(n_local, dtype=torch.float64)
+                )
                 counts[index] += rows.shape[0]
 
             self._hook(expert, hook)

@@ -10,15 +10,22 @@ weight magnitude.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from elastic_plugin.importance.reorder import within_groups
 from elastic_plugin.importance.scores import ImportanceScores
 
-PRUNABLE = ("embedding", "ffn", "shared_ffn", "attention_heads", "mamba_heads",
-            "mamba_channels", "experts")
+PRUNABLE = (
+    "embedding",
+    "ffn",
+    "shared_ffn",
+    "attention_heads",
+    "mamba_heads",
+    "mamba_channels",
+    "experts",
+)
 
 
 def _zero_(tensor: torch.Tensor, dim: int, drop: torch.Tensor) -> None:
@@ -34,8 +41,13 @@ def _layers(model):
 
 
 # ------------------------------------------------------------------------- orders
-def importance_orders(scores: ImportanceScores, axis: str, query_groups: int,
-                      mamba_groups: int, mamba_source: str = "out_proj_input") -> dict[int, torch.Tensor]:
+def importance_orders(
+    scores: ImportanceScores,
+    axis: str,
+    query_groups: int,
+    mamba_groups: int,
+    mamba_source: str = "out_proj_input",
+) -> dict[int, torch.Tensor]:
     """Most important first, per layer (key 0 for the embedding); heads within groups."""
     from elastic_plugin.importance.reorder import Permutations
 
@@ -58,7 +70,7 @@ def magnitude_orders(model, axis: str) -> dict[int, torch.Tensor]:
         n = int(layer.layer_number)
         if isinstance(layer, MambaLayer) and axis in ("mamba_heads", "mamba_channels"):
             m = layer.mixer
-            x = m.in_proj.weight[m.d_inner_local_tp:2 * m.d_inner_local_tp]
+            x = m.in_proj.weight[m.d_inner_local_tp : 2 * m.d_inner_local_tp]
             x = x.view(m.nheads_local_tp, m.headdim, -1).pow(2).sum(-1)
             if axis == "mamba_channels":
                 out[n] = desc(x.sum(0))
@@ -67,7 +79,11 @@ def magnitude_orders(model, axis: str) -> dict[int, torch.Tensor]:
         att = getattr(layer, "self_attention", None)
         if axis == "attention_heads" and att is not None and hasattr(att, "linear_proj"):
             d = att.hidden_size_per_attention_head
-            col = att.linear_proj.weight.view(att.linear_proj.weight.shape[0], -1, d).pow(2).sum((0, 2))
+            col = (
+                att.linear_proj.weight.view(att.linear_proj.weight.shape[0], -1, d)
+                .pow(2)
+                .sum((0, 2))
+            )
             out[n] = within_groups(col, att.num_query_groups_per_partition)
         mlp = getattr(layer, "mlp", None)
         if mlp is None:
@@ -82,8 +98,9 @@ def magnitude_orders(model, axis: str) -> dict[int, torch.Tensor]:
     return out
 
 
-def random_orders(reference: dict[int, torch.Tensor], seed: int, groups: dict[int, int] | None = None
-                  ) -> dict[int, torch.Tensor]:
+def random_orders(
+    reference: dict[int, torch.Tensor], seed: int, groups: dict[int, int] | None = None
+) -> dict[int, torch.Tensor]:
     """Random orders with the same shapes (heads stay within their groups)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
@@ -104,9 +121,13 @@ def mask_prune(model, axis: str, orders: dict[int, torch.Tensor], keep_fraction:
     if not 0 < keep_fraction <= 1:
         raise ValueError(f"keep_fraction={keep_fraction} must be in (0, 1]")
     handlers: dict[str, Callable] = {
-        "embedding": _prune_hidden, "ffn": _prune_ffn, "shared_ffn": _prune_ffn,
-        "attention_heads": _prune_heads, "mamba_heads": _prune_mamba,
-        "mamba_channels": _prune_mamba, "experts": _prune_experts,
+        "embedding": _prune_hidden,
+        "ffn": _prune_ffn,
+        "shared_ffn": _prune_ffn,
+        "attention_heads": _prune_heads,
+        "mamba_heads": _prune_mamba,
+        "mamba_channels": _prune_mamba,
+        "experts": _prune_experts,
     }
     handlers[axis](model, axis, orders, keep_fraction)
 

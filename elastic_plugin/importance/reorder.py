@@ -49,15 +49,21 @@ class Permutations:
     experts: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def from_scores(cls, scores: ImportanceScores, query_groups: int, mamba_groups: int,
-                    mamba_top_channels: int | None = None,
-                    mamba_source: str = "out_proj_input") -> "Permutations":
+    def from_scores(
+        cls,
+        scores: ImportanceScores,
+        query_groups: int,
+        mamba_groups: int,
+        mamba_top_channels: int | None = None,
+        mamba_source: str = "out_proj_input",
+    ) -> Permutations:
         """Descending order per axis; heads ordered within their (query / Mamba) group.
 
         ``mamba_source``: "out_proj_input" (default) or "x_proj" (the published x-projection
         statistic). On the demo teacher, pruning Mamba heads/channels to 50% by the x-projection
         order was no better than random (valid loss 2.91 vs 2.92), by out_proj's input 2.40 —
         better than random and weight magnitude (2.82); see bench/bench_importance.py."""
+
         def order(x: torch.Tensor) -> torch.Tensor:
             return torch.argsort(x, descending=True, stable=True)
 
@@ -65,19 +71,21 @@ class Permutations:
         perms.ffn = {k: order(v) for k, v in scores.ffn.items()}
         perms.shared_ffn = {k: order(v) for k, v in scores.shared_ffn.items()}
         perms.experts = {k: order(v) for k, v in scores.experts.items()}
-        perms.attention_heads = {k: within_groups(v, query_groups)
-                                 for k, v in scores.attention_heads.items()}
+        perms.attention_heads = {
+            k: within_groups(v, query_groups) for k, v in scores.attention_heads.items()
+        }
         for layer in scores.mamba:
             perms.mamba_channels[layer] = order(scores.mamba_channel_scores(layer, mamba_source))
             perms.mamba_heads[layer] = within_groups(
-                scores.mamba_head_scores(layer, mamba_top_channels, mamba_source), mamba_groups)
+                scores.mamba_head_scores(layer, mamba_top_channels, mamba_source), mamba_groups
+            )
         return perms
 
     def save(self, path: str | Path) -> None:
         torch.save(self.__dict__, path)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Permutations":
+    def load(cls, path: str | Path) -> Permutations:
         return cls(**torch.load(path, weights_only=False))
 
 
@@ -108,7 +116,9 @@ def _hidden_(model: torch.nn.Module, perm: torch.Tensor) -> None:
     targets: list[tuple[torch.Tensor, int]] = []
     for module in model.modules():
         if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm, LocalRMSNorm)):
-            tensors = [(module.weight, 0)] + ([(module.bias, 0)] if getattr(module, "bias", None) is not None else [])
+            tensors = [(module.weight, 0)] + (
+                [(module.bias, 0)] if getattr(module, "bias", None) is not None else []
+            )
         elif isinstance(module, ColumnParallelLinear):
             tensors = [(module.weight, 1)]
         elif isinstance(module, RowParallelLinear):
@@ -136,7 +146,7 @@ def _attention_heads_(attention: torch.nn.Module, perm: torch.Tensor) -> None:
     groups = attention.num_query_groups_per_partition
     d = attention.hidden_size_per_attention_head
     per_group = heads // groups
-    local = perm[tp_rank * heads:(tp_rank + 1) * heads] - tp_rank * heads
+    local = perm[tp_rank * heads : (tp_rank + 1) * heads] - tp_rank * heads
     if local.min() < 0 or local.max() >= heads:
         raise ValueError("attention head permutation moves heads across tensor-parallel ranks")
     # qkv rows: [groups, (per_group + 2) * d]; only the query block of each group moves.
@@ -158,13 +168,16 @@ def _mamba_(mixer: torch.nn.Module, head_perm: torch.Tensor, channel_perm: torch
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     heads, head_dim = mixer.nheads_local_tp, mixer.headdim
     d_inner, state, groups = mixer.d_inner_local_tp, mixer.d_state, mixer.ngroups_local_tp
-    local = head_perm[tp_rank * heads:(tp_rank + 1) * heads] - tp_rank * heads
+    local = head_perm[tp_rank * heads : (tp_rank + 1) * heads] - tp_rank * heads
     if local.min() < 0 or local.max() >= heads:
         raise ValueError("Mamba head permutation moves heads across tensor-parallel ranks")
-    channels = (local.unsqueeze(1) * head_dim + channel_perm.unsqueeze(0)).reshape(-1)  # d_inner map
+    channels = (local.unsqueeze(1) * head_dim + channel_perm.unsqueeze(0)).reshape(
+        -1
+    )  # d_inner map
     bc = 2 * groups * state
-    in_rows = torch.cat([channels, d_inner + channels,
-                         2 * d_inner + torch.arange(bc), 2 * d_inner + bc + local])
+    in_rows = torch.cat(
+        [channels, d_inner + channels, 2 * d_inner + torch.arange(bc), 2 * d_inner + bc + local]
+    )
     permute_(mixer.in_proj.weight, 0, in_rows)
     conv_rows = torch.cat([channels, d_inner + torch.arange(bc)])
     permute_(mixer.conv1d_weight, 0, conv_rows)
@@ -217,5 +230,3 @@ def apply_permutations(model: torch.nn.Module, perms: Permutations) -> None:
         else:
             permute_ffn_neurons_(module, physical, tp_group)
     setattr(model, STRIDED_ATTR, True)
-
-

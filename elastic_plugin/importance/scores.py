@@ -51,28 +51,43 @@ class ImportanceScores:
         """``||s_{:,d}||_2`` per head channel d (over tokens and heads); ``source`` picks s."""
         return self._mamba_stats(layer, source).sum(0).sqrt()
 
-    def mamba_head_scores(self, layer: int, top_channels: int | None = None,
-                          source: str = "out_proj_input") -> torch.Tensor:
+    def mamba_head_scores(
+        self, layer: int, top_channels: int | None = None, source: str = "out_proj_input"
+    ) -> torch.Tensor:
         """Head norms over the ``top_channels`` most important channels (all by default)."""
         acc = self._mamba_stats(layer, source)
         if top_channels is not None:
-            keep = torch.argsort(self.mamba_channel_scores(layer, source), descending=True)[:top_channels]
+            keep = torch.argsort(self.mamba_channel_scores(layer, source), descending=True)[
+                :top_channels
+            ]
             acc = acc[:, keep]
         return acc.sum(1).sqrt()
 
     def axes(self) -> list[str]:
-        present = [name for name in ("ffn", "shared_ffn", "attention_heads", "mamba", "experts")
-                   if getattr(self, name)]
+        present = [
+            name
+            for name in ("ffn", "shared_ffn", "attention_heads", "mamba", "experts")
+            if getattr(self, name)
+        ]
         depth = ["depth"] if self.depth else []
         return (["embedding"] if self.embedding is not None else []) + present + depth
 
     # ----------------------------------------------------------------------- storage
     def to_dict(self) -> dict[str, Any]:
-        return {"format_version": FORMAT_VERSION, "embedding": self.embedding, "ffn": self.ffn,
-                "shared_ffn": self.shared_ffn, "attention_heads": self.attention_heads,
-                "mamba": self.mamba, "mamba_out": self.mamba_out, "experts": self.experts, "expert_tokens": self.expert_tokens,
-                "depth": self.depth,
-                "tokens": self.tokens, "meta": self.meta}
+        return {
+            "format_version": FORMAT_VERSION,
+            "embedding": self.embedding,
+            "ffn": self.ffn,
+            "shared_ffn": self.shared_ffn,
+            "attention_heads": self.attention_heads,
+            "mamba": self.mamba,
+            "mamba_out": self.mamba_out,
+            "experts": self.experts,
+            "expert_tokens": self.expert_tokens,
+            "depth": self.depth,
+            "tokens": self.tokens,
+            "meta": self.meta,
+        }
 
     def save(self, path: str | Path) -> Path:
         """Atomic write (temp file + rename)."""
@@ -84,7 +99,7 @@ class ImportanceScores:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "ImportanceScores":
+    def load(cls, path: str | Path) -> ImportanceScores:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"importance scores {path}: no such file")
@@ -111,8 +126,9 @@ def _concat_over(tensor: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=0)
 
 
-def reduce_local_stats(stats: LocalStats, hidden_size: int, sequence_parallel: bool,
-                       meta: dict[str, Any] | None = None) -> ImportanceScores:
+def reduce_local_stats(
+    stats: LocalStats, hidden_size: int, sequence_parallel: bool, meta: dict[str, Any] | None = None
+) -> ImportanceScores:
     """Collective: every rank of the job calls it and gets the same global scores."""
     from megatron.core import parallel_state as ps
 
@@ -124,7 +140,9 @@ def reduce_local_stats(stats: LocalStats, hidden_size: int, sequence_parallel: b
     edp = ps.get_expert_data_parallel_group() if initialized else None
 
     scores = ImportanceScores(meta=dict(meta or {}))
-    embedding = stats.sums.get("embedding", {}).get(0, torch.zeros(hidden_size, dtype=torch.float64))
+    embedding = stats.sums.get("embedding", {}).get(
+        0, torch.zeros(hidden_size, dtype=torch.float64)
+    )
     embedding = _sum_over(embedding, dp)
     if sequence_parallel:
         embedding = _sum_over(embedding, tp)
@@ -132,8 +150,10 @@ def reduce_local_stats(stats: LocalStats, hidden_size: int, sequence_parallel: b
 
     local: dict[str, dict[int, torch.Tensor]] = {}
     for axis in SHARDED_OVER_TP:
-        local[axis] = {layer: _concat_over(_sum_over(value, dp), tp)
-                       for layer, value in sorted(stats.sums.get(axis, {}).items())}
+        local[axis] = {
+            layer: _concat_over(_sum_over(value, dp), tp)
+            for layer, value in sorted(stats.sums.get(axis, {}).items())
+        }
     for layer, value in sorted(stats.sums.get("experts", {}).items()):
         numerator = _concat_over(_sum_over(value, edp), ep)
         count = _concat_over(_sum_over(stats.expert_tokens[layer], edp), ep)
@@ -173,25 +193,37 @@ def plot_scores(scores: ImportanceScores, path: str | Path) -> Path:
     panels: list[tuple[str, dict[int, torch.Tensor]]] = []
     if scores.embedding is not None:
         panels.append(("embedding channels", {0: scores.embedding}))
-    panels += [(title, getattr(scores, axis)) for axis, title in (
-        ("ffn", "FFN neurons"), ("shared_ffn", "shared-expert neurons"),
-        ("attention_heads", "attention heads"), ("experts", "experts (REAP)")) if getattr(scores, axis)]
+    panels += [
+        (title, getattr(scores, axis))
+        for axis, title in (
+            ("ffn", "FFN neurons"),
+            ("shared_ffn", "shared-expert neurons"),
+            ("attention_heads", "attention heads"),
+            ("experts", "experts (REAP)"),
+        )
+        if getattr(scores, axis)
+    ]
     if scores.mamba:
         panels.append(("Mamba heads", {k: scores.mamba_head_scores(k) for k in scores.mamba}))
-        panels.append(("Mamba head channels", {k: scores.mamba_channel_scores(k) for k in scores.mamba}))
+        panels.append(
+            ("Mamba head channels", {k: scores.mamba_channel_scores(k) for k in scores.mamba})
+        )
     cols = 3
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), dpi=100, squeeze=False)
     for ax, (title, layers) in zip(axes.flat, panels):
         for layer, values in sorted(layers.items()):
             v = torch.sort(values.double(), descending=True).values
-            ax.plot((v / v.max().clamp(min=1e-30)).numpy(), label=f"layer {layer}" if layer else "all norms")
+            ax.plot(
+                (v / v.max().clamp(min=1e-30)).numpy(),
+                label=f"layer {layer}" if layer else "all norms",
+            )
         ax.set_title(title)
         ax.set_xlabel("rank")
         ax.set_ylabel("score / max")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle(f"importance over {scores.tokens} calibration tokens")
     fig.tight_layout()

@@ -9,14 +9,29 @@ attention layers and conv + SSM state caches for Mamba layers (``InferenceCache`
 The models to run come from ``nested.model`` (one budget's plain model).
 """
 
-from elastic_plugin.inference.budget_control import (BudgetControlResult, budget_control_generate,
-                                                    capped_thinking_generate)
+from elastic_plugin.inference.budget_control import (
+    BudgetControlResult,
+    budget_control_generate,
+    capped_thinking_generate,
+)
 from elastic_plugin.inference.cache import InferenceCache
 from elastic_plugin.inference.generate import GenerationResult, generate
 from elastic_plugin.inference.reference import full_logits, recompute_generate
 from elastic_plugin.inference.sampling import Sampler
 from elastic_plugin.inference.steps import decode_step, extend, extend_ragged, prefill
 
-__all__ = ["BudgetControlResult", "GenerationResult", "InferenceCache", "Sampler",
-           "budget_control_generate", "capped_thinking_generate", "decode_step", "extend",
-           "extend_ragged", "full_logits", "generate", "prefill", "recompute_generate"]
+__all__ = [
+    "BudgetControlResult",
+    "GenerationResult",
+    "InferenceCache",
+    "Sampler",
+    "budget_control_generate",
+    "capped_thinking_generate",
+    "decode_step",
+    "extend",
+    "extend_ragged",
+    "full_logits",
+    "generate",
+    "prefill",
+    "recompute_generate",
+]

@@ -9,8 +9,8 @@ answering model always starts right after a closed thinking block.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 
@@ -39,13 +39,22 @@ class BudgetControlResult:
         return [p + t + a for p, t, a in zip(self.prompts, self.thinking, self.answers)]
 
 
-def budget_control_generate(think_model: torch.nn.Module, answer_model: torch.nn.Module,
-                            prompts: Sequence[Sequence[int]], think_close: int,
-                            max_think_tokens: int, max_answer_tokens: int, *,
-                            answer_stop_tokens: Iterable[int] = (), greedy: bool = True,
-                            temperature: float = 1.0, top_k: int | None = None,
-                            top_p: float | None = None, seed: int = 0,
-                            max_length: int | None = None) -> BudgetControlResult:
+def budget_control_generate(
+    think_model: torch.nn.Module,
+    answer_model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    think_close: int,
+    max_think_tokens: int,
+    max_answer_tokens: int,
+    *,
+    answer_stop_tokens: Iterable[int] = (),
+    greedy: bool = True,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    max_length: int | None = None,
+) -> BudgetControlResult:
     """Think with ``think_model`` until ``think_close`` (``</think>``'s id) or
     ``max_think_tokens``, then answer with ``answer_model`` for up to ``max_answer_tokens``
     (stopping at ``answer_stop_tokens``). Prompts usually end with ``<think>``. Sampling
@@ -54,44 +63,78 @@ def budget_control_generate(think_model: torch.nn.Module, answer_model: torch.nn
     think_inner, answer_inner = check_model(think_model), check_model(answer_model)
     vocab = int(think_inner.vocab_size)
     if int(answer_inner.vocab_size) != vocab:
-        raise ConfigError(f"think_model and answer_model must share a vocabulary; got "
-                          f"{vocab} and {int(answer_inner.vocab_size)} tokens")
-    if (isinstance(think_close, bool) or not isinstance(think_close, int)
-            or not 0 <= think_close < vocab):
+        raise ConfigError(
+            f"think_model and answer_model must share a vocabulary; got "
+            f"{vocab} and {int(answer_inner.vocab_size)} tokens"
+        )
+    if (
+        isinstance(think_close, bool)
+        or not isinstance(think_close, int)
+        or not 0 <= think_close < vocab
+    ):
         raise ConfigError(f"think_close={think_close!r}: must be a token id in [0, {vocab})")
     context = min(int(think_inner.max_sequence_length), int(answer_inner.max_sequence_length))
     max_length = context if max_length is None else max_length
-    if (isinstance(max_length, bool) or not isinstance(max_length, int)
-            or not 3 <= max_length <= context):
-        raise ConfigError(f"max_length={max_length!r}: must be an int in [3, {context}] (the "
-                          f"smaller max_sequence_length of the two models)")
+    if (
+        isinstance(max_length, bool)
+        or not isinstance(max_length, int)
+        or not 3 <= max_length <= context
+    ):
+        raise ConfigError(
+            f"max_length={max_length!r}: must be an int in [3, {context}] (the "
+            f"smaller max_sequence_length of the two models)"
+        )
     sampling = dict(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
     # leave room for a forced </think> and at least one answer token
-    think = generate(think_model, prompts, max_think_tokens, stop_tokens=[think_close],
-                     seed=seed, max_length=max_length - 2, **sampling)
+    think = generate(
+        think_model,
+        prompts,
+        max_think_tokens,
+        stop_tokens=[think_close],
+        seed=seed,
+        max_length=max_length - 2,
+        **sampling,
+    )
     thinking, forced = [], []
     for tokens in think.tokens:
         closed = bool(tokens) and tokens[-1] == think_close
         thinking.append(tokens if closed else tokens + [think_close])
         forced.append(not closed)
-    answer = generate(answer_model, [p + t for p, t in zip(think.prompts, thinking)],
-                      max_answer_tokens, stop_tokens=answer_stop_tokens, seed=seed + 1,
-                      max_length=max_length, **sampling)
+    answer = generate(
+        answer_model,
+        [p + t for p, t in zip(think.prompts, thinking)],
+        max_answer_tokens,
+        stop_tokens=answer_stop_tokens,
+        seed=seed + 1,
+        max_length=max_length,
+        **sampling,
+    )
     return BudgetControlResult(think.prompts, thinking, forced, answer.tokens, think, answer)
 
 
-def capped_thinking_generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
-                             think_close: int, max_think_tokens: int, max_answer_tokens: int, *,
-                             answer_stop_tokens: Iterable[int] = (), greedy: bool = True,
-                             temperature: float = 1.0, top_k: int | None = None,
-                             top_p: float | None = None, seed: int = 0,
-                             max_length: int | None = None) -> GenerationResult:
+def capped_thinking_generate(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    think_close: int,
+    max_think_tokens: int,
+    max_answer_tokens: int,
+    *,
+    answer_stop_tokens: Iterable[int] = (),
+    greedy: bool = True,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    max_length: int | None = None,
+) -> GenerationResult:
     """Standard budget control, the baseline of the elastic kind: one model, and a sequence
     whose thinking reaches ``max_think_tokens`` without ``think_close`` gets ``think_close``
     emitted in place of its next token; the answer continues on the same cache (no switch, no
     re-prefill). Stops at ``answer_stop_tokens`` or after ``max_answer_tokens`` answer tokens."""
-    for name, value in (("max_think_tokens", max_think_tokens),
-                        ("max_answer_tokens", max_answer_tokens)):
+    for name, value in (
+        ("max_think_tokens", max_think_tokens),
+        ("max_answer_tokens", max_answer_tokens),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name}={value!r}: must be an int >= 1")
 
@@ -101,10 +144,22 @@ def capped_thinking_generate(model: torch.nn.Module, prompts: Sequence[Sequence[
         return None
 
     def answer_done(row: int, generated: list[int]) -> bool:
-        return think_close in generated and \
-            len(generated) - generated.index(think_close) - 1 >= max_answer_tokens
+        return (
+            think_close in generated
+            and len(generated) - generated.index(think_close) - 1 >= max_answer_tokens
+        )
 
-    return generate(model, prompts, max_think_tokens + 1 + max_answer_tokens,
-                    stop_tokens=answer_stop_tokens, seed=seed, max_length=max_length,
-                    override=force_close, finished=answer_done, greedy=greedy, temperature=temperature, top_k=top_k,
-                    top_p=top_p)
+    return generate(
+        model,
+        prompts,
+        max_think_tokens + 1 + max_answer_tokens,
+        stop_tokens=answer_stop_tokens,
+        seed=seed,
+        max_length=max_length,
+        override=force_close,
+        finished=answer_done,
+        greedy=greedy,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+    )

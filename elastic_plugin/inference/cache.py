@@ -23,7 +23,7 @@ SSM_STATE_DTYPE = torch.float32
 
 
 def layer_kind(layer: torch.nn.Module) -> str:
-    """"mamba", "attention" or "positionwise" (MLP / MoE: no state across tokens)."""
+    """ "mamba", "attention" or "positionwise" (MLP / MoE: no state across tokens)."""
     kind = hybrid_layer_kind(layer)
     return kind if kind in ("mamba", "attention") else "positionwise"
 
@@ -49,15 +49,20 @@ class InferenceCache:
     rope: torch.Tensor | None = None
 
     @classmethod
-    def allocate(cls, model: torch.nn.Module, batch: int, max_length: int) -> "InferenceCache":
+    def allocate(cls, model: torch.nn.Module, batch: int, max_length: int) -> InferenceCache:
         """Empty (zero) caches for ``model`` (a plain TP=PP=1 ``HybridModel``)."""
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ConfigError(f"batch={batch!r}: must be a positive int")
         limit = int(model.max_sequence_length)
-        if (isinstance(max_length, bool) or not isinstance(max_length, int)
-                or not 1 <= max_length <= limit):
-            raise ConfigError(f"max_length={max_length!r}: must be an int in [1, {limit}] "
-                              f"(the model's max_sequence_length)")
+        if (
+            isinstance(max_length, bool)
+            or not isinstance(max_length, int)
+            or not 1 <= max_length <= limit
+        ):
+            raise ConfigError(
+                f"max_length={max_length!r}: must be an int in [1, {limit}] "
+                f"(the model's max_sequence_length)"
+            )
         param = next(model.parameters())
         device, dtype = param.device, param.dtype
         cache = cls(batch, max_length, torch.zeros(batch, dtype=torch.long, device=device))
@@ -65,17 +70,32 @@ class InferenceCache:
             kind = layer_kind(layer)
             if kind == "attention":
                 core = layer.self_attention
-                shape = (batch, max_length, core.num_query_groups_per_partition,
-                         core.hidden_size_per_attention_head)
+                shape = (
+                    batch,
+                    max_length,
+                    core.num_query_groups_per_partition,
+                    core.hidden_size_per_attention_head,
+                )
                 cache.keys[index] = torch.zeros(shape, dtype=dtype, device=device)
                 cache.values[index] = torch.zeros(shape, dtype=dtype, device=device)
             elif kind == "mamba":
                 mixer = layer.mixer
                 width = mixer.conv1d_weight.shape[-1]
-                cache.conv[index] = torch.zeros(batch, mixer.conv1d_weight.shape[0], width - 1,
-                                                dtype=mixer.conv1d_weight.dtype, device=device)
-                cache.ssm[index] = torch.zeros(batch, mixer.nheads_local_tp, mixer.headdim,
-                                               mixer.d_state, dtype=SSM_STATE_DTYPE, device=device)
+                cache.conv[index] = torch.zeros(
+                    batch,
+                    mixer.conv1d_weight.shape[0],
+                    width - 1,
+                    dtype=mixer.conv1d_weight.dtype,
+                    device=device,
+                )
+                cache.ssm[index] = torch.zeros(
+                    batch,
+                    mixer.nheads_local_tp,
+                    mixer.headdim,
+                    mixer.d_state,
+                    dtype=SSM_STATE_DTYPE,
+                    device=device,
+                )
         if getattr(model, "position_embedding_type", "none") == "rope":
             table = model.rotary_pos_emb(max_length)  # [max_length, 1, 1, rot_dim]
             cache.rope = table.reshape(max_length, table.shape[-1])
@@ -83,8 +103,12 @@ class InferenceCache:
 
     def nbytes(self) -> int:
         """Bytes held by the K/V, conv and SSM tensors."""
-        tensors = [*self.keys.values(), *self.values.values(), *self.conv.values(),
-                   *self.ssm.values()]
+        tensors = [
+            *self.keys.values(),
+            *self.values.values(),
+            *self.conv.values(),
+            *self.ssm.values(),
+        ]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def reset(self, rows: torch.Tensor | None = None) -> None:

@@ -20,11 +20,11 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-from elastic_plugin.data.tasks import THINK_CLOSE, parse_completion
 from elastic_plugin.checkpoint.meta import (
     budget_label,
     match_budget,
@@ -34,12 +34,21 @@ from elastic_plugin.checkpoint.meta import (
     trained_budgets,
     trained_listing,
 )
+from elastic_plugin.data.tasks import THINK_CLOSE, parse_completion
 from elastic_plugin.models.config import ConfigError, config_from_dict
 
-__all__ = ["GeneratePlan", "EXIT_BAD_INPUT", "format_summary", "plan_generation", "register_subcommand",
-           "run_generate", "run_plan"]
+__all__ = [
+    "GeneratePlan",
+    "EXIT_BAD_INPUT",
+    "format_summary",
+    "plan_generation",
+    "register_subcommand",
+    "run_generate",
+    "run_plan",
+]
 
 from elastic_plugin.cli_errors import EXIT_BAD_INPUT, report_bad_input
+
 PROG = "elastic-plugin generate"
 EOD_TOKEN = "<eod>"  # = data.tokenizer.EOD_TOKEN (that module imports Megatron)
 MODES = ("generate", "capped_thinking", "budget_control")
@@ -49,59 +58,125 @@ _CONTROL_RESERVE = 2
 
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "generate", help="generate text with a (nested) model; elastic budget control",
+        "generate",
+        help="generate text with a (nested) model; elastic budget control",
         description="Complete text prompts with the nested model of a trained budget of an elastic "
         "checkpoint, or with an extracted / plain checkpoint. Every prompt is prefixed with the "
         "tokenizer's eod token: training packs documents with eod separators, so a document "
         "always starts right after one (on the demo teacher: 30% accuracy without the prefix, "
         "38% with it). Elastic budget control thinks with a small nested model and answers with "
-        "a larger one.")
-    parser.add_argument("--ckpt", required=True, metavar="DIR",
-                        help="an elastic checkpoint (needs a budget), or an extracted / plain "
-                        "Megatron checkpoint of this plugin (no budget flags)")
-    parser.add_argument("--tokenizer", default=None, metavar="PATH",
-                        help="tokenizer.json (or a directory holding one); default: the one the "
-                        "checkpoint's elastic_meta.json records")
+        "a larger one.",
+    )
+    parser.add_argument(
+        "--ckpt",
+        required=True,
+        metavar="DIR",
+        help="an elastic checkpoint (needs a budget), or an extracted / plain "
+        "Megatron checkpoint of this plugin (no budget flags)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="tokenizer.json (or a directory holding one); default: the one the "
+        "checkpoint's elastic_meta.json records",
+    )
     budgets = parser.add_argument_group("budgets (elastic checkpoints: trained budgets only)")
-    budgets.add_argument("--budget", type=float, default=None, metavar="B",
-                         help="generate with the nested model of budget B")
-    budgets.add_argument("--think-budget", type=float, default=None, metavar="B1",
-                         help="elastic budget control: think with budget B1 until </think> (or "
-                         "--max-think-tokens) ...")
-    budgets.add_argument("--answer-budget", type=float, default=None, metavar="B2",
-                         help="... then answer with budget B2")
-    budgets.add_argument("--max-think-tokens", "--think-cap", dest="max_think_tokens", type=int,
-                         default=None, metavar="N",
-                         help="cap thinking at N tokens, then force </think>. Without "
-                         "--think-budget: standard budget control with one model (the answer "
-                         "continues on the same cache); with it: the thinking cap of elastic "
-                         "budget control (default: the model's context)")
+    budgets.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="B",
+        help="generate with the nested model of budget B",
+    )
+    budgets.add_argument(
+        "--think-budget",
+        type=float,
+        default=None,
+        metavar="B1",
+        help="elastic budget control: think with budget B1 until </think> (or "
+        "--max-think-tokens) ...",
+    )
+    budgets.add_argument(
+        "--answer-budget",
+        type=float,
+        default=None,
+        metavar="B2",
+        help="... then answer with budget B2",
+    )
+    budgets.add_argument(
+        "--max-think-tokens",
+        "--think-cap",
+        dest="max_think_tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="cap thinking at N tokens, then force </think>. Without "
+        "--think-budget: standard budget control with one model (the answer "
+        "continues on the same cache); with it: the thinking cap of elastic "
+        "budget control (default: the model's context)",
+    )
     prompts = parser.add_argument_group("prompts (each gets the eod token prefixed)")
     source = prompts.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt", action="append", default=None, metavar="TEXT",
-                        help="a prompt (repeat for a batch); text, tokenized with the checkpoint's "
-                        "tokenizer after an eod token")
-    source.add_argument("--prompts-file", default=None, metavar="FILE",
-                        help="a text file with one prompt per line (blank lines are skipped)")
+    source.add_argument(
+        "--prompt",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="a prompt (repeat for a batch); text, tokenized with the checkpoint's "
+        "tokenizer after an eod token",
+    )
+    source.add_argument(
+        "--prompts-file",
+        default=None,
+        metavar="FILE",
+        help="a text file with one prompt per line (blank lines are skipped)",
+    )
     gen = parser.add_argument_group("generation")
-    gen.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
-                     help="tokens to generate (default 64); with budget control: answer tokens "
-                     "after </think>")
-    gen.add_argument("--stop", action="extend", nargs="+", default=None, metavar="TOKEN",
-                     help=f"stop after any of these tokens (token strings of the checkpoint's "
-                     f"tokenizer, e.g. {EOD_TOKEN}; default: the eod token)")
-    gen.add_argument("--greedy", action="store_true",
-                     help="greedy decoding (the default when no sampling flag is given)")
-    gen.add_argument("--temperature", type=float, default=None, metavar="T",
-                     help="sample at temperature T > 0 (default 1 when sampling)")
-    gen.add_argument("--top-k", type=int, default=None, metavar="K",
-                     help="sample from the K most likely tokens")
-    gen.add_argument("--top-p", type=float, default=None, metavar="P",
-                     help="sample from the smallest set of tokens with probability >= P")
-    gen.add_argument("--seed", type=int, default=None, metavar="S",
-                     help="sampling seed (default 0)")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object instead of readable lines")
+    gen.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=64,
+        metavar="N",
+        help="tokens to generate (default 64); with budget control: answer tokens after </think>",
+    )
+    gen.add_argument(
+        "--stop",
+        action="extend",
+        nargs="+",
+        default=None,
+        metavar="TOKEN",
+        help=f"stop after any of these tokens (token strings of the checkpoint's "
+        f"tokenizer, e.g. {EOD_TOKEN}; default: the eod token)",
+    )
+    gen.add_argument(
+        "--greedy",
+        action="store_true",
+        help="greedy decoding (the default when no sampling flag is given)",
+    )
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        metavar="T",
+        help="sample at temperature T > 0 (default 1 when sampling)",
+    )
+    gen.add_argument(
+        "--top-k", type=int, default=None, metavar="K", help="sample from the K most likely tokens"
+    )
+    gen.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        metavar="P",
+        help="sample from the smallest set of tokens with probability >= P",
+    )
+    gen.add_argument(
+        "--seed", type=int, default=None, metavar="S", help="sampling seed (default 0)"
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of readable lines"
+    )
     parser.set_defaults(func=run_generate)
 
 
@@ -112,11 +187,11 @@ class GeneratePlan:
 
     ckpt: str
     kind: str
-    mode: str                       # one of MODES
-    budgets: list[float | None]     # [one] for generate / capped_thinking, [think, answer]
+    mode: str  # one of MODES
+    budgets: list[float | None]  # [one] for generate / capped_thinking, [think, answer]
     tokenizer_path: str
     prompts: list[str]
-    prompt_ids: list[list[int]]     # eod + the tokenized text
+    prompt_ids: list[list[int]]  # eod + the tokenized text
     stop_tokens: list[str]
     stop_ids: list[int]
     eod: int
@@ -149,15 +224,19 @@ def _trained_budget(flag: str, budget: float, meta: Mapping[str, Any], ckpt: str
         raise ConfigError(f"{flag} {budget}: not a number; trained budgets: {listing}")
     match = match_budget(budget, trained)
     if match is None:
-        raise ConfigError(f"{flag} {budget_label(budget)} was not trained; trained budgets: {listing}")
+        raise ConfigError(
+            f"{flag} {budget_label(budget)} was not trained; trained budgets: {listing}"
+        )
     choice = stored_choice(meta, match, ckpt)
     per_layer = _per_layer_axis(choice)
     if per_layer is not None:
         axis, sizes = per_layer
-        raise ConfigError(f"{flag} {budget_label(match)}: the nested model has per-layer sizes "
-                          f"({axis}={sizes}); generation runs a plain Megatron-Core model, which "
-                          f"builds every layer of a kind alike; choose another budget (one size "
-                          f"per axis)")
+        raise ConfigError(
+            f"{flag} {budget_label(match)}: the nested model has per-layer sizes "
+            f"({axis}={sizes}); generation runs a plain Megatron-Core model, which "
+            f"builds every layer of a kind alike; choose another budget (one size "
+            f"per axis)"
+        )
     return match
 
 
@@ -165,35 +244,54 @@ def _budgets(args: argparse.Namespace, meta: Mapping[str, Any]) -> tuple[str, li
     """The mode and the budget(s) of the models to load."""
     control = args.think_budget is not None or args.answer_budget is not None
     if control and args.budget is not None:
-        raise ConfigError("--budget and --think-budget/--answer-budget exclude each other: --budget "
-                          "B for one model (with --max-think-tokens N: capped thinking), or "
-                          "--think-budget B1 --answer-budget B2 for elastic budget control")
+        raise ConfigError(
+            "--budget and --think-budget/--answer-budget exclude each other: --budget "
+            "B for one model (with --max-think-tokens N: capped thinking), or "
+            "--think-budget B1 --answer-budget B2 for elastic budget control"
+        )
     if control and (args.think_budget is None or args.answer_budget is None):
-        given, missing = (("--think-budget", "--answer-budget") if args.answer_budget is None
-                          else ("--answer-budget", "--think-budget"))
-        raise ConfigError(f"{given} needs {missing}: elastic budget control thinks with the "
-                          f"--think-budget model and answers with the --answer-budget model")
-    mode = "budget_control" if control else (
-        "capped_thinking" if args.max_think_tokens is not None else "generate")
+        given, missing = (
+            ("--think-budget", "--answer-budget")
+            if args.answer_budget is None
+            else ("--answer-budget", "--think-budget")
+        )
+        raise ConfigError(
+            f"{given} needs {missing}: elastic budget control thinks with the "
+            f"--think-budget model and answers with the --answer-budget model"
+        )
+    mode = (
+        "budget_control"
+        if control
+        else ("capped_thinking" if args.max_think_tokens is not None else "generate")
+    )
     kind = meta.get("kind")
     if kind != "elastic":
         if control or args.budget is not None:
-            flag, value = (("--budget", args.budget) if args.budget is not None
-                           else ("--think-budget", args.think_budget))
-            raise ConfigError(f"{flag} {budget_label(value)}: --ckpt {args.ckpt} is a {kind!r} "
-                              f"checkpoint holding one model; budget flags (--budget, "
-                              f"--think-budget, --answer-budget) need an elastic checkpoint "
-                              f"(drop them)")
+            flag, value = (
+                ("--budget", args.budget)
+                if args.budget is not None
+                else ("--think-budget", args.think_budget)
+            )
+            raise ConfigError(
+                f"{flag} {budget_label(value)}: --ckpt {args.ckpt} is a {kind!r} "
+                f"checkpoint holding one model; budget flags (--budget, "
+                f"--think-budget, --answer-budget) need an elastic checkpoint "
+                f"(drop them)"
+            )
         return mode, [None]
     meta = read_elastic_meta(args.ckpt)
     if not control and args.budget is None:
         listing = trained_listing(trained_budgets(meta))
-        raise ConfigError(f"--ckpt {args.ckpt} is an elastic checkpoint: choose a trained budget "
-                          f"with --budget B (or --think-budget B1 --answer-budget B2); trained "
-                          f"budgets: {listing}")
+        raise ConfigError(
+            f"--ckpt {args.ckpt} is an elastic checkpoint: choose a trained budget "
+            f"with --budget B (or --think-budget B1 --answer-budget B2); trained "
+            f"budgets: {listing}"
+        )
     if control:
-        return mode, [_trained_budget("--think-budget", args.think_budget, meta, args.ckpt),
-                      _trained_budget("--answer-budget", args.answer_budget, meta, args.ckpt)]
+        return mode, [
+            _trained_budget("--think-budget", args.think_budget, meta, args.ckpt),
+            _trained_budget("--answer-budget", args.answer_budget, meta, args.ckpt),
+        ]
     return mode, [_trained_budget("--budget", args.budget, meta, args.ckpt)]
 
 
@@ -204,17 +302,23 @@ def _tokenizer_path(args: argparse.Namespace, meta: Mapping[str, Any]) -> str:
     if args.tokenizer is not None:
         path = resolve(Path(args.tokenizer))
         if not path.is_file():
-            raise ConfigError(f"--tokenizer {args.tokenizer}: no such file (a tokenizer.json, or "
-                              f"a directory holding one)")
+            raise ConfigError(
+                f"--tokenizer {args.tokenizer}: no such file (a tokenizer.json, or "
+                f"a directory holding one)"
+            )
         return str(path)
     recorded = meta.get("tokenizer")
     if not recorded:
-        raise ConfigError(f"--ckpt {args.ckpt}: its elastic_meta.json records no tokenizer; pass "
-                          f"--tokenizer PATH (the tokenizer.json the model was trained with)")
+        raise ConfigError(
+            f"--ckpt {args.ckpt}: its elastic_meta.json records no tokenizer; pass "
+            f"--tokenizer PATH (the tokenizer.json the model was trained with)"
+        )
     path = resolve(Path(recorded))
     if not path.is_file():
-        raise ConfigError(f"--ckpt {args.ckpt} was trained with the tokenizer {recorded}, which is "
-                          f"not readable here; pass --tokenizer PATH")
+        raise ConfigError(
+            f"--ckpt {args.ckpt} was trained with the tokenizer {recorded}, which is "
+            f"not readable here; pass --tokenizer PATH"
+        )
     return str(path)
 
 
@@ -245,7 +349,9 @@ def _read_prompts(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
         if not numbered:
             raise ConfigError(f"--prompts-file {path}: has no prompts (one per line)")
-        return [line for _, line in numbered], [f"--prompts-file {path} line {n}" for n, _ in numbered]
+        return [line for _, line in numbered], [
+            f"--prompts-file {path} line {n}" for n, _ in numbered
+        ]
     for i, text in enumerate(args.prompt):
         if not text.strip():
             raise ConfigError(f"--prompt {i + 1} is empty: a prompt needs some text")
@@ -253,27 +359,46 @@ def _read_prompts(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 
 def _sampling(args: argparse.Namespace, vocab: int) -> tuple[dict[str, Any], int]:
-    sampled = [flag for flag, value in (("--temperature", args.temperature),
-                                        ("--top-k", args.top_k), ("--top-p", args.top_p))
-               if value is not None]
+    sampled = [
+        flag
+        for flag, value in (
+            ("--temperature", args.temperature),
+            ("--top-k", args.top_k),
+            ("--top-p", args.top_p),
+        )
+        if value is not None
+    ]
     if args.greedy and sampled:
-        raise ConfigError(f"--greedy and {'/'.join(sampled)} exclude each other: greedy decoding "
-                          f"is the default; the sampling flags switch to sampling")
+        raise ConfigError(
+            f"--greedy and {'/'.join(sampled)} exclude each other: greedy decoding "
+            f"is the default; the sampling flags switch to sampling"
+        )
     if not sampled:
         if args.seed is not None:
-            raise ConfigError(f"--seed {args.seed}: goes with sampling (--temperature T, --top-k K, "
-                              f"--top-p P); greedy decoding draws nothing")
+            raise ConfigError(
+                f"--seed {args.seed}: goes with sampling (--temperature T, --top-k K, "
+                f"--top-p P); greedy decoding draws nothing"
+            )
         return {"greedy": True, "temperature": 1.0, "top_k": None, "top_p": None}, 0
     temperature = 1.0 if args.temperature is None else args.temperature
     if not (math.isfinite(temperature) and temperature > 0):
-        raise ConfigError(f"--temperature {args.temperature}: must be a number > 0 (for greedy "
-                          f"decoding pass --greedy, or leave out the sampling flags)")
+        raise ConfigError(
+            f"--temperature {args.temperature}: must be a number > 0 (for greedy "
+            f"decoding pass --greedy, or leave out the sampling flags)"
+        )
     if args.top_k is not None and not 1 <= args.top_k <= vocab:
         raise ConfigError(f"--top-k {args.top_k}: must be in [1, {vocab}] (the vocabulary)")
     if args.top_p is not None and not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
         raise ConfigError(f"--top-p {args.top_p}: must be in (0, 1]")
-    return ({"greedy": False, "temperature": float(temperature), "top_k": args.top_k,
-             "top_p": args.top_p}, 0 if args.seed is None else args.seed)
+    return (
+        {
+            "greedy": False,
+            "temperature": float(temperature),
+            "top_k": args.top_k,
+            "top_p": args.top_p,
+        },
+        0 if args.seed is None else args.seed,
+    )
 
 
 def plan_generation(args: argparse.Namespace) -> GeneratePlan:
@@ -291,24 +416,31 @@ def plan_generation(args: argparse.Namespace) -> GeneratePlan:
     backend = _load_backend(path)
     size = backend.get_vocab_size(with_added_tokens=True)
     if size > vocab:
-        raise ConfigError(f"--tokenizer {path}: {size} tokens, more than the model's vocabulary "
-                          f"({vocab}); is it the tokenizer this model was trained with?")
+        raise ConfigError(
+            f"--tokenizer {path}: {size} tokens, more than the model's vocabulary "
+            f"({vocab}); is it the tokenizer this model was trained with?"
+        )
     eod = backend.token_to_id(EOD_TOKEN)
     if eod is None:
-        raise ConfigError(f"--tokenizer {path}: has no {EOD_TOKEN} token (every prompt is "
-                          f"prefixed with it); special tokens: {', '.join(_special_tokens(backend))}")
+        raise ConfigError(
+            f"--tokenizer {path}: has no {EOD_TOKEN} token (every prompt is "
+            f"prefixed with it); special tokens: {', '.join(_special_tokens(backend))}"
+        )
     think_close = backend.token_to_id(THINK_CLOSE)
     if mode != "generate" and think_close is None:
         flag = "--think-budget" if mode == "budget_control" else "--max-think-tokens"
-        raise ConfigError(f"{flag}: budget control needs a {THINK_CLOSE} token, and the tokenizer "
-                          f"{path} has none")
+        raise ConfigError(
+            f"{flag}: budget control needs a {THINK_CLOSE} token, and the tokenizer {path} has none"
+        )
     stop_tokens = list(args.stop) if args.stop else [EOD_TOKEN]
     stop_ids = []
     for token in stop_tokens:
         ident = backend.token_to_id(token)
         if ident is None:
-            raise ConfigError(f"--stop {token!r}: not a token of the tokenizer {path}; its special "
-                              f"tokens: {', '.join(_special_tokens(backend))}")
+            raise ConfigError(
+                f"--stop {token!r}: not a token of the tokenizer {path}; its special "
+                f"tokens: {', '.join(_special_tokens(backend))}"
+            )
         stop_ids.append(ident)
 
     texts, names = _read_prompts(args)
@@ -317,20 +449,46 @@ def plan_generation(args: argparse.Namespace) -> GeneratePlan:
     for name, text in zip(names, texts):
         ids = [eod, *backend.encode(text, add_special_tokens=False).ids]
         if len(ids) > limit:
-            why = " (budget control keeps 2 positions for </think> and the answer)" \
-                if mode == "budget_control" else ""
-            raise ConfigError(f"{name} has {len(ids)} tokens with the {EOD_TOKEN} prefix; the "
-                              f"model's max_sequence_length is {context}, so a prompt may have at "
-                              f"most {limit} tokens{why}")
+            why = (
+                " (budget control keeps 2 positions for </think> and the answer)"
+                if mode == "budget_control"
+                else ""
+            )
+            raise ConfigError(
+                f"{name} has {len(ids)} tokens with the {EOD_TOKEN} prefix; the "
+                f"model's max_sequence_length is {context}, so a prompt may have at "
+                f"most {limit} tokens{why}"
+            )
         prompt_ids.append(ids)
-    return GeneratePlan(str(args.ckpt), str(meta.get("kind")), mode, budgets, path, texts,
-                        prompt_ids, stop_tokens, stop_ids, eod, think_close, args.max_new_tokens,
-                        args.max_think_tokens, sampling, seed, context)
+    return GeneratePlan(
+        str(args.ckpt),
+        str(meta.get("kind")),
+        mode,
+        budgets,
+        path,
+        texts,
+        prompt_ids,
+        stop_tokens,
+        stop_ids,
+        eod,
+        think_close,
+        args.max_new_tokens,
+        args.max_think_tokens,
+        sampling,
+        seed,
+        context,
+    )
 
 
 # ------------------------------------------------------------------------------ generation
-def _record(plan: GeneratePlan, tokenizer, index: int, tokens: Sequence[int], reason: str,
-            think_forced: bool | None) -> dict[str, Any]:
+def _record(
+    plan: GeneratePlan,
+    tokenizer,
+    index: int,
+    tokens: Sequence[int],
+    reason: str,
+    think_forced: bool | None,
+) -> dict[str, Any]:
     """One prompt's result: the completion without its stop token, split by ``parse_completion``."""
     tokens = [int(t) for t in tokens]
     body = tokens[:-1] if reason == "stop_token" else tokens
@@ -338,13 +496,21 @@ def _record(plan: GeneratePlan, tokenizer, index: int, tokens: Sequence[int], re
     thinking, answer = parse_completion(completion)
     closed = plan.think_close is not None and plan.think_close in body
     think = body.index(plan.think_close) + 1 if closed else 0
-    return {"prompt": plan.prompts[index], "prompt_tokens": len(plan.prompt_ids[index]),
-            "tokens": tokens, "generated_tokens": len(tokens), "completion": completion,
-            "thinking": thinking, "answer": answer, "think_tokens": think,
-            "think_closed": closed, "think_forced": think_forced,
-            "answer_tokens": len(body) - think, "stop_reason": reason,
-            "stop_token": tokenizer.backend.id_to_token(tokens[-1]) if reason == "stop_token"
-            else None}
+    return {
+        "prompt": plan.prompts[index],
+        "prompt_tokens": len(plan.prompt_ids[index]),
+        "tokens": tokens,
+        "generated_tokens": len(tokens),
+        "completion": completion,
+        "thinking": thinking,
+        "answer": answer,
+        "think_tokens": think,
+        "think_closed": closed,
+        "think_forced": think_forced,
+        "answer_tokens": len(body) - think,
+        "stop_reason": reason,
+        "stop_token": tokenizer.backend.id_to_token(tokens[-1]) if reason == "stop_token" else None,
+    }
 
 
 def _timings(phases: Mapping[str, Any]) -> dict[str, Any]:
@@ -354,13 +520,21 @@ def _timings(phases: Mapping[str, Any]) -> dict[str, Any]:
     generated = sum(sum(r.num_generated) for r in phases.values())
     decoded = sum(sum(max(n - 1, 0) for n in r.num_generated) for r in phases.values())
     out: dict[str, Any] = {
-        "prefill_s": prefill, "decode_s": decode, "generated_tokens": generated,
+        "prefill_s": prefill,
+        "decode_s": decode,
+        "generated_tokens": generated,
         "tokens_per_s": generated / (prefill + decode) if prefill + decode > 0 else None,
-        "decode_tokens_per_s": decoded / decode if decode > 0 else None}
+        "decode_tokens_per_s": decoded / decode if decode > 0 else None,
+    }
     if len(phases) > 1:
-        out["phases"] = {name: {"prefill_s": r.prefill_s, "decode_s": r.decode_s,
-                                "generated_tokens": sum(r.num_generated)}
-                         for name, r in phases.items()}
+        out["phases"] = {
+            name: {
+                "prefill_s": r.prefill_s,
+                "decode_s": r.decode_s,
+                "generated_tokens": sum(r.num_generated),
+            }
+            for name, r in phases.items()
+        }
     return out
 
 
@@ -368,8 +542,8 @@ def run_plan(plan: GeneratePlan) -> dict[str, Any]:
     """Load the model(s) and generate; returns the JSON-ready summary."""
     from elastic_plugin.data.tokenizer import JsonTokenizer
     from elastic_plugin.inference import budget_control_generate, capped_thinking_generate, generate
-    from elastic_plugin.nested.model import load_nested_models
     from elastic_plugin.models.counting import count_parameters
+    from elastic_plugin.nested.model import load_nested_models
 
     tokenizer = JsonTokenizer.from_file(plan.tokenizer_path)
     begin = time.perf_counter()
@@ -385,40 +559,89 @@ def run_plan(plan: GeneratePlan) -> dict[str, Any]:
 
     if plan.mode == "budget_control":
         max_think = plan.max_think_tokens or plan.max_sequence_length
-        result = budget_control_generate(loaded[0][0], loaded[1][0], plan.prompt_ids,
-                                         plan.think_close, max_think, plan.max_new_tokens,
-                                         answer_stop_tokens=plan.stop_ids, **sampling)
-        records = [_record(plan, tokenizer, i, result.thinking[i] + result.answers[i],
-                           result.answer.stop_reasons[i], result.think_forced[i])
-                   for i in range(n)]
+        result = budget_control_generate(
+            loaded[0][0],
+            loaded[1][0],
+            plan.prompt_ids,
+            plan.think_close,
+            max_think,
+            plan.max_new_tokens,
+            answer_stop_tokens=plan.stop_ids,
+            **sampling,
+        )
+        records = [
+            _record(
+                plan,
+                tokenizer,
+                i,
+                result.thinking[i] + result.answers[i],
+                result.answer.stop_reasons[i],
+                result.think_forced[i],
+            )
+            for i in range(n)
+        ]
         timings = _timings({"think": result.think, "answer": result.answer})
     elif plan.mode == "capped_thinking":
-        result = capped_thinking_generate(loaded[0][0], plan.prompt_ids, plan.think_close,
-                                          plan.max_think_tokens, plan.max_new_tokens,
-                                          answer_stop_tokens=plan.stop_ids, **sampling)
+        result = capped_thinking_generate(
+            loaded[0][0],
+            plan.prompt_ids,
+            plan.think_close,
+            plan.max_think_tokens,
+            plan.max_new_tokens,
+            answer_stop_tokens=plan.stop_ids,
+            **sampling,
+        )
         records = []
         for i, tokens in enumerate(result.tokens):
             # the override emits </think> exactly at index max_think_tokens when thinking had
             # not closed; "policy" is the answer reaching --max-new-tokens
-            forced = plan.think_close in tokens and \
-                tokens.index(plan.think_close) == plan.max_think_tokens
+            forced = (
+                plan.think_close in tokens
+                and tokens.index(plan.think_close) == plan.max_think_tokens
+            )
             reason = result.stop_reasons[i]
-            records.append(_record(plan, tokenizer, i, tokens,
-                                   "max_new_tokens" if reason == "policy" else reason, forced))
+            records.append(
+                _record(
+                    plan,
+                    tokenizer,
+                    i,
+                    tokens,
+                    "max_new_tokens" if reason == "policy" else reason,
+                    forced,
+                )
+            )
         timings = _timings({"generate": result})
     else:
-        result = generate(loaded[0][0], plan.prompt_ids, plan.max_new_tokens,
-                          stop_tokens=plan.stop_ids, **sampling)
-        records = [_record(plan, tokenizer, i, tokens, result.stop_reasons[i], None)
-                   for i, tokens in enumerate(result.tokens)]
+        result = generate(
+            loaded[0][0],
+            plan.prompt_ids,
+            plan.max_new_tokens,
+            stop_tokens=plan.stop_ids,
+            **sampling,
+        )
+        records = [
+            _record(plan, tokenizer, i, tokens, result.stop_reasons[i], None)
+            for i, tokens in enumerate(result.tokens)
+        ]
         timings = _timings({"generate": result})
     timings["load_s"] = load_s
-    return {"ckpt": plan.ckpt, "kind": plan.kind, "mode": plan.mode, "tokenizer": plan.tokenizer_path,
-            "budgets": {role: models[role]["budget"] for role in roles}, "models": models,
-            "settings": {"max_new_tokens": plan.max_new_tokens,
-                         "max_think_tokens": plan.max_think_tokens, **sampling,
-                         "stop": plan.stop_tokens, "eod_prefix": True},
-            "timings": timings, "results": records}
+    return {
+        "ckpt": plan.ckpt,
+        "kind": plan.kind,
+        "mode": plan.mode,
+        "tokenizer": plan.tokenizer_path,
+        "budgets": {role: models[role]["budget"] for role in roles},
+        "models": models,
+        "settings": {
+            "max_new_tokens": plan.max_new_tokens,
+            "max_think_tokens": plan.max_think_tokens,
+            **sampling,
+            "stop": plan.stop_tokens,
+            "eod_prefix": True,
+        },
+        "timings": timings,
+        "results": records,
+    }
 
 
 # ------------------------------------------------------------------------------ output
@@ -426,8 +649,10 @@ def _model_line(role: str, info: Mapping[str, Any]) -> str:
     from elastic_plugin.models.counting import format_count
 
     budget = "full model" if info["budget"] is None else f"budget {budget_label(info['budget'])}"
-    return (f"{role}: {budget}, {format_count(info['params'])} params "
-            f"({format_count(info['active_params'])} active)")
+    return (
+        f"{role}: {budget}, {format_count(info['params'])} params "
+        f"({format_count(info['active_params'])} active)"
+    )
 
 
 def format_summary(summary: Mapping[str, Any]) -> str:
@@ -441,15 +666,19 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         elif not r["think_closed"]:
             think += " (no </think>)"
         stop = r["stop_reason"] + (f" {r['stop_token']}" if r["stop_token"] else "")
-        lines += [f"[{i}] {r['prompt']}", f"    completion: {r['completion']!r}",
-                  f"    answer: {r['answer']!r} | {think} | answer {r['answer_tokens']} tokens "
-                  f"| stop: {stop}"]
+        lines += [
+            f"[{i}] {r['prompt']}",
+            f"    completion: {r['completion']!r}",
+            f"    answer: {r['answer']!r} | {think} | answer {r['answer_tokens']} tokens "
+            f"| stop: {stop}",
+        ]
     t = summary["timings"]
     rate = "n/a" if t["tokens_per_s"] is None else f"{t['tokens_per_s']:.1f}"
-    lines.append(f"load {t['load_s']:.2f} s, prefill {t['prefill_s']:.3f} s, decode "
-                 f"{t['decode_s']:.3f} s, {t['generated_tokens']} tokens, {rate} tokens/s")
+    lines.append(
+        f"load {t['load_s']:.2f} s, prefill {t['prefill_s']:.3f} s, decode "
+        f"{t['decode_s']:.3f} s, {t['generated_tokens']} tokens, {rate} tokens/s"
+    )
     return "\n".join(lines)
-
 
 
 def run_generate(args: argparse.Namespace) -> int:

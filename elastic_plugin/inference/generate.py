@@ -10,8 +10,8 @@ each at its own position. A row that emits a stop token, reaches
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -63,10 +63,14 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_generation_input(prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                           stop_tokens: Iterable[int], max_length: int | None,
-                           vocab_size: int, max_sequence_length: int
-                           ) -> tuple[list[list[int]], set[int], int]:
+def check_generation_input(
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    stop_tokens: Iterable[int],
+    max_length: int | None,
+    vocab_size: int,
+    max_sequence_length: int,
+) -> tuple[list[list[int]], set[int], int]:
     """Everything that can be wrong with a request, found before any compute; returns the
     prompts as int lists, the stop-token set and the effective ``max_length``."""
     if isinstance(prompts, torch.Tensor):
@@ -78,25 +82,34 @@ def check_generation_input(prompts: Sequence[Sequence[int]], max_new_tokens: int
     if max_length is None:
         max_length = max_sequence_length
     if not _is_int(max_length) or not 2 <= max_length <= max_sequence_length:
-        raise ConfigError(f"max_length={max_length!r}: must be an int in [2, "
-                          f"{max_sequence_length}] (the model's max_sequence_length)")
+        raise ConfigError(
+            f"max_length={max_length!r}: must be an int in [2, "
+            f"{max_sequence_length}] (the model's max_sequence_length)"
+        )
     out: list[list[int]] = []
     for i, prompt in enumerate(prompts):
         ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
-            raise ConfigError(f"prompts[{i}]: must be a list of token ids, "
-                              f"got {type(prompt).__name__}")
+            raise ConfigError(
+                f"prompts[{i}]: must be a list of token ids, got {type(prompt).__name__}"
+            )
         if not ids:
             raise ConfigError(f"prompts[{i}] is empty: a prompt needs at least one token")
         if len(ids) >= max_length:
-            limit = ("the model's max_sequence_length" if max_length == max_sequence_length
-                     else f"max_length (model max_sequence_length {max_sequence_length})")
-            raise ConfigError(f"prompts[{i}] has {len(ids)} tokens; {limit} is {max_length}, so "
-                              f"a prompt may have at most {max_length - 1} tokens")
+            limit = (
+                "the model's max_sequence_length"
+                if max_length == max_sequence_length
+                else f"max_length (model max_sequence_length {max_sequence_length})"
+            )
+            raise ConfigError(
+                f"prompts[{i}] has {len(ids)} tokens; {limit} is {max_length}, so "
+                f"a prompt may have at most {max_length - 1} tokens"
+            )
         bad = [t for t in ids if not _is_int(t) or not 0 <= t < vocab_size]
         if bad:
-            raise ConfigError(f"prompts[{i}]: token ids {bad[:5]} are outside the vocabulary "
-                              f"[0, {vocab_size})")
+            raise ConfigError(
+                f"prompts[{i}]: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+            )
         out.append(list(ids))
     stops = list(stop_tokens or ())
     bad = [t for t in stops if not _is_int(t) or not 0 <= t < vocab_size]
@@ -105,8 +118,14 @@ def check_generation_input(prompts: Sequence[Sequence[int]], max_new_tokens: int
     return out, set(stops), max_length
 
 
-def stop_reason(token: int, generated: int, prompt_length: int, stops: set[int],
-                max_new_tokens: int, max_length: int) -> str | None:
+def stop_reason(
+    token: int,
+    generated: int,
+    prompt_length: int,
+    stops: set[int],
+    max_new_tokens: int,
+    max_length: int,
+) -> str | None:
     """Why a sequence stops after emitting ``token`` as its ``generated``-th token (None: go on)."""
     if token in stops:
         return "stop_token"
@@ -117,12 +136,21 @@ def stop_reason(token: int, generated: int, prompt_length: int, stops: set[int],
     return None
 
 
-def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-             greedy: bool = True, temperature: float = 1.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int = 0, stop_tokens: Iterable[int] = (),
-             max_length: int | None = None,
-             override: Callable[[int, list[int]], int | None] | None = None,
-             finished: Callable[[int, list[int]], bool] | None = None) -> GenerationResult:
+def generate(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    greedy: bool = True,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    stop_tokens: Iterable[int] = (),
+    max_length: int | None = None,
+    override: Callable[[int, list[int]], int | None] | None = None,
+    finished: Callable[[int, list[int]], bool] | None = None,
+) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt with KV / conv / SSM caches.
 
     ``model``: a plain TP=PP=EP=1 ``HybridModel`` (for a nested model of an elastic one, see
@@ -139,7 +167,8 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_t
     inner = check_model(model)
     vocab = int(inner.vocab_size)
     prompts, stops, max_length = check_generation_input(
-        prompts, max_new_tokens, stop_tokens, max_length, vocab, int(inner.max_sequence_length))
+        prompts, max_new_tokens, stop_tokens, max_length, vocab, int(inner.max_sequence_length)
+    )
     sampler = Sampler(greedy, temperature, top_k, top_p).check(vocab)
     if not _is_int(seed):
         raise ConfigError(f"seed={seed!r}: must be an int")
@@ -165,8 +194,9 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_t
                 token = int(forced)
                 next_tokens[position] = token
             tokens[row].append(token)
-            reasons[row] = stop_reason(token, len(tokens[row]), len(prompts[row]), stops,
-                                       max_new_tokens, max_length)
+            reasons[row] = stop_reason(
+                token, len(tokens[row]), len(prompts[row]), stops, max_new_tokens, max_length
+            )
             if reasons[row] is None and finished is not None and finished(row, tokens[row]):
                 reasons[row] = "policy"
             if reasons[row] is None:

@@ -10,7 +10,7 @@ path does not (an elastic model at an active choice). Rows of equal length run a
 from __future__ import annotations
 
 import time
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -33,17 +33,26 @@ def full_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens, positions, None)
 
 
-def recompute_generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
-                       max_new_tokens: int, *, greedy: bool = True, temperature: float = 1.0,
-                       top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                       stop_tokens: Iterable[int] = (), max_length: int | None = None
-                       ) -> GenerationResult:
+def recompute_generate(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    greedy: bool = True,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    stop_tokens: Iterable[int] = (),
+    max_length: int | None = None,
+) -> GenerationResult:
     """``generate``'s contract (same checks, stop rules, and sampling draws in the same order),
     computed by a full forward per step. ``prefill_s`` is the first step (all prompts)."""
     inner = getattr(model, "module", model)
     vocab = int(inner.vocab_size)
     prompts, stops, max_length = check_generation_input(
-        prompts, max_new_tokens, stop_tokens, max_length, vocab, int(inner.max_sequence_length))
+        prompts, max_new_tokens, stop_tokens, max_length, vocab, int(inner.max_sequence_length)
+    )
     sampler = Sampler(greedy, temperature, top_k, top_p).check(vocab)
     device = next(inner.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -69,8 +78,9 @@ def recompute_generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
         for row, token in zip(active, picks):
             sequences[row].append(token)
             tokens[row].append(token)
-            reasons[row] = stop_reason(token, len(tokens[row]), len(prompts[row]), stops,
-                                       max_new_tokens, max_length)
+            reasons[row] = stop_reason(
+                token, len(tokens[row]), len(prompts[row]), stops, max_new_tokens, max_length
+            )
             if reasons[row] is None:
                 still.append(row)
         active = still

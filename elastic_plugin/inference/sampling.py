@@ -27,25 +27,32 @@ class Sampler:
     top_k: int | None = None
     top_p: float | None = None
 
-    def check(self, vocab_size: int) -> "Sampler":
+    def check(self, vocab_size: int) -> Sampler:
         """Validate against the vocabulary; returns self."""
         if not isinstance(self.greedy, bool):
             raise ConfigError(f"greedy={self.greedy!r}: must be True or False")
-        if self.greedy and (self.temperature != 1.0 or self.top_k is not None
-                            or self.top_p is not None):
-            raise ConfigError("temperature / top_k / top_p are sampling settings: pass "
-                              "greedy=False with them")
+        if self.greedy and (
+            self.temperature != 1.0 or self.top_k is not None or self.top_p is not None
+        ):
+            raise ConfigError(
+                "temperature / top_k / top_p are sampling settings: pass greedy=False with them"
+            )
         t = self.temperature
-        if (isinstance(t, bool) or not isinstance(t, (int, float))
-                or not (math.isfinite(t) and t > 0)):
+        if (
+            isinstance(t, bool)
+            or not isinstance(t, (int, float))
+            or not (math.isfinite(t) and t > 0)
+        ):
             raise ConfigError(f"temperature={t!r}: must be a finite number > 0")
         k = self.top_k
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int)
-                              or not 1 <= k <= vocab_size):
+        if k is not None and (
+            isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab_size
+        ):
             raise ConfigError(f"top_k={k!r}: must be an int in [1, {vocab_size}] (or None)")
         p = self.top_p
-        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float))
-                              or not 0 < p <= 1):
+        if p is not None and (
+            isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1
+        ):
             raise ConfigError(f"top_p={p!r}: must be a number in (0, 1] (or None)")
         return self
 

@@ -19,8 +19,8 @@ is ``extend`` from an empty cache and ``decode_step`` is ``extend`` with one tok
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -43,30 +43,40 @@ def check_model(model: torch.nn.Module) -> torch.nn.Module:
 
     inner = _inner(model)
     if not isinstance(inner, HybridModel):
-        raise ConfigError(f"model: expected a Megatron-Core HybridModel, "
-                          f"got {type(inner).__name__}")
+        raise ConfigError(
+            f"model: expected a Megatron-Core HybridModel, got {type(inner).__name__}"
+        )
     state = getattr(inner, ELASTIC_STATE_ATTR, None)
     if state is not None and state.is_active:
         raise ConfigError(
             "model: an elastic model with an active choice; cached generation runs plain models: "
             "cut the nested model out first (elastic_plugin.nested.model.nested_model(model, "
-            "model_cfg, choice)), or clear the elastic state for the full model")
+            "model_cfg, choice)), or clear the elastic state for the full model"
+        )
     if not (inner.pre_process and inner.post_process):
-        raise ConfigError("model: generation needs the whole model on one rank "
-                          "(--pipeline-model-parallel-size 1)")
+        raise ConfigError(
+            "model: generation needs the whole model on one rank (--pipeline-model-parallel-size 1)"
+        )
     config = inner.config
-    for flag, size in (("--tensor-model-parallel-size", config.tensor_model_parallel_size),
-                       ("--expert-model-parallel-size", config.expert_model_parallel_size),
-                       ("--context-parallel-size", config.context_parallel_size)):
+    for flag, size in (
+        ("--tensor-model-parallel-size", config.tensor_model_parallel_size),
+        ("--expert-model-parallel-size", config.expert_model_parallel_size),
+        ("--context-parallel-size", config.context_parallel_size),
+    ):
         if size != 1:
-            raise ConfigError(f"model: {flag} {size}; cached generation runs at size 1 "
-                              f"(extract or load the model with a TP=PP=EP=1 layout)")
+            raise ConfigError(
+                f"model: {flag} {size}; cached generation runs at size 1 "
+                f"(extract or load the model with a TP=PP=EP=1 layout)"
+            )
     if inner.position_embedding_type not in ("none", "rope"):
-        raise ConfigError(f"model: position_embedding_type={inner.position_embedding_type!r}; "
-                          "cached generation supports 'none' and 'rope'")
+        raise ConfigError(
+            f"model: position_embedding_type={inner.position_embedding_type!r}; "
+            "cached generation supports 'none' and 'rope'"
+        )
     if getattr(config, "multi_latent_attention", False) or getattr(config, "window_size", None):
-        raise ConfigError("model: multi-latent or windowed attention is not supported by "
-                          "cached generation")
+        raise ConfigError(
+            "model: multi-latent or windowed attention is not supported by cached generation"
+        )
     if getattr(config, "attention_output_gate", False):
         raise ConfigError("model: attention_output_gate is not supported by cached generation")
     return inner
@@ -87,8 +97,14 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------ layer steps
-def _attention(layer, index: int, cache: InferenceCache, hidden: torch.Tensor,
-               rows: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+def _attention(
+    layer,
+    index: int,
+    cache: InferenceCache,
+    hidden: torch.Tensor,
+    rows: torch.Tensor,
+    start: torch.Tensor,
+) -> torch.Tensor:
     """Self-attention of the new tokens [s, b, h] over each row's cache; writes their K/V."""
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
@@ -113,14 +129,16 @@ def _attention(layer, index: int, cache: InferenceCache, hidden: torch.Tensor,
     k = k.repeat_interleave(heads // groups, dim=2).transpose(1, 2)  # [b, heads, T, d]
     v = v.repeat_interleave(heads // groups, dim=2).transpose(1, 2)
     q = query.permute(1, 2, 0, 3)  # [b, heads, s, d]
-    allowed = (torch.arange(total, device=hidden.device)[None, None, :]
-               <= cols[:, :, None])  # [b, s, T]: key j visible to query at position p iff j <= p
+    allowed = (
+        torch.arange(total, device=hidden.device)[None, None, :] <= cols[:, :, None]
+    )  # [b, s, T]: key j visible to query at position p iff j <= p
     core = attn.core_attention
     scale = core.softmax_scale
     if attn.config.apply_query_key_layer_scaling:
         scale = scale * core.layer_number  # Megatron's softmax multiplies it back
-    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype),
-                                         attn_mask=allowed[:, None], scale=scale)
+    out = F.scaled_dot_product_attention(
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed[:, None], scale=scale
+    )
     out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
     proj, bias = attn.linear_proj(out)
     hidden = hidden + (proj if bias is None else proj + bias)
@@ -146,8 +164,9 @@ def _positionwise(layer, hidden: torch.Tensor) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _mamba(layer, index: int, cache: InferenceCache, hidden: torch.Tensor,
-           rows: torch.Tensor) -> torch.Tensor:
+def _mamba(
+    layer, index: int, cache: InferenceCache, hidden: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
     """A Mamba layer on the new tokens [s, b, h], continuing each row's conv and SSM state."""
     from elastic_plugin.compat.mamba_ops import (
         causal_conv1d_fn,
@@ -173,26 +192,55 @@ def _mamba(layer, index: int, cache: InferenceCache, hidden: torch.Tensor,
     conv_state, ssm_state = cache.conv[index], cache.ssm[index]
 
     if s == 1:  # the decode recurrence (in place on the cache rows)
-        xbc = causal_conv1d_update_ref(xbc[:, 0], conv_state, conv_w, conv_b,
-                                       activation=mixer.activation, conv_state_indices=rows)
+        xbc = causal_conv1d_update_ref(
+            xbc[:, 0],
+            conv_state,
+            conv_w,
+            conv_b,
+            activation=mixer.activation,
+            conv_state_indices=rows,
+        )
         x, B, C = torch.split(xbc, [d_inner, bc, bc], dim=-1)
         y = selective_state_update_ref(
-            ssm_state, x.reshape(b, heads, head_dim), dt[:, 0], A, B.reshape(b, groups, state),
-            C.reshape(b, groups, state), D=D, z=z[:, 0].reshape(b, heads, head_dim),
-            dt_bias=dt_bias, dt_softplus=True, state_batch_indices=rows)
+            ssm_state,
+            x.reshape(b, heads, head_dim),
+            dt[:, 0],
+            A,
+            B.reshape(b, groups, state),
+            C.reshape(b, groups, state),
+            D=D,
+            z=z[:, 0].reshape(b, heads, head_dim),
+            dt_bias=dt_bias,
+            dt_softplus=True,
+            state_batch_indices=rows,
+        )
         y = y.reshape(1, b, d_inner)
     else:  # a chunk: conv + SSD scan from the cached states
         xbc, conv_final = causal_conv1d_fn(
-            xbc.transpose(1, 2), conv_w, conv_b, initial_states=conv_state[rows],
-            return_final_states=True, activation=mixer.activation)
+            xbc.transpose(1, 2),
+            conv_w,
+            conv_b,
+            initial_states=conv_state[rows],
+            return_final_states=True,
+            activation=mixer.activation,
+        )
         conv_state[rows] = conv_final.to(conv_state.dtype)
         x, B, C = torch.split(xbc.transpose(1, 2), [d_inner, bc, bc], dim=-1)
         y, ssm_final = mamba_chunk_scan_combined(
-            x.reshape(b, s, heads, head_dim), dt, A, B.reshape(b, s, groups, state),
-            C.reshape(b, s, groups, state), mixer.chunk_size, D=D,
-            z=z.reshape(b, s, heads, head_dim), dt_bias=dt_bias,
-            initial_states=ssm_state[rows], dt_softplus=True, return_final_states=True,
-            state_dtype=ssm_state.dtype)
+            x.reshape(b, s, heads, head_dim),
+            dt,
+            A,
+            B.reshape(b, s, groups, state),
+            C.reshape(b, s, groups, state),
+            mixer.chunk_size,
+            D=D,
+            z=z.reshape(b, s, heads, head_dim),
+            dt_bias=dt_bias,
+            initial_states=ssm_state[rows],
+            dt_softplus=True,
+            return_final_states=True,
+            state_dtype=ssm_state.dtype,
+        )
         ssm_state[rows] = ssm_final
         y = y.reshape(b, s, d_inner).transpose(0, 1)
     if mixer.rmsnorm:  # y is already gated by silu(z): Megatron's training path norms it
@@ -202,22 +250,28 @@ def _mamba(layer, index: int, cache: InferenceCache, hidden: torch.Tensor,
 
 
 # ------------------------------------------------------------------------------ the primitive
-def _rows(cache: InferenceCache, rows: Sequence[int] | torch.Tensor | None,
-          device: torch.device) -> torch.Tensor:
+def _rows(
+    cache: InferenceCache, rows: Sequence[int] | torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
     if rows is None:
         return torch.arange(cache.batch, device=device)
     index = torch.as_tensor(rows, dtype=torch.long, device=device).reshape(-1)
     if index.numel() == 0 or bool(((index < 0) | (index >= cache.batch)).any()):
-        raise ConfigError(f"rows={list(index.tolist())}: must be non-empty indices in "
-                          f"[0, {cache.batch})")
+        raise ConfigError(
+            f"rows={list(index.tolist())}: must be non-empty indices in [0, {cache.batch})"
+        )
     if index.unique().numel() != index.numel():
         raise ConfigError(f"rows={index.tolist()}: repeated rows")
     return index
 
 
-def extend(model: torch.nn.Module, cache: InferenceCache, tokens: torch.Tensor,
-           rows: Sequence[int] | torch.Tensor | None = None, last_only: bool = False
-           ) -> torch.Tensor:
+def extend(
+    model: torch.nn.Module,
+    cache: InferenceCache,
+    tokens: torch.Tensor,
+    rows: Sequence[int] | torch.Tensor | None = None,
+    last_only: bool = False,
+) -> torch.Tensor:
     """Feed ``tokens`` [b, s] (the same ``s`` new tokens for each of ``rows``, all rows when
     None) after what each row already holds; returns the logits [b, s, vocab] (``[b, 1,
     vocab]`` of the last token with ``last_only``) and advances the rows' lengths by ``s``."""
@@ -231,9 +285,11 @@ def extend(model: torch.nn.Module, cache: InferenceCache, tokens: torch.Tensor,
     s = tokens.shape[1]
     start = cache.lengths[index]
     if int(start.max()) + s > cache.max_length:
-        raise ConfigError(f"the cache holds {cache.max_length} tokens per row (max_length); row "
-                          f"{int(index[start.argmax()])} has {int(start.max())} and {s} more "
-                          "do not fit")
+        raise ConfigError(
+            f"the cache holds {cache.max_length} tokens per row (max_length); row "
+            f"{int(index[start.argmax()])} has {int(start.max())} and {s} more "
+            "do not fit"
+        )
     tokens = tokens.to(device)
     with eval_mode(inner):
         positions = start[:, None] + torch.arange(s, device=device)[None, :]
@@ -250,16 +306,23 @@ def extend(model: torch.nn.Module, cache: InferenceCache, tokens: torch.Tensor,
             hidden = hidden[-1:]
         if inner.decoder.post_layer_norm:
             hidden = inner.decoder.final_norm(hidden)
-        weight = (inner.shared_embedding_or_output_weight()
-                  if inner.share_embeddings_and_output_weights else None)
+        weight = (
+            inner.shared_embedding_or_output_weight()
+            if inner.share_embeddings_and_output_weights
+            else None
+        )
         logits, _ = inner.output_layer(hidden, weight=weight, runtime_gather_output=True)
         logits = inner._scale_logits(logits)
     cache.lengths[index] = start + s
     return logits.transpose(0, 1).contiguous()
 
 
-def extend_ragged(model: torch.nn.Module, cache: InferenceCache,
-                  sequences: Sequence[Sequence[int]], rows: Sequence[int]) -> torch.Tensor:
+def extend_ragged(
+    model: torch.nn.Module,
+    cache: InferenceCache,
+    sequences: Sequence[Sequence[int]],
+    rows: Sequence[int],
+) -> torch.Tensor:
     """Feed ``sequences[i]`` (lengths may differ) after what row ``rows[i]`` holds; returns
     each row's logits after its last token ``[len(rows), vocab]``.
 
@@ -274,8 +337,10 @@ def extend_ragged(model: torch.nn.Module, cache: InferenceCache,
     rows_t = torch.as_tensor(list(rows), dtype=torch.long, device=device)
     held = cache.lengths[rows_t]
     if bool((held != held[0]).any()):
-        raise ConfigError(f"extend_ragged: rows {list(rows)} hold different numbers of tokens "
-                          f"({held.tolist()}); feed rows that are level")
+        raise ConfigError(
+            f"extend_ragged: rows {list(rows)} hold different numbers of tokens "
+            f"({held.tolist()}); feed rows that are level"
+        )
     lengths = [len(s) for s in sequences]
     if min(lengths) < 1:
         raise ConfigError("extend_ragged: every sequence needs at least one token")
@@ -292,8 +357,9 @@ def extend_ragged(model: torch.nn.Module, cache: InferenceCache,
     return torch.stack(last)
 
 
-def prefill(model: torch.nn.Module, tokens: torch.Tensor, max_length: int | None = None
-            ) -> tuple[torch.Tensor, InferenceCache]:
+def prefill(
+    model: torch.nn.Module, tokens: torch.Tensor, max_length: int | None = None
+) -> tuple[torch.Tensor, InferenceCache]:
     """Run ``tokens`` [b, s] (equal-length prompts) through a fresh cache of ``max_length``
     tokens per row (the model's max_sequence_length when None); returns ``(logits [b, s,
     vocab], cache)``. Prompts of different lengths: ``InferenceCache.allocate`` once, then
@@ -303,14 +369,19 @@ def prefill(model: torch.nn.Module, tokens: torch.Tensor, max_length: int | None
         raise ConfigError(f"tokens must be [batch, seq], got {tuple(tokens.shape)}")
     max_length = int(inner.max_sequence_length) if max_length is None else max_length
     if tokens.shape[1] > max_length:
-        raise ConfigError(f"prompt of {tokens.shape[1]} tokens is longer than max_length "
-                          f"{max_length}")
+        raise ConfigError(
+            f"prompt of {tokens.shape[1]} tokens is longer than max_length {max_length}"
+        )
     cache = InferenceCache.allocate(inner, tokens.shape[0], max_length)
     return extend(inner, cache, tokens), cache
 
 
-def decode_step(model: torch.nn.Module, cache: InferenceCache, next_tokens: torch.Tensor,
-                rows: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+def decode_step(
+    model: torch.nn.Module,
+    cache: InferenceCache,
+    next_tokens: torch.Tensor,
+    rows: Sequence[int] | torch.Tensor | None = None,
+) -> torch.Tensor:
     """One token per row (``next_tokens`` [b] or [b, 1]) for ``rows`` (all when None);
     returns the logits [b, vocab]."""
     tokens = next_tokens.reshape(-1, 1)

@@ -23,46 +23,74 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 from elastic_plugin.models.config import ConfigError, ModelConfig
 
 __all__ = ["ELASTIC_AXES", "MODEL_FIELD", "model_axes", "model_for_choice", "multiple_name"]
 
-ELASTIC_AXES: tuple[str, ...] = ("embedding", "ffn", "shared_ffn", "attention_heads",
-                                 "mamba_heads", "mamba_head_dim", "experts")
+ELASTIC_AXES: tuple[str, ...] = (
+    "embedding",
+    "ffn",
+    "shared_ffn",
+    "attention_heads",
+    "mamba_heads",
+    "mamba_head_dim",
+    "experts",
+)
 
 MODEL_FIELD: dict[str, str] = {
-    "embedding": "hidden_size", "ffn": "ffn_hidden_size",
+    "embedding": "hidden_size",
+    "ffn": "ffn_hidden_size",
     "shared_ffn": "moe_shared_expert_intermediate_size",
-    "attention_heads": "num_attention_heads", "mamba_heads": "mamba_num_heads",
-    "mamba_head_dim": "mamba_head_dim", "experts": "num_moe_experts",
+    "attention_heads": "num_attention_heads",
+    "mamba_heads": "mamba_num_heads",
+    "mamba_head_dim": "mamba_head_dim",
+    "experts": "num_moe_experts",
 }  # axis -> the ModelConfig field it scales
 assert tuple(MODEL_FIELD) == ELASTIC_AXES
 
 
-def model_axes(model: ModelConfig, tp: int = 1, ep: int = 1
-               ) -> dict[str, tuple[int, int, int, tuple[int, ...], str]]:
+def model_axes(
+    model: ModelConfig, tp: int = 1, ep: int = 1
+) -> dict[str, tuple[int, int, int, tuple[int, ...], str]]:
     """The axes ``model`` has: name -> (full, multiple, minimum, layer numbers, unit)."""
     numbers: dict[str, tuple[int, ...]] = {
         kind: tuple(i + 1 for i, k in enumerate(model.layer_types) if k == kind)
-        for kind in ("mamba", "attention", "mlp", "moe")}
+        for kind in ("mamba", "attention", "mlp", "moe")
+    }
     axes: dict[str, tuple[int, int, int, tuple[int, ...], str]] = {
-        "embedding": (model.hidden_size, 1, 1, (), "hidden channels")}
+        "embedding": (model.hidden_size, 1, 1, (), "hidden channels")
+    }
     if numbers["mlp"]:
         axes["ffn"] = (model.ffn_hidden_size, tp, tp, numbers["mlp"], "dense-MLP neurons")
     if numbers["moe"] and model.moe_shared_expert_intermediate_size:
-        axes["shared_ffn"] = (model.moe_shared_expert_intermediate_size, tp, tp, numbers["moe"],
-                              "shared-expert neurons")
+        axes["shared_ffn"] = (
+            model.moe_shared_expert_intermediate_size,
+            tp,
+            tp,
+            numbers["moe"],
+            "shared-expert neurons",
+        )
     if numbers["attention"]:
         g = model.query_groups
-        axes["attention_heads"] = (model.num_attention_heads, g, g, numbers["attention"],
-                                   "query heads")
+        axes["attention_heads"] = (
+            model.num_attention_heads,
+            g,
+            g,
+            numbers["attention"],
+            "query heads",
+        )
     if numbers["mamba"]:
         g = model.mamba_num_groups
         axes["mamba_heads"] = (model.mamba_num_heads, g, g, numbers["mamba"], "Mamba heads")
-        axes["mamba_head_dim"] = (model.mamba_head_dim, 1, 1, numbers["mamba"],
-                                  "channels per Mamba head")
+        axes["mamba_head_dim"] = (
+            model.mamba_head_dim,
+            1,
+            1,
+            numbers["mamba"],
+            "channels per Mamba head",
+        )
     if numbers["moe"]:
         smallest = ep * math.ceil(model.moe_router_topk / ep)
         axes["experts"] = (model.num_moe_experts, ep, smallest, numbers["moe"], "routed experts")
@@ -75,9 +103,9 @@ def multiple_name(axis: str, model: ModelConfig) -> str:
         "ffn": "the tensor-parallel size",
         "shared_ffn": "the tensor-parallel size",
         "attention_heads": f"model.num_query_groups={model.query_groups} (heads are nested "
-                           "within each query group)",
+        "within each query group)",
         "mamba_heads": f"model.mamba_num_groups={model.mamba_num_groups} (heads are nested "
-                       "within each Mamba group)",
+        "within each Mamba group)",
         "experts": "the expert-parallel size",
     }.get(axis, "1")
 

@@ -41,8 +41,11 @@ def transformer_config(
     from megatron.core.transformer import TransformerConfig
 
     parallel = parallel or ParallelConfig()
-    model.check_parallel(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-                         parallel.expert_model_parallel_size)
+    model.check_parallel(
+        parallel.tensor_model_parallel_size,
+        parallel.pipeline_model_parallel_size,
+        parallel.expert_model_parallel_size,
+    )
     activation, gated = _activation(model.activation)
     has_moe = model.count("moe") > 0
     if has_moe and parallel.tensor_model_parallel_size > 1 and not parallel.sequence_parallel:

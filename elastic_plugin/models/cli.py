@@ -9,14 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import yaml
 
+from elastic_plugin.cli_errors import report_bad_input
 from elastic_plugin.models.config import ConfigError, load_config
 from elastic_plugin.models.counting import COMPONENTS, ParamCount, count_parameters, format_count
-
-from elastic_plugin.cli_errors import report_bad_input
 
 
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
@@ -28,8 +27,11 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "Active = what one token touches (top-k of the routed experts); embeddings count in both.",
     )
     parser.add_argument("--config", required=True, metavar="FILE", help="model YAML config")
-    parser.add_argument("--json", action="store_true",
-                        help='print {"total": N, "active": N, "breakdown": {...}} as JSON')
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"total": N, "active": N, "breakdown": {...}} as JSON',
+    )
     parser.set_defaults(func=run_params)
 
 
@@ -49,17 +51,24 @@ def run_params(args: argparse.Namespace) -> int:
 
 def render_table(counts: ParamCount, source: str = "") -> str:
     """A readable table: one row per non-empty component, then the totals."""
-    rows = [(name, counts.breakdown[name], counts.active_breakdown[name])
-            for name in COMPONENTS if counts.breakdown[name]]
+    rows = [
+        (name, counts.breakdown[name], counts.active_breakdown[name])
+        for name in COMPONENTS
+        if counts.breakdown[name]
+    ]
     rows.append(("TOTAL", counts.total, counts.active))
     width = max(len(name) for name, _, _ in rows)
-    lines = [f"parameters of {source}" if source else "parameters",
-             f"{'component':<{width}}  {'total':>9} {'(exact)':>15}  {'active':>9} {'(exact)':>15}"]
+    lines = [
+        f"parameters of {source}" if source else "parameters",
+        f"{'component':<{width}}  {'total':>9} {'(exact)':>15}  {'active':>9} {'(exact)':>15}",
+    ]
     for i, (name, total, active) in enumerate(rows):
         if i == len(rows) - 1:
             lines.append("-" * len(lines[1]))
-        lines.append(f"{name:<{width}}  {format_count(total):>9} {total:>15,}  "
-                     f"{format_count(active):>9} {active:>15,}")
+        lines.append(
+            f"{name:<{width}}  {format_count(total):>9} {total:>15,}  "
+            f"{format_count(active):>9} {active:>15,}"
+        )
     return "\n".join(lines)
 
 

@@ -9,9 +9,10 @@ ones, because a silently ignored typo (``mamba_num_head``) produces a different 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import yaml
 
@@ -93,7 +94,7 @@ class ModelConfig:
         return self.activation == "swiglu"
 
     # -------------------------------------------------------------- validation
-    def validate(self) -> "ModelConfig":
+    def validate(self) -> ModelConfig:
         """Check every field that Megatron would otherwise reject late (or accept wrongly)."""
         bad = set(self.hybrid_layer_pattern) - set(LAYER_SYMBOLS) - {"|"}
         if not self.hybrid_layer_pattern or bad:
@@ -149,25 +150,40 @@ class ModelConfig:
 
     def check_parallel(self, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
         """Reject layouts whose sharded dims don't divide, naming the field and the flag."""
-        for name, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
-                           ("expert_model_parallel_size", ep)):
+        for name, size in (
+            ("tensor_model_parallel_size", tp),
+            ("pipeline_model_parallel_size", pp),
+            ("expert_model_parallel_size", ep),
+        ):
             if size < 1:
                 raise ConfigError(f"parallel.{name}={size} must be >= 1")
         checks: list[tuple[str, int, str, int]] = []
         if self.count("attention"):
-            checks += [("model.num_attention_heads", self.num_attention_heads, "tensor", tp),
-                       ("model.num_query_groups", self.query_groups, "tensor", tp)]
+            checks += [
+                ("model.num_attention_heads", self.num_attention_heads, "tensor", tp),
+                ("model.num_query_groups", self.query_groups, "tensor", tp),
+            ]
         if self.count("mamba"):
-            checks += [("model.mamba_num_heads", self.mamba_num_heads, "tensor", tp),
-                       ("model.mamba_num_groups", self.mamba_num_groups, "tensor", tp)]
+            checks += [
+                ("model.mamba_num_heads", self.mamba_num_heads, "tensor", tp),
+                ("model.mamba_num_groups", self.mamba_num_groups, "tensor", tp),
+            ]
         if self.count("mlp"):
             checks.append(("model.ffn_hidden_size", self.ffn_hidden_size, "tensor", tp))
         if self.count("moe"):
-            checks += [("model.moe_ffn_hidden_size", self.moe_ffn_hidden_size, "tensor", tp),
-                       ("model.num_moe_experts", self.num_moe_experts, "expert", ep)]
+            checks += [
+                ("model.moe_ffn_hidden_size", self.moe_ffn_hidden_size, "tensor", tp),
+                ("model.num_moe_experts", self.num_moe_experts, "expert", ep),
+            ]
             if self.moe_shared_expert_intermediate_size:
-                checks.append(("model.moe_shared_expert_intermediate_size",
-                               self.moe_shared_expert_intermediate_size, "tensor", tp))
+                checks.append(
+                    (
+                        "model.moe_shared_expert_intermediate_size",
+                        self.moe_shared_expert_intermediate_size,
+                        "tensor",
+                        tp,
+                    )
+                )
         for field_name, value, kind, size in checks:
             if value % size:
                 raise ConfigError(
@@ -268,9 +284,14 @@ def _build(cls: type, section: str, values: Mapping[str, Any] | None) -> Any:
     try:
         return cls(**values)
     except TypeError as exc:  # a required field is missing
-        required = [f.name for f in fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-        raise ConfigError(f"section '{section}' needs the keys {', '.join(required)}: {exc}") from exc
+        required = [
+            f.name
+            for f in fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        raise ConfigError(
+            f"section '{section}' needs the keys {', '.join(required)}: {exc}"
+        ) from exc
 
 
 def _mapping(section: str, values: Any) -> dict[str, Any]:
@@ -302,8 +323,9 @@ def config_from_dict(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
         source=source,
     )
     p = cfg.parallel
-    cfg.model.check_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                             p.expert_model_parallel_size)
+    cfg.model.check_parallel(
+        p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+    )
     return cfg
 
 

@@ -106,8 +106,9 @@ def attention_params(model: ModelConfig) -> int:
 def mlp_params(model: ModelConfig, ffn_hidden_size: int, bias: bool) -> int:
     """``MLP``: fc1 has 2*ffn rows for a gated unit (swiglu), fc2 maps ffn back to hidden."""
     fc1_rows = ffn_hidden_size * (2 if model.gated_mlp else 1)
-    return _linear(model.hidden_size, fc1_rows, bias) + _linear(ffn_hidden_size, model.hidden_size,
-                                                                bias)
+    return _linear(model.hidden_size, fc1_rows, bias) + _linear(
+        ffn_hidden_size, model.hidden_size, bias
+    )
 
 
 def router_params(model: ModelConfig) -> int:
@@ -163,13 +164,15 @@ def count_parameters_per_layer(model: ModelConfig) -> list[dict[str, object]]:
         if kind not in cache:
             cache[kind] = _layer(model, kind)
         total, active = cache[kind]
-        out.append({
-            "layer": index,
-            "kind": kind,
-            "params": sum(total.values()),
-            "active": sum(active.values()),
-            "components": {k: v for k, v in total.items() if v},
-        })
+        out.append(
+            {
+                "layer": index,
+                "kind": kind,
+                "params": sum(total.values()),
+                "active": sum(active.values()),
+                "components": {k: v for k, v in total.items() if v},
+            }
+        )
     return out
 
 

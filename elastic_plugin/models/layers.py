@@ -18,7 +18,7 @@ ELASTIC_STATE_ATTR = "_elastic_state"
 
 
 def hybrid_layer_kind(layer: torch.nn.Module) -> str | None:
-    """"mamba", "attention", "moe" or "mlp" for the layers of our hybrid spec; None otherwise."""
+    """ "mamba", "attention", "moe" or "mlp" for the layers of our hybrid spec; None otherwise."""
     from megatron.core.ssm.mamba_layer import MambaLayer
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.mlp import MLP

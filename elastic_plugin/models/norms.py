@@ -14,9 +14,15 @@ import torch
 class LocalRMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` with Megatron's norm constructor signature and SP support."""
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5,
-                 persist_layer_norm: bool = False, zero_centered_gamma: bool = False,
-                 normalization: str = "RMSNorm") -> None:
+    def __init__(
+        self,
+        config,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "RMSNorm",
+    ) -> None:
         if config.normalization != "RMSNorm":
             raise ValueError(
                 f"normalization={config.normalization!r}: the local spec supports RMSNorm only"
@@ -24,4 +30,4 @@ class LocalRMSNorm(torch.nn.RMSNorm):
         if config.layernorm_zero_centered_gamma:
             raise ValueError("layernorm_zero_centered_gamma is not supported by the local spec")
         super().__init__(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
-        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+        self.weight.sequence_parallel = bool(config.sequence_parallel)

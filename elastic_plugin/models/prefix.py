@@ -11,16 +11,22 @@ these blocks out for the plain smaller model, so training and extraction cannot 
 from __future__ import annotations
 
 import weakref
-from typing import Union
 
 import torch
 
 from elastic_plugin.models.config import ConfigError
 
-__all__ = ["Index", "ffn_rows", "local_mamba_dims", "mamba_active_rows", "check_size",
-           "proj_cols", "qkv_rows"]
+__all__ = [
+    "Index",
+    "ffn_rows",
+    "local_mamba_dims",
+    "mamba_active_rows",
+    "check_size",
+    "proj_cols",
+    "qkv_rows",
+]
 
-Index = Union[None, int, torch.Tensor]
+Index = None | int | torch.Tensor
 """Which units of a (local) dimension are active: None = all, int = that many leading units,
 a 1-d LongTensor = those positions in that order."""
 
@@ -46,8 +52,12 @@ def proj_cols(attn, per_group: int) -> torch.Tensor:
     groups = attn.num_query_groups_per_partition
     # from the config: inside the sliced forward the per-partition head count is reduced
     q_per_group = attn.config.num_attention_heads // attn.config.num_query_groups
-    return torch.cat([torch.arange(g * q_per_group * d, (g * q_per_group + per_group) * d)
-                      for g in range(groups)])
+    return torch.cat(
+        [
+            torch.arange(g * q_per_group * d, (g * q_per_group + per_group) * d)
+            for g in range(groups)
+        ]
+    )
 
 
 def ffn_rows(mlp, local: int | None) -> Index:
@@ -58,7 +68,7 @@ def ffn_rows(mlp, local: int | None) -> Index:
     return torch.cat([torch.arange(local), half + torch.arange(local)])
 
 
-_INDEX_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+_INDEX_CACHE: weakref.WeakKeyDictionary[torch.nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
 def local_mamba_dims(mixer) -> tuple[int, int, int, int, int]:
@@ -104,8 +114,12 @@ def mamba_active_rows(mixer, heads_per_group: int, head_dim: int) -> dict[str, t
         act_heads = (torch.arange(groups)[:, None] * per_group + torch.arange(k)[None]).reshape(-1)
         channels = (act_heads[:, None] * hd + torch.arange(p)[None]).reshape(-1)
         bc = 2 * d_inner + torch.arange(bc_rows)
-        parts = {"z": channels, "x": d_inner + channels, "bc": bc,
-                 "dt": 2 * d_inner + bc_rows + act_heads}
+        parts = {
+            "z": channels,
+            "x": d_inner + channels,
+            "bc": bc,
+            "dt": 2 * d_inner + bc_rows + act_heads,
+        }
         rows = {
             **parts,
             "in_proj": torch.cat([parts["z"], parts["x"], parts["bc"], parts["dt"]]),

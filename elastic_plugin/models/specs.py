@@ -23,12 +23,13 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from elastic_plugin.models.norms import LocalRMSNorm
 from megatron.core.transformer.transformer_layer import (
     MoETransformerLayer,
     TransformerLayer,
     TransformerLayerSubmodules,
 )
+
+from elastic_plugin.models.norms import LocalRMSNorm
 
 
 def have_transformer_engine() -> bool:
@@ -106,7 +107,9 @@ def local_hybrid_stack_spec() -> ModuleSpec:
                         ),
                     ),
                     mlp_bda=get_bias_dropout_add,
-                    sharded_state_dict_keys_map={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"},
+                    sharded_state_dict_keys_map={
+                        "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"
+                    },
                 ),
             ),
             moe_layer=ModuleSpec(

@@ -8,8 +8,9 @@ loaded on its own (a few kilobytes; no model is built).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from elastic_plugin.checkpoint.meta import CHECKPOINT_META, budget_label
 from elastic_plugin.models.config import ConfigError, ModelConfig
@@ -29,7 +30,8 @@ def homogeneous_choice(choice: Mapping[str, Any], budget: float | None = None) -
                     f"{where}the nested model has per-layer sizes ({axis}={list(value)}); "
                     "plain Megatron-Core builds every layer of a kind alike, so it cannot hold this "
                     "model (use --format hf: the Hugging Face NemotronH export keeps per-layer "
-                    "widths)")
+                    "widths)"
+                )
             value = value[0]
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where}choice {axis}={value!r}: must be an int size")
@@ -37,8 +39,9 @@ def homogeneous_choice(choice: Mapping[str, Any], budget: float | None = None) -
     return out
 
 
-def interpolated_choice(ckpt: str | Path, meta: Mapping[str, Any], model: ModelConfig,
-                        budget: float) -> dict[str, Any]:
+def interpolated_choice(
+    ckpt: str | Path, meta: Mapping[str, Any], model: ModelConfig, budget: float
+) -> dict[str, Any]:
     """The trained router's hard choice for an untrained ``budget`` (candidates as trained):
     axis -> size, or a list of sizes (one per layer) for a heterogeneous axis."""
     import torch
@@ -62,8 +65,9 @@ def interpolated_choice(ckpt: str | Path, meta: Mapping[str, Any], model: ModelC
     return choice
 
 
-def nested_params(meta: Mapping[str, Any], model: ModelConfig, choice: Mapping[str, Any],
-                  ckpt: str | Path) -> dict[str, int]:
+def nested_params(
+    meta: Mapping[str, Any], model: ModelConfig, choice: Mapping[str, Any], ckpt: str | Path
+) -> dict[str, int]:
     """Total / active parameters of the nested model of ``choice`` (``{"total", "active"}``):
     ``models.counting`` of the plain model for one size per axis, the elastic cost model (equal
     to it for integer choices) for per-layer sizes."""
@@ -79,6 +83,7 @@ def nested_params(meta: Mapping[str, Any], model: ModelConfig, choice: Mapping[s
     layout = meta.get("layout") or {}
     ecfg = ElasticConfig.from_dict(meta["config"]["elastic"], source=f"{ckpt}/{CHECKPOINT_META}")
     resolved = ecfg.resolve(model, int(layout.get("tp", 1)), int(layout.get("ep", 1)))
-    return {metric.split("_")[0]: int(ElasticCost(model, resolved, metric=metric)
-                                      .of_choice(choice))
-            for metric in ("total_params", "active_params")}
+    return {
+        metric.split("_")[0]: int(ElasticCost(model, resolved, metric=metric).of_choice(choice))
+        for metric in ("total_params", "active_params")
+    }

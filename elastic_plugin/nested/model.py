@@ -10,8 +10,9 @@ stream), so the cached step functions of ``inference`` run it unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -32,8 +33,9 @@ from elastic_plugin.nested.choice import homogeneous_choice
 __all__ = ["load_nested_model", "load_nested_models", "nested_model"]
 
 
-def nested_model(model: torch.nn.Module, model_cfg: ModelConfig, choice: Mapping[str, Any]
-                 ) -> tuple[torch.nn.Module, ModelConfig]:
+def nested_model(
+    model: torch.nn.Module, model_cfg: ModelConfig, choice: Mapping[str, Any]
+) -> tuple[torch.nn.Module, ModelConfig]:
     """``(plain smaller model, its config)`` of ``choice`` (axis -> size; axes left out stay
     full), cut from ``model`` (elastic or plain, TP=PP=EP=1, importance-ordered). The elastic
     model is left unchanged; call after Megatron's parallel state is initialized (as for
@@ -56,17 +58,20 @@ def nested_model(model: torch.nn.Module, model_cfg: ModelConfig, choice: Mapping
     return plain, small
 
 
-def _checked_choices(ckpt_dir: str | Path, budgets: list[float | None]
-                     ) -> tuple[dict[str, Any], list[dict[str, int] | None]]:
+def _checked_choices(
+    ckpt_dir: str | Path, budgets: list[float | None]
+) -> tuple[dict[str, Any], list[dict[str, int] | None]]:
     """The checkpoint's meta and, per requested budget, its stored choice (None: the model as
     stored, for a non-elastic checkpoint). Reads metadata only."""
     meta = read_checkpoint_meta(ckpt_dir)
     if meta.get("kind") != "elastic":
         for budget in budgets:
             if budget is not None:
-                raise ConfigError(f"--budget {budget!r}: {ckpt_dir} is a {meta.get('kind')!r} "
-                                  "checkpoint, not an elastic one; it holds one model (drop "
-                                  "--budget)")
+                raise ConfigError(
+                    f"--budget {budget!r}: {ckpt_dir} is a {meta.get('kind')!r} "
+                    "checkpoint, not an elastic one; it holds one model (drop "
+                    "--budget)"
+                )
         return meta, [None] * len(budgets)
     meta = read_elastic_meta(ckpt_dir)
     budgets_trained = trained_budgets(meta)
@@ -74,18 +79,22 @@ def _checked_choices(ckpt_dir: str | Path, budgets: list[float | None]
     choices = []
     for budget in budgets:
         if budget is None or isinstance(budget, bool) or not isinstance(budget, (int, float)):
-            raise ConfigError(f"--budget {budget!r}: {ckpt_dir} is an elastic checkpoint; "
-                              f"choose one of the trained budgets: {trained}")
+            raise ConfigError(
+                f"--budget {budget!r}: {ckpt_dir} is an elastic checkpoint; "
+                f"choose one of the trained budgets: {trained}"
+            )
         match = match_budget(float(budget), budgets_trained)
         if match is None:
-            raise ConfigError(f"--budget {budget_label(budget)} was not trained; trained "
-                              f"budgets: {trained}")
+            raise ConfigError(
+                f"--budget {budget_label(budget)} was not trained; trained budgets: {trained}"
+            )
         choices.append(homogeneous_choice(stored_choice(meta, match, ckpt_dir), match))
     return meta, choices
 
 
-def load_nested_models(ckpt_dir: str | Path, budgets: list[float | None]
-                       ) -> list[tuple[torch.nn.Module, ModelConfig]]:
+def load_nested_models(
+    ckpt_dir: str | Path, budgets: list[float | None]
+) -> list[tuple[torch.nn.Module, ModelConfig]]:
     """:func:`load_nested_model` for several budgets of one checkpoint, read once (e.g. a small
     thinking model and the full answering model for budget control). (Re)initializes
     Megatron's parallel state for one rank (TP=PP=EP=1); budget 1.0 of an elastic checkpoint
@@ -109,8 +118,9 @@ def load_nested_models(ckpt_dir: str | Path, budgets: list[float | None]
     return [pick(choice) for choice in choices]
 
 
-def load_nested_model(ckpt_dir: str | Path, budget: float | None = None
-                      ) -> tuple[torch.nn.Module, ModelConfig]:
+def load_nested_model(
+    ckpt_dir: str | Path, budget: float | None = None
+) -> tuple[torch.nn.Module, ModelConfig]:
     """``(model, model_cfg)`` to generate with, loaded for TP=PP=EP=1 in this process.
 
     An elastic checkpoint needs a trained ``budget`` (its stored choice is cut out with

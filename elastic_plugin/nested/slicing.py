@@ -17,17 +17,17 @@ load it; it is the input of the per-layer (HF) export.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from elastic_plugin import ops
 from elastic_plugin.checkpoint.layout import canonical_weights
 from elastic_plugin.elastic.router import ROUTER_ATTR
 from elastic_plugin.models.axes import model_axes, multiple_name
 from elastic_plugin.models.config import ConfigError, ModelConfig
 from elastic_plugin.models.layers import hybrid_layer_kind
 from elastic_plugin.models.prefix import Index, ffn_rows, mamba_active_rows, proj_cols, qkv_rows
-from elastic_plugin import ops
 
 __all__ = ["choice_sizes", "nested_state_dict", "sliced_state_dict"]
 
@@ -38,8 +38,9 @@ _PER_EXPERT_BUFFERS = ("expert_bias", "qb_beta")
 
 
 # ------------------------------------------------------------------------------ the choice
-def choice_sizes(model_cfg: ModelConfig, choice: Mapping[str, int | Sequence[int]]
-                 ) -> dict[str, dict[int | None, int]]:
+def choice_sizes(
+    model_cfg: ModelConfig, choice: Mapping[str, int | Sequence[int]]
+) -> dict[str, dict[int | None, int]]:
     """Validated sizes: axis -> {layer number: size} (``{None: size}`` for the embedding).
 
     Axes left out are full. A size must be what the elastic layers can compute at TP=1/EP=1
@@ -47,28 +48,39 @@ def choice_sizes(model_cfg: ModelConfig, choice: Mapping[str, int | Sequence[int
     axes = model_axes(model_cfg)
     unknown = [name for name in choice if name not in axes]
     if unknown:
-        raise ConfigError(f"choice axis {unknown[0]!r} is not an elastic axis of this model; "
-                          f"allowed: {', '.join(axes)}")
+        raise ConfigError(
+            f"choice axis {unknown[0]!r} is not an elastic axis of this model; "
+            f"allowed: {', '.join(axes)}"
+        )
     out: dict[str, dict[int | None, int]] = {}
     for name, (full, multiple, minimum, layers, _unit) in axes.items():
         value = choice.get(name, full)
-        allowed = f"allowed: multiples of {multiple} ({multiple_name(name, model_cfg)}) " \
-                  f"in [{minimum}, {full}]"
+        allowed = (
+            f"allowed: multiples of {multiple} ({multiple_name(name, model_cfg)}) "
+            f"in [{minimum}, {full}]"
+        )
         if name == "experts" and minimum > multiple:
             allowed += f" (at least model.moe_router_topk={model_cfg.moe_router_topk})"
         if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
             if not layers:
-                raise ConfigError(f"choice[{name!r}]={list(value)!r}: one global size only "
-                                  f"(an int); {allowed}")
+                raise ConfigError(
+                    f"choice[{name!r}]={list(value)!r}: one global size only (an int); {allowed}"
+                )
             if len(value) != len(layers):
-                raise ConfigError(f"choice[{name!r}] has {len(value)} sizes; allowed: one int, "
-                                  f"or one per layer {list(layers)} ({len(layers)} sizes)")
+                raise ConfigError(
+                    f"choice[{name!r}] has {len(value)} sizes; allowed: one int, "
+                    f"or one per layer {list(layers)} ({len(layers)} sizes)"
+                )
             items = list(value)
         else:
             items = [value] * max(1, len(layers))
         for size in items:
-            if (not isinstance(size, int) or isinstance(size, bool) or size % multiple
-                    or not minimum <= size <= full):
+            if (
+                not isinstance(size, int)
+                or isinstance(size, bool)
+                or size % multiple
+                or not minimum <= size <= full
+            ):
                 raise ConfigError(f"choice[{name!r}]={value!r}: {size!r} is not allowed; {allowed}")
         out[name] = dict(zip(layers, items)) if layers else {None: items[0]}
     return out
@@ -77,18 +89,26 @@ def choice_sizes(model_cfg: ModelConfig, choice: Mapping[str, int | Sequence[int
 def _check_model(inner: torch.nn.Module, model_cfg: ModelConfig) -> None:
     """Only an unsharded, whole model holds every unit in canonical order."""
     config = inner.config
-    sharded = {name: getattr(config, name, 1) for name in (
-        "tensor_model_parallel_size", "pipeline_model_parallel_size",
-        "expert_model_parallel_size")}
+    sharded = {
+        name: getattr(config, name, 1)
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "expert_model_parallel_size",
+        )
+    }
     if any(v != 1 for v in sharded.values()) or not (inner.pre_process and inner.post_process):
-        raise ConfigError(f"sliced_state_dict needs the whole model on one rank (TP=PP=EP=1); got "
-                          f"{sharded} (gather a canonical checkpoint into a 1-rank model first)")
+        raise ConfigError(
+            f"sliced_state_dict needs the whole model on one rank (TP=PP=EP=1); got "
+            f"{sharded} (gather a canonical checkpoint into a 1-rank model first)"
+        )
     layers = len(inner.decoder.layers)
     if config.hidden_size != model_cfg.hidden_size or layers != len(model_cfg.layer_types):
         raise ConfigError(
             f"model_cfg (hidden_size={model_cfg.hidden_size}, {len(model_cfg.layer_types)} "
             f"layers) does not describe the model (hidden_size={config.hidden_size}, "
-            f"{layers} layers)")
+            f"{layers} layers)"
+        )
 
 
 # ------------------------------------------------------------------------------ the plan
@@ -102,8 +122,9 @@ class _Plan:
     def tensor(self, key: str, *dims: tuple[int, Index]) -> None:
         self.rules[key] = dims
 
-    def param(self, module: torch.nn.Module, prefix: str, name: str,
-              *dims: tuple[int, Index]) -> None:
+    def param(
+        self, module: torch.nn.Module, prefix: str, name: str, *dims: tuple[int, Index]
+    ) -> None:
         if getattr(module, name, None) is not None:
             self.tensor(f"{prefix}{name}", *dims)
 
@@ -155,8 +176,10 @@ def _moe(plan: _Plan, moe, prefix: str, h: int, experts: int, shared: int | None
         plan.param(router, f"{prefix}router.", name, (0, experts))
     local = getattr(moe.experts, "local_experts", None)
     if local is None:
-        raise ConfigError(f"sliced_state_dict needs SequentialMLP experts (moe_grouped_gemm="
-                          f"false); got {type(moe.experts).__name__}")
+        raise ConfigError(
+            f"sliced_state_dict needs SequentialMLP experts (moe_grouped_gemm="
+            f"false); got {type(moe.experts).__name__}"
+        )
     for j, expert in enumerate(local):
         expert_prefix = f"{prefix}experts.local_experts.{j}."
         if j < experts:
@@ -178,29 +201,49 @@ def _plan(inner: torch.nn.Module, sizes: dict[str, dict[int | None, int]]) -> _P
     embedding = inner.embedding
     plan.param(embedding.word_embeddings, "embedding.word_embeddings.", "weight", (1, h))
     if getattr(embedding, "position_embeddings", None) is not None:
-        plan.param(embedding.position_embeddings, "embedding.position_embeddings.", "weight",
-                   (1, h))
+        plan.param(
+            embedding.position_embeddings, "embedding.position_embeddings.", "weight", (1, h)
+        )
     for i, layer in enumerate(inner.decoder.layers):
         prefix, number = f"decoder.layers.{i}.", int(layer.layer_number)
         kind = hybrid_layer_kind(layer)
         if kind == "mamba":
             plan.norm(layer.norm, f"{prefix}norm.", h)
-            _mamba(plan, layer.mixer, f"{prefix}mixer.", h, get("mamba_heads", number),
-                   get("mamba_head_dim", number))
+            _mamba(
+                plan,
+                layer.mixer,
+                f"{prefix}mixer.",
+                h,
+                get("mamba_heads", number),
+                get("mamba_head_dim", number),
+            )
         elif kind == "attention" and hasattr(layer.self_attention, "linear_qkv"):
             plan.norm(layer.input_layernorm, f"{prefix}input_layernorm.", h)
-            _attention(plan, layer.self_attention, f"{prefix}self_attention.", h,
-                       get("attention_heads", number))
+            _attention(
+                plan,
+                layer.self_attention,
+                f"{prefix}self_attention.",
+                h,
+                get("attention_heads", number),
+            )
         elif kind == "moe":
             plan.norm(layer.pre_mlp_layernorm, f"{prefix}pre_mlp_layernorm.", h)
-            _moe(plan, layer.mlp, f"{prefix}mlp.", h, get("experts", number),
-                 get("shared_ffn", number))
+            _moe(
+                plan,
+                layer.mlp,
+                f"{prefix}mlp.",
+                h,
+                get("experts", number),
+                get("shared_ffn", number),
+            )
         elif kind == "mlp":
             plan.norm(layer.pre_mlp_layernorm, f"{prefix}pre_mlp_layernorm.", h)
             _mlp(plan, layer.mlp, f"{prefix}mlp.", h, get("ffn", number))
         else:
-            raise ConfigError(f"sliced_state_dict: no slicing rule for layer type "
-                              f"{type(layer).__name__} (layer {number})")
+            raise ConfigError(
+                f"sliced_state_dict: no slicing rule for layer type "
+                f"{type(layer).__name__} (layer {number})"
+            )
     plan.norm(inner.decoder.final_norm, "decoder.final_norm.", h)
     output = getattr(inner, "output_layer", None)
     if output is not None:
@@ -228,8 +271,9 @@ def _apply(tensor: torch.Tensor, rule: Rule) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------ public
 @torch.no_grad()
-def sliced_state_dict(model: torch.nn.Module, model_cfg: ModelConfig,
-                      choice: Mapping[str, int | Sequence[int]]) -> dict[str, torch.Tensor]:
+def sliced_state_dict(
+    model: torch.nn.Module, model_cfg: ModelConfig, choice: Mapping[str, int | Sequence[int]]
+) -> dict[str, torch.Tensor]:
     """The state dict of the nested model at ``choice``, cut from a TP=PP=EP=1 model.
 
     ``model``: the (elastic or plain, possibly DDP-wrapped) ``HybridModel`` in canonical
@@ -255,13 +299,16 @@ def sliced_state_dict(model: torch.nn.Module, model_cfg: ModelConfig,
         elif key.rsplit(".", 1)[-1] == EXTRA_STATE:
             out[key] = value
         else:
-            raise ConfigError(f"sliced_state_dict: no slicing rule for state-dict entry {key!r} "
-                              "(a module the elastic layers do not know)")
+            raise ConfigError(
+                f"sliced_state_dict: no slicing rule for state-dict entry {key!r} "
+                "(a module the elastic layers do not know)"
+            )
     return out
 
 
-def nested_state_dict(model: torch.nn.Module, model_cfg: ModelConfig,
-                      choice: Mapping[str, int | Sequence[int]]) -> dict[str, torch.Tensor]:
+def nested_state_dict(
+    model: torch.nn.Module, model_cfg: ModelConfig, choice: Mapping[str, int | Sequence[int]]
+) -> dict[str, torch.Tensor]:
     """``sliced_state_dict`` of a model in any memory layout: a reordered (strided) model is put
     in canonical order for the cut and restored after. The one recipe for the weights of one
     budget's plain model, used by extraction, export and generation alike."""

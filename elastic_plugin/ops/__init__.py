@@ -8,8 +8,6 @@ The ops live in ``torch.ops.elastic_plugin``; the functions here add argument ch
 from __future__ import annotations
 
 from elastic_plugin.ops._batched_gather import ordered_gather_many, reference_ordered_gather_many
-from elastic_plugin.ops._fp8 import METHODS as FP8_METHODS
-from elastic_plugin.ops._fp8 import SCALINGS as FP8_SCALINGS
 from elastic_plugin.ops._fp8 import (
     E4M3_MAX,
     AmaxReduce,
@@ -17,7 +15,10 @@ from elastic_plugin.ops._fp8 import (
     fp8_prefix_linear,
     quantize_e4m3,
 )
+from elastic_plugin.ops._fp8 import METHODS as FP8_METHODS
+from elastic_plugin.ops._fp8 import SCALINGS as FP8_SCALINGS
 from elastic_plugin.ops._gather import ordered_gather, reference_ordered_gather
+from elastic_plugin.ops._loader import BACKENDS, DISABLE_ENV, INFO
 from elastic_plugin.ops._masked_gemm import prefix_linear, reference_prefix_linear
 from elastic_plugin.ops._quantize import BLOCK as NVFP4_BLOCK
 from elastic_plugin.ops._quantize import (
@@ -25,11 +26,10 @@ from elastic_plugin.ops._quantize import (
     fp8_quantize,
     nvfp4_quantize,
     pack_e2m1,
-    round_e2m1,
     reference_fp8_quantize,
     reference_nvfp4_quantize,
+    round_e2m1,
 )
-from elastic_plugin.ops._loader import BACKENDS, DISABLE_ENV, INFO
 
 
 def backend() -> str:

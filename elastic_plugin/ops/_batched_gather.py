@@ -29,16 +29,22 @@ def check_args(
 ) -> list[int]:
     """Validate metadata (not values) like the C++ op does; return dims normalized to ``[0, ndim)``."""
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
-        raise TypeError(f"{_WHO}: tensors must be a list of torch.Tensor, got {type(tensors).__name__}")
+        raise TypeError(
+            f"{_WHO}: tensors must be a list of torch.Tensor, got {type(tensors).__name__}"
+        )
     if isinstance(dims, torch.Tensor) or not isinstance(dims, (list, tuple)):
         raise TypeError(f"{_WHO}: dims must be a list of int, got {type(dims).__name__}")
     if not isinstance(perm, torch.Tensor):
         raise TypeError(f"{_WHO}: perm must be a torch.Tensor, got {type(perm).__name__}")
     k = as_int("k", k)
     if perm.dtype != torch.int64:
-        raise TypeError(f"{_WHO}: perm must be an int64 (torch.long) tensor, got dtype {perm.dtype}")
+        raise TypeError(
+            f"{_WHO}: perm must be an int64 (torch.long) tensor, got dtype {perm.dtype}"
+        )
     if perm.dim() != 1:
-        raise ValueError(f"{_WHO}: perm must be 1-D, got a {perm.dim()}-D tensor of shape {list(perm.shape)}")
+        raise ValueError(
+            f"{_WHO}: perm must be 1-D, got a {perm.dim()}-D tensor of shape {list(perm.shape)}"
+        )
     if len(dims) != len(tensors):
         raise ValueError(
             f"{_WHO}: dims must have one entry per tensor ({len(tensors)} tensors), got {len(dims)} dims"
@@ -51,7 +57,9 @@ def check_args(
             raise TypeError(f"{_WHO}: tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
         dim = as_int(f"dims[{i}]", dim)
         if t.layout != torch.strided:
-            raise TypeError(f"{_WHO}: tensors[{i}] must be a strided (dense) tensor, got layout {t.layout}")
+            raise TypeError(
+                f"{_WHO}: tensors[{i}] must be a strided (dense) tensor, got layout {t.layout}"
+            )
         if t.device != perm.device:
             raise ValueError(
                 f"{_WHO}: tensors[{i}] is on {t.device} but perm is on {perm.device}; "
@@ -59,7 +67,9 @@ def check_args(
             )
         ndim = t.dim()
         if ndim == 0:
-            raise ValueError(f"{_WHO}: tensors[{i}] must have at least 1 dimension, got a 0-d tensor")
+            raise ValueError(
+                f"{_WHO}: tensors[{i}] must have at least 1 dimension, got a 0-d tensor"
+            )
         if not -ndim <= dim < ndim:
             raise ValueError(
                 f"{_WHO}: dims[{i}] must be in [{-ndim}, {ndim - 1}] for the {ndim}-D tensors[{i}], got {dim}"
@@ -85,7 +95,9 @@ def reference_ordered_gather_many(
     return [reference_ordered_gather(t, perm, k, d) for t, d in zip(tensors, dims)]
 
 
-def _fake(tensors: list[torch.Tensor], perm: torch.Tensor, k: int, dims: list[int]) -> list[torch.Tensor]:
+def _fake(
+    tensors: list[torch.Tensor], perm: torch.Tensor, k: int, dims: list[int]
+) -> list[torch.Tensor]:
     """Shape rule: each tensor's shape with size k at its dim; always fresh contiguous tensors."""
     normalized = check_args(tensors, perm, k, dims)
     outputs = []
@@ -104,7 +116,9 @@ def _setup_context(ctx, inputs: tuple, output: list[torch.Tensor]) -> None:
     ctx.shapes = [t.shape for t in tensors]
 
 
-def _backward(ctx, grads: list[torch.Tensor | None]) -> tuple[list[torch.Tensor | None], None, None, None]:
+def _backward(
+    ctx, grads: list[torch.Tensor | None]
+) -> tuple[list[torch.Tensor | None], None, None, None]:
     """Each grad scattered back to its tensor's kept rows (zeros elsewhere)."""
     (perm,) = ctx.saved_tensors
     kept = perm[: ctx.k]
@@ -119,7 +133,9 @@ def _backward(ctx, grads: list[torch.Tensor | None]) -> tuple[list[torch.Tensor 
 
 def _register() -> None:
     if not INFO.uses_extension:
-        torch.library.custom_op(OP_NAME, reference_ordered_gather_many, mutates_args=(), schema=SCHEMA)
+        torch.library.custom_op(
+            OP_NAME, reference_ordered_gather_many, mutates_args=(), schema=SCHEMA
+        )
     torch.library.register_fake(OP_NAME, _fake, lib=_LIB)
     torch.library.register_autograd(OP_NAME, _backward, setup_context=_setup_context, lib=_LIB)
 
@@ -145,4 +161,6 @@ def ordered_gather_many(
         incl. perm values outside ``[0, tensors[i].size(dims[i]))``, before any data is copied.
     """
     check_args(tensors, perm, k, dims)
-    return list(torch.ops.elastic_plugin.ordered_gather_many.default(list(tensors), perm, k, list(dims)))
+    return list(
+        torch.ops.elastic_plugin.ordered_gather_many.default(list(tensors), perm, k, list(dims))
+    )

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -36,13 +36,14 @@ def _check_scaling(who: str, scaling: object) -> str:
     return scaling  # type: ignore[return-value]
 
 
-AmaxReduce = Optional[Callable[[torch.Tensor], torch.Tensor]]
+AmaxReduce = Callable[[torch.Tensor], torch.Tensor] | None
 """Applied to an operand's amax before the scales are taken (e.g. a MAX all-reduce over the
 tensor-parallel ranks that hold the other parts of the operand): returns the amax to use."""
 
 
-def quantize_e4m3(t: torch.Tensor, scaling: str = "tensor", dim: int = -1,
-                  amax_reduce: AmaxReduce = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_e4m3(
+    t: torch.Tensor, scaling: str = "tensor", dim: int = -1, amax_reduce: AmaxReduce = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``t`` to ``float8_e4m3fn``; return ``(fp8 values, fp32 scales)``.
 
     ``scales = amax / 448`` (1 where that is 0), and ``fp8.float() * scales`` dequantizes.
@@ -60,7 +61,9 @@ def quantize_e4m3(t: torch.Tensor, scaling: str = "tensor", dim: int = -1,
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{who}: t must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in _FLOATS:
-        raise TypeError(f"{who}: t must be float16, bfloat16, float32 or float64, got dtype {t.dtype}")
+        raise TypeError(
+            f"{who}: t must be float16, bfloat16, float32 or float64, got dtype {t.dtype}"
+        )
     _check_scaling(who, scaling)
     if isinstance(dim, bool) or not hasattr(type(dim), "__index__"):
         raise TypeError(f"{who}: dim must be an int, got {type(dim).__name__}")
@@ -69,7 +72,9 @@ def quantize_e4m3(t: torch.Tensor, scaling: str = "tensor", dim: int = -1,
         if t.dim() == 0:
             raise ValueError(f"{who}: scaling='row' needs at least 1 dimension, got a 0-d tensor")
         if not -t.dim() <= dim < t.dim():
-            raise ValueError(f"{who}: dim must be in [{-t.dim()}, {t.dim() - 1}] for a {t.dim()}-D t, got {dim}")
+            raise ValueError(
+                f"{who}: dim must be in [{-t.dim()}, {t.dim() - 1}] for a {t.dim()}-D t, got {dim}"
+            )
 
     values = t.float()
     if scaling == "tensor":
@@ -83,8 +88,10 @@ def quantize_e4m3(t: torch.Tensor, scaling: str = "tensor", dim: int = -1,
     if amax_reduce is not None:
         reduced = amax_reduce(amax.contiguous())
         if not isinstance(reduced, torch.Tensor) or reduced.shape != amax.shape:
-            raise ValueError(f"{who}: amax_reduce must return a tensor of the amax's shape "
-                             f"{list(amax.shape)}, got {getattr(reduced, 'shape', type(reduced).__name__)}")
+            raise ValueError(
+                f"{who}: amax_reduce must return a tensor of the amax's shape "
+                f"{list(amax.shape)}, got {getattr(reduced, 'shape', type(reduced).__name__)}"
+            )
         amax = reduced
     # test the scale, not the amax: an amax below 448 x the smallest subnormal gives scale 0
     scales = amax / E4M3_MAX
@@ -94,14 +101,20 @@ def quantize_e4m3(t: torch.Tensor, scaling: str = "tensor", dim: int = -1,
     return fp8, scales
 
 
-def dequantize_e4m3(fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_e4m3(
+    fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """``fp8 * scales`` in ``dtype`` (the inverse of quantize_e4m3, up to FP8 rounding)."""
     if not isinstance(fp8, torch.Tensor) or fp8.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"dequantize_e4m3: fp8 must be a float8_e4m3fn tensor, got {getattr(fp8, 'dtype', type(fp8))}")
+        raise TypeError(
+            f"dequantize_e4m3: fp8 must be a float8_e4m3fn tensor, got {getattr(fp8, 'dtype', type(fp8))}"
+        )
     return (fp8.float() * scales).to(dtype)
 
 
-def _scaled_mm_usable(x: torch.Tensor, n: int, k: int, scaling: str, out_dtype: torch.dtype) -> bool:
+def _scaled_mm_usable(
+    x: torch.Tensor, n: int, k: int, scaling: str, out_dtype: torch.dtype
+) -> bool:
     """Whether torch._scaled_mm can run this case on x's GPU (FP8 tensor cores, aligned sizes)."""
     if not (x.is_cuda and hasattr(torch, "_scaled_mm")):
         return False
@@ -152,15 +165,23 @@ def fp8_prefix_linear(
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"{who}: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
     if method == "scaled_mm" and not hasattr(torch, "_scaled_mm"):
-        raise ValueError(f"{who}: method='scaled_mm' needs torch._scaled_mm, absent in torch {torch.__version__}")
+        raise ValueError(
+            f"{who}: method='scaled_mm' needs torch._scaled_mm, absent in torch {torch.__version__}"
+        )
 
     out_shape = (*x.shape[:-1], n)
     x2d = x[..., :k].reshape(math.prod(x.shape[:-1]), k)  # not -1: k may be 0
-    x_fp8, x_scales = quantize_e4m3(x2d, scaling, dim=-1, amax_reduce=x_amax_reduce)  # [M, 1] or 0-d
-    w_fp8, w_scales = quantize_e4m3(weight[:n, :k], scaling, dim=-1, amax_reduce=w_amax_reduce)  # [n, 1]
+    x_fp8, x_scales = quantize_e4m3(
+        x2d, scaling, dim=-1, amax_reduce=x_amax_reduce
+    )  # [M, 1] or 0-d
+    w_fp8, w_scales = quantize_e4m3(
+        weight[:n, :k], scaling, dim=-1, amax_reduce=w_amax_reduce
+    )  # [n, 1]
     w_scales_t = w_scales.t() if scaling == "row" else w_scales  # [1, n] broadcasts over outputs
 
-    use_scaled_mm = method == "scaled_mm" or (method == "auto" and _scaled_mm_usable(x, n, k, scaling, out_dtype))
+    use_scaled_mm = method == "scaled_mm" or (
+        method == "auto" and _scaled_mm_usable(x, n, k, scaling, out_dtype)
+    )
     if use_scaled_mm:
         # w_fp8 is a fresh contiguous [n, k], so its transpose is the column-major operand required.
         y = torch._scaled_mm(

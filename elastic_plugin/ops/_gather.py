@@ -43,11 +43,17 @@ def check_args(src: torch.Tensor, perm: torch.Tensor, k: int, dim: int) -> int:
     k = as_int("k", k)
     dim = as_int("dim", dim)
     if src.layout != torch.strided:
-        raise TypeError(f"ordered_gather: src must be a strided (dense) tensor, got layout {src.layout}")
+        raise TypeError(
+            f"ordered_gather: src must be a strided (dense) tensor, got layout {src.layout}"
+        )
     if perm.dtype != torch.int64:
-        raise TypeError(f"ordered_gather: perm must be an int64 (torch.long) tensor, got dtype {perm.dtype}")
+        raise TypeError(
+            f"ordered_gather: perm must be an int64 (torch.long) tensor, got dtype {perm.dtype}"
+        )
     if perm.dim() != 1:
-        raise ValueError(f"ordered_gather: perm must be 1-D, got a {perm.dim()}-D tensor of shape {list(perm.shape)}")
+        raise ValueError(
+            f"ordered_gather: perm must be 1-D, got a {perm.dim()}-D tensor of shape {list(perm.shape)}"
+        )
     if perm.device != src.device:
         raise ValueError(
             f"ordered_gather: perm is on {perm.device} but src is on {src.device}; perm must be on src's device"
@@ -56,13 +62,17 @@ def check_args(src: torch.Tensor, perm: torch.Tensor, k: int, dim: int) -> int:
     if ndim == 0:
         raise ValueError("ordered_gather: src must have at least 1 dimension, got a 0-d tensor")
     if not -ndim <= dim < ndim:
-        raise ValueError(f"ordered_gather: dim must be in [{-ndim}, {ndim - 1}] for a {ndim}-D src, got {dim}")
+        raise ValueError(
+            f"ordered_gather: dim must be in [{-ndim}, {ndim - 1}] for a {ndim}-D src, got {dim}"
+        )
     if k < 0 or k > perm.shape[0]:
         raise ValueError(f"ordered_gather: k must be in [0, len(perm)={perm.shape[0]}], got {k}")
     return dim % ndim
 
 
-def reference_ordered_gather(src: torch.Tensor, perm: torch.Tensor, k: int, dim: int) -> torch.Tensor:
+def reference_ordered_gather(
+    src: torch.Tensor, perm: torch.Tensor, k: int, dim: int
+) -> torch.Tensor:
     """Pure-PyTorch implementation (the fallback, and the CUDA path of a CPU-only build)."""
     d = check_args(src, perm, k, dim)
     kept = perm[:k]

@@ -47,7 +47,9 @@ def _from_module(module: ModuleType, note: str = "") -> BackendInfo:
     if with_cuda:
         reason = "compiled extension with CPU and CUDA kernels"
     else:
-        reason = "compiled extension with CPU kernels only; CUDA tensors use the PyTorch implementation"
+        reason = (
+            "compiled extension with CPU kernels only; CUDA tensors use the PyTorch implementation"
+        )
     if built_for is not None and built_for != torch.__version__:
         mismatch = f"built for torch {built_for} but running torch {torch.__version__}; rebuild it"
         warnings.warn(f"elastic_plugin._C was {mismatch}", RuntimeWarning, stacklevel=3)
@@ -64,7 +66,9 @@ def _from_module(module: ModuleType, note: str = "") -> BackendInfo:
 
 
 def _fallback(reason: str) -> BackendInfo:
-    return BackendInfo("pytorch", reason, extension_path=None, cuda_kernels=False, built_for_torch=None)
+    return BackendInfo(
+        "pytorch", reason, extension_path=None, cuda_kernels=False, built_for_torch=None
+    )
 
 
 def load() -> BackendInfo:
@@ -73,8 +77,12 @@ def load() -> BackendInfo:
         loaded = sys.modules.get(EXTENSION_MODULE)
         if loaded is not None:
             # Its kernels are registered already and cannot be unloaded; say so.
-            return _from_module(loaded, f"{DISABLE_ENV} is set, but {EXTENSION_MODULE} was imported earlier")
-        return _fallback(f"{DISABLE_ENV}={os.environ[DISABLE_ENV]} is set: using the pure-PyTorch ops")
+            return _from_module(
+                loaded, f"{DISABLE_ENV} is set, but {EXTENSION_MODULE} was imported earlier"
+            )
+        return _fallback(
+            f"{DISABLE_ENV}={os.environ[DISABLE_ENV]} is set: using the pure-PyTorch ops"
+        )
     try:
         module = importlib.import_module(EXTENSION_MODULE)
     except (ImportError, OSError) as exc:

@@ -27,7 +27,9 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _WHO = "prefix_linear"
 
 
-def check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, k: int) -> None:
+def check_args(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, k: int
+) -> None:
     """Validate metadata like the C++ op does (shapes only, so it also runs under tracing)."""
     for name, t in (("x", x), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
@@ -41,9 +43,13 @@ def check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             f"{_WHO}: x and weight must be strided (dense) tensors, got layouts {x.layout} and {weight.layout}"
         )
     if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{_WHO}: x must be float16, bfloat16, float32 or float64, got dtype {x.dtype}")
+        raise TypeError(
+            f"{_WHO}: x must be float16, bfloat16, float32 or float64, got dtype {x.dtype}"
+        )
     if weight.dtype != x.dtype:
-        raise TypeError(f"{_WHO}: weight dtype {weight.dtype} differs from x dtype {x.dtype}; they must match")
+        raise TypeError(
+            f"{_WHO}: weight dtype {weight.dtype} differs from x dtype {x.dtype}; they must match"
+        )
     if weight.device != x.device:
         raise ValueError(
             f"{_WHO}: weight is on {weight.device} but x is on {x.device}; they must be on the same device"
@@ -58,7 +64,9 @@ def check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         if bias.layout != torch.strided:
             raise TypeError(f"{_WHO}: bias must be a strided (dense) tensor")
         if bias.dtype != x.dtype:
-            raise TypeError(f"{_WHO}: bias dtype {bias.dtype} differs from x dtype {x.dtype}; they must match")
+            raise TypeError(
+                f"{_WHO}: bias dtype {bias.dtype} differs from x dtype {x.dtype}; they must match"
+            )
         if bias.device != x.device:
             raise ValueError(
                 f"{_WHO}: bias is on {bias.device} but x is on {x.device}; they must be on the same device"
@@ -83,7 +91,9 @@ def reference_prefix_linear(
     return F.linear(x[..., :k], weight[:n, :k], None if bias is None else bias[:n])
 
 
-def _fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, k: int) -> torch.Tensor:
+def _fake(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, k: int
+) -> torch.Tensor:
     """Shape rule: x's shape with its last dim replaced by n."""
     check_args(x, weight, bias, n, k)
     return x.new_empty((*x.shape[:-1], n))
@@ -128,7 +138,9 @@ _LIB = torch.library.Library("elastic_plugin", "FRAGMENT")
 _register()
 
 
-def prefix_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, k: int) -> torch.Tensor:
+def prefix_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, k: int
+) -> torch.Tensor:
     """``x[..., :k] @ weight[:n, :k].T (+ bias[:n])``, reading ``weight`` in place.
 
     Args:

@@ -16,11 +16,14 @@ import torch
 from elastic_plugin.ops._fp8 import E4M3_MAX
 from elastic_plugin.ops._loader import INFO
 
-NVFP4_OP, NVFP4_SCHEMA = "elastic_plugin::nvfp4_quantize", "(Tensor w, Tensor row_scale) -> (Tensor, Tensor)"
+NVFP4_OP, NVFP4_SCHEMA = (
+    "elastic_plugin::nvfp4_quantize",
+    "(Tensor w, Tensor row_scale) -> (Tensor, Tensor)",
+)
 FP8_OP, FP8_SCHEMA = "elastic_plugin::fp8_quantize", "(Tensor w, Tensor row_scale) -> Tensor"
 BLOCK = 16
 E2M1_MAX = 6.0
-E4M3_MIN_SUBNORMAL = 2.0 ** -9
+E4M3_MIN_SUBNORMAL = 2.0**-9
 
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -32,8 +35,9 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     from 4 on, and ``torch.round`` (half to even) on each step's multiples gives the even code.
     """
     a = x.abs().float()
-    code = torch.where(a < 2, torch.round(a * 2),
-                       torch.where(a < 4, torch.round(a) + 2, torch.round(a * 0.5) + 4))
+    code = torch.where(
+        a < 2, torch.round(a * 2), torch.where(a < 4, torch.round(a) + 2, torch.round(a * 0.5) + 4)
+    )
     return code.clamp_(max=7).to(torch.uint8) | ((x < 0).to(torch.uint8) << 3)
 
 
@@ -53,8 +57,10 @@ def check_args(who: str, w: torch.Tensor, row_scale: torch.Tensor, col_multiple:
     if w.shape[1] % col_multiple:
         raise ValueError(f"{who}: cols must divide by {col_multiple}, got {w.shape[1]}")
     if row_scale.dtype != torch.float32 or row_scale.dim() != 1 or row_scale.shape[0] != w.shape[0]:
-        raise ValueError(f"{who}: row_scale must be float32 of shape [rows={w.shape[0]}], got "
-                         f"{row_scale.dtype} {list(row_scale.shape)}")
+        raise ValueError(
+            f"{who}: row_scale must be float32 of shape [rows={w.shape[0]}], got "
+            f"{row_scale.dtype} {list(row_scale.shape)}"
+        )
 
 
 def _finite(who: str, x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +76,9 @@ def reference_fp8_quantize(w: torch.Tensor, row_scale: torch.Tensor) -> torch.Te
     return (x / row_scale.view(-1, 1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def reference_nvfp4_quantize(w: torch.Tensor, row_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_nvfp4_quantize(
+    w: torch.Tensor, row_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-PyTorch implementation (the fallback): ``(packed uint8 [rows, cols/2],
     block_scale float8_e4m3fn [rows, cols/16])``."""
     check_args("nvfp4_quantize", w, row_scale, BLOCK)
@@ -87,8 +95,10 @@ def reference_nvfp4_quantize(w: torch.Tensor, row_scale: torch.Tensor) -> tuple[
 def _fake_nvfp4(w: torch.Tensor, row_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     check_args("nvfp4_quantize", w, row_scale, BLOCK)
     rows, cols = w.shape
-    return (w.new_empty((rows, cols // 2), dtype=torch.uint8),
-            w.new_empty((rows, cols // BLOCK), dtype=torch.float8_e4m3fn))
+    return (
+        w.new_empty((rows, cols // 2), dtype=torch.uint8),
+        w.new_empty((rows, cols // BLOCK), dtype=torch.float8_e4m3fn),
+    )
 
 
 def _fake_fp8(w: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
@@ -97,8 +107,10 @@ def _fake_fp8(w: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
 
 
 def _register() -> None:
-    for name, schema, reference, fake in ((NVFP4_OP, NVFP4_SCHEMA, reference_nvfp4_quantize, _fake_nvfp4),
-                                          (FP8_OP, FP8_SCHEMA, reference_fp8_quantize, _fake_fp8)):
+    for name, schema, reference, fake in (
+        (NVFP4_OP, NVFP4_SCHEMA, reference_nvfp4_quantize, _fake_nvfp4),
+        (FP8_OP, FP8_SCHEMA, reference_fp8_quantize, _fake_fp8),
+    ):
         if not INFO.uses_extension:
             torch.library.custom_op(name, reference, mutates_args=(), schema=schema)
         torch.library.register_fake(name, fake, lib=_LIB)

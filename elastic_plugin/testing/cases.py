@@ -8,7 +8,9 @@ import torch
 import torch.distributed as dist
 
 
-def built_parameter_counts(config_path: str, overrides: dict[str, Any] | None = None) -> dict[str, int]:
+def built_parameter_counts(
+    config_path: str, overrides: dict[str, Any] | None = None
+) -> dict[str, int]:
     """Build the HybridModel on one rank and sum ``numel`` per counting component."""
     from dataclasses import replace
 
@@ -46,20 +48,26 @@ def list_reduce_scatter() -> list[float]:
     return out.tolist()
 
 
-def eval_loss_from_checkpoint(ckpt_dir: str, data_dir: str, tp: int = 1, pp: int = 1, ep: int = 1,
-                              sequence_parallel: bool = False, eval_iters: int = 2) -> float | None:
+def eval_loss_from_checkpoint(
+    ckpt_dir: str,
+    data_dir: str,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    sequence_parallel: bool = False,
+    eval_iters: int = 2,
+) -> float | None:
     """Load a teacher checkpoint under a layout and compute the validation loss."""
     import json
     from pathlib import Path
 
+    from elastic_plugin.checkpoint.io import load_checkpoint
+    from elastic_plugin.checkpoint.meta import CHECKPOINT_META
     from elastic_plugin.data.indexed import batch_iterator, build_gpt_datasets
     from elastic_plugin.data.prepare import PreparedData
     from elastic_plugin.models.config import config_from_dict
     from elastic_plugin.parallel import Layout, build_model_chunks, initialize_layout
-    from elastic_plugin.training.step import eval_step
-    from elastic_plugin.checkpoint.meta import CHECKPOINT_META
-    from elastic_plugin.checkpoint.io import load_checkpoint
-    from elastic_plugin.training.step import share_from_last_stage
+    from elastic_plugin.training.step import eval_step, share_from_last_stage
 
     meta = json.loads((Path(ckpt_dir) / CHECKPOINT_META).read_text())
     cfg = config_from_dict(meta["config"])
@@ -69,11 +77,14 @@ def eval_loss_from_checkpoint(ckpt_dir: str, data_dir: str, tp: int = 1, pp: int
     load_checkpoint(chunks, ckpt_dir)
     prepared = PreparedData.load(data_dir)
     t = cfg.training
-    datasets = build_gpt_datasets(prepared.load_tokenizer(), t.seq_length,
-                                  train_data_path=prepared.train_prefix,
-                                  valid_data_path=prepared.valid_prefix,
-                                  num_samples=(t.micro_batch_size, eval_iters * t.micro_batch_size, None),
-                                  seed=t.seed)
+    datasets = build_gpt_datasets(
+        prepared.load_tokenizer(),
+        t.seq_length,
+        train_data_path=prepared.train_prefix,
+        valid_data_path=prepared.valid_prefix,
+        num_samples=(t.micro_batch_size, eval_iters * t.micro_batch_size, None),
+        seed=t.seed,
+    )
     from megatron.core import parallel_state
 
     dp = parallel_state.get_data_parallel_world_size()

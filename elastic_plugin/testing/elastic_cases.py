@@ -33,9 +33,15 @@ SEQ_LEN = 32
 STEPS = 3
 ELASTIC = {
     "budgets": [1.0, 0.77, 0.4],
-    "sizes": {"embedding": [1.0, 0.75, 0.5], "ffn": [1.0, 0.5], "shared_ffn": [1.0, 0.5],
-              "attention_heads": [1.0, 0.5], "mamba_heads": [1.0, 0.5],
-              "mamba_head_dim": [1.0, 0.5], "experts": [1.0, 0.5]},
+    "sizes": {
+        "embedding": [1.0, 0.75, 0.5],
+        "ffn": [1.0, 0.5],
+        "shared_ffn": [1.0, 0.5],
+        "attention_heads": [1.0, 0.5],
+        "mamba_heads": [1.0, 0.5],
+        "mamba_head_dim": [1.0, 0.5],
+        "experts": [1.0, 0.5],
+    },
     "router": {"hidden_size": 32},
 }
 
@@ -45,9 +51,14 @@ def _batches(vocab: int, seed: int, count: int) -> list[dict[str, torch.Tensor]]
     out = []
     for _ in range(count):
         seq = torch.randint(0, vocab, (MICRO_BATCH, SEQ_LEN + 1), generator=gen)
-        out.append({"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous(),
-                    "loss_mask": torch.ones(MICRO_BATCH, SEQ_LEN),
-                    "position_ids": torch.arange(SEQ_LEN).expand(MICRO_BATCH, SEQ_LEN)})
+        out.append(
+            {
+                "tokens": seq[:, :-1].contiguous(),
+                "labels": seq[:, 1:].contiguous(),
+                "loss_mask": torch.ones(MICRO_BATCH, SEQ_LEN),
+                "position_ids": torch.arange(SEQ_LEN).expand(MICRO_BATCH, SEQ_LEN),
+            }
+        )
     return out
 
 
@@ -57,8 +68,10 @@ def _iteration_batches(vocab: int, iteration: int) -> list[dict[str, torch.Tenso
 
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rows = MICRO_BATCH // dp
-    return [{k: v[rank * rows:(rank + 1) * rows] for k, v in b.items()}
-            for b in _batches(vocab, 100 + iteration, REF_MICROBATCHES)]
+    return [
+        {k: v[rank * rows : (rank + 1) * rows] for k, v in b.items()}
+        for b in _batches(vocab, 100 + iteration, REF_MICROBATCHES)
+    ]
 
 
 def _experiment(config_path: str, pattern: str | None):
@@ -66,8 +79,9 @@ def _experiment(config_path: str, pattern: str | None):
 
     cfg = load_config(config_path)
     model = tiny_model(config_path, pattern)
-    return cfg.__class__(model=model, parallel=cfg.parallel, training=cfg.training, data=cfg.data,
-                         source=cfg.source)
+    return cfg.__class__(
+        model=model, parallel=cfg.parallel, training=cfg.training, data=cfg.data, source=cfg.source
+    )
 
 
 def _elastic_config(model, mode: str, heterogeneous: bool, fp8_gemm: str = "off"):
@@ -75,15 +89,28 @@ def _elastic_config(model, mode: str, heterogeneous: bool, fp8_gemm: str = "off"
     from elastic_plugin.models.axes import model_axes
 
     axes = model_axes(model)
-    raw = dict(ELASTIC, mode=mode, heterogeneous=heterogeneous, fp8_gemm=fp8_gemm,
-               sizes={k: v for k, v in ELASTIC["sizes"].items() if k in axes})
+    raw = dict(
+        ELASTIC,
+        mode=mode,
+        heterogeneous=heterogeneous,
+        fp8_gemm=fp8_gemm,
+        sizes={k: v for k, v in ELASTIC["sizes"].items() if k in axes},
+    )
     if mode == "masked":
         raw["router"] = {**raw["router"], "hard": False}
     return ElasticConfig.from_dict(raw)
 
 
-def _setup(config_path: str, workdir: Path, layout, pattern, mode, heterogeneous, seed,
-           fp8_gemm: str = "off"):
+def _setup(
+    config_path: str,
+    workdir: Path,
+    layout,
+    pattern,
+    mode,
+    heterogeneous,
+    seed,
+    fp8_gemm: str = "off",
+):
     """Elastic student (DDP), frozen teacher, optimizer and step driver for ``layout``."""
 
     from elastic_plugin.checkpoint.io import build_from_checkpoint
@@ -102,9 +129,13 @@ def _setup(config_path: str, workdir: Path, layout, pattern, mode, heterogeneous
     teacher, _, _ = build_from_checkpoint(workdir / "init", layout)
     for chunk in teacher:
         chunk.requires_grad_(False)
-    optimizer = build_optimizer(chunks, lr=1e-3, adam_eps=1e-4,
-                                distributed_optimizer=layout.distributed_optimizer,
-                                config_overrides=router_param_groups(1e-3, 1e-3, 10.0))
+    optimizer = build_optimizer(
+        chunks,
+        lr=1e-3,
+        adam_eps=1e-4,
+        distributed_optimizer=layout.distributed_optimizer,
+        config_overrides=router_param_groups(1e-3, 1e-3, 10.0),
+    )
     step = ElasticStep(
         state=state,
         sampler=BudgetSampler(resolved.budgets, None, seed=5, total_iters=STEPS),
@@ -127,12 +158,19 @@ def write_init_checkpoint(cfg, path: Path, seed: int = 1234) -> None:
     initialize_layout(Layout(), seed=seed)
     chunks, _ = build_model_chunks(cfg.model, Layout(), wrap_ddp=False)
     setattr(chunks[0], STRIDED_ATTR, True)
-    save_checkpoint(chunks, path, {"kind": "reordered", "config": cfg.to_dict(),
-                                   "layout": asdict(Layout())})
+    save_checkpoint(
+        chunks, path, {"kind": "reordered", "config": cfg.to_dict(), "layout": asdict(Layout())}
+    )
 
 
-def train_tiny_elastic(cfg, work: Path, iters: int = 2, batch: int = 4, lr: float = 2e-2,
-                       choices: dict[str, Any] | None = None) -> Path:
+def train_tiny_elastic(
+    cfg,
+    work: Path,
+    iters: int = 2,
+    batch: int = 4,
+    lr: float = 2e-2,
+    choices: dict[str, Any] | None = None,
+) -> Path:
     """A briefly trained elastic checkpoint of ``cfg``'s model on synthetic tokens (random init
     saved as reordered, ``iters`` iterations on one rank); ``choices`` (budget label -> sizes)
     overwrite the stored table, as a converged router would have chosen. Returns its path."""
@@ -141,12 +179,29 @@ def train_tiny_elastic(cfg, work: Path, iters: int = 2, batch: int = 4, lr: floa
     from elastic_plugin.parallel import Layout
 
     write_init_checkpoint(cfg, work / "init")
-    sched = ElasticSchedule(train_iters=iters, lr=lr, min_lr=lr / 10, lr_warmup_iters=0,
-                            global_batch_size=batch, micro_batch_size=batch, seq_length=SEQ_LEN,
-                            log_interval=1, eval_interval=iters, eval_iters=1)
-    run = train_elastic(cfg, _elastic_config(cfg.model, "sliced", False), Layout(), work / "init",
-                        work / "run", lambda c: _synthetic_iterator(cfg.model.vocab_size, batch, c),
-                        None, sched, progress=False)
+    sched = ElasticSchedule(
+        train_iters=iters,
+        lr=lr,
+        min_lr=lr / 10,
+        lr_warmup_iters=0,
+        global_batch_size=batch,
+        micro_batch_size=batch,
+        seq_length=SEQ_LEN,
+        log_interval=1,
+        eval_interval=iters,
+        eval_iters=1,
+    )
+    run = train_elastic(
+        cfg,
+        _elastic_config(cfg.model, "sliced", False),
+        Layout(),
+        work / "init",
+        work / "run",
+        lambda c: _synthetic_iterator(cfg.model.vocab_size, batch, c),
+        None,
+        sched,
+        progress=False,
+    )
     ckpt = Path(run.checkpoint_dir)
     if choices:
         meta = json.loads((ckpt / "elastic_meta.json").read_text())
@@ -173,12 +228,21 @@ def _run(cfg, chunks, optimizer, step, grads_out: Path | None):
         data = iter(_iteration_batches(cfg.model.vocab_size, iteration)) if _reads_data() else None
         from megatron.core import parallel_state as ps
 
-        result = step.train_step(chunks, optimizer, data, SEQ_LEN,
-                                 MICRO_BATCH // ps.get_data_parallel_world_size(),
-                                 step_optimizer=False)
+        result = step.train_step(
+            chunks,
+            optimizer,
+            data,
+            SEQ_LEN,
+            MICRO_BATCH // ps.get_data_parallel_world_size(),
+            step_optimizer=False,
+        )
         table = result["loss"] or {}
-        losses.append({i: [a["kd_sum"], a["tokens"], a["budget_loss_sum"], a["count"]]
-                       for i, a in table.items()})
+        losses.append(
+            {
+                i: [a["kd_sum"], a["tokens"], a["budget_loss_sum"], a["count"]]
+                for i, a in table.items()
+            }
+        )
         if iteration == 1:
             if grads_out is not None:
                 with params_replaced_by(model, "main_grad"):
@@ -213,17 +277,24 @@ def _gather_losses(losses):
     return out
 
 
-def make_elastic_reference(config_path: str, workdir: str, pattern: str | None = None,
-                           mode: str = "sliced", heterogeneous: bool = False,
-                           seed: int = 1234, fp8_gemm: str = "off") -> dict[str, Any]:
+def make_elastic_reference(
+    config_path: str,
+    workdir: str,
+    pattern: str | None = None,
+    mode: str = "sliced",
+    heterogeneous: bool = False,
+    seed: int = 1234,
+    fp8_gemm: str = "off",
+) -> dict[str, Any]:
     """1 rank: the initial checkpoint, then the elastic steps' losses, choices and gradients."""
     from elastic_plugin.parallel import Layout
 
     work = Path(workdir)
     cfg = _experiment(config_path, pattern)
     write_init_checkpoint(cfg, work / "init", seed)
-    cfg, chunks, optimizer, step = _setup(config_path, work, Layout(), pattern, mode,
-                                          heterogeneous, seed, fp8_gemm)
+    cfg, chunks, optimizer, step = _setup(
+        config_path, work, Layout(), pattern, mode, heterogeneous, seed, fp8_gemm
+    )
     losses, _ = _run(cfg, chunks, optimizer, step, work / "grads")
     result = {"losses": _gather_losses(losses), "trace": step.trace}
     (work / "reference.json").write_text(json.dumps(result))
@@ -236,10 +307,20 @@ def reference_losses(workdir: str) -> list[dict[int, float]]:
     return [{int(k): v for k, v in t.items()} for t in reference["losses"]]
 
 
-def check_elastic(config_path: str, workdir: str, tp: int = 1, pp: int = 1, ep: int = 1,
-                  sequence_parallel: bool = False, distributed_optimizer: bool = False,
-                  pattern: str | None = None, mode: str = "sliced", heterogeneous: bool = False,
-                  seed: int = 1234, fp8_gemm: str = "off") -> dict[str, Any]:
+def check_elastic(
+    config_path: str,
+    workdir: str,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    sequence_parallel: bool = False,
+    distributed_optimizer: bool = False,
+    pattern: str | None = None,
+    mode: str = "sliced",
+    heterogeneous: bool = False,
+    seed: int = 1234,
+    fp8_gemm: str = "off",
+) -> dict[str, Any]:
     """N ranks: the same elastic steps under a layout; differences vs the reference."""
     from elastic_plugin.checkpoint.io import build_from_checkpoint
     from elastic_plugin.elastic.model import attach_elastic
@@ -247,8 +328,9 @@ def check_elastic(config_path: str, workdir: str, tp: int = 1, pp: int = 1, ep: 
 
     work = Path(workdir)
     layout = Layout(tp, pp, ep, sequence_parallel, distributed_optimizer)
-    cfg, chunks, optimizer, step = _setup(config_path, work, layout, pattern, mode,
-                                          heterogeneous, seed + 17, fp8_gemm)
+    cfg, chunks, optimizer, step = _setup(
+        config_path, work, layout, pattern, mode, heterogeneous, seed + 17, fp8_gemm
+    )
     losses, grads = _run(cfg, chunks, optimizer, step, None)
     # the reference gradients, loaded into this layout (canonical order, contiguous shards)
     ref_chunks, _, _ = build_from_checkpoint(work / "init", layout)
@@ -258,8 +340,9 @@ def check_elastic(config_path: str, workdir: str, tp: int = 1, pp: int = 1, ep: 
     ref_grads = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
     grad_diff, grad_where = _max_diff(grads, ref_grads)
     router_keys = [n for n in grads if "elastic_router" in n]
-    router_diff, _ = _max_diff({k: grads[k] for k in router_keys},
-                               {k: ref_grads[k] for k in router_keys})
+    router_diff, _ = _max_diff(
+        {k: grads[k] for k in router_keys}, {k: ref_grads[k] for k in router_keys}
+    )
     reference = json.loads((work / "reference.json").read_text())
     return {
         "rank": dist.get_rank(),
@@ -271,8 +354,9 @@ def check_elastic(config_path: str, workdir: str, tp: int = 1, pp: int = 1, ep: 
         "grad_worst_param": grad_where,
         "grad_max_abs": max(v.abs().max().item() for v in ref_grads.values()),
         "router_grad_max_abs_diff": router_diff,
-        "router_grad_max_abs": max((ref_grads[k].abs().max().item() for k in router_keys),
-                                   default=0.0),
+        "router_grad_max_abs": max(
+            (ref_grads[k].abs().max().item() for k in router_keys), default=0.0
+        ),
         "num_router_params": len(router_keys),
     }
 
@@ -290,15 +374,27 @@ def _synthetic_iterator(vocab: int, micro_batch: int, consumed: int):
             rows.append(torch.randint(0, vocab, (micro_batch, SEQ_LEN + 1), generator=gen))
             index += micro_batch
         seq = rows[rank]
-        yield {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous(),
-               "loss_mask": torch.ones(micro_batch, SEQ_LEN),
-               "position_ids": torch.arange(SEQ_LEN).expand(micro_batch, SEQ_LEN)}
+        yield {
+            "tokens": seq[:, :-1].contiguous(),
+            "labels": seq[:, 1:].contiguous(),
+            "loss_mask": torch.ones(micro_batch, SEQ_LEN),
+            "position_ids": torch.arange(SEQ_LEN).expand(micro_batch, SEQ_LEN),
+        }
 
 
-def train_and_resume(config_path: str, workdir: str, iters: int = 6, stop: int = 3,
-                     tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
-                     freeze_after: int | None = None, freeze_select: str = "likelihood",
-                     freeze_candidates: int | None = None, fp8_gemm: str = "off") -> dict[str, Any]:
+def train_and_resume(
+    config_path: str,
+    workdir: str,
+    iters: int = 6,
+    stop: int = 3,
+    tp: int = 1,
+    pp: int = 1,
+    sequence_parallel: bool = False,
+    freeze_after: int | None = None,
+    freeze_select: str = "likelihood",
+    freeze_candidates: int | None = None,
+    fp8_gemm: str = "off",
+) -> dict[str, Any]:
     """The loss trace of an uninterrupted run vs. a run stopped after ``stop`` iterations and
     resumed from its checkpoint (optimizer, LR schedule, router, data position); with
     ``freeze_after`` the router freezes after that many iterations, picking each budget's model
@@ -315,43 +411,95 @@ def train_and_resume(config_path: str, workdir: str, iters: int = 6, stop: int =
         write_init_checkpoint(cfg, work / "init")
     ecfg = _elastic_config(cfg.model, "sliced", False, fp8_gemm)
     if freeze_after is not None:
-        ecfg = dataclasses.replace(ecfg, router=dataclasses.replace(
-            ecfg.router, freeze_after=freeze_after, freeze_select=freeze_select,
-            freeze_candidates=freeze_candidates))
+        ecfg = dataclasses.replace(
+            ecfg,
+            router=dataclasses.replace(
+                ecfg.router,
+                freeze_after=freeze_after,
+                freeze_select=freeze_select,
+                freeze_candidates=freeze_candidates,
+            ),
+        )
     layout = Layout(tp=tp, pp=pp, sequence_parallel=sequence_parallel)
-    sched = ElasticSchedule(train_iters=iters, lr=2e-3, min_lr=2e-4, lr_warmup_iters=2,
-                            global_batch_size=8, micro_batch_size=4, seq_length=SEQ_LEN,
-                            log_interval=1, eval_interval=iters, eval_iters=1)
+    sched = ElasticSchedule(
+        train_iters=iters,
+        lr=2e-3,
+        min_lr=2e-4,
+        lr_warmup_iters=2,
+        global_batch_size=8,
+        micro_batch_size=4,
+        seq_length=SEQ_LEN,
+        log_interval=1,
+        eval_interval=iters,
+        eval_iters=1,
+    )
     make_iter = lambda consumed: _synthetic_iterator(cfg.model.vocab_size, 4, consumed)  # noqa: E731
     valid = lambda: _synthetic_iterator(cfg.model.vocab_size, 4, 10**6)  # noqa: E731
-    full = train_elastic(cfg, ecfg, layout, work / "init", work / "full", make_iter, valid, sched,
-                         progress=False)
-    part = train_elastic(cfg, ecfg, layout, work / "init", work / "part", make_iter, valid, sched,
-                         progress=False, stop_after=stop)
-    rest = train_elastic(cfg, ecfg, layout, work / "init", work / "part", make_iter, valid, sched,
-                         progress=False, resume=True)
-    trace = lambda run: [(h["iteration"], h["train_loss"]) for h in run.history  # noqa: E731
-                         if "train_loss" in h]
-    return {"full": trace(full), "resumed": trace(part) + trace(rest),
-            "full_valid": full.final_valid, "resumed_valid": rest.final_valid,
-            "choices_full": full.choices, "choices_resumed": rest.choices,
-            "choices_per_iteration": [(h["iteration"], h["choices"]) for h in full.history
-                                      if "choices" in h],
-            "frozen_meta": _elastic_meta(work / "full").get("frozen_choices"),
-            "freeze_search": _elastic_meta(work / "full").get("freeze_search"),
-            "freeze_search_resumed": _elastic_meta(work / "part").get("freeze_search"),
-            "fp8_gemm_meta": json.loads((work / "full" / "checkpoints" / "elastic" / "elastic_meta.json")
-                                        .read_text())["config"]["elastic"]["fp8_gemm"],
-            "iterations": (part.iterations, rest.iterations)}
+    full = train_elastic(
+        cfg, ecfg, layout, work / "init", work / "full", make_iter, valid, sched, progress=False
+    )
+    part = train_elastic(
+        cfg,
+        ecfg,
+        layout,
+        work / "init",
+        work / "part",
+        make_iter,
+        valid,
+        sched,
+        progress=False,
+        stop_after=stop,
+    )
+    rest = train_elastic(
+        cfg,
+        ecfg,
+        layout,
+        work / "init",
+        work / "part",
+        make_iter,
+        valid,
+        sched,
+        progress=False,
+        resume=True,
+    )
+
+    def trace(run):
+        return [(h["iteration"], h["train_loss"]) for h in run.history if "train_loss" in h]
+
+    return {
+        "full": trace(full),
+        "resumed": trace(part) + trace(rest),
+        "full_valid": full.final_valid,
+        "resumed_valid": rest.final_valid,
+        "choices_full": full.choices,
+        "choices_resumed": rest.choices,
+        "choices_per_iteration": [
+            (h["iteration"], h["choices"]) for h in full.history if "choices" in h
+        ],
+        "frozen_meta": _elastic_meta(work / "full").get("frozen_choices"),
+        "freeze_search": _elastic_meta(work / "full").get("freeze_search"),
+        "freeze_search_resumed": _elastic_meta(work / "part").get("freeze_search"),
+        "fp8_gemm_meta": json.loads(
+            (work / "full" / "checkpoints" / "elastic" / "elastic_meta.json").read_text()
+        )["config"]["elastic"]["fp8_gemm"],
+        "iterations": (part.iterations, rest.iterations),
+    }
 
 
 def _elastic_meta(run_dir: Path) -> dict[str, Any]:
-    return json.loads((run_dir / "checkpoints" / "elastic" / "elastic_meta.json").read_text()
-                      )["elastic"]
+    return json.loads((run_dir / "checkpoints" / "elastic" / "elastic_meta.json").read_text())[
+        "elastic"
+    ]
 
 
-def route_trace(config_path: str, workdir: str, iters: int = 50, tp: int = 1, pp: int = 1,
-                sequence_parallel: bool = False) -> list:
+def route_trace(
+    config_path: str,
+    workdir: str,
+    iters: int = 50,
+    tp: int = 1,
+    pp: int = 1,
+    sequence_parallel: bool = False,
+) -> list:
     """Router choices of ``iters`` iterations x micro-batches on this rank (no model compute)."""
     from megatron.core import parallel_state as ps
 
@@ -404,8 +552,14 @@ def self_teacher_and_param_groups(config_path: str, workdir: str) -> dict[str, A
     groups = []
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         for group in opt.param_groups:
-            has_router = any(id(getattr(p, "_model_param", p)) in router_ids or
-                             getattr(p, "elastic_router", False) for p in group["params"])
+            has_router = any(
+                id(getattr(p, "_model_param", p)) in router_ids
+                or getattr(p, "elastic_router", False)
+                for p in group["params"]
+            )
             groups.append({"router": has_router, "max_lr": group.get("max_lr")})
-    return {"kd_first": float(reports[0]["elastic"][0]), "kd_second": float(reports[1]["elastic"][0]),
-            "groups": groups}
+    return {
+        "kd_first": float(reports[0]["elastic"][0]),
+        "kd_second": float(reports[1]["elastic"][0]),
+        "groups": groups,
+    }

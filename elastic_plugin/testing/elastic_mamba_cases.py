@@ -7,15 +7,16 @@ numbers (max differences) that the tests assert on."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from elastic_plugin.elastic.layers.mamba import elastic_mamba_forward
-from elastic_plugin.models.prefix import mamba_active_rows
 from elastic_plugin.models.builder import stack_spec_for, transformer_config
 from elastic_plugin.models.config import ConfigError, ModelConfig
+from elastic_plugin.models.prefix import mamba_active_rows
 from elastic_plugin.parallel import Layout, initialize_layout
 from elastic_plugin.testing.equivalence import tiny_model
 
@@ -28,17 +29,27 @@ def mamba_model(config_path: str, **overrides: Any) -> ModelConfig:
     return tiny_model(config_path, "M", overrides)
 
 
-def build_mixer(cfg: ModelConfig, layout: Layout, dtype: torch.dtype = torch.float32,
-                mixer_params: dict[str, Any] | None = None, **config_overrides: Any):
+def build_mixer(
+    cfg: ModelConfig,
+    layout: Layout,
+    dtype: torch.dtype = torch.float32,
+    mixer_params: dict[str, Any] | None = None,
+    **config_overrides: Any,
+):
     """A ``MambaMixer`` built exactly as ``MambaLayer`` builds it from our hybrid spec."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
 
     tconf = transformer_config(cfg, layout.as_parallel_config(), torch.float32, **config_overrides)
     spec = stack_spec_for(cfg).submodules.mamba_layer.submodules.mixer
-    mixer = build_module(spec, tconf, d_model=tconf.hidden_size, layer_number=1,
-                         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
-                         **(mixer_params or {}))
+    mixer = build_module(
+        spec,
+        tconf,
+        d_model=tconf.hidden_size,
+        layer_number=1,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        **(mixer_params or {}),
+    )
     return mixer.to(dtype)
 
 
@@ -52,7 +63,7 @@ def randomize_(mixer, seed: int) -> None:
         return values.to(t.dtype)
 
     h = mixer.d_model
-    mixer.in_proj.weight.copy_(rnd(mixer.in_proj.weight, 1.0 / h ** 0.5))
+    mixer.in_proj.weight.copy_(rnd(mixer.in_proj.weight, 1.0 / h**0.5))
     mixer.conv1d_weight.copy_(rnd(mixer.conv1d_weight, 0.5))
     mixer.conv1d_bias.copy_(rnd(mixer.conv1d_bias, 0.2))
     mixer.dt_bias.copy_(rnd(mixer.dt_bias, 0.5, -1.0))
@@ -60,11 +71,12 @@ def randomize_(mixer, seed: int) -> None:
     mixer.A_log.copy_(torch.log(a).to(mixer.A_log.dtype))
     mixer.D.copy_(rnd(mixer.D, 1.0))
     mixer.norm.weight.copy_(rnd(mixer.norm.weight, 0.2, 1.0))
-    mixer.out_proj.weight.copy_(rnd(mixer.out_proj.weight, 1.0 / mixer.d_inner ** 0.5))
+    mixer.out_proj.weight.copy_(rnd(mixer.out_proj.weight, 1.0 / mixer.d_inner**0.5))
 
 
-def random_like(shape: tuple[int, ...], seed: int,
-                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def random_like(
+    shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
 
@@ -76,20 +88,32 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def run(mixer, x: torch.Tensor, w: torch.Tensor, fn: Callable | None = None, extra: tuple = (),
-        **kwargs: Any) -> dict[str, Any]:
+def run(
+    mixer,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    fn: Callable | None = None,
+    extra: tuple = (),
+    **kwargs: Any,
+) -> dict[str, Any]:
     """Forward (Megatron's ``mixer(x)`` when ``fn`` is None, else ``fn(mixer, x, **kwargs)``),
     then the gradient of ``sum(out * w)`` w.r.t. ``x``, every parameter and ``extra``."""
     mixer.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_(True)
-    out, bias = (mixer(x) if fn is None else fn(mixer, x, **kwargs))
+    out, bias = mixer(x) if fn is None else fn(mixer, x, **kwargs)
     assert bias is None
     params = dict(mixer.named_parameters())
     grads = torch.autograd.grad((out * w).sum(), [x, *params.values(), *extra], allow_unused=True)
-    pg = {n: (torch.zeros_like(p) if g is None else g)
-          for (n, p), g in zip(params.items(), grads[1:1 + len(params)])}
-    return {"out": out.detach(), "x_grad": grads[0], "param_grads": pg,
-            "extra_grads": list(grads[1 + len(params):])}
+    pg = {
+        n: (torch.zeros_like(p) if g is None else g)
+        for (n, p), g in zip(params.items(), grads[1 : 1 + len(params)])
+    }
+    return {
+        "out": out.detach(),
+        "x_grad": grads[0],
+        "param_grads": pg,
+        "extra_grads": list(grads[1 + len(params) :]),
+    }
 
 
 # ----------------------------------------------------------------- 1. full == Megatron
@@ -102,9 +126,15 @@ def full_matches_megatron(config_path: str, mem_eff: bool = True, seed: int = 3)
     w = random_like((SEQ, BATCH, cfg.hidden_size), seed + 2)
     ref = run(mixer, x, w)
     ours = run(mixer, x, w, elastic_mamba_forward)
-    explicit = run(mixer, x, w, elastic_mamba_forward, hidden_active=cfg.hidden_size,
-                   heads_per_group=cfg.mamba_num_heads // cfg.mamba_num_groups,
-                   head_dim=cfg.mamba_head_dim)
+    explicit = run(
+        mixer,
+        x,
+        w,
+        elastic_mamba_forward,
+        hidden_active=cfg.hidden_size,
+        heads_per_group=cfg.mamba_num_heads // cfg.mamba_num_groups,
+        head_dim=cfg.mamba_head_dim,
+    )
     from megatron.core.inference.utils import InferenceMode
 
     with InferenceMode.active(), torch.no_grad():  # no cache: Megatron's prefill path
@@ -136,19 +166,26 @@ def full_matches_megatron(config_path: str, mem_eff: bool = True, seed: int = 3)
 # ------------------------------------------------------------ 2. sliced == hard masks
 def _hard_masks(cfg: ModelConfig, k: int, p: int, h: int) -> tuple[torch.Tensor, ...]:
     per_group = cfg.mamba_num_heads // cfg.mamba_num_groups
-    return ((torch.arange(per_group) < k).float(), (torch.arange(cfg.mamba_head_dim) < p).float(),
-            (torch.arange(cfg.hidden_size) < h).float())
+    return (
+        (torch.arange(per_group) < k).float(),
+        (torch.arange(cfg.mamba_head_dim) < p).float(),
+        (torch.arange(cfg.hidden_size) < h).float(),
+    )
 
 
 def _active_block(mixer, k: int, p: int, h: int) -> dict[str, tuple[torch.Tensor, ...]]:
     """Per parameter: (row index, column count) of the active block (None = all columns)."""
     rows = mamba_active_rows(mixer, k, p)
-    return {"in_proj.weight": (rows["in_proj"], h), "conv1d_weight": (rows["conv"], None),
-            "conv1d_bias": (rows["conv"], None), "dt_bias": (rows["heads"], None),
-            "A_log": (rows["heads"], None),
-            "D": (rows["channels"] if mixer.D_has_hdim else rows["heads"], None),
-            "norm.weight": (rows["channels"], None),
-            "out_proj.weight": (torch.arange(h), rows["channels"])}
+    return {
+        "in_proj.weight": (rows["in_proj"], h),
+        "conv1d_weight": (rows["conv"], None),
+        "conv1d_bias": (rows["conv"], None),
+        "dt_bias": (rows["heads"], None),
+        "A_log": (rows["heads"], None),
+        "D": (rows["channels"] if mixer.D_has_hdim else rows["heads"], None),
+        "norm.weight": (rows["channels"], None),
+        "out_proj.weight": (torch.arange(h), rows["channels"]),
+    }
 
 
 def _block(t: torch.Tensor, rows: torch.Tensor, cols) -> torch.Tensor:
@@ -158,8 +195,9 @@ def _block(t: torch.Tensor, rows: torch.Tensor, cols) -> torch.Tensor:
     return t[:, :cols] if isinstance(cols, int) else t.index_select(1, cols)
 
 
-def sliced_matches_masked(config_path: str, k: int, p: int, h: int, mem_eff: bool = True,
-                          seed: int = 5) -> dict[str, Any]:
+def sliced_matches_masked(
+    config_path: str, k: int, p: int, h: int, mem_eff: bool = True, seed: int = 5
+) -> dict[str, Any]:
     cfg = mamba_model(config_path)
     initialize_layout(Layout())
     mixer = build_mixer(cfg, Layout(), use_mamba_mem_eff_path=mem_eff)
@@ -168,10 +206,18 @@ def sliced_matches_masked(config_path: str, k: int, p: int, h: int, mem_eff: boo
     x[..., h:] = 0  # the residual stream is masked beyond h' too
     w = random_like((SEQ, BATCH, cfg.hidden_size), seed + 2)
     hm, cm, hidm = _hard_masks(cfg, k, p, h)
-    masked = run(mixer, x, w, elastic_mamba_forward, head_mask=hm, channel_mask=cm,
-                 hidden_mask=hidm)
-    sliced = run(mixer, x[..., :h], w[..., :h], elastic_mamba_forward, hidden_active=h,
-                 heads_per_group=k, head_dim=p)
+    masked = run(
+        mixer, x, w, elastic_mamba_forward, head_mask=hm, channel_mask=cm, hidden_mask=hidm
+    )
+    sliced = run(
+        mixer,
+        x[..., :h],
+        w[..., :h],
+        elastic_mamba_forward,
+        hidden_active=h,
+        heads_per_group=k,
+        head_dim=p,
+    )
     blocks = _active_block(mixer, k, p, h)
     outside, inside_min = {}, {}
     for name, g in sliced["param_grads"].items():
@@ -190,8 +236,9 @@ def sliced_matches_masked(config_path: str, k: int, p: int, h: int, mem_eff: boo
         "out": rel(sliced["out"], masked["out"][..., :h]),
         "masked_out_beyond_h": masked["out"][..., h:].abs().max().item(),
         "x_grad": rel(sliced["x_grad"], masked["x_grad"][..., :h]),
-        "param_grads": {n: rel(g, masked["param_grads"][n])
-                        for n, g in sliced["param_grads"].items()},
+        "param_grads": {
+            n: rel(g, masked["param_grads"][n]) for n, g in sliced["param_grads"].items()
+        },
         "sliced_grad_outside_block": outside,
         "sliced_grad_inside_block": inside_min,
         "out_scale": sliced["out"].abs().max().item(),
@@ -199,8 +246,9 @@ def sliced_matches_masked(config_path: str, k: int, p: int, h: int, mem_eff: boo
 
 
 # ------------------------------------------------------- 3. sliced == a smaller mixer
-def active_blocks(tensors: dict[str, torch.Tensor], mixer, k: int, p: int, h: int
-                  ) -> dict[str, torch.Tensor]:
+def active_blocks(
+    tensors: dict[str, torch.Tensor], mixer, k: int, p: int, h: int
+) -> dict[str, torch.Tensor]:
     """The active blocks of a mixer's parameter-shaped tensors, derived from Megatron's layout
     with reshapes (independently of ``mamba_active_rows``): the parameters of the smaller mixer.
 
@@ -242,11 +290,19 @@ def copy_active_block_(small, big, k: int, p: int, h: int) -> None:
         param.copy_(blocks[name])
 
 
-def sliced_matches_smaller_mixer(config_path: str, k: int, p: int, h: int, mem_eff: bool = True,
-                                 d_has_hdim: bool = False, seed: int = 7) -> dict[str, Any]:
+def sliced_matches_smaller_mixer(
+    config_path: str,
+    k: int,
+    p: int,
+    h: int,
+    mem_eff: bool = True,
+    d_has_hdim: bool = False,
+    seed: int = 7,
+) -> dict[str, Any]:
     cfg = mamba_model(config_path)
-    small_cfg = replace(cfg, hidden_size=h, mamba_num_heads=k * cfg.mamba_num_groups,
-                        mamba_head_dim=p).validate()
+    small_cfg = replace(
+        cfg, hidden_size=h, mamba_num_heads=k * cfg.mamba_num_groups, mamba_head_dim=p
+    ).validate()
     initialize_layout(Layout())
     params = {"D_has_hdim": d_has_hdim}
     big = build_mixer(cfg, Layout(), mixer_params=params, use_mamba_mem_eff_path=mem_eff)
@@ -260,14 +316,19 @@ def sliced_matches_smaller_mixer(config_path: str, k: int, p: int, h: int, mem_e
     ours_blocks = active_blocks(ours["param_grads"], big, k, p, h)
     grads = {n: rel(ours_blocks[n], g) for n, g in ref["param_grads"].items()}
     # the index sets pick exactly the blocks derived above from Megatron's layout
-    by_index = {n: _block(big.get_parameter(n), rows_, cols)
-                for n, (rows_, cols) in _active_block(big, k, p, h).items()}
+    by_index = {
+        n: _block(big.get_parameter(n), rows_, cols)
+        for n, (rows_, cols) in _active_block(big, k, p, h).items()
+    }
     by_view = active_blocks(dict(big.named_parameters()), big, k, p, h)
     rows = mamba_active_rows(big, k, p)
     return {
-        "shapes": {"small_in_proj": list(small.in_proj.weight.shape), "small_heads": small.nheads,
-                   "small_groups": small.ngroups,
-                   "active_in_proj_rows": int(rows["in_proj"].numel())},
+        "shapes": {
+            "small_in_proj": list(small.in_proj.weight.shape),
+            "small_heads": small.nheads,
+            "small_groups": small.ngroups,
+            "active_in_proj_rows": int(rows["in_proj"].numel()),
+        },
         "cached": mamba_active_rows(big, k, p) is rows,
         "index_sets_match_layout": all(torch.equal(by_index[n], by_view[n]) for n in by_view),
         "out": rel(ours["out"], ref["out"]),
@@ -278,8 +339,9 @@ def sliced_matches_smaller_mixer(config_path: str, k: int, p: int, h: int, mem_e
 
 
 # ------------------------------------------------- 4. mask gradients vs finite differences
-def mask_gradients_match_finite_differences(config_path: str, k: int, p: int, h: int,
-                                            eps: float = 1e-6, seed: int = 11) -> dict[str, Any]:
+def mask_gradients_match_finite_differences(
+    config_path: str, k: int, p: int, h: int, eps: float = 1e-6, seed: int = 11
+) -> dict[str, Any]:
     """Soft masks at sliced widths, float64: autograd vs central differences, every element."""
     cfg = mamba_model(config_path)
     initialize_layout(Layout())
@@ -291,8 +353,16 @@ def mask_gradients_match_finite_differences(config_path: str, k: int, p: int, h:
     masks = [torch.rand(n, generator=gen, dtype=torch.float64) * 0.8 + 0.2 for n in (k, p, h)]
 
     def loss(hm: torch.Tensor, cm: torch.Tensor, hidm: torch.Tensor) -> torch.Tensor:
-        out, _ = elastic_mamba_forward(mixer, x, hidden_active=h, heads_per_group=k, head_dim=p,
-                                       head_mask=hm, channel_mask=cm, hidden_mask=hidm)
+        out, _ = elastic_mamba_forward(
+            mixer,
+            x,
+            hidden_active=h,
+            heads_per_group=k,
+            head_dim=p,
+            head_mask=hm,
+            channel_mask=cm,
+            hidden_mask=hidm,
+        )
         return (out * w).sum()
 
     leaves = [m.clone().requires_grad_(True) for m in masks]
@@ -307,8 +377,7 @@ def mask_gradients_match_finite_differences(config_path: str, k: int, p: int, h:
                 plus[which][i] += eps
                 minus[which][i] -= eps
                 numeric[i] = (loss(*plus) - loss(*minus)) / (2 * eps)
-            result[name] = {"rel": rel(auto[which], numeric),
-                            "scale": numeric.abs().max().item()}
+            result[name] = {"rel": rel(auto[which], numeric), "scale": numeric.abs().max().item()}
     return result
 
 
@@ -361,26 +430,40 @@ def _tp_shard(name: str, full: torch.Tensor, mixer, rank: int, size: int) -> tor
     return full.chunk(size, 0)[rank]  # A_log, dt_bias, D, norm.weight
 
 
-def _sliced_runs(mixer, x: torch.Tensor, w: torch.Tensor, k: int, p: int, h: int,
-                 masks: list[torch.Tensor], wrap: Callable[[torch.Tensor, bool], torch.Tensor]
-                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+def _sliced_runs(
+    mixer,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    k: int,
+    p: int,
+    h: int,
+    masks: list[torch.Tensor],
+    wrap: Callable[[torch.Tensor, bool], torch.Tensor],
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(sliced without masks, sliced with soft masks) runs; ``wrap`` prepares each mask as
     ``ElasticState`` does (TP gradient completion)."""
     plain = run(mixer, x, w, elastic_mamba_forward, hidden_active=h, heads_per_group=k, head_dim=p)
     leaves = [m.clone().requires_grad_(True) for m in masks]
 
     def with_masks(m, xx, **kw):
-        return elastic_mamba_forward(m, xx, hidden_active=h, heads_per_group=k, head_dim=p,
-                                     head_mask=wrap(leaves[0], False),
-                                     channel_mask=wrap(leaves[1], False),
-                                     hidden_mask=wrap(leaves[2], True))
+        return elastic_mamba_forward(
+            m,
+            xx,
+            hidden_active=h,
+            heads_per_group=k,
+            head_dim=p,
+            head_mask=wrap(leaves[0], False),
+            channel_mask=wrap(leaves[1], False),
+            hidden_mask=wrap(leaves[2], True),
+        )
 
     masked = run(mixer, x, w, with_masks, extra=tuple(leaves))
     return plain, masked
 
 
-def tp_sp_matches_single_rank(config_path: str, k: int, p: int, h: int, tp: int = 2,
-                              seed: int = 13) -> dict[str, Any]:
+def tp_sp_matches_single_rank(
+    config_path: str, k: int, p: int, h: int, tp: int = 2, seed: int = 13
+) -> dict[str, Any]:
     """Every rank: the TP=1 result from the full weights, then the same under TP=``tp`` + SP
     from those weights sharded per part; returns this rank's max differences."""
     import torch.distributed as dist
@@ -399,8 +482,9 @@ def tp_sp_matches_single_rank(config_path: str, k: int, p: int, h: int, tp: int 
     randomize_(ref, seed)
     full_weights = {n: t.detach().clone() for n, t in ref.named_parameters()}
     ref_full = run(ref, x, w)
-    ref_plain, ref_masked = _sliced_runs(ref, x[..., :h], w[..., :h], k, p, h, masks,
-                                         lambda m, hidden: m)
+    ref_plain, ref_masked = _sliced_runs(
+        ref, x[..., :h], w[..., :h], k, p, h, masks, lambda m, hidden: m
+    )
 
     layout = Layout(tp=tp, sequence_parallel=True)
     initialize_layout(layout)
@@ -414,8 +498,11 @@ def tp_sp_matches_single_rank(config_path: str, k: int, p: int, h: int, tp: int 
     weights_equal = True
     for name, param in mixer.named_parameters():
         shards = [torch.empty_like(param) for _ in range(tp)]
-        dist.all_gather(shards, param.detach().contiguous(),
-                        group=parallel_state.get_tensor_model_parallel_group())
+        dist.all_gather(
+            shards,
+            param.detach().contiguous(),
+            group=parallel_state.get_tensor_model_parallel_group(),
+        )
         rebuilt = [_tp_shard(name, full_weights[name], ref, r, tp) for r in range(tp)]
         weights_equal &= all(torch.equal(a, b) for a, b in zip(shards, rebuilt))
 
@@ -431,8 +518,10 @@ def tp_sp_matches_single_rank(config_path: str, k: int, p: int, h: int, tp: int 
     plain, masked = _sliced_runs(mixer, x[rows, :, :h], w[rows, :, :h], k, p, h, masks, wrap)
 
     def grads_vs(ours: dict[str, Any], refr: dict[str, Any]) -> dict[str, float]:
-        return {n: rel(g, _tp_shard(n, refr["param_grads"][n], ref, rank, tp))
-                for n, g in ours["param_grads"].items()}
+        return {
+            n: rel(g, _tp_shard(n, refr["param_grads"][n], ref, rank, tp))
+            for n, g in ours["param_grads"].items()
+        }
 
     return {
         "rank": rank,
@@ -452,8 +541,14 @@ def tp_sp_matches_single_rank(config_path: str, k: int, p: int, h: int, tp: int 
 def timing(config_path: str, reps: int = 10, seed: int = 17) -> dict[str, float]:
     """Forward+backward wall time (best of ``reps``, interleaved): full mixer, elastic sliced
     at half heads per group and half head dim, and a plain smaller mixer of that size."""
-    cfg = mamba_model(config_path, hidden_size=256, mamba_num_heads=16, mamba_head_dim=32,
-                      mamba_state_dim=32, mamba_chunk_size=64)
+    cfg = mamba_model(
+        config_path,
+        hidden_size=256,
+        mamba_num_heads=16,
+        mamba_head_dim=32,
+        mamba_state_dim=32,
+        mamba_chunk_size=64,
+    )
     k, p = cfg.mamba_num_heads // cfg.mamba_num_groups // 2, cfg.mamba_head_dim // 2
     small_cfg = replace(cfg, mamba_num_heads=k * cfg.mamba_num_groups, mamba_head_dim=p).validate()
     initialize_layout(Layout())
@@ -468,6 +563,7 @@ def timing(config_path: str, reps: int = 10, seed: int = 17) -> dict[str, float]
             xx = x.clone().requires_grad_(True)
             out, _ = fn(xx)
             out.square().mean().backward()
+
         return go
 
     fns = {
@@ -483,7 +579,9 @@ def timing(config_path: str, reps: int = 10, seed: int = 17) -> dict[str, float]
             t0 = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)
-    return {**{f"{n}_ms": t * 1e3 for n, t in best.items()},
-            "sliced_over_full": best["sliced"] / best["full"],
-            "small_over_full": best["small"] / best["full"],
-            "sliced_over_small": best["sliced"] / best["small"]}
+    return {
+        **{f"{n}_ms": t * 1e3 for n, t in best.items()},
+        "sliced_over_full": best["sliced"] / best["full"],
+        "small_over_full": best["small"] / best["full"],
+        "sliced_over_small": best["sliced"] / best["small"],
+    }

@@ -13,10 +13,11 @@ Protocol, so the parallel run starts from *exactly* the reference's weights:
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,8 +35,9 @@ LR = 1e-2
 ADAM_EPS = 1e-4
 
 
-def tiny_model(config_path: str, pattern: str | None = None,
-               overrides: dict[str, Any] | None = None) -> ModelConfig:
+def tiny_model(
+    config_path: str, pattern: str | None = None, overrides: dict[str, Any] | None = None
+) -> ModelConfig:
     """The config's model, optionally with another layer pattern or field values."""
     model = load_config(config_path).model
     changes = dict(overrides or {})
@@ -50,8 +52,13 @@ def reference_batches(model: ModelConfig, seed: int = 7) -> list[dict[str, torch
     batches = []
     for _ in range(NUM_MICROBATCHES):
         seq = torch.randint(0, model.vocab_size, (REF_MICRO_BATCH, SEQ_LEN + 1), generator=gen)
-        batches.append({"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous(),
-                        "loss_mask": torch.ones(REF_MICRO_BATCH, SEQ_LEN)})
+        batches.append(
+            {
+                "tokens": seq[:, :-1].contiguous(),
+                "labels": seq[:, 1:].contiguous(),
+                "loss_mask": torch.ones(REF_MICRO_BATCH, SEQ_LEN),
+            }
+        )
     return batches
 
 
@@ -64,7 +71,7 @@ def dp_shard(batches: list[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch
     if REF_MICRO_BATCH % dp:
         raise ValueError(f"micro-batch {REF_MICRO_BATCH} does not split over {dp} DP ranks")
     rows = REF_MICRO_BATCH // dp
-    return iter([{k: v[rank * rows:(rank + 1) * rows] for k, v in b.items()} for b in batches])
+    return iter([{k: v[rank * rows : (rank + 1) * rows] for k, v in b.items()} for b in batches])
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -100,8 +107,13 @@ def load_dist(model: torch.nn.Module, path: Path) -> None:
     model.load_state_dict(state, strict=False)
 
 
-def make_reference(config_path: str, workdir: str, pattern: str | None = None,
-                   overrides: dict[str, Any] | None = None, seed: int = 1234) -> dict[str, Any]:
+def make_reference(
+    config_path: str,
+    workdir: str,
+    pattern: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    seed: int = 1234,
+) -> dict[str, Any]:
     """Single-rank reference: init checkpoint, loss, grads and post-step params."""
     work = Path(workdir)
     model_cfg = tiny_model(config_path, pattern, overrides)
@@ -110,8 +122,15 @@ def make_reference(config_path: str, workdir: str, pattern: str | None = None,
     model = _unwrap(chunks[0])
     save_dist(model, work / "init")
     optimizer = build_optimizer(chunks, lr=LR, adam_eps=ADAM_EPS)
-    out = train_step(chunks, optimizer, dp_shard(reference_batches(model_cfg)), NUM_MICROBATCHES,
-                     SEQ_LEN, REF_MICRO_BATCH, step_optimizer=False)
+    out = train_step(
+        chunks,
+        optimizer,
+        dp_shard(reference_batches(model_cfg)),
+        NUM_MICROBATCHES,
+        SEQ_LEN,
+        REF_MICRO_BATCH,
+        step_optimizer=False,
+    )
     with params_replaced_by(model, "main_grad"):
         save_dist(model, work / "grads")
     optimizer.step()
@@ -120,7 +139,9 @@ def make_reference(config_path: str, workdir: str, pattern: str | None = None,
     return {"loss": out["loss"], "params": sum(p.numel() for p in model.parameters())}
 
 
-def _max_diff(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> tuple[float, str]:
+def _max_diff(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
+) -> tuple[float, str]:
     worst, where = 0.0, ""
     for name, value in actual.items():
         diff = (value.float() - expected[name].float()).abs().max().item() if value.numel() else 0.0
@@ -129,17 +150,27 @@ def _max_diff(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
     return worst, where
 
 
-def _reference_in_layout(model_cfg: ModelConfig, layout: Layout, path: Path) -> dict[str, torch.Tensor]:
+def _reference_in_layout(
+    model_cfg: ModelConfig, layout: Layout, path: Path
+) -> dict[str, torch.Tensor]:
     """A checkpoint loaded into a fresh model of this layout: the reference, sharded like us."""
     chunks, _ = build_model_chunks(model_cfg, layout, wrap_ddp=False)
     load_dist(chunks[0], path)
     return {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
 
 
-def check_layout(config_path: str, workdir: str, tp: int = 1, pp: int = 1, ep: int = 1,
-                 sequence_parallel: bool = False, distributed_optimizer: bool = False,
-                 pattern: str | None = None, overrides: dict[str, Any] | None = None,
-                 seed: int = 1234) -> dict[str, Any]:
+def check_layout(
+    config_path: str,
+    workdir: str,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    sequence_parallel: bool = False,
+    distributed_optimizer: bool = False,
+    pattern: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    seed: int = 1234,
+) -> dict[str, Any]:
     """Run the reference step under a layout; return loss and max grad/param differences."""
     work = Path(workdir)
     layout = Layout(tp, pp, ep, sequence_parallel, distributed_optimizer)
@@ -150,10 +181,18 @@ def check_layout(config_path: str, workdir: str, tp: int = 1, pp: int = 1, ep: i
     load_dist(model, work / "init")
     for chunk in chunks:
         chunk.broadcast_params()
-    optimizer = build_optimizer(chunks, lr=LR, adam_eps=ADAM_EPS,
-                                distributed_optimizer=distributed_optimizer)
-    out = train_step(chunks, optimizer, dp_shard(reference_batches(model_cfg)), NUM_MICROBATCHES,
-                     SEQ_LEN, REF_MICRO_BATCH // _dp_size(), step_optimizer=False)
+    optimizer = build_optimizer(
+        chunks, lr=LR, adam_eps=ADAM_EPS, distributed_optimizer=distributed_optimizer
+    )
+    out = train_step(
+        chunks,
+        optimizer,
+        dp_shard(reference_batches(model_cfg)),
+        NUM_MICROBATCHES,
+        SEQ_LEN,
+        REF_MICRO_BATCH // _dp_size(),
+        step_optimizer=False,
+    )
     if distributed_optimizer:
         gather_sharded_grads(chunks[0])
     grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}

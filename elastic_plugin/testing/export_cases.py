@@ -11,12 +11,25 @@ from typing import Any
 import torch
 
 TOKENS = 24
-SMALL = {"embedding": 64, "ffn": 128, "shared_ffn": 64, "attention_heads": 2, "mamba_heads": 4,
-         "mamba_head_dim": 8, "experts": 4}
+SMALL = {
+    "embedding": 64,
+    "ffn": 128,
+    "shared_ffn": 64,
+    "attention_heads": 2,
+    "mamba_heads": 4,
+    "mamba_head_dim": 8,
+    "experts": 4,
+}
 # one size per layer of each axis (layers in AxisSpec.layers order): a heterogeneous nested model
-PER_LAYER = {"embedding": 96, "mamba_heads": [4, 8], "mamba_head_dim": [16, 8],
-             "attention_heads": [2, 4], "experts": [8, 4], "shared_ffn": [64, 128],
-             "ffn": [128, 256]}
+PER_LAYER = {
+    "embedding": 96,
+    "mamba_heads": [4, 8],
+    "mamba_head_dim": [16, 8],
+    "attention_heads": [2, 4],
+    "experts": [8, 4],
+    "shared_ffn": [64, 128],
+    "ffn": [128, 256],
+}
 
 
 def _tokens(vocab: int) -> torch.Tensor:
@@ -27,8 +40,9 @@ def train_checkpoint(config_path: str, work: Path) -> Path:
     """Two elastic iterations of the tiny model, with the choice table set to SMALL / PER_LAYER."""
     from elastic_plugin.testing import elastic_cases as ec
 
-    return ec.train_tiny_elastic(ec._experiment(config_path, None), work,
-                                 choices={"0.4": SMALL, "0.77": PER_LAYER})
+    return ec.train_tiny_elastic(
+        ec._experiment(config_path, None), work, choices={"0.4": SMALL, "0.77": PER_LAYER}
+    )
 
 
 def elastic_references(ckpt: Path, vocab: int) -> dict[str, torch.Tensor]:
@@ -75,18 +89,24 @@ def hf_export_case(config_path: str, workdir: str) -> dict[str, Any]:
     refs = elastic_references(ckpt, vocab)
     rows = []
     for budget in (0.4, 0.77):
-        for dtype, quantize in (("fp32", None), ("bf16", None), ("bf16", "fp8"),
-                                ("bf16", "nvfp4")):
+        for dtype, quantize in (("fp32", None), ("bf16", None), ("bf16", "fp8"), ("bf16", "nvfp4")):
             out = work / f"hf_{budget:g}_{quantize or dtype}"
             summary = extract_nested(ckpt, budget, out, fmt="hf", dtype=dtype, quantize=quantize)
             ref = refs[f"{budget:g}"]
             logits = hf_logits(out, vocab)
-            rows.append({"budget": budget, "dtype": dtype, "quantize": quantize,
-                         "summary": summary, "files": sorted(p.name for p in out.iterdir()),
-                         "config": json.loads((out / "config.json").read_text()),
-                         "diff": (logits - ref).abs().max().item(),
-                         "rel": ((logits - ref).norm() / ref.norm()).item(),
-                         "vs_full": (ref - refs["full"]).abs().max().item()})
+            rows.append(
+                {
+                    "budget": budget,
+                    "dtype": dtype,
+                    "quantize": quantize,
+                    "summary": summary,
+                    "files": sorted(p.name for p in out.iterdir()),
+                    "config": json.loads((out / "config.json").read_text()),
+                    "diff": (logits - ref).abs().max().item(),
+                    "rel": ((logits - ref).norm() / ref.norm()).item(),
+                    "vs_full": (ref - refs["full"]).abs().max().item(),
+                }
+            )
     try:
         extract_nested(ckpt, 0.77, work / "megatron_per_layer")
         per_layer_megatron = ""
@@ -114,6 +134,11 @@ def hf_export_case(config_path: str, workdir: str) -> dict[str, Any]:
     after = {"out": out.exists(), "tmp": out.with_name(out.name + ".tmp").exists()}
     extract_nested(ckpt, 0.4, out, fmt="hf", dtype="fp32")
     rerun = (hf_logits(out, vocab) - refs["0.4"]).abs().max().item()
-    return {"rows": rows, "per_layer_megatron": per_layer_megatron, "interrupted": interrupted,
-            "after_crash": after, "rerun_diff": rerun,
-            "rerun_tmp": out.with_name(out.name + ".tmp").exists()}
+    return {
+        "rows": rows,
+        "per_layer_megatron": per_layer_megatron,
+        "interrupted": interrupted,
+        "after_crash": after,
+        "rerun_diff": rerun,
+        "rerun_tmp": out.with_name(out.name + ".tmp").exists(),
+    }

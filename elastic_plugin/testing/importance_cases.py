@@ -38,14 +38,24 @@ def reference_importance(config_path: str, workdir: str, seed: int = 1234) -> di
     (model,), _ = build_model_chunks(model_cfg, Layout(), wrap_ddp=False)
     save_dist(model, work / "init")
     captured = _capture_router_io(model)
-    scores = collect_importance([model], dp_shard(reference_batches(model_cfg)), NUM_SAMPLES,
-                                SEQ_LEN, REF_MICRO_BATCH, progress=False)
+    scores = collect_importance(
+        [model],
+        dp_shard(reference_batches(model_cfg)),
+        NUM_SAMPLES,
+        SEQ_LEN,
+        REF_MICRO_BATCH,
+        progress=False,
+    )
     for handle in captured.pop("_handles"):
         handle.remove()
     scores.save(work / "scores_ref.pt")
     direct = _reap_direct(model, captured)
-    return {"direct_reap": direct, "collected_reap": {k: v.tolist() for k, v in scores.experts.items()},
-            "axes": scores.axes(), "tokens": scores.tokens}
+    return {
+        "direct_reap": direct,
+        "collected_reap": {k: v.tolist() for k, v in scores.experts.items()},
+        "axes": scores.axes(),
+        "tokens": scores.tokens,
+    }
 
 
 def _capture_router_io(model: torch.nn.Module) -> dict[str, Any]:
@@ -63,8 +73,9 @@ def _capture_router_io(model: torch.nn.Module) -> dict[str, Any]:
         def hook(_m, args, out, number=number):
             probs, routing_map = out
             tokens = args[0].reshape(-1, args[0].shape[-1])
-            captured[number].append((tokens.detach().clone(), probs.detach().clone(),
-                                     routing_map.detach().clone()))
+            captured[number].append(
+                (tokens.detach().clone(), probs.detach().clone(), routing_map.detach().clone())
+            )
 
         captured["_handles"].append(moe.router.register_forward_hook(hook))
     return captured
@@ -94,8 +105,15 @@ def _reap_direct(model: torch.nn.Module, captured: dict[str, Any]) -> dict[int, 
     return out
 
 
-def layout_importance(config_path: str, workdir: str, tp: int = 1, pp: int = 1, ep: int = 1,
-                      sequence_parallel: bool = False, seed: int = 1234) -> dict[str, Any]:
+def layout_importance(
+    config_path: str,
+    workdir: str,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    sequence_parallel: bool = False,
+    seed: int = 1234,
+) -> dict[str, Any]:
     """Collect under a layout from the reference's weights; compare with the reference file."""
     from elastic_plugin.importance import rankings_agree
 
@@ -106,19 +124,32 @@ def layout_importance(config_path: str, workdir: str, tp: int = 1, pp: int = 1, 
     (model,), _ = build_model_chunks(model_cfg, layout, wrap_ddp=False)
     load_dist(model, work / "init")
     dp = _dp_size()
-    scores = collect_importance([model], dp_shard(reference_batches(model_cfg)), NUM_SAMPLES // dp,
-                                SEQ_LEN, REF_MICRO_BATCH // dp, progress=False)
+    scores = collect_importance(
+        [model],
+        dp_shard(reference_batches(model_cfg)),
+        NUM_SAMPLES // dp,
+        SEQ_LEN,
+        REF_MICRO_BATCH // dp,
+        progress=False,
+    )
     reference = ImportanceScores.load(work / "scores_ref.pt")
-    report: dict[str, Any] = {"axes": scores.axes(), "tokens": scores.tokens,
-                              "max_rel_diff": {}, "rankings_agree": {}}
+    report: dict[str, Any] = {
+        "axes": scores.axes(),
+        "tokens": scores.tokens,
+        "max_rel_diff": {},
+        "rankings_agree": {},
+    }
     for axis in reference.axes() + ["mamba_out"]:
         ours, ref = getattr(scores, axis), getattr(reference, axis)
-        pairs = [(0, ours, ref)] if axis == "embedding" else \
-            [(layer, ours[layer], ref[layer]) for layer in ref]
+        pairs = (
+            [(0, ours, ref)]
+            if axis == "embedding"
+            else [(layer, ours[layer], ref[layer]) for layer in ref]
+        )
         worst, agree = 0.0, True
         for _, a, b in pairs:
             scale = b.abs().max().clamp(min=1e-30)
-            worst = max(worst, float(((a - b).abs().max() / scale)))
+            worst = max(worst, float((a - b).abs().max() / scale))
             mamba = axis in ("mamba", "mamba_out")
             flat_a, flat_b = (a.sum(1), b.sum(1)) if mamba else (a, b)
             agree &= rankings_agree(flat_a, flat_b)
@@ -149,25 +180,38 @@ def resume_after_interruption(config_path: str, workdir: str) -> dict[str, Any]:
     (model,), _ = build_model_chunks(model_cfg, Layout(), wrap_ddp=False)
     load_dist(model, work / "init")
     batches = reference_batches(model_cfg)
-    args = dict(num_samples=NUM_SAMPLES, seq_length=SEQ_LEN, micro_batch_size=REF_MICRO_BATCH,
-                progress=False)
+    args = dict(
+        num_samples=NUM_SAMPLES,
+        seq_length=SEQ_LEN,
+        micro_batch_size=REF_MICRO_BATCH,
+        progress=False,
+    )
     full = collect_importance([model], iter(batches), **args)
     resume = work / "resume"
     interrupted = False
     try:
-        collect_importance([model], _failing_after(iter(batches), 1), resume_dir=resume,
-                           save_every=1, **args)
+        collect_importance(
+            [model], _failing_after(iter(batches), 1), resume_dir=resume, save_every=1, **args
+        )
     except _Interrupt:
         interrupted = True
     partial_left = sorted(p.name for p in resume.glob("*.pt"))
     resumed = collect_importance([model], iter(batches), resume_dir=resume, save_every=1, **args)
-    equal = all(torch.equal(getattr(full, a)[k], getattr(resumed, a)[k])
-                for a in ("ffn", "attention_heads", "mamba", "mamba_out", "experts")
-                for k in getattr(full, a))
-    return {"interrupted": interrupted, "partial_files": partial_left, "equal": equal
-            and torch.equal(full.embedding, resumed.embedding),
-            "tokens": (full.tokens, resumed.tokens), "left_after": sorted(p.name for p in resume.glob("*.pt")),
-            "hooks_left": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())}
+    equal = all(
+        torch.equal(getattr(full, a)[k], getattr(resumed, a)[k])
+        for a in ("ffn", "attention_heads", "mamba", "mamba_out", "experts")
+        for k in getattr(full, a)
+    )
+    return {
+        "interrupted": interrupted,
+        "partial_files": partial_left,
+        "equal": equal and torch.equal(full.embedding, resumed.embedding),
+        "tokens": (full.tokens, resumed.tokens),
+        "left_after": sorted(p.name for p in resume.glob("*.pt")),
+        "hooks_left": sum(
+            len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()
+        ),
+    }
 
 
 def bad_axis_errors(config_path: str) -> list[str]:
@@ -178,21 +222,29 @@ def bad_axis_errors(config_path: str) -> list[str]:
     messages = []
     for axes in (["experts"], ["bogus"]):
         try:
-            collect_importance([model], iter([]), NUM_SAMPLES, SEQ_LEN, REF_MICRO_BATCH, axes=axes,
-                               progress=False)
+            collect_importance(
+                [model], iter([]), NUM_SAMPLES, SEQ_LEN, REF_MICRO_BATCH, axes=axes, progress=False
+            )
         except ValueError as exc:
             messages.append(str(exc))
     try:
-        collect_importance([model], iter(reference_batches(model_cfg)[:1]), NUM_SAMPLES, SEQ_LEN,
-                           REF_MICRO_BATCH, progress=False)
+        collect_importance(
+            [model],
+            iter(reference_batches(model_cfg)[:1]),
+            NUM_SAMPLES,
+            SEQ_LEN,
+            REF_MICRO_BATCH,
+            progress=False,
+        )
     except ValueError as exc:
         messages.append(str(exc))
     return messages
 
 
 @torch.no_grad()
-def depth_check(config_path: str, workdir: str, tp: int = 1, pp: int = 1,
-                sequence_parallel: bool = False) -> dict[str, Any]:
+def depth_check(
+    config_path: str, workdir: str, tp: int = 1, pp: int = 1, sequence_parallel: bool = False
+) -> dict[str, Any]:
     """Depth scores under a layout; on one rank also the formula computed by removing a layer."""
     from megatron.core import parallel_state as ps
 
@@ -201,7 +253,9 @@ def depth_check(config_path: str, workdir: str, tp: int = 1, pp: int = 1,
     work = Path(workdir)
     model_cfg = tiny_model(config_path)
     initialize_layout(Layout(tp, pp, 1, sequence_parallel))
-    (model,), _ = build_model_chunks(model_cfg, Layout(tp, pp, 1, sequence_parallel), wrap_ddp=False)
+    (model,), _ = build_model_chunks(
+        model_cfg, Layout(tp, pp, 1, sequence_parallel), wrap_ddp=False
+    )
     load_dist(model, work / "init")
     batch = reference_batches(model_cfg)[0]
     reads = ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()

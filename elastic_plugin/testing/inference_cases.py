@@ -39,8 +39,12 @@ def tiny_inference_model(seed: int = 1, **overrides: Any) -> tuple[torch.nn.Modu
     from elastic_plugin.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
-    from elastic_plugin.parallel import (Layout, build_model_chunks, init_distributed,
-                                         initialize_layout)
+    from elastic_plugin.parallel import (
+        Layout,
+        build_model_chunks,
+        init_distributed,
+        initialize_layout,
+    )
 
     init_distributed()
     initialize_layout(Layout(), seed=seed)

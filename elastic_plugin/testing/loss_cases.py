@@ -10,19 +10,26 @@ def reference_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: floa
     """Full-vocab ``T² · KL(p_t ‖ p_s)`` per token with PyTorch's own ``kl_div``."""
     log_s = F.log_softmax(student / temperature, dim=-1)
     log_t = F.log_softmax(teacher / temperature, dim=-1)
-    return F.kl_div(log_s, log_t, log_target=True, reduction="none").sum(-1) * temperature ** 2
+    return F.kl_div(log_s, log_t, log_target=True, reduction="none").sum(-1) * temperature**2
 
 
-def random_logits(shape: tuple[int, ...], seed: int, scale: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
+def random_logits(
+    shape: tuple[int, ...], seed: int, scale: float = 3.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The same (student, teacher, upstream gradient) on every rank that uses the same seed."""
     gen = torch.Generator().manual_seed(seed)
     student = torch.randn(shape, generator=gen, dtype=torch.float64).float() * scale
-    teacher = (student + torch.randn(shape, generator=gen, dtype=torch.float64).float() * scale)
+    teacher = student + torch.randn(shape, generator=gen, dtype=torch.float64).float() * scale
     return student, teacher
 
 
-def tp_kl_matches_reference(tp: int = 2, shape: tuple[int, ...] = (3, 5, 16), temperature: float = 2.0,
-                            seed: int = 7, use_default_group: bool = True) -> dict:
+def tp_kl_matches_reference(
+    tp: int = 2,
+    shape: tuple[int, ...] = (3, 5, 16),
+    temperature: float = 2.0,
+    seed: int = 7,
+    use_default_group: bool = True,
+) -> dict:
     """Each TP rank holds a contiguous vocab slice of the same full logits; compare its per-token KL
     and its gradient shard with the full-vocab reference computed locally."""
     import torch.distributed as dist
@@ -51,7 +58,9 @@ def tp_kl_matches_reference(tp: int = 2, shape: tuple[int, ...] = (3, 5, 16), te
     (kl * weights).sum().backward()
 
     shards = [torch.empty_like(my_student.grad) for _ in range(world)]
-    dist.all_gather(shards, my_student.grad.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    dist.all_gather(
+        shards, my_student.grad.contiguous(), group=parallel_state.get_tensor_model_parallel_group()
+    )
     gathered = torch.cat(shards, dim=-1)
     return {
         "tp_rank": rank,
@@ -59,10 +68,15 @@ def tp_kl_matches_reference(tp: int = 2, shape: tuple[int, ...] = (3, 5, 16), te
         "kl_shape": list(kl.shape),
         "kl_max_rel_diff": float(((kl - ref).abs() / ref.abs().clamp_min(1e-12)).max()),
         "kl_min": float(kl.min()),
-        "grad_max_rel_diff": float((gathered - ref_student.grad).abs().max() / ref_student.grad.abs().max()),
+        "grad_max_rel_diff": float(
+            (gathered - ref_student.grad).abs().max() / ref_student.grad.abs().max()
+        ),
         "local_grad_max_abs_diff": float((my_student.grad - ref_student.grad[..., sl]).abs().max()),
         "grad_max_abs": float(ref_student.grad.abs().max()),
         "teacher_grad_is_none": my_teacher.grad is None,
-        "self_kl_max_abs": float(vocab_parallel_kl(my_student.detach(), my_student.detach(),
-                                                   temperature, tp_group=group).abs().max()),
+        "self_kl_max_abs": float(
+            vocab_parallel_kl(my_student.detach(), my_student.detach(), temperature, tp_group=group)
+            .abs()
+            .max()
+        ),
     }

@@ -33,7 +33,8 @@ from __future__ import annotations
 import importlib
 import sys
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -93,8 +94,11 @@ def _import_plugins_without_te() -> tuple[types.ModuleType, types.ModuleType]:
     import modelopt.torch.prune  # noqa: F401
 
     mte = sys.modules["megatron.core.extensions.transformer_engine"]
-    swapped = {name: value for name, value in vars(mte).items()
-               if name.startswith("TE") and (value is None or isinstance(value, NonCallableMock))}
+    swapped = {
+        name: value
+        for name, value in vars(mte).items()
+        if name.startswith("TE") and (value is None or isinstance(value, NonCallableMock))
+    }
     before = set(sys.modules)
     for name in swapped:
         setattr(mte, name, type(f"_AbsentTE_{name}", (torch.nn.Module,), {}))
@@ -108,8 +112,11 @@ def _import_plugins_without_te() -> tuple[types.ModuleType, types.ModuleType]:
             sys.modules.pop(name, None)
         for name, value in swapped.items():
             setattr(mte, name, value)
-    leaked = [n for n in set(sys.modules) - before
-              if n.startswith("megatron") and getattr(sys.modules[n], "HAVE_TE", False) is True]
+    leaked = [
+        n
+        for n in set(sys.modules) - before
+        if n.startswith("megatron") and getattr(sys.modules[n], "HAVE_TE", False) is True
+    ]
     if leaked:
         raise RuntimeError(f"Megatron modules imported while the TE stub was active: {leaked}")
     return nas_megatron, minitron
@@ -136,8 +143,10 @@ def _register_local_modules(nm: types.ModuleType) -> None:
     wanted = {
         MambaMixer: ("megatron.core.ssm.mamba_mixer.MambaMixer", nm._DynamicMambaMixer),
         MambaLayer: ("megatron.core.ssm.mamba_layer.MambaLayer", nm._DynamicMambaLayer),
-        ExtendedRMSNormGated: ("elastic_plugin.compat.mamba_ops.ExtendedRMSNormGated",
-                               nm._DynamicExtendedRMSNorm),
+        ExtendedRMSNormGated: (
+            "elastic_plugin.compat.mamba_ops.ExtendedRMSNormGated",
+            nm._DynamicExtendedRMSNorm,
+        ),
         LocalRMSNorm: ("elastic_plugin.models.norms.LocalRMSNorm", _DynamicLocalRMSNorm),
     }
     for nn_cls, (key, dm_cls) in wanted.items():
@@ -152,15 +161,21 @@ def _patch_local_attention(nm: types.ModuleType) -> None:
 
     if getattr(nm._DynamicSelfAttention, "_elastic_local_patch", False):
         return
-    te_qkv, te_proj = nm._DynamicTEQKVLayerNormColumnParallelLinear, nm._DynamicTEProjRowParallelLinear
+    te_qkv, te_proj = (
+        nm._DynamicTEQKVLayerNormColumnParallelLinear,
+        nm._DynamicTEProjRowParallelLinear,
+    )
 
     def qkv_setup(self, *, num_attention_heads, hidden_size):
         self._register_hparam("input_size", hidden_size)
         self._register_hparam("num_attention_heads", num_attention_heads)
         self._register_dynamic_attribute(
             "output_size_per_partition",
-            lambda mod, val: (num_attention_heads.active + 2 * mod.config.num_query_groups)
-            * mod.config.kv_channels)
+            lambda mod, val: (
+                (num_attention_heads.active + 2 * mod.config.num_query_groups)
+                * mod.config.kv_channels
+            ),
+        )
         self._register_dynamic_attribute("weight", te_qkv._get_weight)
         if getattr(self, "bias", None) is not None:
             self._register_dynamic_attribute("bias", te_qkv._get_bias)
@@ -170,40 +185,59 @@ def _patch_local_attention(nm: types.ModuleType) -> None:
         self._register_hparam("num_attention_heads", num_attention_heads)
         self._register_dynamic_attribute(
             "input_size_per_partition",
-            lambda mod, val: num_attention_heads.active * mod.config.kv_channels)
+            lambda mod, val: num_attention_heads.active * mod.config.kv_channels,
+        )
         self._register_dynamic_attribute("weight", te_proj._get_weight)
         if getattr(self, "bias", None) is not None:
             self._register_dynamic_attribute("bias", te_proj._get_bias)
 
-    local_qkv = type("_DynamicLocalQKVColumnParallelLinear", (DynamicModule, ColumnParallelLinear), {
-        "_setup": qkv_setup,
-        "_get_output_size_indices": te_qkv._get_output_size_indices,
-    })
-    local_proj = type("_DynamicLocalProjRowParallelLinear", (DynamicModule, RowParallelLinear), {
-        "_setup": proj_setup,
-        "_get_input_size_indices": te_proj._get_input_size_indices,
-    })
+    local_qkv = type(
+        "_DynamicLocalQKVColumnParallelLinear",
+        (DynamicModule, ColumnParallelLinear),
+        {
+            "_setup": qkv_setup,
+            "_get_output_size_indices": te_qkv._get_output_size_indices,
+        },
+    )
+    local_proj = type(
+        "_DynamicLocalProjRowParallelLinear",
+        (DynamicModule, RowParallelLinear),
+        {
+            "_setup": proj_setup,
+            "_get_input_size_indices": te_proj._get_input_size_indices,
+        },
+    )
     original_setup = nm._DynamicSelfAttention._setup
 
     def setup(self, *, hidden_size):
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-        if not (self._prunes_attention_heads() and isinstance(self.core_attention, DotProductAttention)
-                and type(self.linear_qkv) is ColumnParallelLinear):
+        if not (
+            self._prunes_attention_heads()
+            and isinstance(self.core_attention, DotProductAttention)
+            and type(self.linear_qkv) is ColumnParallelLinear
+        ):
             return original_setup(self, hidden_size=hidden_size)
-        heads = nm.NumAttentionHeadsHp(self.num_attention_heads_per_partition,
-                                       self.num_query_groups_per_partition)
+        heads = nm.NumAttentionHeadsHp(
+            self.num_attention_heads_per_partition, self.num_query_groups_per_partition
+        )
         self._register_hparam("num_attention_heads", heads)
-        self._register_dynamic_attribute("num_attention_heads_per_partition",
-                                         lambda mod, val: self.num_attention_heads)
-        core = type("_DynamicLocalDotProductAttention", (DynamicModule, type(self.core_attention)),
-                    {"_setup": lambda mod: None})
+        self._register_dynamic_attribute(
+            "num_attention_heads_per_partition", lambda mod, val: self.num_attention_heads
+        )
+        core = type(
+            "_DynamicLocalDotProductAttention",
+            (DynamicModule, type(self.core_attention)),
+            {"_setup": lambda mod: None},
+        )
         core.convert(self.core_attention)
         kv = self.config.kv_channels
         self.core_attention._register_dynamic_attribute(
-            "num_attention_heads_per_partition", lambda mod, val: self.num_attention_heads)
+            "num_attention_heads_per_partition", lambda mod, val: self.num_attention_heads
+        )
         self.core_attention._register_dynamic_attribute(
-            "hidden_size_per_partition", lambda mod, val: self.num_attention_heads * kv)
+            "hidden_size_per_partition", lambda mod, val: self.num_attention_heads * kv
+        )
         local_qkv.convert(self.linear_qkv, num_attention_heads=heads, hidden_size=hidden_size)
         local_proj.convert(self.linear_proj, num_attention_heads=heads, hidden_size=hidden_size)
 
@@ -221,8 +255,10 @@ def load_minitron() -> tuple[types.ModuleType, types.ModuleType]:
     try:
         import modelopt  # noqa: F401
     except ImportError as err:
-        raise ImportError("nvidia-modelopt is not installed (optional; "
-                          "`pip install --no-deps nvidia-modelopt` plus its import deps)") from err
+        raise ImportError(
+            "nvidia-modelopt is not installed (optional; "
+            "`pip install --no-deps nvidia-modelopt` plus its import deps)"
+        ) from err
     if have_transformer_engine():
         nm = importlib.import_module("modelopt.torch.nas.plugins.megatron")
         mm = importlib.import_module("modelopt.torch.prune.plugins.mcore_minitron")
@@ -253,12 +289,18 @@ def _norm_before(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
         if mixer is not None and hasattr(layer, "norm"):
             pairs[id(mixer.in_proj)] = layer.norm
         attention = getattr(layer, "self_attention", None)
-        if attention is not None and hasattr(attention, "linear_qkv") \
-                and not isinstance(layer.input_layernorm, IdentityOp):
+        if (
+            attention is not None
+            and hasattr(attention, "linear_qkv")
+            and not isinstance(layer.input_layernorm, IdentityOp)
+        ):
             pairs[id(attention.linear_qkv)] = layer.input_layernorm
         mlp = getattr(layer, "mlp", None)
-        if mlp is not None and hasattr(mlp, "linear_fc1") \
-                and not isinstance(layer.pre_mlp_layernorm, IdentityOp):
+        if (
+            mlp is not None
+            and hasattr(mlp, "linear_fc1")
+            and not isinstance(layer.pre_mlp_layernorm, IdentityOp)
+        ):
             pairs[id(mlp.linear_fc1)] = layer.pre_mlp_layernorm
     return pairs
 
@@ -278,8 +320,13 @@ def local_spec_registry_class() -> type:
             self.redirected = 0
             super().__init__(model)
 
-        def register_hook(self, module: torch.nn.Module, hook_fn: Callable,
-                          hook_type: str = "forward", **hook_kwargs: Any) -> None:
+        def register_hook(
+            self,
+            module: torch.nn.Module,
+            hook_fn: Callable,
+            hook_type: str = "forward",
+            **hook_kwargs: Any,
+        ) -> None:
             target = getattr(hook_fn, "func", None)
             fused = getattr(target, "__name__", "") == "_fused_ln_linear_forward_hook"
             if not fused or hasattr(module, "return_layernorm_output"):

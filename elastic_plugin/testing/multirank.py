@@ -42,12 +42,26 @@ def _resolve(target: str):
     return getattr(importlib.import_module(module_name), fn_name)
 
 
-def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.Queue,
-            sys_path: list[str], env: dict[str, str]) -> None:
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    tasks: mp.Queue,
+    results: mp.Queue,
+    sys_path: list[str],
+    env: dict[str, str],
+) -> None:
     """One rank: join the gloo world, then run cases until told to stop."""
     os.environ.update(env)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     for entry in reversed(sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
@@ -62,8 +76,9 @@ def _worker(rank: int, world_size: int, port: int, tasks: mp.Queue, results: mp.
     from elastic_plugin.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
     results.put(RankResult(rank, True, "ready"))
     while True:
         item = tasks.get()
@@ -94,8 +109,9 @@ def _reset_model_parallel() -> None:
 class RankPool:
     """N persistent gloo ranks; ``run("pkg.mod:fn", **kw)`` returns each rank's return value."""
 
-    def __init__(self, world_size: int, start_timeout: float = 300.0,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, world_size: int, start_timeout: float = 300.0, env: dict[str, str] | None = None
+    ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be >= 1")
         self.world_size = world_size
@@ -105,9 +121,19 @@ class RankPool:
         port = free_port()
         worker_env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
         self._procs = [
-            ctx.Process(target=_worker, daemon=False,  # dist-checkpointing forks helpers
-                        args=(r, world_size, port, self._tasks[r], self._results,
-                              list(sys.path), worker_env))
+            ctx.Process(
+                target=_worker,
+                daemon=False,  # dist-checkpointing forks helpers
+                args=(
+                    r,
+                    world_size,
+                    port,
+                    self._tasks[r],
+                    self._results,
+                    list(sys.path),
+                    worker_env,
+                ),
+            )
             for r in range(world_size)
         ]
         for proc in self._procs:
@@ -117,7 +143,9 @@ class RankPool:
         atexit.register(self.close, force=True)  # non-daemonic ranks must not outlive us
         self._collect(start_timeout, "start-up")
 
-    def _collect(self, timeout: float, what: str, grace_after_failure: float = 20.0) -> list[RankResult]:
+    def _collect(
+        self, timeout: float, what: str, grace_after_failure: float = 20.0
+    ) -> list[RankResult]:
         """Gather one result per rank; fail fast if a rank dies, or after ``timeout`` seconds.
 
         When one rank fails, the others are usually stuck in a collective waiting for it:
@@ -146,7 +174,9 @@ class RankPool:
                 if failed:
                     reason = f"ranks {[r.rank for r in failed]} failed, others hung"
                 details = "".join(f"\n--- rank {r.rank} ---\n{r.error}" for r in failed)
-                raise MultiRankError(f"{what}: {reason} (missing ranks {missing}); pool closed{details}")
+                raise MultiRankError(
+                    f"{what}: {reason} (missing ranks {missing}); pool closed{details}"
+                )
         return [got[r] for r in range(self.world_size)]
 
     def run(self, target: str, timeout: float = 600.0, **kwargs: Any) -> list[Any]:
@@ -159,7 +189,9 @@ class RankPool:
         failures = [r for r in results if not r.ok]
         if failures:
             details = "\n".join(f"--- rank {r.rank} ---\n{r.error}" for r in failures)
-            raise MultiRankError(f"{target} failed on ranks {[r.rank for r in failures]}:\n{details}")
+            raise MultiRankError(
+                f"{target} failed on ranks {[r.rank for r in failures]}:\n{details}"
+            )
         return [r.value for r in results]
 
     @property
@@ -178,7 +210,7 @@ class RankPool:
                 proc.join(timeout=5)
         self._procs = []
 
-    def __enter__(self) -> "RankPool":
+    def __enter__(self) -> RankPool:
         return self
 
     def __exit__(self, *exc: Any) -> None:

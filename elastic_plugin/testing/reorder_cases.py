@@ -9,9 +9,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_plugin.checkpoint.layout import canonical_weights, strided_index
 from elastic_plugin.importance import ImportanceScores
 from elastic_plugin.importance.reorder import Permutations, apply_permutations
-from elastic_plugin.checkpoint.layout import canonical_weights, strided_index
 from elastic_plugin.parallel import Layout, build_model_chunks, initialize_layout
 from elastic_plugin.testing.equivalence import load_dist, reference_batches, save_dist, tiny_model
 
@@ -30,8 +30,9 @@ def _logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor | None
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return model(tokens, positions, None)
-    seq = tokens.shape[1] // (ps.get_tensor_model_parallel_world_size()
-                              if model.config.sequence_parallel else 1)
+    seq = tokens.shape[1] // (
+        ps.get_tensor_model_parallel_world_size() if model.config.sequence_parallel else 1
+    )
     if ps.is_pipeline_first_stage():
         hidden = model(tokens, positions, None)
         dist.send(hidden.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
@@ -42,8 +43,14 @@ def _logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor | None
     return model(None, positions, None)
 
 
-def logits_preserved(config_path: str, workdir: str, tp: int = 1, pp: int = 1, ep: int = 1,
-                     sequence_parallel: bool = False) -> dict[str, Any]:
+def logits_preserved(
+    config_path: str,
+    workdir: str,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    sequence_parallel: bool = False,
+) -> dict[str, Any]:
     """Reorder under a layout; the full model's logits must not change (and weights must)."""
     work = Path(workdir)
     model_cfg = tiny_model(config_path)
@@ -65,8 +72,14 @@ def logits_preserved(config_path: str, workdir: str, tp: int = 1, pp: int = 1, e
     }
 
 
-def reorder_and_save(config_path: str, workdir: str, name: str, tp: int = 1, ep: int = 1,
-                     sequence_parallel: bool = False) -> dict[str, Any]:
+def reorder_and_save(
+    config_path: str,
+    workdir: str,
+    name: str,
+    tp: int = 1,
+    ep: int = 1,
+    sequence_parallel: bool = False,
+) -> dict[str, Any]:
     """Reorder under a layout, check the strided prefix property, save canonically."""
     work = Path(workdir)
     model_cfg = tiny_model(config_path)
@@ -75,8 +88,11 @@ def reorder_and_save(config_path: str, workdir: str, name: str, tp: int = 1, ep:
     (model,), _ = build_model_chunks(model_cfg, layout, wrap_ddp=False)
     load_dist(model, work / "init")
     apply_permutations(model, _perms(work, model_cfg))
-    strided_ok = _check_strided_prefix(model, work, model_cfg, layout) \
-        if (work / "reordered_tp1").exists() and (tp > 1 or ep > 1) else None
+    strided_ok = (
+        _check_strided_prefix(model, work, model_cfg, layout)
+        if (work / "reordered_tp1").exists() and (tp > 1 or ep > 1)
+        else None
+    )
     with canonical_weights(model):
         save_dist(model, work / name)
     return {"strided_prefix_ok": strided_ok}
@@ -96,7 +112,7 @@ def _check_strided_prefix(model, work: Path, model_cfg, layout: Layout) -> bool:
             parts = [torch.empty_like(ref) for _ in range(layout.tp)]
             dist.all_gather(parts, ref.contiguous(), group=tp_group)
             full = torch.cat(parts, dim=1)
-            ok &= torch.equal(ours, full[:, tp_rank::layout.tp])
+            ok &= torch.equal(ours, full[:, tp_rank :: layout.tp])
         if name.endswith("router.weight") and layout.ep > 1:
             ok &= torch.equal(ours, ref[strided_index(ref.shape[0], layout.ep)])
     return bool(ok)
@@ -111,6 +127,9 @@ def compare_saved(config_path: str, workdir: str, first: str, second: str) -> di
     (b,), _ = build_model_chunks(model_cfg, Layout(), wrap_ddp=False)
     load_dist(a, work / first)
     load_dist(b, work / second)
-    mismatched = [n for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters())
-                  if not torch.equal(p, q)]
+    mismatched = [
+        n
+        for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters())
+        if not torch.equal(p, q)
+    ]
     return {"mismatched": mismatched, "num_params": sum(1 for _ in a.parameters())}

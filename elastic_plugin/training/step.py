@@ -7,8 +7,9 @@ optimizer, the same calls ``megatron.training`` makes, so what we test here is w
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import partial
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,9 +71,15 @@ def _batch_iterator_for_stage(data_iterator):
     return None
 
 
-def run_schedule(chunks, data_iterator, num_microbatches: int, seq_length: int,
-                  micro_batch_size: int, forward_only: bool,
-                  forward_step_func=forward_step) -> list[dict]:
+def run_schedule(
+    chunks,
+    data_iterator,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool,
+    forward_step_func=forward_step,
+) -> list[dict]:
     """Megatron's schedule for this layout (1F1B under PP) over ``num_microbatches``."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -112,11 +119,19 @@ def train_step(
     config = chunks[0].config
     config.finalize_model_grads_func = finalize_grads_func or finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
-    reports = run_schedule(chunks, data_iterator, num_microbatches, seq_length,
-                            micro_batch_size, forward_only=False,
-                            forward_step_func=forward_step_func)
-    result: dict[str, Any] = {"loss": (reduce_reports or reduce_loss_reports)(reports),
-                              "reports": reports}
+    reports = run_schedule(
+        chunks,
+        data_iterator,
+        num_microbatches,
+        seq_length,
+        micro_batch_size,
+        forward_only=False,
+        forward_step_func=forward_step_func,
+    )
+    result: dict[str, Any] = {
+        "loss": (reduce_reports or reduce_loss_reports)(reports),
+        "reports": reports,
+    }
     if step_optimizer:
         ok, grad_norm, _ = optimizer.step()
         result.update(update_successful=ok, grad_norm=grad_norm)
@@ -124,14 +139,16 @@ def train_step(
 
 
 @torch.no_grad()
-def eval_step(chunks, data_iterator, num_microbatches: int, seq_length: int,
-              micro_batch_size: int) -> float | None:
+def eval_step(
+    chunks, data_iterator, num_microbatches: int, seq_length: int, micro_batch_size: int
+) -> float | None:
     """Mean validation loss (last pipeline stage; ``None`` elsewhere)."""
     for chunk in chunks:
         chunk.eval()
     try:
-        reports = run_schedule(chunks, data_iterator, num_microbatches, seq_length,
-                                micro_batch_size, forward_only=True)
+        reports = run_schedule(
+            chunks, data_iterator, num_microbatches, seq_length, micro_batch_size, forward_only=True
+        )
     finally:
         for chunk in chunks:
             chunk.train()
@@ -144,24 +161,34 @@ def share_from_last_stage(value: float | None) -> float | None:
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
-    packed = torch.tensor([value if value is not None else 0.0, 1.0 if value is not None else 0.0],
-                          dtype=torch.float64)
+    packed = torch.tensor(
+        [value if value is not None else 0.0, 1.0 if value is not None else 0.0],
+        dtype=torch.float64,
+    )
     dist.all_reduce(packed, group=parallel_state.get_pipeline_model_parallel_group())
     # every TP/DP replica of the last stage reported the same value: average them
     dist.all_reduce(packed)
     return float(packed[0] / packed[1]) if packed[1] > 0 else None
 
 
-def cosine_lr_scheduler(optimizer, lr: float, min_lr: float, warmup_iters: int, train_iters: int,
-                        weight_decay: float):
+def cosine_lr_scheduler(
+    optimizer, lr: float, min_lr: float, warmup_iters: int, train_iters: int, weight_decay: float
+):
     """Megatron's ``OptimizerParamScheduler``: linear warm-up to ``lr`` (at most
     ``train_iters - 1`` steps), cosine decay to ``min_lr`` over ``train_iters``, constant weight
     decay. The teacher and the elastic stage build theirs here, so their schedules agree."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=lr, min_lr=min_lr,
+        optimizer,
+        init_lr=0.0,
+        max_lr=lr,
+        min_lr=min_lr,
         lr_warmup_steps=min(warmup_iters, max(train_iters - 1, 0)),
-        lr_decay_steps=train_iters, lr_decay_style="cosine",
-        start_wd=weight_decay, end_wd=weight_decay,
-        wd_incr_steps=train_iters, wd_incr_style="constant")
+        lr_decay_steps=train_iters,
+        lr_decay_style="cosine",
+        start_wd=weight_decay,
+        end_wd=weight_decay,
+        wd_incr_steps=train_iters,
+        wd_incr_style="constant",
+    )

@@ -34,7 +34,6 @@ from elastic_plugin.training.step import (
 )
 
 
-
 @dataclass
 class TeacherRun:
     """Result of a teacher training run (rank 0 has all fields)."""
@@ -51,8 +50,9 @@ class TeacherRun:
 
 def _lr_scheduler(optimizer, cfg: ExperimentConfig):
     t = cfg.training
-    return cosine_lr_scheduler(optimizer, t.lr, t.min_lr, t.lr_warmup_iters, t.train_iters,
-                               t.weight_decay)
+    return cosine_lr_scheduler(
+        optimizer, t.lr, t.min_lr, t.lr_warmup_iters, t.train_iters, t.weight_decay
+    )
 
 
 def plot_losses(history: list[dict[str, Any]], path: Path, title: str) -> Path | None:
@@ -81,9 +81,16 @@ def plot_losses(history: list[dict[str, Any]], path: Path, title: str) -> Path |
     return path
 
 
-def train_teacher(cfg: ExperimentConfig, layout: Layout, out_dir: str | Path,
-                  train_iterator, valid_dataset_factory, vocab_size: int | None = None,
-                  progress: bool = True, extra_meta: dict[str, Any] | None = None) -> TeacherRun:
+def train_teacher(
+    cfg: ExperimentConfig,
+    layout: Layout,
+    out_dir: str | Path,
+    train_iterator,
+    valid_dataset_factory,
+    vocab_size: int | None = None,
+    progress: bool = True,
+    extra_meta: dict[str, Any] | None = None,
+) -> TeacherRun:
     """Train ``cfg.model`` for ``cfg.training.train_iters`` steps and checkpoint it.
 
     ``train_iterator``: Megatron-format micro-batches for this DP rank (None on middle PP
@@ -102,8 +109,14 @@ def train_teacher(cfg: ExperimentConfig, layout: Layout, out_dir: str | Path,
     num_microbatches = t.global_batch_size // (t.micro_batch_size * dp)
     initialize_layout(layout, seed=t.seed)
     chunks, _ = build_model_chunks(model_cfg, layout)
-    optimizer = build_optimizer(chunks, lr=t.lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad,
-                                min_lr=t.min_lr, distributed_optimizer=layout.distributed_optimizer)
+    optimizer = build_optimizer(
+        chunks,
+        lr=t.lr,
+        weight_decay=t.weight_decay,
+        clip_grad=t.clip_grad,
+        min_lr=t.min_lr,
+        distributed_optimizer=layout.distributed_optimizer,
+    )
     scheduler = _lr_scheduler(optimizer, cfg)
     metrics_path = out_dir / "teacher_metrics.jsonl"
     history: list[dict[str, Any]] = []
@@ -119,26 +132,35 @@ def train_teacher(cfg: ExperimentConfig, layout: Layout, out_dir: str | Path,
     train_loss = valid_loss = None
     window: list[float] = []
     for iteration in range(1, t.train_iters + 1):
-        result = train_step(chunks, optimizer, train_iterator, num_microbatches, t.seq_length,
-                            t.micro_batch_size)
+        result = train_step(
+            chunks, optimizer, train_iterator, num_microbatches, t.seq_length, t.micro_batch_size
+        )
         scheduler.step(increment=1)
         loss = share_from_last_stage(result["loss"])
         if loss is not None and not math.isfinite(loss):
-            raise FloatingPointError(f"teacher training diverged at iteration {iteration}: loss={loss}")
+            raise FloatingPointError(
+                f"teacher training diverged at iteration {iteration}: loss={loss}"
+            )
         window.append(loss if loss is not None else float("nan"))
         record: dict[str, Any] = {}
         if iteration % t.log_interval == 0 or iteration == t.train_iters:
             train_loss = sum(window) / len(window)
             window.clear()
-            record = {"iteration": iteration, "train_loss": train_loss,
-                      "lr": optimizer.param_groups[0]["lr"],
-                      "grad_norm": float(result.get("grad_norm") or 0.0),
-                      "elapsed_s": round(time.time() - start, 2)}
-        if valid_dataset_factory is not None and (iteration % t.eval_interval == 0
-                                                  or iteration == t.train_iters):
+            record = {
+                "iteration": iteration,
+                "train_loss": train_loss,
+                "lr": optimizer.param_groups[0]["lr"],
+                "grad_norm": float(result.get("grad_norm") or 0.0),
+                "elapsed_s": round(time.time() - start, 2),
+            }
+        if valid_dataset_factory is not None and (
+            iteration % t.eval_interval == 0 or iteration == t.train_iters
+        ):
             valid_loss = share_from_last_stage(
-                eval_step(chunks, valid_dataset_factory(), t.eval_iters, t.seq_length,
-                          t.micro_batch_size))
+                eval_step(
+                    chunks, valid_dataset_factory(), t.eval_iters, t.seq_length, t.micro_batch_size
+                )
+            )
             record = {**record, "iteration": iteration, "valid_loss": valid_loss}
         if record:
             history.append(record)
@@ -147,8 +169,10 @@ def train_teacher(cfg: ExperimentConfig, layout: Layout, out_dir: str | Path,
                     fh.write(json.dumps(record) + "\n")
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{train_loss:.3f}" if train_loss is not None else "-",
-                            val=f"{valid_loss:.3f}" if valid_loss is not None else "-")
+            bar.set_postfix(
+                loss=f"{train_loss:.3f}" if train_loss is not None else "-",
+                val=f"{valid_loss:.3f}" if valid_loss is not None else "-",
+            )
     if bar is not None:
         bar.close()
     meta = {
@@ -163,8 +187,19 @@ def train_teacher(cfg: ExperimentConfig, layout: Layout, out_dir: str | Path,
     ckpt = save_checkpoint(chunks, out_dir / "checkpoints" / "teacher", meta)
     plot = None
     if is_rank0():
-        plot = plot_losses(history, out_dir / "teacher_loss.png",
-                           f"teacher training ({model_cfg.hybrid_layer_pattern}, "
-                           f"TP{layout.tp} PP{layout.pp} EP{layout.ep} DP{dp})")
-    return TeacherRun(str(ckpt), t.train_iters, train_loss, valid_loss, str(metrics_path),
-                      str(plot) if plot else None, time.time() - start, history)
+        plot = plot_losses(
+            history,
+            out_dir / "teacher_loss.png",
+            f"teacher training ({model_cfg.hybrid_layer_pattern}, "
+            f"TP{layout.tp} PP{layout.pp} EP{layout.ep} DP{dp})",
+        )
+    return TeacherRun(
+        str(ckpt),
+        t.train_iters,
+        train_loss,
+        valid_loss,
+        str(metrics_path),
+        str(plot) if plot else None,
+        time.time() - start,
+        history,
+    )

@@ -16,5 +16,15 @@ from elastic_plugin.elastic.layers.modules import (
 )
 from elastic_plugin.elastic.layers.state import SLICED, ElasticState, RankInfo
 
-__all__ = ["SLICED", "STATE_ATTR", "ElasticState", "LinearActive", "RankInfo", "elastic_state_of",
-           "elastify", "fp8", "register_elastic", "register_elastic_layer"]
+__all__ = [
+    "SLICED",
+    "STATE_ATTR",
+    "ElasticState",
+    "LinearActive",
+    "RankInfo",
+    "elastic_state_of",
+    "elastify",
+    "fp8",
+    "register_elastic",
+    "register_elastic_layer",
+]

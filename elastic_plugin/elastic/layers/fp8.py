@@ -19,14 +19,14 @@ model's dtype (their outputs are logits, which FP8 rounding would distort most).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
-from elastic_plugin.elastic.config import FP8_GEMMS as GEMM_CHOICES  # elastic.fp8_gemm's values
 from elastic_plugin import ops
+from elastic_plugin.elastic.config import FP8_GEMMS as GEMM_CHOICES  # elastic.fp8_gemm's values
 from elastic_plugin.ops import FP8_METHODS, FP8_SCALINGS, AmaxReduce
 
 OFF = "off"
@@ -47,8 +47,10 @@ class Fp8Recipe:
 
     def __post_init__(self) -> None:
         if self.scaling not in FP8_SCALINGS:
-            raise ValueError(f"fp8_gemm: scaling must be one of {FP8_SCALINGS} (or {OFF!r} "
-                             f"for none), got {self.scaling!r}")
+            raise ValueError(
+                f"fp8_gemm: scaling must be one of {FP8_SCALINGS} (or {OFF!r} "
+                f"for none), got {self.scaling!r}"
+            )
         if self.method not in METHODS:
             raise ValueError(f"fp8_gemm: method must be one of {METHODS}, got {self.method!r}")
 
@@ -101,8 +103,16 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, recipe, x_reduce, w_reduce):  # type: ignore[override]
         ctx.save_for_backward(x, weight)
         n, k = weight.shape
-        return ops.fp8_prefix_linear(x, weight, n, k, recipe.scaling, method=recipe.method,
-                                         x_amax_reduce=x_reduce, w_amax_reduce=w_reduce)
+        return ops.fp8_prefix_linear(
+            x,
+            weight,
+            n,
+            k,
+            recipe.scaling,
+            method=recipe.method,
+            x_amax_reduce=x_reduce,
+            w_amax_reduce=w_reduce,
+        )
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
@@ -115,8 +125,14 @@ class _Fp8Linear(torch.autograd.Function):
         return grad_x, grad_w, None, None, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, tp_group=None,
-               x_sharded: bool = False, w_sharded: bool = False) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    recipe: Fp8Recipe,
+    tp_group=None,
+    x_sharded: bool = False,
+    w_sharded: bool = False,
+) -> torch.Tensor:
     """``x @ weight.T`` (weight: the active ``[n, k]`` block, a view or a gathered copy) in FP8.
 
     ``x_sharded`` / ``w_sharded``: the operand is this rank's part, along k, of one split over

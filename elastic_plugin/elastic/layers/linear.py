@@ -46,8 +46,9 @@ def _bias_parts(module, out_index: Index):
     return (None, bias) if module.skip_bias_add else (bias, None)
 
 
-def column_parallel_forward(module, input_: torch.Tensor, out_index: Index = None,
-                            in_index: Index = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def column_parallel_forward(
+    module, input_: torch.Tensor, out_index: Index = None, in_index: Index = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``ColumnParallelLinear.forward`` on rows ``out_index`` (local) and columns ``in_index``.
 
     ``input_`` already holds only the active input columns. ``gather_output`` is not supported
@@ -55,7 +56,8 @@ def column_parallel_forward(module, input_: torch.Tensor, out_index: Index = Non
     """
     if module.gather_output and out_index is not None:
         raise NotImplementedError(
-            f"{type(module).__name__} with gather_output=True cannot produce a partial output")
+            f"{type(module).__name__} with gather_output=True cannot produce a partial output"
+        )
     weight = active_weight(module.weight, out_index, in_index)
     bias_in, bias_out = _bias_parts(module, out_index)
     if fp8.runs_fp8(module):
@@ -71,13 +73,18 @@ def column_parallel_forward(module, input_: torch.Tensor, out_index: Index = Non
     return output, bias_out
 
 
-def _megatron_column(module, input_: torch.Tensor, weight: torch.Tensor,
-                     bias: torch.Tensor | None) -> torch.Tensor:
+def _megatron_column(
+    module, input_: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """Megatron's own GEMM + communication (``_forward_impl``) on the active block."""
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-    if (module.allreduce_dgrad or module.sequence_parallel or module.explicit_expert_comm
-            or getattr(module, "disable_grad_reduce", False)):
+    if (
+        module.allreduce_dgrad
+        or module.sequence_parallel
+        or module.explicit_expert_comm
+        or getattr(module, "disable_grad_reduce", False)
+    ):
         input_parallel = input_
     else:
         input_parallel = copy_to_tensor_model_parallel_region(input_, group=module.tp_group)
@@ -86,7 +93,8 @@ def _megatron_column(module, input_: torch.Tensor, weight: torch.Tensor,
         weight=weight,
         bias=bias,
         # a slice of a parameter has no main_grad: let autograd route the gradient
-        gradient_accumulation_fusion=module.gradient_accumulation_fusion and weight is module.weight,
+        gradient_accumulation_fusion=module.gradient_accumulation_fusion
+        and weight is module.weight,
         allreduce_dgrad=False if module.explicit_expert_comm else module.allreduce_dgrad,
         sequence_parallel=False if module.explicit_expert_comm else module.sequence_parallel,
         grad_output_buffer=None,
@@ -108,14 +116,16 @@ def _fp8_column(module, input_: torch.Tensor, weight: torch.Tensor) -> torch.Ten
         input_parallel = input_
     elif module.sequence_parallel:
         input_parallel = gather_from_sequence_parallel_region(
-            input_, tensor_parallel_output_grad=True, group=module.tp_group)
+            input_, tensor_parallel_output_grad=True, group=module.tp_group
+        )
     else:
         input_parallel = copy_to_tensor_model_parallel_region(input_, group=module.tp_group)
     return fp8.fp8_linear(input_parallel, weight, fp8.active_recipe(), module.tp_group)
 
 
-def row_parallel_forward(module, input_: torch.Tensor, out_index: Index = None,
-                         in_index: Index = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def row_parallel_forward(
+    module, input_: torch.Tensor, out_index: Index = None, in_index: Index = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``RowParallelLinear.forward`` on rows ``out_index`` and (local) columns ``in_index``.
 
     ``input_`` is this rank's shard of the active input columns; the output is reduced over TP
@@ -133,14 +143,21 @@ def row_parallel_forward(module, input_: torch.Tensor, out_index: Index = None,
         input_parallel = scatter_to_tensor_model_parallel_region(input_, group=module.tp_group)
     weight = active_weight(module.weight, out_index, in_index)
     if fp8.runs_fp8(module):
-        output = fp8.fp8_linear(input_parallel, weight, fp8.active_recipe(), module.tp_group,
-                                x_sharded=True, w_sharded=True)
+        output = fp8.fp8_linear(
+            input_parallel,
+            weight,
+            fp8.active_recipe(),
+            module.tp_group,
+            x_sharded=True,
+            w_sharded=True,
+        )
     else:
         output = module._forward_impl(
             input=input_parallel,
             weight=weight,
             bias=None,
-            gradient_accumulation_fusion=module.gradient_accumulation_fusion and weight is module.weight,
+            gradient_accumulation_fusion=module.gradient_accumulation_fusion
+            and weight is module.weight,
             allreduce_dgrad=False,
             sequence_parallel=False,
             tp_group=module.tp_group,  # unused without SP/all-reduce; avoids Megatron's deprecation

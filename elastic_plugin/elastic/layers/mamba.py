@@ -52,8 +52,9 @@ def _pick(tensor: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
 
 def _check_mask(name: str, mask: torch.Tensor | None, size: int) -> None:
     if mask is not None and tuple(mask.shape) != (size,):
-        raise ConfigError(f"{name} must have shape ({size},) (the computed width), "
-                          f"got {tuple(mask.shape)}")
+        raise ConfigError(
+            f"{name} must have shape ({size},) (the computed width), got {tuple(mask.shape)}"
+        )
 
 
 def _check_training_call(mixer, inference_context, packed_seq_params) -> bool:
@@ -64,25 +65,34 @@ def _check_training_call(mixer, inference_context, packed_seq_params) -> bool:
     if in_inference and inference_context is not None:
         raise NotImplementedError(
             "elastic_mamba_forward is the training forward: inference with a cache "
-            "(inference_context) is not supported; extract the nested model and run it instead")
+            "(inference_context) is not supported; extract the nested model and run it instead"
+        )
     if mixer.cp.cp_size != 1:
         raise NotImplementedError(
             f"elastic_mamba_forward does not support context parallelism (cp size "
-            f"{mixer.cp.cp_size}); use context_parallel_size=1")
+            f"{mixer.cp.cp_size}); use context_parallel_size=1"
+        )
     unfused = in_inference or not mixer.use_mem_eff_path
     if packed_seq_params is not None:
         if unfused:  # the same restriction as MambaMixer.forward
             raise NotImplementedError(
-                "packed sequences need the memory-efficient path (use_mamba_mem_eff_path=True)")
+                "packed sequences need the memory-efficient path (use_mamba_mem_eff_path=True)"
+            )
         ok, reason = mm._check_mamba_sequence_packing_support(for_inference_not_training=False)
         if not ok:
             raise NotImplementedError(f"packed sequences: {reason}")
     return unfused
 
 
-def _ssm(mixer, zxbcdt: torch.Tensor, rows: dict[str, torch.Tensor] | None, heads: int,
-         head_dim: int, unfused: bool, seq_idx: torch.Tensor | None
-         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _ssm(
+    mixer,
+    zxbcdt: torch.Tensor,
+    rows: dict[str, torch.Tensor] | None,
+    heads: int,
+    head_dim: int,
+    unfused: bool,
+    seq_idx: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Conv + SSD scan on ``zxbcdt`` [l, b, z|x|B|C|dt] of the active part.
 
     Returns ``(y [l, b, heads*head_dim], gate)``: ``gate`` is the ``z`` still to be applied by
@@ -100,44 +110,72 @@ def _ssm(mixer, zxbcdt: torch.Tensor, rows: dict[str, torch.Tensor] | None, head
         D = _pick(mixer.D, sel("channels")).float().reshape(heads, head_dim)
     else:
         D = _pick(mixer.D, sel("heads"))
-    state_kwarg = ({"state_dtype": mixer.mamba_training_ssm_states_dtype}
-                   if mm.MAMBA_HAS_STATE_DTYPE else {})
+    state_kwarg = (
+        {"state_dtype": mixer.mamba_training_ssm_states_dtype} if mm.MAMBA_HAS_STATE_DTYPE else {}
+    )
     zxbcdt = zxbcdt.transpose(0, 1).contiguous()  # l b d -> b l d
     length = zxbcdt.shape[1]
 
     if not unfused:  # MambaMixer._ssm_training
         y = mm.mamba_split_conv1d_scan_combined(
-            zxbcdt, conv_w, conv_b, dt_bias, A, D=D, chunk_size=mixer.chunk_size,
-            activation=mixer.activation, headdim=None if mixer.D_has_hdim else head_dim,
-            ngroups=groups, norm_before_gate=mixer.norm_before_gate, seq_idx=seq_idx,
-            **state_kwarg)
+            zxbcdt,
+            conv_w,
+            conv_b,
+            dt_bias,
+            A,
+            D=D,
+            chunk_size=mixer.chunk_size,
+            activation=mixer.activation,
+            headdim=None if mixer.D_has_hdim else head_dim,
+            ngroups=groups,
+            norm_before_gate=mixer.norm_before_gate,
+            seq_idx=seq_idx,
+            **state_kwarg,
+        )
         return y.transpose(0, 1).contiguous(), None
 
     # MambaMixer._ssm_prefill without a cache (static batching / inference without state)
     z, xbc, dt = torch.split(zxbcdt, [d, d + 2 * groups * state, heads], dim=-1)
     xbc = xbc.transpose(1, 2).contiguous()  # b l d -> b d l
     if mm.causal_conv1d_fn is None:
-        xbc = F.silu(F.conv1d(xbc, conv_w.unsqueeze(1), conv_b, padding=mixer.d_conv - 1,
-                              groups=conv_w.shape[0])[..., :length])
+        xbc = F.silu(
+            F.conv1d(
+                xbc, conv_w.unsqueeze(1), conv_b, padding=mixer.d_conv - 1, groups=conv_w.shape[0]
+            )[..., :length]
+        )
     else:
-        xbc = mm.causal_conv1d_fn(x=xbc, weight=conv_w, bias=conv_b,
-                                  activation=mixer.activation, seq_idx=None)
+        xbc = mm.causal_conv1d_fn(
+            x=xbc, weight=conv_w, bias=conv_b, activation=mixer.activation, seq_idx=None
+        )
     xbc = xbc.transpose(1, 2).contiguous()
     x, B, C = torch.split(xbc, [d, groups * state, groups * state], dim=-1)
     b = x.shape[0]
     z = z.reshape(b, length, heads, head_dim).contiguous()
     y = mm.mamba_chunk_scan_combined(
-        x.reshape(b, length, heads, head_dim).contiguous(), dt.contiguous(), A,
+        x.reshape(b, length, heads, head_dim).contiguous(),
+        dt.contiguous(),
+        A,
         B.reshape(b, length, groups, state).contiguous(),
-        C.reshape(b, length, groups, state).contiguous(), mixer.chunk_size, D=D,
-        z=None if mixer.rmsnorm else z, dt_bias=dt_bias, dt_softplus=True, **state_kwarg)
+        C.reshape(b, length, groups, state).contiguous(),
+        mixer.chunk_size,
+        D=D,
+        z=None if mixer.rmsnorm else z,
+        dt_bias=dt_bias,
+        dt_softplus=True,
+        **state_kwarg,
+    )
     y = y.reshape(b, length, d).transpose(0, 1).contiguous()
     gate = z.reshape(b, length, d).transpose(0, 1).contiguous() if mixer.rmsnorm else None
     return y, gate
 
 
-def _norm_sliced(mixer, y: torch.Tensor, gate: torch.Tensor | None,
-                 channels: torch.Tensor | None, group_size: int) -> torch.Tensor:
+def _norm_sliced(
+    mixer,
+    y: torch.Tensor,
+    gate: torch.Tensor | None,
+    channels: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
     """The mixer's own gated-norm implementation on the active channels.
 
     The norm class (mamba_ssm's Triton ``RMSNorm`` or our fallback) reads only plain
@@ -156,9 +194,14 @@ def _norm_sliced(mixer, y: torch.Tensor, gate: torch.Tensor | None,
     return type(norm).forward(view, y, gate)
 
 
-def _norm_masked(mixer, y: torch.Tensor, gate: torch.Tensor | None,
-                 channels: torch.Tensor | None, groups: int, active_count: torch.Tensor
-                 ) -> torch.Tensor:
+def _norm_masked(
+    mixer,
+    y: torch.Tensor,
+    gate: torch.Tensor | None,
+    channels: torch.Tensor | None,
+    groups: int,
+    active_count: torch.Tensor,
+) -> torch.Tensor:
     """Gated RMSNorm (norm after gate) whose mean square divides by the soft active count."""
     norm = mixer.norm
     out_dtype = y.dtype
@@ -205,8 +248,9 @@ def elastic_mamba_forward(
     k = check_size("heads_per_group", heads_per_group, per_group)
     p = check_size("head_dim", head_dim, hd)
     if hidden_states.dim() != 3 or hidden_states.shape[-1] != h_act:
-        raise ConfigError(f"hidden_states must be [s, b, hidden_active={h_act}], "
-                          f"got {tuple(hidden_states.shape)}")
+        raise ConfigError(
+            f"hidden_states must be [s, b, hidden_active={h_act}], got {tuple(hidden_states.shape)}"
+        )
     _check_mask("head_mask", head_mask, k)
     _check_mask("channel_mask", channel_mask, p)
     _check_mask("hidden_mask", hidden_mask, h_act)
@@ -217,7 +261,8 @@ def elastic_mamba_forward(
     out_h = None if h_act == mixer.d_model else h_act
 
     zxbcdt, _ = column_parallel_forward(
-        mixer.in_proj, hidden_states, None if rows is None else rows["in_proj"], out_h)
+        mixer.in_proj, hidden_states, None if rows is None else rows["in_proj"], out_h
+    )
     seq_idx = None if packed_seq_params is None else packed_seq_params.seq_idx
     y, gate = _ssm(mixer, zxbcdt, rows, groups * k, p, unfused, seq_idx)
 

@@ -13,9 +13,9 @@ class and no edit here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -36,13 +36,17 @@ class LinearActive:
 
     out_index: Index = None
     in_index: Index = None
-    in_mask: torch.Tensor | None = None   # over the active input columns (local)
+    in_mask: torch.Tensor | None = None  # over the active input columns (local)
     out_mask: torch.Tensor | None = None  # over the active output rows
 
     @property
     def is_full(self) -> bool:
-        return (self.out_index is None and self.in_index is None and self.in_mask is None
-                and self.out_mask is None)
+        return (
+            self.out_index is None
+            and self.in_index is None
+            and self.in_mask is None
+            and self.out_mask is None
+        )
 
 
 # --------------------------------------------------------------------------- registry
@@ -68,10 +72,14 @@ def _swap(module: torch.nn.Module, kind: str, **attrs) -> None:
     if cls is None:
         # a direct subclass of the Megatron class (a mixin base would change the object
         # layout of ABC-derived modules); the mixin's methods call ``_elastic_base`` explicitly
-        methods = {k: v for k, v in vars(_MIXINS[kind]).items()
-                   if not k.startswith("__") or k == "__doc__"}
-        cls = type(f"Elastic{base.__name__}", (base,),
-                   {**methods, "_elastic_kind": kind, "_elastic_base": base})
+        methods = {
+            k: v for k, v in vars(_MIXINS[kind]).items() if not k.startswith("__") or k == "__doc__"
+        }
+        cls = type(
+            f"Elastic{base.__name__}",
+            (base,),
+            {**methods, "_elastic_kind": kind, "_elastic_base": base},
+        )
         _ELASTIC_CLASSES[key] = cls
     module.__class__ = cls
     for name, value in attrs.items():
@@ -87,16 +95,18 @@ def _mul(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 class _ElasticColumn:
     """Column-parallel linear: active output rows (local) x active input columns."""
 
-
     def forward(self, input_, weight=None, runtime_gather_output=None):
         act: LinearActive | None = self._elastic_io()
         if (act is None or act.is_full) and not fp8.runs_fp8(self):
-            return self._elastic_base.forward(self, input_, weight=weight, runtime_gather_output=runtime_gather_output)
+            return self._elastic_base.forward(
+                self, input_, weight=weight, runtime_gather_output=runtime_gather_output
+            )
         act = act or LinearActive()
         if weight is not None:  # tied output layer: Megatron passes the embedding weight
             raise NotImplementedError("elastic output layers with tied embeddings")
-        out, bias = column_parallel_forward(self, _mul(input_, act.in_mask), act.out_index,
-                                            act.in_index)
+        out, bias = column_parallel_forward(
+            self, _mul(input_, act.in_mask), act.out_index, act.in_index
+        )
         return _mul(out, act.out_mask), bias
 
 
@@ -104,14 +114,14 @@ class _ElasticColumn:
 class _ElasticRow:
     """Row-parallel linear: active input columns (local) x active output rows."""
 
-
     def forward(self, input_):
         act: LinearActive | None = self._elastic_io()
         if (act is None or act.is_full) and not fp8.runs_fp8(self):
             return self._elastic_base.forward(self, input_)
         act = act or LinearActive()
-        out, bias = row_parallel_forward(self, _mul(input_, act.in_mask), act.out_index,
-                                         act.in_index)
+        out, bias = row_parallel_forward(
+            self, _mul(input_, act.in_mask), act.out_index, act.in_index
+        )
         return _mul(out, act.out_mask), bias
 
 
@@ -119,7 +129,6 @@ class _ElasticRow:
 @register_elastic("embedding")
 class _ElasticEmbedding:
     """The residual stream starts narrow: the first h' channels, times the hidden mask."""
-
 
     def forward(self, *args, **kwargs):
         out = self._elastic_base.forward(self, *args, **kwargs)
@@ -132,7 +141,6 @@ class _ElasticEmbedding:
 @register_elastic("norm")
 class _ElasticRMSNorm:
     """RMSNorm over the active channels only (masked: the mask sum is the channel count)."""
-
 
     def forward(self, x):
         size, mask = self._elastic_state.hidden()
@@ -150,26 +158,32 @@ class _ElasticRMSNorm:
 def _heads_active(attn, heads_local: int):
     """Megatron's attention reads head counts from attributes: set them for one forward."""
     core = attn.core_attention
-    saved = (attn.num_attention_heads_per_partition, core.num_attention_heads_per_partition,
-             core.hidden_size_per_partition)
+    saved = (
+        attn.num_attention_heads_per_partition,
+        core.num_attention_heads_per_partition,
+        core.hidden_size_per_partition,
+    )
     attn.num_attention_heads_per_partition = heads_local
     core.num_attention_heads_per_partition = heads_local
     core.hidden_size_per_partition = heads_local * attn.hidden_size_per_attention_head
     try:
         yield
     finally:
-        (attn.num_attention_heads_per_partition, core.num_attention_heads_per_partition,
-         core.hidden_size_per_partition) = saved
+        (
+            attn.num_attention_heads_per_partition,
+            core.num_attention_heads_per_partition,
+            core.hidden_size_per_partition,
+        ) = saved
 
 
 @register_elastic("attention")
 class _ElasticSelfAttention:
     """Fewer query heads per group (K/V heads stay): Megatron's forward on the active heads."""
 
-
     def forward(self, *args, **kwargs):
         per_group, _ = self._elastic_state.grouped_heads(
-            "attention_heads", self.layer_number, self.config.num_query_groups)
+            "attention_heads", self.layer_number, self.config.num_query_groups
+        )
         if per_group is None:
             return self._elastic_base.forward(self, *args, **kwargs)
         with _heads_active(self, per_group * self.num_query_groups_per_partition):
@@ -181,11 +195,15 @@ def _attention_io(state: ElasticState, attn, role: str) -> LinearActive | None:
         return None
     layer = attn.layer_number
     h_size, h_mask = state.hidden()
-    per_group, head_mask = state.grouped_heads("attention_heads", layer,
-                                               attn.config.num_query_groups)
+    per_group, head_mask = state.grouped_heads(
+        "attention_heads", layer, attn.config.num_query_groups
+    )
     key = ("attn_index", layer, role, per_group)
-    index = None if per_group is None else state.cached(
-        key, lambda: (qkv_rows if role == "qkv" else proj_cols)(attn, per_group))
+    index = (
+        None
+        if per_group is None
+        else state.cached(key, lambda: (qkv_rows if role == "qkv" else proj_cols)(attn, per_group))
+    )
     if role == "qkv":
         return LinearActive(out_index=index, in_index=h_size)
     heads_mask = None
@@ -199,12 +217,13 @@ def _attention_io(state: ElasticState, attn, role: str) -> LinearActive | None:
 # ------------------------------------------------------------------------------ MLP
 
 
-def _mlp_io(state: ElasticState, mlp, axis: str | None, layer: int, role: str
-            ) -> LinearActive | None:
+def _mlp_io(
+    state: ElasticState, mlp, axis: str | None, layer: int, role: str
+) -> LinearActive | None:
     if not state.is_active:
         return None
     h_size, h_mask = state.hidden()
-    local, ffn_mask = (state.tp_neurons(axis, layer) if axis is not None else (None, None))
+    local, ffn_mask = state.tp_neurons(axis, layer) if axis is not None else (None, None)
     if role == "fc1":
         return LinearActive(out_index=ffn_rows(mlp, local), in_index=h_size)
     return LinearActive(out_index=h_size, in_index=local, in_mask=ffn_mask, out_mask=h_mask)
@@ -215,7 +234,6 @@ def _mlp_io(state: ElasticState, mlp, axis: str | None, layer: int, role: str
 class _ElasticTopKRouter:
     """Router on the active hidden channels; inactive experts never win the top-k, and the
     active experts' routing weights are scaled by the experts mask (router gradient)."""
-
 
     def gating(self, input):
         size, _ = self._elastic_state.hidden()
@@ -234,8 +252,11 @@ class _ElasticTopKRouter:
         inactive = (mask.detach() == 0).to(logits.device)
         logits = logits.masked_fill(inactive, -1e9)
         saved_bias = self.expert_bias
-        counts_before = (self.local_tokens_per_expert.clone()
-                         if self.local_tokens_per_expert is not None else None)
+        counts_before = (
+            self.local_tokens_per_expert.clone()
+            if self.local_tokens_per_expert is not None
+            else None
+        )
         if saved_bias is not None:
             self.expert_bias = saved_bias.masked_fill(inactive, -1e9)
         try:
@@ -248,7 +269,9 @@ class _ElasticTopKRouter:
             # aux-loss-free bias update does not push them up while they are switched off
             added = self.local_tokens_per_expert - counts_before
             active_mean = added[~inactive].mean() if (~inactive).any() else added.new_zeros(())
-            self.local_tokens_per_expert.copy_(counts_before + torch.where(inactive, active_mean, added))
+            self.local_tokens_per_expert.copy_(
+                counts_before + torch.where(inactive, active_mean, added)
+            )
         return probs * mask.to(probs.dtype), routing_map
 
 
@@ -258,15 +281,23 @@ class _ElasticSequentialMLP:
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         state = self._elastic_state
-        if (not state.is_active or self.num_local_experts == 1 or self.config.fp8
-                or self.config.fp4 or self.config.moe_apply_probs_on_input):
-            return self._elastic_base.forward(self, permuted_local_hidden_states,
-                                              tokens_per_expert, permuted_probs)
+        if (
+            not state.is_active
+            or self.num_local_experts == 1
+            or self.config.fp8
+            or self.config.fp4
+            or self.config.moe_apply_probs_on_input
+        ):
+            return self._elastic_base.forward(
+                self, permuted_local_hidden_states, tokens_per_expert, permuted_probs
+            )
         counts = tokens_per_expert.tolist()
         tokens_list = torch.split(permuted_local_hidden_states, counts)
         probs_list = torch.split(permuted_probs, counts)
         outputs = []
-        for expert, tokens, probs, count in zip(self.local_experts, tokens_list, probs_list, counts):
+        for expert, tokens, probs, count in zip(
+            self.local_experts, tokens_list, probs_list, counts
+        ):
             if count == 0:
                 outputs.append(tokens)  # [0, h]: nothing to compute
                 continue
@@ -278,7 +309,6 @@ class _ElasticSequentialMLP:
 @register_elastic("mamba")
 class _ElasticMambaMixer:
     """Fewer Mamba heads per group and channels per head (``elastic.mamba``)."""
-
 
     def forward(self, hidden_states, *args, **kwargs):
         state = self._elastic_state
@@ -293,14 +323,30 @@ class _ElasticMambaMixer:
             return elastic_mamba_forward(self, hidden_states)
         layer = self._elastic_layer
         h_size, h_mask = state.hidden()
-        per_group, head_mask = state.grouped_heads("mamba_heads", layer, self.config.mamba_num_groups)
+        per_group, head_mask = state.grouped_heads(
+            "mamba_heads", layer, self.config.mamba_num_groups
+        )
         head_dim, channel_mask = state.plain("mamba_head_dim", layer)
-        if (h_size is None and h_mask is None and per_group is None and head_mask is None
-                and head_dim is None and channel_mask is None and not in_fp8):
+        if (
+            h_size is None
+            and h_mask is None
+            and per_group is None
+            and head_mask is None
+            and head_dim is None
+            and channel_mask is None
+            and not in_fp8
+        ):
             return self._elastic_base.forward(self, hidden_states, *args, **kwargs)
         return elastic_mamba_forward(
-            self, hidden_states, hidden_active=h_size, heads_per_group=per_group,
-            head_dim=head_dim, head_mask=head_mask, channel_mask=channel_mask, hidden_mask=h_mask)
+            self,
+            hidden_states,
+            hidden_active=h_size,
+            heads_per_group=per_group,
+            head_dim=head_dim,
+            head_mask=head_mask,
+            channel_mask=channel_mask,
+            hidden_mask=h_mask,
+        )
 
 
 # ----------------------------------------------------------------------- binding helpers
@@ -312,7 +358,8 @@ def _bind_linear(module, kind: str, io: Callable[[], LinearActive | None], state
         raise ConfigError(
             f"elastic widths support Megatron-Core's {base.__name__} (local spec); got "
             f"{type(module).__name__} (Transformer Engine linears are not elastic yet: build "
-            "the model with the local spec, use_te=False)")
+            "the model with the local spec, use_te=False)"
+        )
     _swap(module, kind, _elastic_io=io, _elastic_state=state)
 
 
@@ -320,7 +367,9 @@ def _norm(module, state) -> None:
     from elastic_plugin.models.norms import LocalRMSNorm
 
     if not isinstance(module, LocalRMSNorm):
-        raise ConfigError(f"elastic hidden widths need LocalRMSNorm norms; got {type(module).__name__}")
+        raise ConfigError(
+            f"elastic hidden widths need LocalRMSNorm norms; got {type(module).__name__}"
+        )
     _swap(module, "norm", _elastic_state=state)
 
 
@@ -340,8 +389,9 @@ def register_elastic_layer(rule: type) -> type:
     the same layer; a layer no rule matches is refused. Adding a layer type is one such class."""
     for name in ("matches", "elastify"):
         if not callable(getattr(rule, name, None)):
-            raise TypeError(f"register_elastic_layer({rule.__name__}): needs a static method "
-                            f"{name}(layer, ...)")
+            raise TypeError(
+                f"register_elastic_layer({rule.__name__}): needs a static method {name}(layer, ...)"
+            )
     _LAYER_RULES.insert(0, rule)
     return rule
 
@@ -377,8 +427,10 @@ class _MoELayer:
         moe = layer.mlp
         _swap(moe.router, "router", _elastic_state=state)
         if not isinstance(moe.experts, SequentialMLP):
-            raise ConfigError(f"elastic experts need SequentialMLP experts (moe_grouped_gemm="
-                              f"false); got {type(moe.experts).__name__}")
+            raise ConfigError(
+                f"elastic experts need SequentialMLP experts (moe_grouped_gemm="
+                f"false); got {type(moe.experts).__name__}"
+            )
         for expert in moe.experts.local_experts:
             _elastify_mlp(expert, None, number, state)
         _swap(moe.experts, "experts", _elastic_state=state)
@@ -392,8 +444,9 @@ class _AttentionLayer:
 
     @staticmethod
     def matches(layer) -> bool:
-        return (hybrid_layer_kind(layer) == "attention"
-                and hasattr(layer.self_attention, "linear_qkv"))
+        return hybrid_layer_kind(layer) == "attention" and hasattr(
+            layer.self_attention, "linear_qkv"
+        )
 
     @staticmethod
     def elastify(layer, state) -> None:
@@ -422,8 +475,10 @@ def _layer_rule(layer) -> type:
     for rule in _LAYER_RULES:
         if rule.matches(layer):
             return rule
-    raise ConfigError(f"no elastic behaviour registered for layer type {type(layer).__name__} "
-                      f"(layer {layer.layer_number}); register one with register_elastic_layer")
+    raise ConfigError(
+        f"no elastic behaviour registered for layer type {type(layer).__name__} "
+        f"(layer {layer.layer_number}); register one with register_elastic_layer"
+    )
 
 
 # --------------------------------------------------------------------------- elastify
@@ -435,10 +490,13 @@ def elastify(model: torch.nn.Module, state: ElasticState) -> torch.nn.Module:
     Megatron's own forwards. Under TP or EP > 1 the model must be importance-reordered (strided
     FFN/expert layout) so every rank's local prefix is the global nested prefix."""
     inner = getattr(model, "module", model)
-    if (state.rank.tp_size > 1 or state.rank.ep_size > 1) and not getattr(inner, STRIDED_ATTR, False):
+    if (state.rank.tp_size > 1 or state.rank.ep_size > 1) and not getattr(
+        inner, STRIDED_ATTR, False
+    ):
         raise ConfigError(
             "elastic training under tensor/expert parallelism needs an importance-reordered "
-            "checkpoint (run `elastic-plugin reorder` first)")
+            "checkpoint (run `elastic-plugin reorder` first)"
+        )
     rules = [_layer_rule(layer) for layer in inner.decoder.layers]  # refuse before changing any
     object.__setattr__(inner, STATE_ATTR, state)
     if getattr(inner, "pre_process", False):
@@ -447,10 +505,15 @@ def elastify(model: torch.nn.Module, state: ElasticState) -> torch.nn.Module:
         rule.elastify(layer, state)
     if getattr(inner, "post_process", False):
         _norm(inner.decoder.final_norm, state)
-        _bind_linear(inner.output_layer, "column",
-                     lambda: (LinearActive(in_index=state.hidden()[0])
-                              if state.is_active else None), state)
-        object.__setattr__(inner.output_layer, fp8.EXEMPT_ATTR, True)  # logits stay in the model dtype
+        _bind_linear(
+            inner.output_layer,
+            "column",
+            lambda: LinearActive(in_index=state.hidden()[0]) if state.is_active else None,
+            state,
+        )
+        object.__setattr__(
+            inner.output_layer, fp8.EXEMPT_ATTR, True
+        )  # logits stay in the model dtype
     return model
 
 

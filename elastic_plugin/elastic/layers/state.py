@@ -20,8 +20,9 @@ only under sequence parallelism, where each rank sees a slice of the tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -54,12 +55,17 @@ class RankInfo:
     strided: bool = False  # FFN/experts reordered into the strided layout (importance.reorder)
 
     @classmethod
-    def current(cls, strided: bool, sequence_parallel: bool) -> "RankInfo":
+    def current(cls, strided: bool, sequence_parallel: bool) -> RankInfo:
         from megatron.core import parallel_state as ps
 
-        return cls(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
-                   ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
-                   sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1, strided)
+        return cls(
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_expert_model_parallel_rank(),
+            ps.get_expert_model_parallel_world_size(),
+            sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1,
+            strided,
+        )
 
 
 def _tp_grad_sum(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -77,8 +83,9 @@ def _tp_grad_sum(mask: torch.Tensor | None) -> torch.Tensor | None:
 class ElasticState:
     """Choice of the current micro-batch; ``None`` choice = the full model (no elastic code runs)."""
 
-    def __init__(self, resolved, rank: RankInfo | None = None,
-                 groups: dict[str, int] | None = None) -> None:
+    def __init__(
+        self, resolved, rank: RankInfo | None = None, groups: dict[str, int] | None = None
+    ) -> None:
         self.resolved = resolved
         self.rank = rank or RankInfo()
         # heads are nested per group: masks of these axes run over per-group positions
@@ -96,8 +103,9 @@ class ElasticState:
         """Run the full model through Megatron's own code paths."""
         self._active = None
 
-    def set_choice(self, probs: dict[str, torch.Tensor], mode: str = SLICED,
-                   with_masks: bool = True) -> None:
+    def set_choice(
+        self, probs: dict[str, torch.Tensor], mode: str = SLICED, with_masks: bool = True
+    ) -> None:
         """Activate the router's output: ``probs[axis]`` is [rows, candidates] (1 row, or one per
         layer of the axis). ``sliced``: hard choice (one-hot rows), compute only the chosen
         prefix; ``masked``: compute the full width, multiply by the prefix masks."""
@@ -111,15 +119,18 @@ class ElasticState:
             rows = probs[name]
             cands = list(spec.candidates)
             g = self.groups.get(name, 1)
-            masks = (prefix_masks(rows, [c // g for c in cands], spec.full // g)
-                     if with_masks or mode == MASKED else None)
+            masks = (
+                prefix_masks(rows, [c // g for c in cands], spec.full // g)
+                if with_masks or mode == MASKED
+                else None
+            )
             layers = list(spec.layers) if self.resolved.per_layer(name) else [None]
             for row, layer in enumerate(layers):
                 if mode == SLICED:
                     size = cands[int(rows[row].argmax())]
                 else:
                     size = spec.full
-                mask = masks[row, :size // g] if masks is not None else None
+                mask = masks[row, : size // g] if masks is not None else None
                 if name == "embedding" or not spec.layers:
                     active[(name, None)] = AxisActive(size, spec.full, mask)
                 elif layer is None:
@@ -186,8 +197,9 @@ class ElasticState:
             self._cache[key] = (None if act.size == act.full else local, mask)
         return self._cache[key]
 
-    def grouped_heads(self, axis: str, layer: int, groups: int
-                      ) -> tuple[int | None, torch.Tensor | None]:
+    def grouped_heads(
+        self, axis: str, layer: int, groups: int
+    ) -> tuple[int | None, torch.Tensor | None]:
         """Heads nested per group: (active heads per group or None, mask over the per-group
         positions [per_group_active], the same for every group)."""
         act = self.axis(axis, layer)
@@ -196,8 +208,7 @@ class ElasticState:
         key = (axis, layer)
         if key not in self._cache:
             per_group = act.size // groups
-            self._cache[key] = (None if act.size == act.full else per_group,
-                                _tp_grad_sum(act.mask))
+            self._cache[key] = (None if act.size == act.full else per_group, _tp_grad_sum(act.mask))
         return self._cache[key]
 
     def plain(self, axis: str, layer: int) -> tuple[int | None, torch.Tensor | None]:
@@ -207,8 +218,7 @@ class ElasticState:
             return None, None
         key = (axis, layer)
         if key not in self._cache:
-            self._cache[key] = (None if act.size == act.full else act.size,
-                                _tp_grad_sum(act.mask))
+            self._cache[key] = (None if act.size == act.full else act.size, _tp_grad_sum(act.mask))
         return self._cache[key]
 
     def experts(self, layer: int, num_experts: int) -> torch.Tensor | None:
@@ -225,8 +235,7 @@ class ElasticState:
                 physical = (canon % e) * per_rank + canon // e
             else:
                 physical = canon
-            values = (_tp_grad_sum(act.mask) if act.mask is not None
-                      else torch.ones(act.size))
+            values = _tp_grad_sum(act.mask) if act.mask is not None else torch.ones(act.size)
             mask = torch.zeros(num_experts, dtype=values.dtype, device=values.device)
             mask = mask.index_put((physical.to(values.device),), values)
             self._cache[key] = mask
