@@ -1,7 +1,7 @@
 # Two commands for a new user on a fresh machine:
 #   make demo   - the main job on the built-in tiny default (teacher -> importance -> reorder -> elastic
 #                 -> export of every nested model in BF16/FP8/NVFP4 -> accuracy + budget control report)
-#   make test   - the test suite
+#   make test   - the checks (make lint) and the test suite
 # Both create .venv (Python 3.12, pinned requirements) and build the extension when missing or stale.
 
 SHELL := /bin/bash
@@ -14,11 +14,12 @@ ELASTIC_CONFIG ?= examples/configs/tiny_elastic.yaml
 PYTEST_ARGS ?=
 STAMPS := $(VENV)/.stamps
 
-.PHONY: demo test test-fast bench venv install clean help
+.PHONY: demo test test-fast lint bench venv install clean help
 
 help:
 	@echo "make demo [QUICK=1] [OUT=dir]  - tiny teacher -> importance -> reorder -> elastic training of 3 budgets -> exports -> report"
-	@echo "make test                      - run the test suite"
+	@echo "make test                      - run the checks (make lint), then the test suite"
+	@echo "make lint                      - ruff (lint + format check), import contracts, mypy"
 	@echo "make bench                     - run the benchmarks (ratios, side by side)"
 
 $(STAMPS)/venv: requirements.txt scripts/bootstrap_venv.sh
@@ -48,7 +49,14 @@ demo: $(STAMPS)/install
 	$(VENV)/bin/elastic-plugin evaluate --ckpt $(OUT)/checkpoints/elastic --exports $(OUT)/exports --out $(OUT) \
 		$(if $(QUICK),--num-problems 32 --latency-problems 4,)
 
-test: $(STAMPS)/install
+# the habits that keep the layout (CONTRIBUTING.md, "Checks"): lint, format, import direction, types
+lint: $(STAMPS)/install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/mypy
+
+test: $(STAMPS)/install lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMPS)/install

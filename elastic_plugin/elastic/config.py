@@ -7,19 +7,8 @@ that into integer candidate sizes for one model and one TP/EP layout and rejects
 elastic layers could not run (a width that does not split over TP, fewer experts than top-k, a
 budget no candidate combination can reach), so a bad run fails in seconds, not after the build.
 
-Width axes and their units (an axis exists only if the model has it):
-
-=============== ================================================================================
-embedding        hidden channels (full ``hidden_size``); always one global choice
-ffn              dense-MLP neurons of '-' layers (full ``ffn_hidden_size``), multiple of TP
-shared_ffn       MoE shared-expert neurons (full ``moe_shared_expert_intermediate_size``), x TP
-attention_heads  total query heads (full ``num_attention_heads``), nested within each query
-                 group, so a multiple of ``num_query_groups`` (KV heads are not elastic)
-mamba_heads      total Mamba heads, nested within each Mamba group: a multiple of
-                 ``mamba_num_groups``
-mamba_head_dim   channels per Mamba head, in [1, ``mamba_head_dim``]
-experts          routed experts per MoE layer, a multiple of EP and >= ``moe_router_topk``
-=============== ================================================================================
+The width axes, their units and what a size must be a multiple of are ``models.axes``'s
+(``ELASTIC_AXES``, ``model_axes``): one vocabulary for training, extraction and inspection.
 """
 
 from __future__ import annotations
