@@ -15,11 +15,17 @@ reordering itself uses, so layout conversion and reordering cannot disagree.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:  # Megatron ships no types: these annotate what a function takes
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
 
 __all__ = [
     "STRIDED_ATTR",
@@ -51,7 +57,7 @@ def permute_(tensor: torch.Tensor, dim: int, index: torch.Tensor) -> None:
     permute_many_([(tensor, dim)], index)
 
 
-def permute_many_(targets: list[tuple[torch.Tensor, int]], index: torch.Tensor) -> None:
+def permute_many_(targets: Sequence[tuple[torch.Tensor, int]], index: torch.Tensor) -> None:
     """Apply one permutation to several tensors (one model chunk, so one device), each along
     its own dim, in place: one ``ordered_gather_many`` call (the csrc kernel copies them in one
     parallel region and checks ``index`` once)."""
@@ -94,7 +100,7 @@ def _permute_sharded_(tensors: list, dim: int, full_index: torch.Tensor, group) 
         tensor.data.copy_(permuted.narrow(dim, rank * n_local, n_local))
 
 
-def permute_ffn_neurons_(mlp: torch.nn.Module, full: torch.Tensor, group) -> None:
+def permute_ffn_neurons_(mlp: MLP, full: torch.Tensor, group) -> None:
     """FFN neurons: fc1 rows (each half when gated) and bias, fc2 columns — global over TP.
 
     ``full`` indexes the global neuron axis as currently laid out across the TP ranks."""
@@ -108,7 +114,7 @@ def permute_ffn_neurons_(mlp: torch.nn.Module, full: torch.Tensor, group) -> Non
     _permute_sharded_([fc2.weight], 1, full, group)
 
 
-def permute_experts_(moe: torch.nn.Module, full: torch.Tensor) -> None:
+def permute_experts_(moe: MoELayer, full: torch.Tensor) -> None:
     """Experts with their router rows and bias; global over EP (``full`` indexes the global
     expert axis as currently laid out)."""
     ep_group, shards = ep_group_and_size()
@@ -143,7 +149,7 @@ def ep_group_and_size():
     return (group if size > 1 else None), size
 
 
-def global_axes(model: torch.nn.Module):
+def global_axes(model: HybridModel):
     """(kind, layer number, module) for every globally ranked, sharded axis of this chunk."""
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -159,7 +165,7 @@ def global_axes(model: torch.nn.Module):
             yield "ffn", number, mlp
 
 
-def _num_units(kind: str, module: torch.nn.Module, tp: int) -> int:
+def _num_units(kind: str, module: MLP | MoELayer, tp: int) -> int:
     if kind == "experts":
         return module.router.weight.shape[0]
     return module.linear_fc2.weight.shape[1] * tp
@@ -168,10 +174,10 @@ def _num_units(kind: str, module: torch.nn.Module, tp: int) -> int:
 @torch.no_grad()
 def convert_layout(model: torch.nn.Module, to_canonical: bool) -> None:
     """Strided (memory) <-> canonical-contiguous (disk) for every globally ranked axis."""
-    model = getattr(model, "module", model)
+    inner: HybridModel = getattr(model, "module", model)
     tp_group, tp = tp_group_and_size()
     _, ep = ep_group_and_size()
-    for kind, _, module in global_axes(model):
+    for kind, _, module in global_axes(inner):
         shards = ep if kind == "experts" else tp
         if shards == 1:
             continue

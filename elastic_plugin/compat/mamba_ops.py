@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -271,6 +272,46 @@ def mamba_chunk_scan_combined(
 
 
 # ---------------------------------------------------------------------------- causal conv
+@overload
+def causal_conv1d_fn(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    seq_idx: Tensor | None = None,
+    initial_states: Tensor | None = None,
+    return_final_states: Literal[False] = False,
+    final_states_out: Tensor | None = None,
+    activation: None | str | bool = None,
+) -> Tensor: ...
+
+
+@overload
+def causal_conv1d_fn(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    seq_idx: Tensor | None = None,
+    initial_states: Tensor | None = None,
+    *,
+    return_final_states: Literal[True],
+    final_states_out: Tensor | None = None,
+    activation: None | str | bool = None,
+) -> tuple[Tensor, Tensor]: ...
+
+
+@overload
+def causal_conv1d_fn(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    seq_idx: Tensor | None = None,
+    initial_states: Tensor | None = None,
+    return_final_states: bool = False,
+    final_states_out: Tensor | None = None,
+    activation: None | str | bool = None,
+) -> Tensor | tuple[Tensor, Tensor]: ...
+
+
 def causal_conv1d_fn(
     x: Tensor,
     weight: Tensor,
@@ -371,6 +412,8 @@ class RMSNormGated(nn.Module):
     Same signature as ``mamba_ssm.ops.triton.layernorm_gated.RMSNorm`` so Megatron's
     ``MambaMixer`` builds it unchanged and its state dicts load either way.
     """
+
+    bias: Tensor | None  # registered as None: there is no bias
 
     def __init__(
         self,
@@ -522,7 +565,7 @@ def mamba_split_conv1d_scan_combined(
         return_final_states=return_final_states,
         state_dtype=state_dtype,
     )
-    y, final = res if return_final_states else (res, None)
+    y, final = res if isinstance(res, tuple) else (res, None)  # a tuple iff return_final_states
     y = y.reshape(b, l, dim)
     if rmsnorm_weight is not None:
         y = gated_rms_norm(
@@ -539,7 +582,7 @@ def mamba_split_conv1d_scan_combined(
     if outproj_weight is not None:
         out_b = None if outproj_bias is None else outproj_bias.to(y.dtype)
         y = F.linear(y, outproj_weight.to(y.dtype), out_b)
-    return (y, final) if return_final_states else y
+    return (y, final) if final is not None else y  # final is None iff not return_final_states
 
 
 # ------------------------------------------------------------------------------ decoding
@@ -648,10 +691,8 @@ def selective_state_update_ref(
             f"x has {x.dim()} dims; expected {base} or {base + 1} for state {tuple(state.shape)}"
         )
 
-    def std(t: Tensor | None) -> Tensor | None:
+    def std(t: Tensor) -> Tensor:
         """Bring x/dt/z to (b, s, h, p) and B/C to (b, s, g, n) (head/group axis 1 if absent)."""
-        if t is None:
-            return None
         if not has_seq:
             t = t.unsqueeze(1)
         if not has_heads:
@@ -659,7 +700,8 @@ def selective_state_update_ref(
         return t
 
     # Without a head axis, B/C have no group axis either (as in the Triton kernels).
-    xs, dts, zs, Bs, Cs = std(x), std(dt), std(z), std(B), std(C)
+    xs, dts, Bs, Cs = std(x), std(dt), std(B), std(C)
+    zs = None if z is None else std(z)
     As = A if has_heads else A.unsqueeze(0)
     Ds = None if D is None else (D if has_heads else D.unsqueeze(0))
     bias = None if dt_bias is None else (dt_bias if has_heads else dt_bias.unsqueeze(0))

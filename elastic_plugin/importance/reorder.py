@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -34,6 +35,11 @@ from elastic_plugin.checkpoint.layout import (
     tp_group_and_size,
 )
 from elastic_plugin.importance.scores import ImportanceScores
+
+if TYPE_CHECKING:  # Megatron ships no types: these annotate what a function takes
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.ssm.mamba_mixer import MambaMixer
+    from megatron.core.transformer.attention import SelfAttention
 
 
 @dataclass
@@ -115,18 +121,18 @@ def _hidden_(model: torch.nn.Module, perm: torch.Tensor) -> None:
     seen: set[int] = set()
     targets: list[tuple[torch.Tensor, int]] = []
     for module in model.modules():
+        tensors: list[tuple[torch.Tensor | None, int]]
         if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm, LocalRMSNorm)):
-            tensors = [(module.weight, 0)] + (
-                [(module.bias, 0)] if getattr(module, "bias", None) is not None else []
-            )
+            bias = getattr(module, "bias", None)  # RMSNorm has none
+            tensors = [(module.weight, 0)] + ([(bias, 0)] if bias is not None else [])
         elif isinstance(module, ColumnParallelLinear):
             tensors = [(module.weight, 1)]
         elif isinstance(module, RowParallelLinear):
             tensors = [(module.weight, 0)] + ([(module.bias, 0)] if module.bias is not None else [])
-        elif type(module).__name__ == "VocabParallelEmbedding":
-            tensors = [(module.weight, 1)]
+        elif type(module).__name__ == "VocabParallelEmbedding":  # matched by name: a Module
+            tensors = [(cast(torch.Tensor, module.weight), 1)]
         elif type(module).__name__ == "TopKRouter":
-            tensors = [(module.weight, 1)]
+            tensors = [(cast(torch.Tensor, module.weight), 1)]
         else:
             continue
         for tensor, dim in tensors:
@@ -137,7 +143,7 @@ def _hidden_(model: torch.nn.Module, perm: torch.Tensor) -> None:
     permute_many_(targets, perm)  # the whole residual stream in one call
 
 
-def _attention_heads_(attention: torch.nn.Module, perm: torch.Tensor) -> None:
+def _attention_heads_(attention: SelfAttention, perm: torch.Tensor) -> None:
     """Query heads within their query group; this rank holds whole groups (no data moves)."""
     from megatron.core import parallel_state
 
@@ -161,7 +167,7 @@ def _attention_heads_(attention: torch.nn.Module, perm: torch.Tensor) -> None:
     permute_(attention.linear_proj.weight, 1, _expand_units(local, d))
 
 
-def _mamba_(mixer: torch.nn.Module, head_perm: torch.Tensor, channel_perm: torch.Tensor) -> None:
+def _mamba_(mixer: MambaMixer, head_perm: torch.Tensor, channel_perm: torch.Tensor) -> None:
     """Mamba heads within their group and head channels (same order for every head)."""
     from megatron.core import parallel_state
 
@@ -205,21 +211,21 @@ def apply_permutations(model: torch.nn.Module, perms: Permutations) -> None:
     from megatron.core.ssm.mamba_layer import MambaLayer
     from megatron.core.transformer.attention import SelfAttention
 
-    model = getattr(model, "module", model)
-    if getattr(model, STRIDED_ATTR, False):
+    inner: HybridModel = getattr(model, "module", model)
+    if getattr(inner, STRIDED_ATTR, False):
         raise ValueError("this model is already reordered; reorder the original weights")
     tp_group, tp = tp_group_and_size()
     _, ep = ep_group_and_size()
     if perms.embedding is not None:
-        _hidden_(model, perms.embedding)
-    for layer in model.decoder.layers:
+        _hidden_(inner, perms.embedding)
+    for layer in inner.decoder.layers:
         number = int(layer.layer_number)
         if isinstance(layer, MambaLayer) and number in perms.mamba_heads:
             _mamba_(layer.mixer, perms.mamba_heads[number], perms.mamba_channels[number])
         attention = getattr(layer, "self_attention", None)
         if isinstance(attention, SelfAttention) and number in perms.attention_heads:
             _attention_heads_(attention, perms.attention_heads[number])
-    for kind, number, module in global_axes(model):
+    for kind, number, module in global_axes(inner):
         perm = getattr(perms, kind).get(number)
         if perm is None:
             continue
@@ -229,4 +235,4 @@ def apply_permutations(model: torch.nn.Module, perms: Permutations) -> None:
             permute_experts_(module, physical)
         else:
             permute_ffn_neurons_(module, physical, tp_group)
-    setattr(model, STRIDED_ATTR, True)
+    setattr(inner, STRIDED_ATTR, True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -84,7 +85,9 @@ def budget_control_generate(
             f"max_length={max_length!r}: must be an int in [3, {context}] (the "
             f"smaller max_sequence_length of the two models)"
         )
-    sampling = dict(greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
+    sampling: dict[str, Any] = dict(
+        greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p
+    )
     # leave room for a forced </think> and at least one answer token
     think = generate(
         think_model,

@@ -11,11 +11,15 @@ each row has its own length, so prompts of different lengths share one cache.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from elastic_plugin.models.config import ConfigError
 from elastic_plugin.models.layers import hybrid_layer_kind
+
+if TYPE_CHECKING:  # Megatron ships no types: this annotates what allocate takes
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
 
 __all__ = ["InferenceCache", "layer_kind"]
 
@@ -49,7 +53,7 @@ class InferenceCache:
     rope: torch.Tensor | None = None
 
     @classmethod
-    def allocate(cls, model: torch.nn.Module, batch: int, max_length: int) -> InferenceCache:
+    def allocate(cls, model: HybridModel, batch: int, max_length: int) -> InferenceCache:
         """Empty (zero) caches for ``model`` (a plain TP=PP=1 ``HybridModel``)."""
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ConfigError(f"batch={batch!r}: must be a positive int")

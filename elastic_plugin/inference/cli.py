@@ -494,8 +494,9 @@ def _record(
     body = tokens[:-1] if reason == "stop_token" else tokens
     completion = tokenizer.detokenize(body)
     thinking, answer = parse_completion(completion)
-    closed = plan.think_close is not None and plan.think_close in body
-    think = body.index(plan.think_close) + 1 if closed else 0
+    think, closed = 0, False
+    if plan.think_close is not None and plan.think_close in body:
+        think, closed = body.index(plan.think_close) + 1, True
     return {
         "prompt": plan.prompts[index],
         "prompt_tokens": len(plan.prompt_ids[index]),
@@ -558,8 +559,9 @@ def run_plan(plan: GeneratePlan) -> dict[str, Any]:
     n = len(plan.prompt_ids)
 
     if plan.mode == "budget_control":
+        assert plan.think_close is not None  # the plan has it in every mode but "generate"
         max_think = plan.max_think_tokens or plan.max_sequence_length
-        result = budget_control_generate(
+        controlled = budget_control_generate(
             loaded[0][0],
             loaded[1][0],
             plan.prompt_ids,
@@ -574,14 +576,16 @@ def run_plan(plan: GeneratePlan) -> dict[str, Any]:
                 plan,
                 tokenizer,
                 i,
-                result.thinking[i] + result.answers[i],
-                result.answer.stop_reasons[i],
-                result.think_forced[i],
+                controlled.thinking[i] + controlled.answers[i],
+                controlled.answer.stop_reasons[i],
+                controlled.think_forced[i],
             )
             for i in range(n)
         ]
-        timings = _timings({"think": result.think, "answer": result.answer})
+        timings = _timings({"think": controlled.think, "answer": controlled.answer})
     elif plan.mode == "capped_thinking":
+        # the plan has both in this mode (it is the mode of --max-think-tokens)
+        assert plan.think_close is not None and plan.max_think_tokens is not None
         result = capped_thinking_generate(
             loaded[0][0],
             plan.prompt_ids,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from elastic_plugin.inference.generate import (
 )
 from elastic_plugin.inference.sampling import Sampler
 from elastic_plugin.inference.steps import eval_mode
+
+if TYPE_CHECKING:  # Megatron ships no types: this annotates the model inside a wrapper
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
 
 __all__ = ["full_logits", "recompute_generate"]
 
@@ -48,7 +52,7 @@ def recompute_generate(
 ) -> GenerationResult:
     """``generate``'s contract (same checks, stop rules, and sampling draws in the same order),
     computed by a full forward per step. ``prefill_s`` is the first step (all prompts)."""
-    inner = getattr(model, "module", model)
+    inner: HybridModel = getattr(model, "module", model)
     vocab = int(inner.vocab_size)
     prompts, stops, max_length = check_generation_input(
         prompts, max_new_tokens, stop_tokens, max_length, vocab, int(inner.max_sequence_length)
@@ -66,13 +70,13 @@ def recompute_generate(
         by_length: dict[int, list[int]] = {}
         for position, row in enumerate(active):
             by_length.setdefault(len(sequences[row]), []).append(position)
-        last = [None] * len(active)
+        last: dict[int, torch.Tensor] = {}  # position in active -> its last logits
         for positions in by_length.values():
             batch = torch.tensor([sequences[active[p]] for p in positions], device=device)
             logits = full_logits(model, batch)[:, -1]
             for p, row_logits in zip(positions, logits):
                 last[p] = row_logits
-        picks = sampler(torch.stack(last), generator).tolist()
+        picks = sampler(torch.stack([last[p] for p in range(len(active))]), generator).tolist()
         times.append(time.perf_counter() - begin)
         still = []
         for row, token in zip(active, picks):

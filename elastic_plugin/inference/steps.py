@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,9 @@ import torch.nn.functional as F
 from elastic_plugin.inference.cache import InferenceCache, layer_kind
 from elastic_plugin.models.config import ConfigError
 from elastic_plugin.models.layers import ELASTIC_STATE_ATTR
+
+if TYPE_CHECKING:  # Megatron ships no types: this annotates what check_model returns
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
 
 __all__ = ["check_model", "decode_step", "extend", "extend_ragged", "prefill"]
 
@@ -37,7 +41,7 @@ def _inner(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
 
 
-def check_model(model: torch.nn.Module) -> torch.nn.Module:
+def check_model(model: torch.nn.Module) -> HybridModel:
     """The plain ``HybridModel`` inside ``model``; a clear error for what the steps cannot run."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
@@ -344,7 +348,7 @@ def extend_ragged(
     lengths = [len(s) for s in sequences]
     if min(lengths) < 1:
         raise ConfigError("extend_ragged: every sequence needs at least one token")
-    last: list[torch.Tensor | None] = [None] * len(rows)
+    last: dict[int, torch.Tensor] = {}  # sequence -> logits after its last token
     done = 0
     for end in sorted(set(lengths)):
         members = [i for i, n in enumerate(lengths) if n >= end]
@@ -354,7 +358,7 @@ def extend_ragged(
             if lengths[i] == end:
                 last[i] = logits[position, -1]
         done = end
-    return torch.stack(last)
+    return torch.stack([last[i] for i in range(len(rows))])
 
 
 def prefill(

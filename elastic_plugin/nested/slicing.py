@@ -1,7 +1,7 @@
 """Zero-shot extraction: the weights of one nested model, as a plain smaller Megatron model's.
 
 An importance-reordered elastic ``HybridModel`` computes, at a hard choice of sizes, exactly a
-smaller model whose weights are the active blocks of its own (``elastic.modules``): the first
+smaller model whose weights are the active blocks of its own (``elastic.layers.modules``): the first
 ``h'`` hidden channels everywhere (embeddings, norms, every linear's input columns / output rows),
 the first ``f`` neurons of each dense / shared-expert FFN, the first ``k`` query heads of every
 query group (K/V heads stay), the first ``k`` Mamba heads of every Mamba group with the first
@@ -18,6 +18,7 @@ load it; it is the input of the per-layer (HF) export.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from elastic_plugin.models.axes import model_axes, multiple_name
 from elastic_plugin.models.config import ConfigError, ModelConfig
 from elastic_plugin.models.layers import hybrid_layer_kind
 from elastic_plugin.models.prefix import Index, ffn_rows, mamba_active_rows, proj_cols, qkv_rows
+
+if TYPE_CHECKING:  # Megatron ships no types: this annotates what a function takes
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
 
 __all__ = ["choice_sizes", "nested_state_dict", "sliced_state_dict"]
 
@@ -71,9 +75,10 @@ def choice_sizes(
                     f"choice[{name!r}] has {len(value)} sizes; allowed: one int, "
                     f"or one per layer {list(layers)} ({len(layers)} sizes)"
                 )
-            items = list(value)
+            items: list[object] = list(value)
         else:
             items = [value] * max(1, len(layers))
+        sizes: list[int] = []
         for size in items:
             if (
                 not isinstance(size, int)
@@ -82,11 +87,12 @@ def choice_sizes(
                 or not minimum <= size <= full
             ):
                 raise ConfigError(f"choice[{name!r}]={value!r}: {size!r} is not allowed; {allowed}")
-        out[name] = dict(zip(layers, items)) if layers else {None: items[0]}
+            sizes.append(size)
+        out[name] = dict(zip(layers, sizes)) if layers else {None: sizes[0]}
     return out
 
 
-def _check_model(inner: torch.nn.Module, model_cfg: ModelConfig) -> None:
+def _check_model(inner: HybridModel, model_cfg: ModelConfig) -> None:
     """Only an unsharded, whole model holds every unit in canonical order."""
     config = inner.config
     sharded = {
@@ -133,7 +139,7 @@ class _Plan:
         self.param(module, prefix, "weight", (0, out), (1, inp))
         self.param(module, prefix, "bias", (0, out))
 
-    def norm(self, module: torch.nn.Module, prefix: str, h: int) -> None:
+    def norm(self, module: torch.nn.Module, prefix: str, h: Index) -> None:
         self.param(module, prefix, "weight", (0, h))
         self.param(module, prefix, "bias", (0, h))
 
@@ -192,12 +198,23 @@ def _moe(plan: _Plan, moe, prefix: str, h: int, experts: int, shared: int | None
         plan.param(shared_mlp, f"{prefix}shared_experts.", "gate_weight", (1, h))
 
 
-def _plan(inner: torch.nn.Module, sizes: dict[str, dict[int | None, int]]) -> _Plan:
+def _plan(inner: HybridModel, sizes: dict[str, dict[int | None, int]]) -> _Plan:
     """Rules for every layer, classified by ``models.layers.hybrid_layer_kind`` as the elastic
     layers classify them."""
     plan = _Plan()
     h = sizes["embedding"][None]
     get = lambda axis, layer: sizes[axis][layer] if axis in sizes else None  # noqa: E731
+
+    def need(axis: str, layer: int) -> int:
+        """The size of an axis every layer of this kind has (``model_axes``)."""
+        size = get(axis, layer)
+        if size is None:
+            raise ConfigError(
+                f"sliced_state_dict: model_cfg has no {axis!r} axis for layer {layer} "
+                "(model_cfg does not describe the model)"
+            )
+        return size
+
     embedding = inner.embedding
     plan.param(embedding.word_embeddings, "embedding.word_embeddings.", "weight", (1, h))
     if getattr(embedding, "position_embeddings", None) is not None:
@@ -214,8 +231,8 @@ def _plan(inner: torch.nn.Module, sizes: dict[str, dict[int | None, int]]) -> _P
                 layer.mixer,
                 f"{prefix}mixer.",
                 h,
-                get("mamba_heads", number),
-                get("mamba_head_dim", number),
+                need("mamba_heads", number),
+                need("mamba_head_dim", number),
             )
         elif kind == "attention" and hasattr(layer.self_attention, "linear_qkv"):
             plan.norm(layer.input_layernorm, f"{prefix}input_layernorm.", h)
@@ -224,7 +241,7 @@ def _plan(inner: torch.nn.Module, sizes: dict[str, dict[int | None, int]]) -> _P
                 layer.self_attention,
                 f"{prefix}self_attention.",
                 h,
-                get("attention_heads", number),
+                need("attention_heads", number),
             )
         elif kind == "moe":
             plan.norm(layer.pre_mlp_layernorm, f"{prefix}pre_mlp_layernorm.", h)
@@ -233,7 +250,7 @@ def _plan(inner: torch.nn.Module, sizes: dict[str, dict[int | None, int]]) -> _P
                 layer.mlp,
                 f"{prefix}mlp.",
                 h,
-                get("experts", number),
+                need("experts", number),
                 get("shared_ffn", number),
             )
         elif kind == "mlp":

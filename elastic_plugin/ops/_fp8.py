@@ -33,7 +33,7 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def _check_scaling(who: str, scaling: object) -> str:
     if scaling not in SCALINGS:
         raise ValueError(f"{who}: scaling must be one of {SCALINGS}, got {scaling!r}")
-    return scaling  # type: ignore[return-value]
+    return scaling
 
 
 AmaxReduce = Callable[[torch.Tensor], torch.Tensor] | None

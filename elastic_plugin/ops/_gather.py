@@ -13,6 +13,7 @@ so the op passes ``torch.library.opcheck`` and traces under ``torch.compile(full
 from __future__ import annotations
 
 import operator
+from typing import SupportsIndex, cast, overload
 
 import torch
 
@@ -22,13 +23,25 @@ OP_NAME = "elastic_plugin::ordered_gather"
 SCHEMA = "(Tensor src, Tensor perm, SymInt k, int dim) -> Tensor"
 
 
+@overload
+def as_int(name: str, value: int) -> int: ...
+
+
+@overload
+def as_int(name: str, value: torch.SymInt) -> torch.SymInt: ...
+
+
+@overload
+def as_int(name: str, value: object) -> int | torch.SymInt: ...
+
+
 def as_int(name: str, value: object) -> int | torch.SymInt:
     """``value`` as an int (SymInts pass through); TypeError naming ``name`` otherwise."""
     if isinstance(value, torch.SymInt):
         return value
     if isinstance(value, (bool, torch.Tensor)) or not hasattr(type(value), "__index__"):
         raise TypeError(f"ordered_gather: {name} must be an int, got {type(value).__name__}")
-    return operator.index(value)
+    return operator.index(cast(SupportsIndex, value))  # its type has __index__ (checked above)
 
 
 def check_args(src: torch.Tensor, perm: torch.Tensor, k: int, dim: int) -> int:

@@ -4,7 +4,7 @@ and the same collection under TP/PP/EP layouts from the same weights and data.""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,9 @@ from elastic_plugin.testing.equivalence import (
     save_dist,
     tiny_model,
 )
+
+if TYPE_CHECKING:  # Megatron ships no types: this annotates what a function takes
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
 
 NUM_SAMPLES = REF_MICRO_BATCH * NUM_MICROBATCHES
 
@@ -58,11 +61,11 @@ def reference_importance(config_path: str, workdir: str, seed: int = 1234) -> di
     }
 
 
-def _capture_router_io(model: torch.nn.Module) -> dict[str, Any]:
+def _capture_router_io(model: HybridModel) -> dict[int | str, Any]:
     """Record every MoE router's input tokens and its (probs, routing_map)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    captured: dict[str, Any] = {"_handles": []}
+    captured: dict[int | str, Any] = {"_handles": []}  # layer number -> records
     for layer in model.decoder.layers:
         moe = getattr(layer, "mlp", None)
         if not isinstance(moe, MoELayer):
@@ -82,7 +85,7 @@ def _capture_router_io(model: torch.nn.Module) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def _reap_direct(model: torch.nn.Module, captured: dict[str, Any]) -> dict[int, list[float]]:
+def _reap_direct(model: HybridModel, captured: dict[int | str, Any]) -> dict[int, list[float]]:
     """REAP from the formula: mean over routed tokens of g_j(x) * ||f_j(x)||_2, f_j un-weighted."""
     out: dict[int, list[float]] = {}
     for layer in model.decoder.layers:
@@ -180,7 +183,7 @@ def resume_after_interruption(config_path: str, workdir: str) -> dict[str, Any]:
     (model,), _ = build_model_chunks(model_cfg, Layout(), wrap_ddp=False)
     load_dist(model, work / "init")
     batches = reference_batches(model_cfg)
-    args = dict(
+    args: dict[str, Any] = dict(
         num_samples=NUM_SAMPLES,
         seq_length=SEQ_LEN,
         micro_batch_size=REF_MICRO_BATCH,
@@ -202,6 +205,7 @@ def resume_after_interruption(config_path: str, workdir: str) -> dict[str, Any]:
         for a in ("ffn", "attention_heads", "mamba", "mamba_out", "experts")
         for k in getattr(full, a)
     )
+    assert full.embedding is not None and resumed.embedding is not None  # all axes collected
     return {
         "interrupted": interrupted,
         "partial_files": partial_left,
@@ -262,11 +266,12 @@ def depth_check(
     scores = depth_scores([model], [batch] if reads else [], SEQ_LEN, REF_MICRO_BATCH)
     direct = None
     if tp == 1 and pp == 1:
+        inner: HybridModel = model
         model.eval()
         tokens = batch["tokens"]
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
         full = model(tokens, positions, None).double()
-        layers = model.decoder.layers
+        layers = inner.decoder.layers
         removed = layers[2]  # an attention layer
         del layers[2]
         without = model(tokens, positions, None).double()
@@ -301,7 +306,8 @@ def prune_masks(config_path: str, workdir: str) -> dict[str, Any]:
         mask_prune(model, axis, orders, 0.5)
         report["changed"][axis] = float((model(tokens, positions, None) - full).abs().max())
     model.load_state_dict(base, strict=False)
-    mlp_layer = next(layer for layer in model.decoder.layers if type(layer).__name__ == "MLPLayer")
+    inner: HybridModel = model
+    mlp_layer = next(layer for layer in inner.decoder.layers if type(layer).__name__ == "MLPLayer")
     mlp = mlp_layer.mlp
     x = torch.randn(5, 2, model_cfg.hidden_size)
     order = magnitude_orders(model, "ffn")[int(mlp_layer.layer_number)]

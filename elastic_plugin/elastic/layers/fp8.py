@@ -100,7 +100,7 @@ class _Fp8Linear(torch.autograd.Function):
     """``x @ weight.T`` in FP8 forward; straight-through high-precision backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, recipe, x_reduce, w_reduce):  # type: ignore[override]
+    def forward(ctx, x, weight, recipe, x_reduce, w_reduce):
         ctx.save_for_backward(x, weight)
         n, k = weight.shape
         return ops.fp8_prefix_linear(
@@ -115,7 +115,7 @@ class _Fp8Linear(torch.autograd.Function):
         )
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         grad_out = grad_out.to(x.dtype)
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None

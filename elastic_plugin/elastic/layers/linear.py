@@ -10,8 +10,8 @@ scattered index set (heads nested per query group) is gathered, which costs the 
 size, not the full one. Gradients reach the full parameter through autograd, so Megatron's DDP
 hooks and optimizers see an ordinary (partly zero) gradient.
 
-Inside ``elastic.fp8.fp8_gemm`` the same communication runs around an FP8 GEMM of the active
-block (``elastic.fp8``) instead of Megatron's ``_forward_impl``.
+Inside ``elastic.layers.fp8.fp8_gemm`` the same communication runs around an FP8 GEMM of the active
+block (``elastic.layers.fp8``) instead of Megatron's ``_forward_impl``.
 """
 
 from __future__ import annotations
@@ -120,7 +120,9 @@ def _fp8_column(module, input_: torch.Tensor, weight: torch.Tensor) -> torch.Ten
         )
     else:
         input_parallel = copy_to_tensor_model_parallel_region(input_, group=module.tp_group)
-    return fp8.fp8_linear(input_parallel, weight, fp8.active_recipe(), module.tp_group)
+    recipe = fp8.active_recipe()
+    assert recipe is not None  # called only where fp8.runs_fp8(module)
+    return fp8.fp8_linear(input_parallel, weight, recipe, module.tp_group)
 
 
 def row_parallel_forward(
@@ -143,10 +145,12 @@ def row_parallel_forward(
         input_parallel = scatter_to_tensor_model_parallel_region(input_, group=module.tp_group)
     weight = active_weight(module.weight, out_index, in_index)
     if fp8.runs_fp8(module):
+        recipe = fp8.active_recipe()
+        assert recipe is not None  # runs_fp8: a recipe is active
         output = fp8.fp8_linear(
             input_parallel,
             weight,
-            fp8.active_recipe(),
+            recipe,
             module.tp_group,
             x_sharded=True,
             w_sharded=True,

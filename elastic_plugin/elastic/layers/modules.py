@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -26,6 +27,9 @@ from elastic_plugin.elastic.layers.state import ElasticState
 from elastic_plugin.models.config import ConfigError
 from elastic_plugin.models.layers import ELASTIC_STATE_ATTR, hybrid_layer_kind
 from elastic_plugin.models.prefix import Index, ffn_rows, proj_cols, qkv_rows
+
+if TYPE_CHECKING:  # Megatron ships no types: this annotates the model inside a wrapper
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
 
 STATE_ATTR = ELASTIC_STATE_ATTR
 
@@ -50,7 +54,7 @@ class LinearActive:
 
 
 # --------------------------------------------------------------------------- registry
-_ELASTIC_CLASSES: dict[type, type] = {}
+_ELASTIC_CLASSES: dict[tuple[type, str], type] = {}  # (Megatron class, kind) -> elastic class
 _MIXINS: dict[str, type] = {}
 
 
@@ -308,7 +312,7 @@ class _ElasticSequentialMLP:
 # ---------------------------------------------------------------------------- Mamba
 @register_elastic("mamba")
 class _ElasticMambaMixer:
-    """Fewer Mamba heads per group and channels per head (``elastic.mamba``)."""
+    """Fewer Mamba heads per group and channels per head (``elastic.layers.mamba``)."""
 
     def forward(self, hidden_states, *args, **kwargs):
         state = self._elastic_state
@@ -379,7 +383,15 @@ def _elastify_mlp(mlp, axis: str | None, layer: int, state) -> None:
 
 
 # ------------------------------------------------------------------------- layer rules
-_LAYER_RULES: list[type] = []
+class _LayerRule(Protocol):
+    """What ``register_elastic_layer`` takes: a class with these static methods."""
+
+    def matches(self, layer: Any) -> bool: ...
+
+    def elastify(self, layer: Any, state: ElasticState) -> None: ...
+
+
+_LAYER_RULES: list[_LayerRule] = []
 
 
 def register_elastic_layer(rule: type) -> type:
@@ -392,7 +404,7 @@ def register_elastic_layer(rule: type) -> type:
             raise TypeError(
                 f"register_elastic_layer({rule.__name__}): needs a static method {name}(layer, ...)"
             )
-    _LAYER_RULES.insert(0, rule)
+    _LAYER_RULES.insert(0, cast(_LayerRule, rule))  # its methods are checked above
     return rule
 
 
@@ -471,7 +483,7 @@ class _MambaLayer:
         _swap(layer.mixer, "mamba", _elastic_state=state, _elastic_layer=layer.layer_number)
 
 
-def _layer_rule(layer) -> type:
+def _layer_rule(layer) -> _LayerRule:
     for rule in _LAYER_RULES:
         if rule.matches(layer):
             return rule
@@ -489,7 +501,7 @@ def elastify(model: torch.nn.Module, state: ElasticState) -> torch.nn.Module:
     (``register_elastic_layer``). Function-preserving: with ``state`` cleared the model runs
     Megatron's own forwards. Under TP or EP > 1 the model must be importance-reordered (strided
     FFN/expert layout) so every rank's local prefix is the global nested prefix."""
-    inner = getattr(model, "module", model)
+    inner: HybridModel = getattr(model, "module", model)
     if (state.rank.tp_size > 1 or state.rank.ep_size > 1) and not getattr(
         inner, STRIDED_ATTR, False
     ):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -66,6 +66,18 @@ class RankInfo:
             sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1,
             strided,
         )
+
+
+@overload
+def _tp_grad_sum(mask: torch.Tensor) -> torch.Tensor: ...
+
+
+@overload
+def _tp_grad_sum(mask: None) -> None: ...
+
+
+@overload
+def _tp_grad_sum(mask: torch.Tensor | None) -> torch.Tensor | None: ...
 
 
 def _tp_grad_sum(mask: torch.Tensor | None) -> torch.Tensor | None:
