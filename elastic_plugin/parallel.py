@@ -10,12 +10,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from elastic_plugin.compat.rendezvous import free_port
 from elastic_plugin.models.config import ConfigError, ModelConfig, ParallelConfig
+
+if TYPE_CHECKING:  # Megatron ships no types: this annotates what build_optimizer takes
+    from megatron.core.transformer.module import MegatronModule
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,7 @@ def wrap_ddp_chunk(model: torch.nn.Module, layout: Layout) -> torch.nn.Module:
 
 
 def build_optimizer(
-    chunks: list[torch.nn.Module],
+    chunks: list[MegatronModule],
     lr: float,
     weight_decay: float = 0.0,
     clip_grad: float = 1.0,

@@ -30,10 +30,10 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -223,6 +223,8 @@ def _load_module(path: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(
         "_elastic_plugin_megatron_helpers.helpers_cpp", path
     )
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"cannot load Megatron-Core's compiled helpers from {path}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     sys.modules[_HELPERS_MODULE] = module
@@ -450,7 +452,7 @@ def batch_iterator(
         data_parallel_rank = rank if data_parallel_rank is None else data_parallel_rank
         data_parallel_size = size if data_parallel_size is None else data_parallel_size
     sampler = MicroBatchSampler(
-        len(dataset),
+        len(cast(Sized, dataset)),  # a map-style dataset with a length (Megatron's GPTDataset)
         micro_batch_size,
         seed=seed,
         shuffle=shuffle,
@@ -466,7 +468,7 @@ def batch_iterator(
 
 
 def _with_attention_mask_key(
-    it: Iterator[dict[str, torch.Tensor]],
+    it: Iterator[dict[str, torch.Tensor | None]],
 ) -> Iterator[dict[str, torch.Tensor | None]]:
     for batch in it:
         batch.setdefault("attention_mask", None)

@@ -51,9 +51,10 @@ class JsonTokenizer(MegatronTokenizerBase):
         self._tok = tokenizer
         self._eod_token = eod_token
         self._pad_token = pad_token
-        self._eod = tokenizer.token_to_id(eod_token)
-        if self._eod is None:
+        eod = tokenizer.token_to_id(eod_token)
+        if eod is None:
             raise ValueError(f"eod_token {eod_token!r} is not in the tokenizer vocabulary")
+        self._eod: int = eod
         pad = tokenizer.token_to_id(pad_token) if pad_token is not None else None
         self._pad = -1 if pad is None else pad
         self._hash = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:16]

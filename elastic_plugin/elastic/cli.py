@@ -503,7 +503,9 @@ def _data_feed(inputs: ElasticInputs, layout, progress: bool):
 
 def summary(run, train_iters: int) -> dict[str, Any]:
     """What rank 0 prints: where the checkpoint is and how every budget did."""
-    last_train = next((h["train_loss"] for h in reversed(run.history) if h.get("train_loss")), {})
+    last_train: dict[str, float] = next(  # budget -> loss of the last logged iteration
+        (h["train_loss"] for h in reversed(run.history) if h.get("train_loss")), {}
+    )
     out = {
         "checkpoint": run.checkpoint_dir,
         "iterations": run.iterations,

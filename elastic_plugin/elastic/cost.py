@@ -142,8 +142,9 @@ class ElasticCost:
             )
         return value
 
-    def _mlp(self, h: Number, ffn: Number, bias: bool) -> Number:
-        """counting.mlp_params: fc1 (2x rows when gated) + fc2, optional biases."""
+    def _mlp(self, h: Number, ffn: Number | int, bias: bool) -> Number:
+        """counting.mlp_params: fc1 (2x rows when gated) + fc2, optional biases (``ffn``: an int
+        for the experts' width, which is not elastic)."""
         rows = ffn * (2 if self.model.gated_mlp else 1)
         out = h * rows + ffn * h
         return out + rows + h if bias else out

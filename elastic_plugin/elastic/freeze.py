@@ -56,7 +56,10 @@ def feasible_choices(
             feasible.append(choice)
         elif closest_miss is None or miss < closest_miss:
             closest, closest_miss = choice, miss
-    return feasible or [closest]
+    if feasible:
+        return feasible
+    assert closest is not None  # the grid is not empty: every axis has candidates
+    return [closest]
 
 
 @torch.no_grad()

@@ -216,7 +216,7 @@ class ElasticMetrics:
                 return sum(v) / len(v)
             return None
 
-        full = dict(self.full_sizes)
+        full: dict[str, float] = dict(self.full_sizes)
         for rec in history:
             for per_axis in (rec.get("choices") or {}).values():
                 for axis, v in per_axis.items():

@@ -15,7 +15,7 @@ Two things Megatron cannot know are added here:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,9 @@ from elastic_plugin.elastic.router import (
     load_router,
     make_router,
 )
+
+if TYPE_CHECKING:  # Megatron ships no types: this annotates what attach_elastic takes
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
 
 
 def _pad_stage_output(module, args, output):
@@ -51,7 +54,7 @@ def _narrow_stage_input(state: ElasticState):
 
 
 def attach_elastic(
-    model: torch.nn.Module, resolved, sequence_parallel: bool, router_seed: int = 0
+    model: HybridModel, resolved, sequence_parallel: bool, router_seed: int = 0
 ) -> ElasticState:
     """Elastify an (unwrapped) model chunk and give it the router; returns the shared state."""
     from megatron.core import parallel_state as ps
@@ -75,7 +78,7 @@ def attach_elastic(
 
 def router_of(chunk: torch.nn.Module) -> BudgetRouter:
     inner = getattr(chunk, "module", chunk)
-    return inner.get_submodule(ROUTER_ATTR).router
+    return cast(RouterModule, inner.get_submodule(ROUTER_ATTR)).router  # attach_elastic added it
 
 
 def finalize_router_grads(chunks, *args, **kwargs):

@@ -17,6 +17,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -274,7 +275,8 @@ class BudgetRouter(torch.nn.Module):
                     for name, (c, layers) in self.axes.items()
                 }
             )
-        for name, router in self.routers.items():
+        for name, module in self.routers.items():
+            router = cast(_AxisRouter, module)  # a ModuleDict's values are typed Module
             if init_bias_to_budget:
                 targets = _prior_targets(self.budgets, router.num_candidates, fractions.get(name))
                 router.init_output(targets, prior_strength)
@@ -414,7 +416,7 @@ def load_router(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
     from megatron.core import dist_checkpointing
 
     inner = getattr(model, "module", model)
-    module = inner.get_submodule(ROUTER_ATTR)
+    module = cast(RouterModule, inner.get_submodule(ROUTER_ATTR))  # attach_elastic added it
     sharded = module.sharded_state_dict(prefix=f"{ROUTER_ATTR}.")
     loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
     prefix = f"{ROUTER_ATTR}."

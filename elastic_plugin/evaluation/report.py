@@ -136,7 +136,9 @@ def evaluate_demo(
     torch.set_num_threads(1)  # tiny decode steps are dispatch-bound; 1 thread avoids spin stalls
     try:
         budgets = sorted(trained_budgets(meta), reverse=True)
-        problems = load_problems(_prepared_dir(meta), num_problems)
+        prepared = _prepared_dir(meta)
+        assert prepared is not None  # _check_inputs found it
+        problems = load_problems(prepared, num_problems)
         models = load_budget_models(ckpt, budgets)
         export_rows = (
             json.loads((exports / "exports.json").read_text())["exports"] if exports else []

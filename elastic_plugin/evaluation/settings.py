@@ -55,6 +55,7 @@ def _completions(setting: Setting, models: dict, problems: Problems) -> list[lis
         )
         return result.tokens
     if setting.kind == "capped":
+        assert setting.cap is not None  # what makes the kind "capped"
         return capped_thinking_generate(
             think,
             problems.prompts,
@@ -63,7 +64,7 @@ def _completions(setting: Setting, models: dict, problems: Problems) -> list[lis
             MAX_ANSWER_TOKENS,
             answer_stop_tokens=stops,
         ).tokens
-    result = budget_control_generate(
+    controlled = budget_control_generate(
         think,
         answer,
         problems.prompts,
@@ -72,7 +73,7 @@ def _completions(setting: Setting, models: dict, problems: Problems) -> list[lis
         MAX_ANSWER_TOKENS,
         answer_stop_tokens=stops,
     )
-    return [t + a for t, a in zip(result.thinking, result.answers)]
+    return [t + a for t, a in zip(controlled.thinking, controlled.answers)]
 
 
 def _warm_up(setting: Setting, models: dict, problems: Problems, batch_size: int) -> None:

@@ -307,7 +307,7 @@ def run_extraction(plan: ExtractPlan, source=None) -> dict[str, Any]:
     interpolated = plan.choice is None
     choice = (
         interpolated_choice(plan.ckpt, plan.meta, plan.model, plan.budget)
-        if interpolated
+        if plan.choice is None  # interpolated
         else plan.choice
     )
     if plan.fmt == "megatron" and interpolated:

@@ -217,10 +217,9 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[s
             if b in left:
                 out[a] = left.pop(b)
         if kind == "attention":
+            q, k, v = (left.pop(f"{dst}mixer.{p}_proj.weight") for p in "qkv")
             out[src + "self_attention.linear_qkv.weight"] = _fuse_qkv(
-                *(left.pop(f"{dst}mixer.{p}_proj.weight") for p in "qkv"),
-                model.query_groups,
-                model.head_dim,
+                q, k, v, model.query_groups, model.head_dim
             )
         elif kind == "moe":
             for fc, name in (("linear_fc1", "up_proj"), ("linear_fc2", "down_proj")):
@@ -441,4 +440,5 @@ def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32):
         )
     if config.tie_word_embeddings:
         model.tie_weights()
-    return model.to(dtype).eval()
+    # transformers wraps ``to`` with functools.wraps(Module.to): its type loses the self binding
+    return model.to(dtype).eval()  # type: ignore[arg-type]

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from elastic_plugin.importance.hooks import AXES, ImportanceHooks, LocalStats
 from elastic_plugin.importance.scores import ImportanceScores, reduce_local_stats
+
+if TYPE_CHECKING:  # Megatron ships no types: this annotates the model inside a wrapper
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
 
 
 class CalibrationError(ValueError):
@@ -84,7 +87,7 @@ def collect_importance(
     from elastic_plugin.training.step import run_schedule
 
     num_batches = check_calibration(num_available, num_samples, micro_batch_size)
-    model = getattr(chunks[0], "module", chunks[0])
+    model: HybridModel = getattr(chunks[0], "module", chunks[0])
     stats, done = LocalStats(), 0
     partial = _partial_path(Path(resume_dir)) if resume_dir is not None else None
     if partial is not None and partial.is_file():

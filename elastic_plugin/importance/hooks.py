@@ -20,9 +20,15 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # Megatron ships no types: these annotate what a method takes
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.ssm.mamba_mixer import MambaMixer
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.moe.moe_layer import MoELayer
 
 AXES = ("embedding", "ffn", "attention_heads", "mamba", "experts")
 MAMBA_SOURCES = {"x_proj": "mamba", "out_proj_input": "mamba_out"}
@@ -67,7 +73,7 @@ class ImportanceHooks:
     """Registers the hooks on one model chunk; ``remove()`` takes every one of them off again."""
 
     def __init__(self, model: torch.nn.Module, stats: LocalStats | None = None) -> None:
-        self.model = getattr(model, "module", model)
+        self.model: HybridModel = getattr(model, "module", model)
         self.stats = stats or LocalStats()
         self._handles: list[Any] = []
         self.axes_present: set[str] = set()
@@ -130,7 +136,7 @@ class ImportanceHooks:
 
         self._hook(fc2, hook, pre=True)
 
-    def _attention(self, attention: torch.nn.Module, layer: int) -> None:
+    def _attention(self, attention: SelfAttention, layer: int) -> None:
         self.axes_present.add("attention_heads")
         heads = attention.num_attention_heads_per_partition
         head_dim = attention.hidden_size_per_attention_head
@@ -141,7 +147,7 @@ class ImportanceHooks:
 
         self._hook(attention.linear_proj, hook, pre=True)
 
-    def _mamba(self, mixer: torch.nn.Module, layer: int) -> None:
+    def _mamba(self, mixer: MambaMixer, layer: int) -> None:
         self.axes_present.add("mamba")
         d_inner = mixer.d_inner_local_tp
         heads, head_dim = mixer.nheads_local_tp, mixer.headdim
@@ -159,7 +165,7 @@ class ImportanceHooks:
 
         self._hook(mixer.out_proj, out_hook, pre=True)
 
-    def _experts(self, moe: torch.nn.Module, layer: int) -> None:
+    def _experts(self, moe: MoELayer, layer: int) -> None:
         from megatron.core import parallel_state
 
         local = getattr(moe.experts, "local_experts", None)

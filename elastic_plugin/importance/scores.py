@@ -161,7 +161,7 @@ def reduce_local_stats(
         local.setdefault("expert_tokens", {})[layer] = count
     tokens = _sum_over(torch.tensor([float(stats.tokens_seen)], dtype=torch.float64), dp)
 
-    gathered = [local]
+    gathered: list[Any] = [local]  # every stage's dict (all_gather_object fills the list)
     if pp is not None and dist.get_world_size(pp) > 1:
         gathered = [None] * dist.get_world_size(pp)
         dist.all_gather_object(gathered, local, group=pp)

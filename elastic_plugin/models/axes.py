@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import Any
 
 from elastic_plugin.models.config import ConfigError, ModelConfig
 
@@ -114,7 +115,7 @@ def model_for_choice(model: ModelConfig, choice: Mapping[str, int]) -> ModelConf
     """The plain (non-elastic) ModelConfig of a homogeneous integer choice: what extraction
     writes. Query groups and the attention head dim stay as in the original (only query heads
     are elastic; ``kv_channels`` is set explicitly so it no longer follows hidden/heads)."""
-    changes: dict[str, int] = {}
+    changes: dict[str, Any] = {}  # ModelConfig field -> value (all int fields)
     for axis, value in choice.items():
         if axis not in MODEL_FIELD:
             raise ConfigError(f"choice axis {axis!r}; allowed: {', '.join(ELASTIC_AXES)}")

@@ -30,4 +30,5 @@ class LocalRMSNorm(torch.nn.RMSNorm):
         if config.layernorm_zero_centered_gamma:
             raise ValueError("layernorm_zero_centered_gamma is not supported by the local spec")
         super().__init__(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
-        self.weight.sequence_parallel = bool(config.sequence_parallel)
+        # Megatron's flag on the parameter (a dynamic attribute: grads all-reduced over TP)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]

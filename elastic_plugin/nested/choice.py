@@ -52,10 +52,10 @@ def interpolated_choice(
     layout = meta.get("layout") or {}
     ecfg = ElasticConfig.from_dict(meta["config"]["elastic"], source=f"{ckpt}/{CHECKPOINT_META}")
     resolved = ecfg.resolve(model, int(layout.get("tp", 1)), int(layout.get("ep", 1)))
-    holder = torch.nn.Module()
-    holder.add_module(ROUTER_ATTR, RouterModule(make_router(resolved)))
+    holder, module = torch.nn.Module(), RouterModule(make_router(resolved))
+    holder.add_module(ROUTER_ATTR, module)
     load_router(holder, ckpt)
-    router = holder.get_submodule(ROUTER_ATTR).router
+    router = module.router
     with torch.no_grad():
         picks = router.choose(budget, interpolate=True)
     choice: dict[str, Any] = {}

@@ -92,7 +92,8 @@ def inspect_checkpoint(
         cfg = config_from_dict(meta["config"])
         model = cfg.model
         ecfg = ElasticConfig.from_dict(meta["config"]["elastic"])
-        layout = meta.get("layout") if isinstance(meta.get("layout"), Mapping) else {}
+        stored_layout = meta.get("layout")
+        layout: Mapping[str, Any] = stored_layout if isinstance(stored_layout, Mapping) else {}
         resolved = ecfg.resolve(model, int(layout.get("tp", 1)), int(layout.get("ep", 1)))
         metric = meta["elastic"].get("metric") or ecfg.budget_metric
         budget_cost = ElasticCost(model, resolved, metric=metric)  # training metric + memory spec

@@ -10,7 +10,7 @@ stream), so the cached step functions of ``inference`` run it unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,7 @@ def nested_model(
 
 
 def _checked_choices(
-    ckpt_dir: str | Path, budgets: list[float | None]
+    ckpt_dir: str | Path, budgets: Sequence[float | None]
 ) -> tuple[dict[str, Any], list[dict[str, int] | None]]:
     """The checkpoint's meta and, per requested budget, its stored choice (None: the model as
     stored, for a non-elastic checkpoint). Reads metadata only."""
@@ -76,7 +76,7 @@ def _checked_choices(
     meta = read_elastic_meta(ckpt_dir)
     budgets_trained = trained_budgets(meta)
     trained = trained_listing(budgets_trained)
-    choices = []
+    choices: list[dict[str, int] | None] = []
     for budget in budgets:
         if budget is None or isinstance(budget, bool) or not isinstance(budget, (int, float)):
             raise ConfigError(
@@ -93,7 +93,7 @@ def _checked_choices(
 
 
 def load_nested_models(
-    ckpt_dir: str | Path, budgets: list[float | None]
+    ckpt_dir: str | Path, budgets: Sequence[float | None]
 ) -> list[tuple[torch.nn.Module, ModelConfig]]:
     """:func:`load_nested_model` for several budgets of one checkpoint, read once (e.g. a small
     thinking model and the full answering model for budget control). (Re)initializes

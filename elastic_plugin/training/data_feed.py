@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic_plugin.models.config import ExperimentConfig
+from elastic_plugin.models.config import ConfigError, ExperimentConfig
 
 
 @dataclass
@@ -80,6 +80,10 @@ def build_data_feed(
         tokenizer_file = prepared.tokenizer_path
         source = {"task": cfg.data.task, "prepared": prepared.out_dir}
     else:
+        if tokenizer_path is None:
+            raise ConfigError(
+                f"data_path={data_path!r} needs tokenizer_path (the tokenizer.json of the data)"
+            )
         tokenizer = JsonTokenizer.from_file(tokenizer_path)
         datasets = build_gpt_datasets(
             tokenizer,

@@ -9,14 +9,23 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:  # Megatron ships no types: this annotates what train_step takes
+    from megatron.core.transformer.module import MegatronModule
 
-def masked_lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Token-averaged LM loss; returns (sum, num_tokens, report) so Megatron averages over DP/microbatches."""
+
+def masked_lm_loss(loss_mask: torch.Tensor | None, output_tensor: torch.Tensor):
+    """Token-averaged LM loss; returns (sum, num_tokens, report) so Megatron averages over DP/microbatches.
+
+    ``loss_mask`` is None only on a pipeline stage without data, which computes no loss."""
+    if loss_mask is None:
+        raise ValueError(
+            "masked_lm_loss: no loss_mask (the batch has neither loss_mask nor tokens)"
+        )
     losses = output_tensor.float()
     mask = loss_mask.reshape(-1).float()
     loss_sum = torch.sum(losses.reshape(-1) * mask)
@@ -95,9 +104,9 @@ def run_schedule(
 
 
 def train_step(
-    chunks: list[torch.nn.Module],
+    chunks: list[MegatronModule],
     optimizer,
-    data_iterator: Iterator[dict],
+    data_iterator: Iterator[dict] | None,
     num_microbatches: int,
     seq_length: int,
     micro_batch_size: int,
