@@ -18,7 +18,7 @@ import torch.distributed as dist
 from elastic_plugin.compat.rendezvous import free_port
 from elastic_plugin.models.config import ConfigError, ModelConfig, ParallelConfig
 
-if TYPE_CHECKING:  # Megatron ships no types: this annotates what build_optimizer takes
+if TYPE_CHECKING:  # Megatron ships no types: this annotates Megatron model chunks
     from megatron.core.transformer.module import MegatronModule
 
 
@@ -109,7 +109,7 @@ def build_model_chunks(
     wrap_ddp: bool = True,
     use_te: bool | None = None,
     **config_overrides,
-) -> tuple[list[torch.nn.Module], object]:
+) -> tuple[list[MegatronModule], object]:
     """This rank's model chunk (one; no virtual pipeline yet), DDP-wrapped for training."""
     from megatron.core import parallel_state
 

@@ -31,7 +31,7 @@ MICRO_BATCH = 4  # rows per micro-batch at DP=1; DP rank r of d takes rows r*4/d
 REF_MICROBATCHES = 2
 SEQ_LEN = 32
 STEPS = 3
-ELASTIC = {
+ELASTIC: dict[str, Any] = {  # an elastic config section: budgets, sizes, router
     "budgets": [1.0, 0.77, 0.4],
     "sizes": {
         "embedding": [1.0, 0.75, 0.5],

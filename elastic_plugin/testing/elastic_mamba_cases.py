@@ -16,7 +16,7 @@ import torch
 from elastic_plugin.elastic.layers.mamba import elastic_mamba_forward
 from elastic_plugin.models.builder import stack_spec_for, transformer_config
 from elastic_plugin.models.config import ConfigError, ModelConfig
-from elastic_plugin.models.prefix import mamba_active_rows
+from elastic_plugin.models.prefix import Index, mamba_active_rows
 from elastic_plugin.parallel import Layout, initialize_layout
 from elastic_plugin.testing.equivalence import tiny_model
 
@@ -173,7 +173,7 @@ def _hard_masks(cfg: ModelConfig, k: int, p: int, h: int) -> tuple[torch.Tensor,
     )
 
 
-def _active_block(mixer, k: int, p: int, h: int) -> dict[str, tuple[torch.Tensor, ...]]:
+def _active_block(mixer, k: int, p: int, h: int) -> dict[str, tuple[torch.Tensor, Index]]:
     """Per parameter: (row index, column count) of the active block (None = all columns)."""
     rows = mamba_active_rows(mixer, k, p)
     return {
@@ -390,7 +390,7 @@ def bad_arguments_raise(config_path: str) -> dict[str, str]:
     initialize_layout(Layout())
     mixer = build_mixer(cfg, Layout())
     x = torch.randn(8, 1, cfg.hidden_size)
-    calls = {
+    calls: dict[str, dict[str, Any]] = {
         "heads_per_group": dict(heads_per_group=cfg.mamba_num_heads),  # > heads per group
         "head_dim": dict(head_dim=0),
         "hidden_active": dict(hidden_active=cfg.hidden_size // 2),  # x is full width

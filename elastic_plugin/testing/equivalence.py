@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,10 @@ import torch.distributed as dist
 from elastic_plugin.models.config import ModelConfig, load_config
 from elastic_plugin.parallel import Layout, build_model_chunks, build_optimizer, initialize_layout
 from elastic_plugin.training.step import train_step
+
+if TYPE_CHECKING:  # Megatron ships no types: these annotate what a function takes
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import MegatronModule
 
 REF_MICRO_BATCH = 4
 NUM_MICROBATCHES = 2
@@ -93,14 +97,14 @@ def params_replaced_by(model: torch.nn.Module, source: str):
             param.data = saved[name]
 
 
-def save_dist(model: torch.nn.Module, path: Path) -> None:
+def save_dist(model: MegatronModule, path: Path) -> None:
     from megatron.core import dist_checkpointing
 
     path.mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(model.sharded_state_dict(), str(path))
 
 
-def load_dist(model: torch.nn.Module, path: Path) -> None:
+def load_dist(model: MegatronModule, path: Path) -> None:
     from megatron.core import dist_checkpointing
 
     state = dist_checkpointing.load(model.sharded_state_dict(), str(path))
@@ -195,7 +199,10 @@ def check_layout(
     )
     if distributed_optimizer:
         gather_sharded_grads(chunks[0])
-    grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
+    grads = {  # main_grad: the view of the grad buffer Megatron's DDP sets on every parameter
+        n: p.main_grad.detach().clone()  # type: ignore[attr-defined]
+        for n, p in model.named_parameters()
+    }
     ref_grads = _reference_in_layout(model_cfg, layout, work / "grads")
     grad_diff, grad_where = _max_diff(grads, ref_grads)
     grad_scale = max(v.abs().max().item() for v in ref_grads.values())
@@ -217,7 +224,7 @@ def check_layout(
     }
 
 
-def gather_sharded_grads(chunk: torch.nn.Module) -> None:
+def gather_sharded_grads(chunk: DistributedDataParallel) -> None:
     """With the distributed optimizer each DP rank holds only its reduce-scattered shard of the
     grad buffer; all-gather the shards so every ``main_grad`` is the full reduced gradient."""
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer

@@ -266,12 +266,11 @@ def depth_check(
     scores = depth_scores([model], [batch] if reads else [], SEQ_LEN, REF_MICRO_BATCH)
     direct = None
     if tp == 1 and pp == 1:
-        inner: HybridModel = model
         model.eval()
         tokens = batch["tokens"]
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
         full = model(tokens, positions, None).double()
-        layers = inner.decoder.layers
+        layers = model.decoder.layers
         removed = layers[2]  # an attention layer
         del layers[2]
         without = model(tokens, positions, None).double()
@@ -306,8 +305,7 @@ def prune_masks(config_path: str, workdir: str) -> dict[str, Any]:
         mask_prune(model, axis, orders, 0.5)
         report["changed"][axis] = float((model(tokens, positions, None) - full).abs().max())
     model.load_state_dict(base, strict=False)
-    inner: HybridModel = model
-    mlp_layer = next(layer for layer in inner.decoder.layers if type(layer).__name__ == "MLPLayer")
+    mlp_layer = next(layer for layer in model.decoder.layers if type(layer).__name__ == "MLPLayer")
     mlp = mlp_layer.mlp
     x = torch.randn(5, 2, model_cfg.hidden_size)
     order = magnitude_orders(model, "ffn")[int(mlp_layer.layer_number)]

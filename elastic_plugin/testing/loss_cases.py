@@ -56,10 +56,12 @@ def tp_kl_matches_reference(
     group = None if use_default_group else parallel_state.get_tensor_model_parallel_group()
     kl = vocab_parallel_kl(my_student, my_teacher, temperature, tp_group=group)
     (kl * weights).sum().backward()
+    student_grad, ref_grad = my_student.grad, ref_student.grad
+    assert student_grad is not None and ref_grad is not None  # both took part in backward()
 
-    shards = [torch.empty_like(my_student.grad) for _ in range(world)]
+    shards = [torch.empty_like(student_grad) for _ in range(world)]
     dist.all_gather(
-        shards, my_student.grad.contiguous(), group=parallel_state.get_tensor_model_parallel_group()
+        shards, student_grad.contiguous(), group=parallel_state.get_tensor_model_parallel_group()
     )
     gathered = torch.cat(shards, dim=-1)
     return {
@@ -68,11 +70,9 @@ def tp_kl_matches_reference(
         "kl_shape": list(kl.shape),
         "kl_max_rel_diff": float(((kl - ref).abs() / ref.abs().clamp_min(1e-12)).max()),
         "kl_min": float(kl.min()),
-        "grad_max_rel_diff": float(
-            (gathered - ref_student.grad).abs().max() / ref_student.grad.abs().max()
-        ),
-        "local_grad_max_abs_diff": float((my_student.grad - ref_student.grad[..., sl]).abs().max()),
-        "grad_max_abs": float(ref_student.grad.abs().max()),
+        "grad_max_rel_diff": float((gathered - ref_grad).abs().max() / ref_grad.abs().max()),
+        "local_grad_max_abs_diff": float((student_grad - ref_grad[..., sl]).abs().max()),
+        "grad_max_abs": float(ref_grad.abs().max()),
         "teacher_grad_is_none": my_teacher.grad is None,
         "self_kl_max_abs": float(
             vocab_parallel_kl(my_student.detach(), my_student.detach(), temperature, tp_group=group)

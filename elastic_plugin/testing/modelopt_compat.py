@@ -34,9 +34,12 @@ import importlib
 import sys
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # Megatron ships no types: this annotates what a function takes
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
 
 _LOADED: dict[str, types.ModuleType] = {}
 
@@ -76,9 +79,11 @@ def have_transformer_engine() -> bool:
 def _te_stub() -> dict[str, types.ModuleType]:
     te = types.ModuleType("transformer_engine")
     te_pytorch = types.ModuleType("transformer_engine.pytorch")
-    te_pytorch.LayerNorm = type("_AbsentTELayerNorm", (torch.nn.Module,), {})
-    te_pytorch.RMSNorm = type("_AbsentTERMSNorm", (torch.nn.Module,), {})
-    te.pytorch = te_pytorch
+    vars(te_pytorch).update(  # what Megatron's imports look up; they are never built
+        LayerNorm=type("_AbsentTELayerNorm", (torch.nn.Module,), {}),
+        RMSNorm=type("_AbsentTERMSNorm", (torch.nn.Module,), {}),
+    )
+    vars(te).update(pytorch=te_pytorch)
     return {"transformer_engine": te, "transformer_engine.pytorch": te_pytorch}
 
 
@@ -279,7 +284,7 @@ class _FusedOutputView:
         self.norm = norm
 
 
-def _norm_before(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+def _norm_before(model: HybridModel) -> dict[int, torch.nn.Module]:
     """id(linear that TE would fuse a norm into) -> the local spec's separate norm module."""
     from megatron.core.transformer.identity_op import IdentityOp
 
@@ -308,8 +313,9 @@ def _norm_before(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
 def local_spec_registry_class() -> type:
     """``ImportanceEstimatorRegistry`` that moves ModelOpt's fused-LN hooks onto separate norms."""
     _, mm = load_minitron()
+    registry: Any = mm.ImportanceEstimatorRegistry  # ModelOpt's class, imported at run time
 
-    class LocalSpecImportanceRegistry(mm.ImportanceEstimatorRegistry):
+    class LocalSpecImportanceRegistry(registry):
         """ModelOpt's registry; a hook meant for a TE fused LN+linear's layernorm output goes on
         the separate norm in front of that linear and is fed ``((norm_out, norm_out), None)``,
         the ``te_return_bias=False`` format, so ModelOpt's own hook function does the math."""
