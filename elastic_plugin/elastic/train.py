@@ -304,12 +304,18 @@ def train_elastic(
     for iteration in range(start_iter, last + 1):
         step.iteration = iteration
         if freeze_after is not None and iteration > freeze_after and not frozen_table:
+
+            def evaluate(table: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+                """The loss search's measure: only freeze_select=loss calls it."""
+                assert valid_factory is not None  # freeze_select=loss: checked at the start
+                return evaluate_budgets(chunks, state, table, valid_factory, sched)
+
             frozen_table, freeze_search = _freeze_table(
                 ecfg,
                 router,
                 resolved,
                 step.cost,
-                lambda table: evaluate_budgets(chunks, state, table, valid_factory, sched),
+                evaluate,
                 log=(bar.write if bar is not None else None),
             )
             step.freeze(frozen_table)

@@ -33,7 +33,7 @@ def _logits_step(data_iterator, model):
     return logits, keep
 
 
-def _forward_logits(chunks, batch: dict, seq_length: int, micro_batch_size: int):
+def _forward_logits(chunks, batch: dict | None, seq_length: int, micro_batch_size: int):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
