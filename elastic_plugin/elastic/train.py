@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_plugin.checkpoint.meta import budget_label
+from elastic_plugin.checkpoint.meta import CHECKPOINT_META, budget_label
 from elastic_plugin.elastic.config import ElasticConfig, ResolvedElastic
 from elastic_plugin.elastic.cost import ElasticCost
 from elastic_plugin.elastic.freeze import constrained_table, loss_selected_table
@@ -188,7 +188,7 @@ def train_elastic(
         )
     start_iter, consumed = 1, 0
     source = Path(student_ckpt)
-    if resume and (ckpt_dir / "elastic_meta.json").is_file():
+    if resume and (ckpt_dir / CHECKPOINT_META).is_file():
         meta = read_checkpoint_meta(ckpt_dir)
         if meta.get("layout") != asdict(layout):
             raise ConfigError(

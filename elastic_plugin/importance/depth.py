@@ -13,6 +13,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from elastic_plugin.parallel import is_rank0
+
 
 def _skip_hook(_module, _args, kwargs, output):
     hidden = kwargs["hidden_states"]
@@ -81,7 +83,7 @@ def depth_scores(
     for chunk in chunks:
         chunk.eval()
     bar = None
-    if progress and (not dist.is_initialized() or dist.get_rank() == 0):
+    if progress and is_rank0():
         from tqdm import tqdm
 
         bar = tqdm(total=int(num_batches) * len(numbers), desc="depth", unit="fwd")
