@@ -53,9 +53,7 @@ def importance_orders(
 
     perms = Permutations.from_scores(scores, query_groups, mamba_groups, mamba_source=mamba_source)
     if axis == "embedding":
-        if perms.embedding is None:
-            raise ValueError("axis 'embedding': the importance scores have no embedding scores")
-        return {0: perms.embedding}
+        return {} if perms.embedding is None else {0: perms.embedding}  # no scores: like other axes
     return dict(getattr(perms, axis))
 
 
