@@ -7,7 +7,6 @@
 
 from elastic_plugin.elastic.layers import fp8  # first: linear and modules import it
 from elastic_plugin.elastic.layers.modules import (
-    STATE_ATTR,
     LinearActive,
     elastic_state_of,
     elastify,
@@ -18,7 +17,6 @@ from elastic_plugin.elastic.layers.state import SLICED, ElasticState, RankInfo
 
 __all__ = [
     "SLICED",
-    "STATE_ATTR",
     "ElasticState",
     "LinearActive",
     "RankInfo",

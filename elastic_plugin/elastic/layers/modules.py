@@ -31,8 +31,6 @@ from elastic_plugin.models.prefix import Index, ffn_rows, proj_cols, qkv_rows
 if TYPE_CHECKING:  # Megatron ships no types: this annotates the model inside a wrapper
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-STATE_ATTR = ELASTIC_STATE_ATTR
-
 
 @dataclass(frozen=True)
 class LinearActive:
@@ -510,7 +508,7 @@ def elastify(model: torch.nn.Module, state: ElasticState) -> torch.nn.Module:
             "checkpoint (run `elastic-plugin reorder` first)"
         )
     rules = [_layer_rule(layer) for layer in inner.decoder.layers]  # refuse before changing any
-    object.__setattr__(inner, STATE_ATTR, state)
+    object.__setattr__(inner, ELASTIC_STATE_ATTR, state)
     if getattr(inner, "pre_process", False):
         _swap(inner.embedding, "embedding", _elastic_state=state)
     for layer, rule in zip(inner.decoder.layers, rules):
@@ -531,7 +529,7 @@ def elastify(model: torch.nn.Module, state: ElasticState) -> torch.nn.Module:
 
 def elastic_state_of(model: torch.nn.Module) -> ElasticState:
     inner = getattr(model, "module", model)
-    state = getattr(inner, STATE_ATTR, None)
+    state = getattr(inner, ELASTIC_STATE_ATTR, None)
     if state is None:
         raise ValueError("model is not elastic: call elastify(model, state) first")
     return state
