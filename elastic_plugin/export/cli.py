@@ -32,11 +32,16 @@ from elastic_plugin.export.extract import plan_extraction, run_extraction
 from elastic_plugin.models.config import ConfigError
 
 EXTRACT_PROG = "elastic-plugin extract"
+SHARD_HELP = (
+    "--format hf: largest safetensors shard (e.g. 5GB, 500MB, 2GiB; default 5GB); past it the "
+    "export is sharded with model.safetensors.index.json"
+)
 
 
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     _register_extract(subparsers)
     _register_export(subparsers)
+    _register_slice(subparsers)
 
 
 def _register_extract(subparsers: argparse._SubParsersAction) -> None:
@@ -91,6 +96,7 @@ def _register_extract(subparsers: argparse._SubParsersAction) -> None:
         help="--format hf: quantize the linear weights (FP8 E4M3 per-tensor "
         "scales, or NVFP4 E2M1 with an E4M3 scale per 16 values + FP32 scale)",
     )
+    parser.add_argument("--max-shard-size", default=None, metavar="SIZE", help=SHARD_HELP)
     group = parser.add_argument_group(
         "target layout (checked only: the extracted sizes must divide it)"
     )
@@ -133,6 +139,7 @@ def run_extract(args: argparse.Namespace) -> int:
             args.format,
             args.dtype,
             args.quantize,
+            args.max_shard_size,
         )
         summary = run_extraction(plan)  # raises ConfigError before writing (interpolated choice)
     except ConfigError as exc:
@@ -170,6 +177,18 @@ def _register_export(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="validation sequences per export (0: no evaluation)",
     )
+    parser.add_argument(
+        "--max-shard-size",
+        default=None,
+        metavar="SIZE",
+        help=SHARD_HELP.replace("--format hf: ", "HF exports: "),
+    )
+    parser.add_argument(
+        "--nested",
+        action="store_true",
+        help="also write OUT/nested: one BF16 Hugging Face directory with the full model once and "
+        "nested_config.json, from which `elastic-plugin slice` / load_nested build any budget",
+    )
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=run_export)
 
@@ -188,8 +207,39 @@ def run_export(args: argparse.Namespace) -> int:
             not args.no_megatron,
             args.eval_sequences,
             progress=not args.no_progress,
+            max_shard_size=args.max_shard_size,
+            nested=args.nested,
         )
     except ConfigError as exc:
         return report_bad_input("elastic-plugin export", exc)
     print(open(f"{args.out}/{REPORT_MD}").read())
     return 0 if report["exports"] else 1
+
+
+def _register_slice(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "slice",
+        help="cut one budget out of a nested Hugging Face directory (export --nested)",
+        description="Build one trained budget's Hugging Face NemotronH export from a nested "
+        "directory alone (no elastic checkpoint, no Megatron); it equals that budget's own export.",
+    )
+    parser.add_argument("--hf", required=True, metavar="DIR", help="the nested directory")
+    parser.add_argument("--budget", required=True, type=float, metavar="B", help="a trained budget")
+    parser.add_argument(
+        "--out", required=True, metavar="DIR", help="new directory (must not exist, or be empty)"
+    )
+    parser.add_argument("--max-shard-size", default=None, metavar="SIZE", help=SHARD_HELP)
+    parser.set_defaults(func=run_slice)
+
+
+def run_slice(args: argparse.Namespace) -> int:
+    from elastic_plugin.export.nested_hf import slice_nested
+
+    start = time.time()
+    try:
+        summary = slice_nested(args.hf, args.budget, args.out, args.max_shard_size)
+    except ConfigError as exc:
+        return report_bad_input("elastic-plugin slice", exc)
+    summary["seconds"] = round(time.time() - start, 2)
+    print(json.dumps(summary, indent=2))
+    return 0

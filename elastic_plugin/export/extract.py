@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from elastic_plugin.checkpoint.hub import DEFAULT_MAX_SHARD_BYTES, parse_shard_size
 from elastic_plugin.checkpoint.meta import (
     CHECKPOINT_META,
     match_budget,
@@ -115,6 +116,7 @@ class ExtractPlan:
     fmt: str = "megatron"
     dtype: str = "bf16"  # HF only: the floating dtype of the written tensors
     quantize: str | None = None  # HF only: "fp8" / "nvfp4" weights
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES  # HF only: safetensors shard size
 
 
 def _check_format(
@@ -156,11 +158,17 @@ def plan_extraction(
     fmt: str = "megatron",
     dtype: str | None = None,
     quantize: str | None = None,
+    max_shard_size: str | int | None = None,
 ) -> ExtractPlan:
     """Everything that can be wrong with the request, found without torch."""
     meta = read_elastic_meta(ckpt_dir)
     cfg = config_from_dict(meta["config"], source=f"--ckpt {ckpt_dir}/{CHECKPOINT_META}")
     dtype = _check_format(fmt, dtype, quantize, target, cfg.model)
+    if max_shard_size is not None and fmt != "hf":
+        raise ConfigError("--max-shard-size goes with --format hf (safetensors shards)")
+    shard_bytes = (
+        DEFAULT_MAX_SHARD_BYTES if max_shard_size is None else parse_shard_size(max_shard_size)
+    )
     budgets = trained_budgets(meta)
     trained = trained_listing(budgets)
     if not isinstance(budget, (int, float)) or not math.isfinite(budget):
@@ -190,7 +198,17 @@ def plan_extraction(
             f"nothing is overwritten)"
         )
     return ExtractPlan(
-        Path(ckpt_dir), out, float(budget), meta, cfg.model, choice, target, fmt, dtype, quantize
+        Path(ckpt_dir),
+        out,
+        float(budget),
+        meta,
+        cfg.model,
+        choice,
+        target,
+        fmt,
+        dtype,
+        quantize,
+        shard_bytes,
     )
 
 
@@ -242,11 +260,18 @@ def _write_hf(
     plan: ExtractPlan, full, choice: dict[str, Any], provenance: dict[str, Any]
 ) -> dict[str, Any]:
     from elastic_plugin.checkpoint.io import fresh_temporary, publish_directory
-    from elastic_plugin.export.hf import hf_config, megatron_to_hf, write_hf_checkpoint
+    from elastic_plugin.export.hf import (
+        hf_config,
+        megatron_to_hf,
+        tokenizer_token_ids,
+        write_hf_checkpoint,
+    )
     from elastic_plugin.nested.slicing import nested_state_dict
 
     tensors = megatron_to_hf(nested_state_dict(full, plan.model, choice), plan.model)
-    config = hf_config(tensors, plan.model, plan.dtype, _token_ids(plan.meta))
+    config = hf_config(
+        tensors, plan.model, plan.dtype, tokenizer_token_ids(plan.meta.get("tokenizer"))
+    )
     quant_config = None
     if plan.quantize is not None:
         from elastic_plugin.export.quantize import quantize_state_dict
@@ -269,20 +294,10 @@ def _write_hf(
                 **provenance,
             }
         },
+        max_shard_bytes=plan.max_shard_bytes,
     )
     publish_directory(tmp, plan.out)
     return {"out": str(plan.out.resolve()), "bytes": _dir_bytes(plan.out)}
-
-
-def _token_ids(meta: Mapping[str, Any]) -> dict[str, int]:
-    """pad / eos ids of the checkpoint's tokenizer (ours: fixed special ids), when it has one."""
-    path = meta.get("tokenizer")
-    if not path or not Path(path).is_file():
-        return {}
-    import json
-
-    vocab = json.loads(Path(path).read_text()).get("model", {}).get("vocab", {})
-    return {key: vocab[tok] for key, tok in (("pad", "<pad>"), ("eos", "<eod>")) if tok in vocab}
 
 
 def _provenance(plan: ExtractPlan, choice: Mapping[str, Any]) -> dict[str, Any]:

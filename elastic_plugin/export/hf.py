@@ -9,6 +9,12 @@ the group's query heads, then its K head, then its V head) becomes ``q_proj`` / 
 ``v_proj``, and the per-expert ``local_experts.{e}`` linears become the stacked 3-D
 ``experts.up_proj`` / ``experts.down_proj``.
 
+Files are the Hub's layout (``checkpoint.hub``): ``backbone.*`` keys, one tensor per routed expert,
+sharded safetensors with ``model.safetensors.index.json`` past ``max_shard_bytes``, plus
+``generation_config.json`` and the tokenizer files, as the released checkpoints and
+``save_pretrained`` have them; in memory (``megatron_to_hf`` and the quantizers) tensors keep
+transformers' own names.
+
 Sizes are read from the tensors, not from a config, so a heterogeneous nested model (a different
 width per layer) converts the same way. Stock ``transformers`` builds every layer of a kind from
 one set of config fields; for per-layer widths ``config.json`` carries ``layer_overrides`` (layer
@@ -26,6 +32,15 @@ from typing import Any
 
 import torch
 
+from elastic_plugin.checkpoint.hub import (
+    DEFAULT_MAX_SHARD_BYTES,
+    HUB_WEIGHTS,
+    from_hub,
+    hub_weight_files,
+    read_hub_tensors,
+    to_hub,
+    write_hub_shards,
+)
 from elastic_plugin.export.hf_compat import check_hf_compatible
 from elastic_plugin.models.config import ConfigError, ModelConfig
 
@@ -36,12 +51,16 @@ __all__ = [
     "hf_config",
     "write_hf_checkpoint",
     "load_hf_model",
+    "build_hf_model",
+    "generation_config",
+    "tokenizer_token_ids",
     "HF_WEIGHTS",
     "HF_CONFIG",
 ]
 
-HF_WEIGHTS = "model.safetensors"
+HF_WEIGHTS = HUB_WEIGHTS  # the unsharded file; sharded exports add model.safetensors.index.json
 HF_CONFIG = "config.json"
+HF_GENERATION_CONFIG = "generation_config.json"
 HF_QUANT_CONFIG = "hf_quant_config.json"
 HF_ARCHITECTURE = "NemotronHForCausalLM"
 # HF block types, keyed by our layer kinds (Mamba is "linear_attention" in transformers >= 5)
@@ -345,12 +364,12 @@ def write_hf_checkpoint(
     tokenizer_file: str | Path | None = None,
     quant_config: Mapping[str, Any] | None = None,
     extra_files: Mapping[str, Any] | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> int:
-    """Write ``model.safetensors`` (floating tensors cast to ``dtype``; quantized and integer
-    tensors as they are), ``config.json``, optional ``hf_quant_config.json``, the tokenizer and
-    JSON extras into an existing directory. Returns the bytes written."""
-    from safetensors.torch import save_file
-
+    """Write the weights in the Hub's layout (floating tensors cast to ``dtype``; quantized and
+    integer tensors as they are; sharded past ``max_shard_bytes``), ``config.json``,
+    ``generation_config.json``, optional ``hf_quant_config.json``, the tokenizer and JSON
+    extras into an existing directory. Returns the bytes written."""
     out = Path(out_dir)
     target = _DTYPES[dtype]
     cast = {
@@ -365,8 +384,9 @@ def write_hf_checkpoint(
         .cpu()
         for k, v in tensors.items()
     }
-    save_file(cast, str(out / HF_WEIGHTS), metadata={"format": "pt"})
+    write_hub_shards(out, to_hub(cast), max_shard_bytes)
     (out / HF_CONFIG).write_text(json.dumps(dict(config), indent=2) + "\n")
+    (out / HF_GENERATION_CONFIG).write_text(json.dumps(generation_config(config), indent=2) + "\n")
     if quant_config is not None:
         (out / HF_QUANT_CONFIG).write_text(json.dumps(dict(quant_config), indent=2) + "\n")
     if tokenizer_file is not None and Path(tokenizer_file).is_file():
@@ -388,6 +408,28 @@ def write_hf_checkpoint(
     return sum(p.stat().st_size for p in out.iterdir() if p.is_file())
 
 
+def tokenizer_token_ids(tokenizer_file: str | Path | None) -> dict[str, int]:
+    """pad / eos ids of one of our tokenizers (fixed special tokens), for ``config.json``; {}
+    when there is no tokenizer file."""
+    if not tokenizer_file or not Path(tokenizer_file).is_file():
+        return {}
+    vocab = json.loads(Path(tokenizer_file).read_text()).get("model", {}).get("vocab", {})
+    return {key: vocab[tok] for key, tok in (("pad", "<pad>"), ("eos", "<eod>")) if tok in vocab}
+
+
+def generation_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``generation_config.json`` as ``save_pretrained`` derives it from the model config: the
+    special token ids (those the tokenizer has)."""
+    import transformers
+
+    ids = {k: config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return {
+        "_from_model_config": True,
+        **{k: v for k, v in ids.items() if v is not None},
+        "transformers_version": transformers.__version__,
+    }
+
+
 def _keep_fp32(name: str) -> bool:
     """Tensors NemotronH keeps in float32 whatever the model dtype: the router and its bias,
     and quantization scales."""
@@ -397,22 +439,37 @@ def _keep_fp32(name: str) -> bool:
 
 
 def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32):
-    """``NemotronHForCausalLM`` from an export, per-layer widths included (``layer_overrides``):
-    each overridden layer is built from a copy of the config with its own fields. A quantized
-    export is dequantized (its weights are exactly the values the quantized model multiplies
-    with), which is how its quality is measured on a CPU."""
+    """``NemotronHForCausalLM`` from an export (any of the Hub's file forms), per-layer widths
+    included (``layer_overrides``). A quantized export is dequantized (its weights are exactly
+    the values the quantized model multiplies with), which is how its quality is measured on a
+    CPU."""
+    path = Path(path)
+    if not (path / HF_CONFIG).is_file():
+        raise ConfigError(f"{path}: not a complete Hugging Face export (needs {HF_CONFIG})")
+    hub_weight_files(path)  # the weights must be there too, before anything is built
+    state = from_hub(read_hub_tensors(path))
+    if (path / HF_QUANT_CONFIG).is_file():  # FP8 / NVFP4: the weights it computes with
+        from elastic_plugin.export.quantize import dequantize_state_dict
+
+        state = dequantize_state_dict(state, json.loads((path / HF_QUANT_CONFIG).read_text()))
+    return build_hf_model(json.loads((path / HF_CONFIG).read_text()), state, dtype, str(path))
+
+
+def build_hf_model(
+    config_json: Mapping[str, Any],
+    state: Mapping[str, torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+    source: str = "the model",
+):
+    """``NemotronHForCausalLM`` of a ``config.json`` dict holding ``state`` (transformers'
+    names): each layer in ``layer_overrides`` is built from a copy of the config with its own
+    fields, since stock transformers builds every layer of a kind alike."""
     import copy
 
-    from safetensors.torch import load_file
     from transformers import NemotronHConfig, NemotronHForCausalLM
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHBlock
 
-    path = Path(path)
-    if not (path / HF_CONFIG).is_file() or not (path / HF_WEIGHTS).is_file():
-        raise ConfigError(
-            f"{path}: not a complete Hugging Face export (needs {HF_CONFIG} and {HF_WEIGHTS})"
-        )
-    raw = json.loads((path / HF_CONFIG).read_text())
+    raw = dict(config_json)
     overrides = raw.pop("layer_overrides", {})
     config = NemotronHConfig(
         **{k: v for k, v in raw.items() if k not in ("architectures", "model_type", "torch_dtype")}
@@ -423,19 +480,12 @@ def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32):
         for key, value in fields.items():
             setattr(layer_config, key, value)
         model.model.layers[int(index)] = NemotronHBlock(layer_config, int(index))
-    state = load_file(str(path / HF_WEIGHTS))
-    if (
-        path / HF_QUANT_CONFIG
-    ).is_file():  # FP8 / NVFP4: the weights the quantized model computes with
-        from elastic_plugin.export.quantize import dequantize_state_dict
-
-        state = dequantize_state_dict(state, json.loads((path / HF_QUANT_CONFIG).read_text()))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(dict(state), strict=False)
     if unexpected or [
         k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings
     ]:
         raise ConfigError(
-            f"{path}: weights do not match config.json "
+            f"{source}: weights do not match config.json "
             f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
     if config.tie_word_embeddings:

@@ -43,7 +43,13 @@ class _Job:
     plan: ExtractPlan
 
 
-def _plans(ckpt: Path, out: Path, precisions: Sequence[str], megatron: bool) -> list[_Job]:
+def _plans(
+    ckpt: Path,
+    out: Path,
+    precisions: Sequence[str],
+    megatron: bool,
+    max_shard_size: str | int | None = None,
+) -> list[_Job]:
     """Every export, checked before anything is loaded."""
     bad = [p for p in precisions if p not in PRECISIONS]
     if bad or not precisions:
@@ -79,6 +85,7 @@ def _plans(ckpt: Path, out: Path, precisions: Sequence[str], megatron: bool) -> 
                         fmt="hf",
                         dtype="bf16",
                         quantize=quantize,
+                        max_shard_size=max_shard_size,
                     ),
                 )
             )
@@ -149,10 +156,15 @@ def export_all(
     megatron: bool = True,
     eval_sequences: int = 64,
     progress: bool = True,
+    max_shard_size: str | int | None = None,
+    nested: bool = False,
 ) -> dict[str, Any]:
-    """Export every trained budget (see the module docstring); returns the report dict."""
+    """Export every trained budget (see the module docstring); returns the report dict.
+    ``max_shard_size``: of the HF exports' safetensors shards (default 5GB). ``nested``: also
+    write ``OUT/nested`` (one BF16 directory serving every budget, ``export.nested_hf``) and
+    check that each budget sliced from it equals that budget's BF16 export."""
     ckpt, out = Path(ckpt_dir), Path(out_dir)
-    jobs = _plans(ckpt, out, list(precisions), megatron)
+    jobs = _plans(ckpt, out, list(precisions), megatron, max_shard_size)
     meta = jobs[0].plan.meta
     out.mkdir(parents=True, exist_ok=True)
     seq_length = int((meta["config"].get("training") or {}).get("seq_length", 128))
@@ -182,6 +194,7 @@ def export_all(
                 f"{row['bytes'] / 1e6:.2f} MB{loss} ({row['seconds']:.1f} s)",
                 flush=True,
             )
+    nested_report = _nested(ckpt, out, source, rows, max_shard_size) if nested else None
     del source
     report = {
         "source": str(ckpt),
@@ -189,12 +202,42 @@ def export_all(
         "exports": rows,
         "recovery": _recovery(rows),
         "sizes": _sizes(rows, ckpt),
+        **({"nested": nested_report} if nested_report is not None else {}),
         "seconds": round(time.time() - start, 2),
     }
     (out / REPORT_JSON).write_text(json.dumps(report, indent=2) + "\n")
     (out / REPORT_MD).write_text(markdown(report))
     plot_exports(report, out / REPORT_PNG)
     return report
+
+
+def _nested(
+    ckpt: Path, out: Path, source: Any, rows: list[dict[str, Any]], max_shard_size: str | int | None
+) -> dict[str, Any]:
+    """Write the nested directory; measure its bytes against the separate BF16 exports and
+    check every budget sliced from it against that budget's own BF16 export, tensor by tensor."""
+    import torch
+
+    from elastic_plugin.checkpoint.hub import from_hub, read_hub_tensors
+    from elastic_plugin.export.nested_hf import sliced_tensors, write_nested_export
+
+    written = write_nested_export(ckpt, out / "nested", source, "bf16", max_shard_size)
+    bf16 = [r for r in rows if r["precision"] == "bf16"]
+    equal = {}
+    for r in bf16:
+        sliced = sliced_tensors(out / "nested", r["budget"])
+        exported = from_hub(read_hub_tensors(r["path"]))
+        equal[budget_label(r["budget"])] = sliced.keys() == exported.keys() and all(
+            torch.equal(sliced[k].to(exported[k].dtype), exported[k]) for k in exported
+        )
+    separate = sum(r["bytes"] for r in bf16)
+    return {
+        "path": written["out"],
+        "bytes": written["bytes"],
+        "separate_bf16_bytes": separate,
+        "saving": 1 - written["bytes"] / separate if separate else None,
+        "sliced_equals_export": equal,
+    }
 
 
 def _recovery(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -286,6 +329,17 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['sizes']['elastic_checkpoint_bytes'] / 1e6:.3f} MB.",
         "",
     ]
+    nested = report.get("nested")
+    if nested is not None:
+        same = ", ".join(
+            f"{b}: {'yes' if ok else 'NO'}" for b, ok in nested["sliced_equals_export"].items()
+        )
+        lines += [
+            f"One nested BF16 directory (`{nested['path']}`, measured on disk): "
+            f"{nested['bytes'] / 1e6:.3f} MB vs {nested['separate_bf16_bytes'] / 1e6:.3f} MB for the "
+            f"separate BF16 exports; each budget sliced from it equals its own export: {same}.",
+            "",
+        ]
     return "\n".join(lines)
 
 

@@ -22,8 +22,10 @@ __all__ = [
     "local_mamba_dims",
     "mamba_active_rows",
     "check_size",
+    "mamba_rows",
     "proj_cols",
     "qkv_rows",
+    "query_rows",
 ]
 
 Index = None | int | torch.Tensor
@@ -48,13 +50,23 @@ def qkv_rows(attn, per_group: int) -> torch.Tensor:
 
 def proj_cols(attn, per_group: int) -> torch.Tensor:
     """Local ``linear_proj`` columns of the first ``per_group`` query heads of each group."""
-    d = attn.hidden_size_per_attention_head
-    groups = attn.num_query_groups_per_partition
     # from the config: inside the sliced forward the per-partition head count is reduced
     q_per_group = attn.config.num_attention_heads // attn.config.num_query_groups
+    return query_rows(
+        attn.num_query_groups_per_partition,
+        q_per_group,
+        attn.hidden_size_per_attention_head,
+        per_group,
+    )
+
+
+def query_rows(groups: int, q_per_group: int, head_dim: int, active: int) -> torch.Tensor:
+    """Rows of the first ``active`` query heads of every group in an unfused query projection
+    (heads group-major, ``head_dim`` rows each): Hugging Face's ``q_proj`` rows, ``o_proj``'s
+    and Megatron's ``linear_proj`` columns."""
     return torch.cat(
         [
-            torch.arange(g * q_per_group * d, (g * q_per_group + per_group) * d)
+            torch.arange(g * q_per_group * head_dim, (g * q_per_group + active) * head_dim)
             for g in range(groups)
         ]
     )
@@ -109,23 +121,38 @@ def mamba_active_rows(mixer, heads_per_group: int, head_dim: int) -> dict[str, t
     per_mixer = _INDEX_CACHE.setdefault(mixer, {})
     key = (k, p, device)
     if key not in per_mixer:
-        d_inner = mixer.d_inner_local_tp
-        bc_rows = 2 * groups * state
-        act_heads = (torch.arange(groups)[:, None] * per_group + torch.arange(k)[None]).reshape(-1)
-        channels = (act_heads[:, None] * hd + torch.arange(p)[None]).reshape(-1)
-        bc = 2 * d_inner + torch.arange(bc_rows)
-        parts = {
-            "z": channels,
-            "x": d_inner + channels,
-            "bc": bc,
-            "dt": 2 * d_inner + bc_rows + act_heads,
-        }
-        rows = {
-            **parts,
-            "in_proj": torch.cat([parts["z"], parts["x"], parts["bc"], parts["dt"]]),
-            "conv": torch.cat([channels, d_inner + torch.arange(bc_rows)]),
-            "heads": act_heads,
-            "channels": channels,
-        }
+        rows = mamba_rows(groups, per_group, hd, state, k, p)
         per_mixer[key] = {name: t.to(device) for name, t in rows.items()}
     return per_mixer[key]
+
+
+def mamba_rows(
+    groups: int,
+    per_group: int,
+    head_dim: int,
+    d_state: int,
+    active_per_group: int,
+    active_head_dim: int,
+) -> dict[str, torch.Tensor]:
+    """The index sets of :func:`mamba_active_rows` from the dimensions alone (``groups`` groups
+    of ``per_group`` heads of ``head_dim`` channels, state ``d_state``): the same layout in
+    Megatron's ``MambaMixer`` and Hugging Face's NemotronH mixer."""
+    d_inner = groups * per_group * head_dim
+    bc_rows = 2 * groups * d_state
+    act_heads = (
+        torch.arange(groups)[:, None] * per_group + torch.arange(active_per_group)[None]
+    ).reshape(-1)
+    channels = (act_heads[:, None] * head_dim + torch.arange(active_head_dim)[None]).reshape(-1)
+    parts = {
+        "z": channels,
+        "x": d_inner + channels,
+        "bc": 2 * d_inner + torch.arange(bc_rows),
+        "dt": 2 * d_inner + bc_rows + act_heads,
+    }
+    return {
+        **parts,
+        "in_proj": torch.cat([parts["z"], parts["x"], parts["bc"], parts["dt"]]),
+        "conv": torch.cat([channels, d_inner + torch.arange(bc_rows)]),
+        "heads": act_heads,
+        "channels": channels,
+    }

@@ -25,71 +25,20 @@ import torch
 from elastic_plugin import ops
 from elastic_plugin.checkpoint.layout import canonical_weights
 from elastic_plugin.elastic.router import ROUTER_ATTR
-from elastic_plugin.models.axes import model_axes, multiple_name
 from elastic_plugin.models.config import ConfigError, ModelConfig
 from elastic_plugin.models.layers import hybrid_layer_kind
 from elastic_plugin.models.prefix import Index, ffn_rows, mamba_active_rows, proj_cols, qkv_rows
+from elastic_plugin.nested.choice import choice_sizes
 
 if TYPE_CHECKING:  # Megatron ships no types: this annotates what a function takes
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-__all__ = ["choice_sizes", "nested_state_dict", "sliced_state_dict"]
+__all__ = ["nested_state_dict", "sliced_state_dict"]
 
 Rule = tuple[tuple[int, Index], ...]  # (dim, active index) per sliced dimension
 EXTRA_STATE = "_extra_state"
 _SKIPPED_MODULES = (f"{ROUTER_ATTR}.",)  # the budget router is not part of a nested model
 _PER_EXPERT_BUFFERS = ("expert_bias", "qb_beta")
-
-
-# ------------------------------------------------------------------------------ the choice
-def choice_sizes(
-    model_cfg: ModelConfig, choice: Mapping[str, int | Sequence[int]]
-) -> dict[str, dict[int | None, int]]:
-    """Validated sizes: axis -> {layer number: size} (``{None: size}`` for the embedding).
-
-    Axes left out are full. A size must be what the elastic layers can compute at TP=1/EP=1
-    (``config.model_axes``): a multiple of the axis' group count in [minimum, full]."""
-    axes = model_axes(model_cfg)
-    unknown = [name for name in choice if name not in axes]
-    if unknown:
-        raise ConfigError(
-            f"choice axis {unknown[0]!r} is not an elastic axis of this model; "
-            f"allowed: {', '.join(axes)}"
-        )
-    out: dict[str, dict[int | None, int]] = {}
-    for name, (full, multiple, minimum, layers, _unit) in axes.items():
-        value = choice.get(name, full)
-        allowed = (
-            f"allowed: multiples of {multiple} ({multiple_name(name, model_cfg)}) "
-            f"in [{minimum}, {full}]"
-        )
-        if name == "experts" and minimum > multiple:
-            allowed += f" (at least model.moe_router_topk={model_cfg.moe_router_topk})"
-        if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-            if not layers:
-                raise ConfigError(
-                    f"choice[{name!r}]={list(value)!r}: one global size only (an int); {allowed}"
-                )
-            if len(value) != len(layers):
-                raise ConfigError(
-                    f"choice[{name!r}] has {len(value)} sizes; allowed: one int, "
-                    f"or one per layer {list(layers)} ({len(layers)} sizes)"
-                )
-            items: list[object] = list(value)
-        else:
-            items = [value] * max(1, len(layers))
-        sizes: list[int] = []
-        for size in items:
-            if (
-                not isinstance(size, int)
-                or isinstance(size, bool)
-                or size % multiple
-                or not minimum <= size <= full
-            ):
-                raise ConfigError(f"choice[{name!r}]={value!r}: {size!r} is not allowed; {allowed}")
-            sizes.append(size)
-        out[name] = dict(zip(layers, sizes)) if layers else {None: sizes[0]}
-    return out
 
 
 def _check_model(inner: HybridModel, model_cfg: ModelConfig) -> None:

@@ -142,3 +142,91 @@ def hf_export_case(config_path: str, workdir: str) -> dict[str, Any]:
         "rerun_diff": rerun,
         "rerun_tmp": out.with_name(out.name + ".tmp").exists(),
     }
+
+
+def nested_export_case(config_path: str, workdir: str) -> dict[str, Any]:
+    """1 rank: one nested BF16 directory of a trained checkpoint; every budget sliced from it
+    (``slice`` CLI and ``load_nested``) against that budget's own BF16 export; bad input."""
+    import contextlib
+    import io
+
+    from elastic_plugin.checkpoint.hub import from_hub, read_hub_tensors
+    from elastic_plugin.cli import main
+    from elastic_plugin.export.extract import extract_nested
+    from elastic_plugin.export.nested_hf import load_nested, write_nested_export
+    from elastic_plugin.models.config import load_config
+
+    work = Path(workdir)
+    vocab = load_config(config_path).model.vocab_size
+    ckpt = train_checkpoint(config_path, work)
+    nested = write_nested_export(ckpt, work / "nested", max_shard_size="100KB")
+    rows = []
+    for budget in (1.0, 0.77, 0.4):
+        label = f"{budget:g}"
+        own = work / f"hf_{label}"
+        extract_nested(ckpt, budget, own, fmt="hf", dtype="bf16")
+        sliced = work / f"sliced_{label}"
+        with contextlib.redirect_stdout(io.StringIO()):
+            code = main(
+                ["slice", "--hf", str(work / "nested"), "--budget", label, "--out", str(sliced)]
+            )
+        a, b = from_hub(read_hub_tensors(own)), from_hub(read_hub_tensors(sliced))
+        with torch.no_grad():
+            loaded = load_nested(work / "nested", budget)(_tokens(vocab)).logits
+        rows.append(
+            {
+                "budget": budget,
+                "exit": code,
+                "same_keys": sorted(a) == sorted(b),
+                "bitwise": all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a),
+                "config_equal": json.loads((own / "config.json").read_text())
+                == json.loads((sliced / "config.json").read_text()),
+                "load_nested_vs_export": (loaded - hf_logits(own, vocab)).abs().max().item(),
+                "bytes_own": sum(p.stat().st_size for p in own.iterdir()),
+            }
+        )
+    errors = {}
+    for name, argv in {
+        "untrained": [
+            "slice",
+            "--hf",
+            str(work / "nested"),
+            "--budget",
+            "0.5",
+            "--out",
+            str(work / "x"),
+        ],
+        "not_nested": [
+            "slice",
+            "--hf",
+            str(work / "hf_0.4"),
+            "--budget",
+            "0.4",
+            "--out",
+            str(work / "y"),
+        ],
+        "out_taken": [
+            "slice",
+            "--hf",
+            str(work / "nested"),
+            "--budget",
+            "0.4",
+            "--out",
+            str(work / "hf_0.4"),
+        ],
+    }.items():
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = main(argv)
+        errors[name] = {
+            "exit": code,
+            "stderr": err.getvalue(),
+            "written": (work / "x").exists() or (work / "y").exists(),
+        }
+    return {
+        "nested": nested,
+        "files": sorted(p.name for p in (work / "nested").iterdir()),
+        "nested_config": json.loads((work / "nested" / "nested_config.json").read_text()),
+        "rows": rows,
+        "errors": errors,
+    }

@@ -1,0 +1,142 @@
+"""One budget cut out of a Hugging Face NemotronH state dict: the nested model, without Megatron.
+
+A nested directory (``export --nested``) holds the full importance-ordered model once; every
+budget is a prefix of it. This is the Hugging Face side of ``nested.slicing``: the same blocks
+(the first ``h'`` hidden channels everywhere, the first query heads of every query group with all
+K/V heads, the first Mamba heads of every group with the first channels of every head, the first
+FFN / shared-expert neurons, the first routed experts), found from the model config and the
+index helpers of ``models.prefix`` that the elastic layers and Megatron-side slicing use, so
+``slice`` gives exactly the per-budget export's tensors.
+
+Tensors use transformers' in-memory names (``checkpoint.hub.from_hub`` of the stored files):
+``model.layers.{i}.mixer.*`` with the routed experts stacked ``[experts, out, in]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from elastic_plugin.models.config import ConfigError, ModelConfig
+from elastic_plugin.models.prefix import mamba_rows, query_rows
+from elastic_plugin.nested.choice import choice_sizes
+
+__all__ = ["slice_hf_state"]
+
+Cut = tuple[tuple[int, int | torch.Tensor], ...]  # (dim, prefix length or index set) per dim
+
+
+def _cut(tensor: torch.Tensor, cut: Cut) -> torch.Tensor:
+    out = tensor
+    for dim, index in cut:
+        if isinstance(index, int):
+            out = out.narrow(dim, 0, index)
+        else:
+            out = out.index_select(dim, index.to(out.device))
+    return out.clone(memory_format=torch.contiguous_format)
+
+
+def _layer_cuts(
+    model: ModelConfig, kind: str, number: int, sizes: Mapping[str, Mapping[int | None, int]]
+) -> dict[str, Cut]:
+    """Cuts of one layer's tensors, by name below ``model.layers.{i}.``."""
+    h = sizes["embedding"][None]
+    cuts: dict[str, Cut] = {"norm.weight": ((0, h),)}
+    if kind == "mamba":
+        groups = model.mamba_num_groups
+        per_group = model.mamba_num_heads // groups
+        active = sizes["mamba_heads"][number] // groups
+        rows = mamba_rows(
+            groups,
+            per_group,
+            model.mamba_head_dim,
+            model.mamba_state_dim,
+            active,
+            sizes["mamba_head_dim"][number],
+        )
+        cuts.update(
+            {
+                "mixer.in_proj.weight": ((0, rows["in_proj"]), (1, h)),
+                "mixer.conv1d.weight": ((0, rows["conv"]),),
+                "mixer.conv1d.bias": ((0, rows["conv"]),),
+                "mixer.dt_bias": ((0, rows["heads"]),),
+                "mixer.A_log": ((0, rows["heads"]),),
+                "mixer.D": ((0, rows["heads"]),),
+                "mixer.norm.weight": ((0, rows["channels"]),),
+                "mixer.out_proj.weight": ((0, h), (1, rows["channels"])),
+            }
+        )
+    elif kind == "attention":
+        groups = model.query_groups
+        q = query_rows(
+            groups,
+            model.num_attention_heads // groups,
+            model.head_dim,
+            sizes["attention_heads"][number] // groups,
+        )
+        cuts.update(
+            {
+                "mixer.q_proj.weight": ((0, q), (1, h)),
+                "mixer.k_proj.weight": ((1, h),),
+                "mixer.v_proj.weight": ((1, h),),
+                "mixer.o_proj.weight": ((0, h), (1, q)),
+            }
+        )
+    elif kind == "mlp":
+        f = sizes["ffn"][number]
+        cuts.update(
+            {
+                "mixer.up_proj.weight": ((0, f), (1, h)),
+                "mixer.down_proj.weight": ((0, h), (1, f)),
+            }
+        )
+    elif kind == "moe":
+        e = sizes["experts"][number]
+        cuts.update(
+            {
+                "mixer.gate.weight": ((0, e), (1, h)),
+                "mixer.gate.e_score_correction_bias": ((0, e),),
+                "mixer.experts.up_proj": ((0, e), (2, h)),
+                "mixer.experts.down_proj": ((0, e), (1, h)),
+            }
+        )
+        if "shared_ffn" in sizes:
+            s = sizes["shared_ffn"][number]
+            cuts.update(
+                {
+                    "mixer.shared_experts.up_proj.weight": ((0, s), (1, h)),
+                    "mixer.shared_experts.down_proj.weight": ((0, h), (1, s)),
+                }
+            )
+    else:
+        raise ConfigError(f"layer {number}: no slicing rule for layer kind {kind!r}")
+    return cuts
+
+
+@torch.no_grad()
+def slice_hf_state(
+    hf: Mapping[str, torch.Tensor],
+    model: ModelConfig,
+    choice: Mapping[str, int | Sequence[int]],
+) -> dict[str, torch.Tensor]:
+    """The nested model of ``choice`` (axis -> size, or one size per layer of the axis) cut
+    from the full model's NemotronH tensors (``model`` their config). Raises ``ConfigError``
+    for a choice the model cannot take or a tensor no rule covers (fresh copies returned)."""
+    sizes = choice_sizes(model, choice)
+    h = sizes["embedding"][None]
+    cuts: dict[str, Cut] = {
+        "model.embeddings.weight": ((1, h),),
+        "model.norm_f.weight": ((0, h),),
+        "lm_head.weight": ((1, h),),
+    }
+    for i, kind in enumerate(model.layer_types):
+        for name, cut in _layer_cuts(model, kind, i + 1, sizes).items():
+            cuts[f"model.layers.{i}.{name}"] = cut
+    unknown = sorted(set(hf) - set(cuts))
+    if unknown:
+        raise ConfigError(
+            f"slice: tensors without a slicing rule: {unknown[:3]} (a quantized or "
+            "foreign checkpoint?)"
+        )
+    return {key: _cut(value, cuts[key]) for key, value in hf.items()}

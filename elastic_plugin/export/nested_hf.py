@@ -1,0 +1,260 @@
+"""One Hugging Face directory that serves every trained budget: the nested checkpoint.
+
+``export --nested`` writes the full importance-ordered model once, in the Hub's Nemotron-H layout,
+plus ``nested_config.json``: every trained budget's choice (per axis, per layer), its total and
+active parameters, the budget metric, and the model config the choices refer to. Every budget is
+a prefix of those weights, so ``slice`` (``elastic-plugin slice --hf DIR --budget B --out DIR2``)
+and ``load_nested(dir, budget)`` build a budget's model from the files alone, with transformers
+and this module (no elastic checkpoint, no Megatron); the result equals that budget's own export
+bit for bit (tested).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from elastic_plugin.checkpoint.meta import budget_label, match_budget, trained_listing
+from elastic_plugin.models.config import ConfigError, ModelConfig
+
+__all__ = [
+    "NESTED_CONFIG",
+    "load_nested",
+    "nested_config",
+    "read_nested_config",
+    "slice_nested",
+    "sliced_tensors",
+    "write_nested_export",
+]
+
+NESTED_CONFIG = "nested_config.json"
+NESTED_FORMAT = "elastic_plugin.nested/1"
+
+
+def nested_config(
+    meta: Mapping[str, Any], model: ModelConfig, params: Mapping[str, Mapping[str, int]]
+) -> dict[str, Any]:
+    """``nested_config.json`` for an elastic checkpoint's ``meta`` (``read_elastic_meta``):
+    ``params`` maps each budget label to its ``{"total", "active"}``."""
+    from elastic_plugin.checkpoint.meta import stored_choices, trained_budgets
+    from elastic_plugin.nested.choice import choice_sizes
+
+    choices = stored_choices(meta)
+    budgets = []
+    for budget in sorted(trained_budgets(meta), reverse=True):
+        label = budget_label(budget)
+        sizes = choice_sizes(model, choices[label])
+        budgets.append(
+            {
+                "budget": budget,
+                "label": label,
+                "choice": choices[label],
+                "sizes": {
+                    axis: (per[None] if None in per else {str(k): v for k, v in per.items()})
+                    for axis, per in sizes.items()
+                },
+                "params": dict(params[label]),
+            }
+        )
+    elastic = meta["config"].get("elastic") or {}
+    return {
+        "format": NESTED_FORMAT,
+        "budget_metric": elastic.get("budget_metric", "active_params"),
+        "model": dataclasses.asdict(model),
+        "budgets": budgets,
+    }
+
+
+def read_nested_config(path: str | Path) -> dict[str, Any]:
+    """``nested_config.json`` of a nested directory, or a ConfigError naming ``--hf``."""
+    file = Path(path) / NESTED_CONFIG
+    if not file.is_file():
+        raise ConfigError(
+            f"--hf {path}: no {NESTED_CONFIG} (not a nested export; write one with "
+            "elastic-plugin export --nested)"
+        )
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--hf {path}: {NESTED_CONFIG} is not readable JSON ({exc})") from None
+    if not isinstance(config, dict) or config.get("format") != NESTED_FORMAT:
+        raise ConfigError(f"--hf {path}: {NESTED_CONFIG} is not format {NESTED_FORMAT!r}")
+    return config
+
+
+def _budget_entry(path: str | Path, config: Mapping[str, Any], budget: float) -> dict[str, Any]:
+    budgets = [float(b["budget"]) for b in config["budgets"]]
+    match = match_budget(budget, budgets)
+    if match is None:
+        raise ConfigError(
+            f"--budget {budget_label(budget)}: not a budget of {path}; trained "
+            f"budgets: {trained_listing(budgets)}"
+        )
+    return next(b for b in config["budgets"] if float(b["budget"]) == match)
+
+
+def _sliced(path: Path, budget: float) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """(budget entry, full config.json, sliced in-memory tensors) of one budget."""
+    from elastic_plugin.checkpoint.hub import from_hub, read_hub_tensors
+    from elastic_plugin.export.hf import HF_CONFIG, HF_QUANT_CONFIG
+    from elastic_plugin.export.hf_slicing import slice_hf_state
+
+    config = read_nested_config(path)
+    entry = _budget_entry(path, config, budget)
+    if (path / HF_QUANT_CONFIG).is_file():
+        raise ConfigError(
+            f"--hf {path}: quantized nested exports cannot be sliced yet (export "
+            "the nested directory in bf16/fp32)"
+        )
+    model = ModelConfig(**config["model"])
+    hf_config = json.loads((path / HF_CONFIG).read_text())
+    tensors = slice_hf_state(from_hub(read_hub_tensors(path)), model, entry["choice"])
+    return entry, hf_config, (model, tensors)
+
+
+def sliced_tensors(hf_dir: str | Path, budget: float) -> dict[str, Any]:
+    """Budget ``budget``'s tensors (transformers' names, the directory's dtype), sliced from a
+    nested directory in memory."""
+    return _sliced(Path(hf_dir), budget)[2][1]
+
+
+def slice_nested(
+    hf_dir: str | Path,
+    budget: float,
+    out_dir: str | Path,
+    max_shard_size: str | int | None = None,
+) -> dict[str, Any]:
+    """Write budget ``budget`` of a nested directory as its own HF export into ``out_dir``
+    (written as ``<out>.tmp`` and renamed: an interrupted run leaves no ``<out>``)."""
+    from elastic_plugin.checkpoint.hub import DEFAULT_MAX_SHARD_BYTES, parse_shard_size
+    from elastic_plugin.checkpoint.io import fresh_temporary, publish_directory
+    from elastic_plugin.export.hf import hf_config as make_hf_config
+    from elastic_plugin.export.hf import write_hf_checkpoint
+
+    path, out = Path(hf_dir), Path(out_dir)
+    shard = DEFAULT_MAX_SHARD_BYTES if max_shard_size is None else parse_shard_size(max_shard_size)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(
+            f"--out {out}: exists and is not an empty directory (nothing is overwritten)"
+        )
+    entry, full_config, (model, tensors) = _sliced(path, budget)
+    dtype = {"float32": "fp32", "float16": "fp16"}.get(str(full_config.get("torch_dtype")), "bf16")
+    ids = {k: full_config.get(f"{k}_token_id") for k in ("pad", "bos", "eos")}
+    config = make_hf_config(tensors, model, dtype, {k: v for k, v in ids.items() if v is not None})
+    tokenizer = path / "tokenizer.json"
+    tmp = fresh_temporary(out)
+    write_hf_checkpoint(
+        tmp,
+        tensors,
+        config,
+        dtype,
+        tokenizer if tokenizer.is_file() else None,
+        extra_files={
+            "export_meta.json": {
+                "kind": "hf",
+                "dtype": dtype,
+                "quantize": None,
+                "source": str(path),
+                "budget": entry["budget"],
+                "choice": entry["choice"],
+                "params": entry["params"],
+                "model": dataclasses.asdict(model),
+                "sliced_from_nested": True,
+            }
+        },
+        max_shard_bytes=shard,
+    )
+    publish_directory(tmp, out)
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    return {
+        "out": str(out.resolve()),
+        "budget": entry["budget"],
+        "choice": entry["choice"],
+        "params": entry["params"],
+        "bytes": size,
+    }
+
+
+def load_nested(hf_dir: str | Path, budget: float, dtype: Any = None):
+    """``NemotronHForCausalLM`` of budget ``budget``, built from a nested directory's files
+    alone (per-layer widths included); ``dtype`` defaults to float32."""
+    import torch
+
+    from elastic_plugin.export.hf import build_hf_model
+    from elastic_plugin.export.hf import hf_config as make_hf_config
+
+    path = Path(hf_dir)
+    _, full_config, (model, tensors) = _sliced(path, budget)
+    config = make_hf_config(tensors, model, "fp32")
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        config[key] = full_config.get(key)
+    return build_hf_model(config, tensors, dtype or torch.float32, source=str(path))
+
+
+def write_nested_export(
+    ckpt_dir: str | Path,
+    out_dir: str | Path,
+    source: Any = None,
+    dtype: str = "bf16",
+    max_shard_size: str | int | None = None,
+) -> dict[str, Any]:
+    """Write the nested directory of an elastic checkpoint: the full importance-ordered model once
+    (``dtype``, the Hub's layout, sharded past ``max_shard_size``) and ``nested_config.json``.
+    ``source``: ``export.extract.load_source``'s (model, meta), to load the checkpoint once."""
+    from elastic_plugin.checkpoint.hub import DEFAULT_MAX_SHARD_BYTES, parse_shard_size
+    from elastic_plugin.checkpoint.io import fresh_temporary, publish_directory
+    from elastic_plugin.checkpoint.meta import read_elastic_meta, stored_choices, trained_budgets
+    from elastic_plugin.export.extract import EXPORT_META, load_source, plan_extraction
+    from elastic_plugin.export.hf import (
+        hf_config,
+        megatron_to_hf,
+        tokenizer_token_ids,
+        write_hf_checkpoint,
+    )
+    from elastic_plugin.models.config import config_from_dict
+    from elastic_plugin.nested.choice import nested_params
+    from elastic_plugin.nested.slicing import nested_state_dict
+
+    ckpt, out = Path(ckpt_dir), Path(out_dir)
+    shard = DEFAULT_MAX_SHARD_BYTES if max_shard_size is None else parse_shard_size(max_shard_size)
+    meta = read_elastic_meta(ckpt)
+    model = config_from_dict(meta["config"], source=f"--ckpt {ckpt}").model
+    # the same input checks as every per-budget HF export (format, dtype, --out)
+    plan = plan_extraction(ckpt, max(trained_budgets(meta)), out, fmt="hf", dtype=dtype)
+    params = {
+        label: nested_params(meta, model, choice, ckpt)
+        for label, choice in stored_choices(meta).items()
+    }
+    full, _ = source if source is not None else load_source(plan)
+    tensors = megatron_to_hf(nested_state_dict(full, model, {}), model)
+    config = hf_config(tensors, model, dtype, tokenizer_token_ids(meta.get("tokenizer")))
+    nested = nested_config(meta, model, params)
+    tmp = fresh_temporary(out)
+    write_hf_checkpoint(
+        tmp,
+        tensors,
+        config,
+        dtype,
+        meta.get("tokenizer"),
+        extra_files={
+            NESTED_CONFIG: nested,
+            EXPORT_META: {
+                "kind": "hf-nested",
+                "dtype": dtype,
+                "quantize": None,
+                "source": str(ckpt),
+                "model": dataclasses.asdict(model),
+            },
+        },
+        max_shard_bytes=shard,
+    )
+    publish_directory(tmp, out)
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    return {
+        "out": str(out.resolve()),
+        "bytes": size,
+        "budgets": [b["label"] for b in nested["budgets"]],
+    }

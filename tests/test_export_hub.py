@@ -1,0 +1,226 @@
+"""Hugging Face exports in the Hub's Nemotron-H layout (what the released checkpoints, transformers'
+own ``save_pretrained``, vLLM and Megatron-Bridge read): ``backbone.*`` keys, one tensor per
+routed expert, sharded safetensors with ``model.safetensors.index.json``, ``generation_config.json``
+and the tokenizer files. The reference is transformers itself: a model loaded from our files and
+saved again with ``save_pretrained`` writes the same keys, tensors and shards."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.export]
+
+CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def tiny_hf():
+    """The tiny Megatron model (perturbed, so a wrong mapping shows) in transformers' names."""
+    from elastic_plugin.compat import enable_cpu_megatron
+    from elastic_plugin.export.hf import hf_config, megatron_to_hf
+    from elastic_plugin.models.config import load_config
+    from elastic_plugin.parallel import (
+        Layout,
+        build_model_chunks,
+        init_distributed,
+        initialize_layout,
+    )
+
+    enable_cpu_megatron()
+    init_distributed()
+    initialize_layout(Layout(), seed=13)
+    cfg = load_config(CONFIG).model
+    model = build_model_chunks(cfg, Layout(), wrap_ddp=False)[0][0].eval()
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for tensor in model.parameters():
+            tensor.add_(0.1 * torch.randn(tensor.shape, generator=gen))
+    hf = megatron_to_hf(model.state_dict(), cfg)
+    return cfg, hf, hf_config(hf, cfg, "fp32", {"pad": 0, "eos": 1})
+
+
+def _stored(path: Path) -> dict[str, torch.Tensor]:
+    from elastic_plugin.checkpoint.hub import read_hub_tensors
+
+    return read_hub_tensors(path)
+
+
+def test_export_is_what_save_pretrained_writes(tiny_hf, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from elastic_plugin.checkpoint.hub import HUB_INDEX
+    from elastic_plugin.export.hf import write_hf_checkpoint
+
+    cfg, hf, config = tiny_hf
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    write_hf_checkpoint(ours, hf, config, "fp32", max_shard_bytes=200_000)
+    index = json.loads((ours / HUB_INDEX).read_text())
+    shards = sorted({f for f in index["weight_map"].values()})
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    for shard in shards:  # no shard over the limit unless it holds one tensor that is
+        tensors = json.loads(_header(ours / shard))
+        sizes = [
+            v["data_offsets"][1] - v["data_offsets"][0]
+            for k, v in tensors.items()
+            if k != "__metadata__"
+        ]
+        assert sum(sizes) <= 200_000 or len(sizes) == 1
+    stored = _stored(ours)
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in stored.values()
+    )
+    assert all(k.startswith(("backbone.", "lm_head.")) for k in stored)
+    experts = [k for k in stored if ".mixer.experts." in k]
+    assert "backbone.layers.2.mixer.experts.7.up_proj.weight" in experts
+    assert not any(k.endswith(("experts.up_proj", "experts.down_proj")) for k in stored)
+    assert {"generation_config.json", "config.json"} <= {p.name for p in ours.iterdir()}
+    generation = json.loads((ours / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == 1 and generation["pad_token_id"] == 0
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        ours, dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    theirs = tmp_path / "theirs"
+    model.save_pretrained(theirs, max_shard_size=200_000)
+    reference = _stored(theirs)
+    assert set(reference) == set(stored)
+    assert all(torch.equal(reference[k], stored[k]) for k in stored)
+    theirs_index = json.loads((theirs / HUB_INDEX).read_text())
+    assert set(theirs_index["weight_map"]) == set(index["weight_map"])
+
+
+def _header(path: Path) -> str:
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    return raw[8 : 8 + length].decode()
+
+
+def test_hub_layout_round_trips_to_transformers_names(tiny_hf):
+    from elastic_plugin.checkpoint.hub import from_hub, to_hub
+
+    _, hf, _ = tiny_hf
+    hub = to_hub(hf)
+    back = from_hub(hub)
+    assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
+    assert from_hub(hf).keys() == hf.keys()  # transformers' names pass through
+
+
+def test_quantized_experts_stay_per_expert(tiny_hf, tmp_path):
+    from elastic_plugin.checkpoint.hub import from_hub
+    from elastic_plugin.export.hf import write_hf_checkpoint
+    from elastic_plugin.export.quantize import dequantize_state_dict, quantize_state_dict
+
+    _, hf, config = tiny_hf
+    quantized, quant_config = quantize_state_dict(hf, "fp8")
+    write_hf_checkpoint(tmp_path, quantized, config, "bf16", quant_config=quant_config)
+    stored = _stored(tmp_path)
+    name = "backbone.layers.2.mixer.experts.3.down_proj"
+    assert stored[name + ".weight"].dtype == torch.float8_e4m3fn
+    assert stored[name + ".weight_scale"].dtype == torch.float32
+    plain = dequantize_state_dict(from_hub(stored), quant_config)
+    assert plain["model.layers.2.mixer.experts.down_proj"].shape[0] == 8
+
+
+def test_broken_directories_are_named(tiny_hf, tmp_path):
+    from elastic_plugin.checkpoint.hub import HUB_INDEX, parse_shard_size, read_hub_tensors
+    from elastic_plugin.export.hf import write_hf_checkpoint
+    from elastic_plugin.models.config import ConfigError
+
+    _, hf, config = tiny_hf
+    write_hf_checkpoint(tmp_path, hf, config, "fp32", max_shard_bytes=200_000)
+    index = json.loads((tmp_path / HUB_INDEX).read_text())
+    last = sorted(set(index["weight_map"].values()))[-1]
+    data = (tmp_path / last).read_bytes()
+    (tmp_path / last).write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match=f"{last}: not a readable safetensors file"):
+        read_hub_tensors(tmp_path)
+    (tmp_path / last).unlink()
+    with pytest.raises(ConfigError, match=f"{HUB_INDEX} names {last}, which is not in"):
+        read_hub_tensors(tmp_path)
+    with pytest.raises(ConfigError, match="no model.safetensors or"):
+        read_hub_tensors(tmp_path / "nothing")
+    assert parse_shard_size("5GB") == 5 * 10**9 and parse_shard_size("2GiB") == 2 * 2**30
+    assert parse_shard_size(1234) == 1234
+    for bad in ("five", "0", "-1MB"):
+        with pytest.raises(ConfigError, match="--max-shard-size"):
+            parse_shard_size(bad)
+
+
+def test_hf_slicing_equals_the_megatron_slicing(tmp_path):
+    """A budget cut from the full model's HF tensors == the HF tensors of the budget's Megatron
+    slice, bit for bit, for a homogeneous and a per-layer choice."""
+    from elastic_plugin.compat import enable_cpu_megatron
+    from elastic_plugin.export.hf import megatron_to_hf
+    from elastic_plugin.export.hf_slicing import slice_hf_state
+    from elastic_plugin.models.config import ConfigError, load_config
+    from elastic_plugin.nested.slicing import sliced_state_dict
+    from elastic_plugin.parallel import (
+        Layout,
+        build_model_chunks,
+        init_distributed,
+        initialize_layout,
+    )
+    from elastic_plugin.testing.export_cases import PER_LAYER, SMALL
+
+    enable_cpu_megatron()
+    init_distributed()
+    initialize_layout(Layout(), seed=17)
+    cfg = load_config(CONFIG).model
+    model = build_model_chunks(cfg, Layout(), wrap_ddp=False)[0][0]
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for tensor in model.parameters():
+            tensor.add_(0.1 * torch.randn(tensor.shape, generator=gen))
+    full = megatron_to_hf(model.state_dict(), cfg)
+    for choice in (SMALL, PER_LAYER):
+        expected = megatron_to_hf(sliced_state_dict(model, cfg, choice), cfg)
+        got = slice_hf_state(full, cfg, choice)
+        assert set(got) == set(expected)
+        for key in expected:
+            assert torch.equal(got[key], expected[key]), key
+    with pytest.raises(ConfigError, match="attention_heads"):
+        slice_hf_state(full, cfg, {"attention_heads": 3})
+
+
+@pytest.fixture(scope="module")
+def nested_run(rank_pools, tmp_path_factory):
+    work = tmp_path_factory.mktemp("nested_export")
+    (result,) = rank_pools.get(1).run(
+        "elastic_plugin.testing.export_cases:nested_export_case",
+        config_path=CONFIG,
+        workdir=str(work),
+    )
+    return result
+
+
+@pytest.mark.multirank
+def test_every_budget_sliced_from_one_nested_directory_is_its_own_export(nested_run):
+    r = nested_run
+    assert "nested_config.json" in r["files"] and "model.safetensors.index.json" in r["files"]
+    config = r["nested_config"]
+    assert [b["label"] for b in config["budgets"]] == ["1", "0.77", "0.4"]
+    per_layer = next(b for b in config["budgets"] if b["label"] == "0.77")
+    assert per_layer["sizes"]["mamba_heads"] == {"1": 4, "5": 8}
+    assert config["budgets"][0]["params"]["total"] > per_layer["params"]["total"]
+    for row in r["rows"]:
+        print(row)
+        assert row["exit"] == 0 and row["same_keys"] and row["bitwise"] and row["config_equal"], row
+        assert row["load_nested_vs_export"] == 0.0, row
+    # one directory for three models: smaller than the three separate exports together
+    assert r["nested"]["bytes"] < sum(row["bytes_own"] for row in r["rows"])
+
+
+@pytest.mark.multirank
+def test_slice_refuses_bad_input_before_writing(nested_run):
+    errors = nested_run["errors"]
+    assert all(e["exit"] == 2 and not e["written"] for e in errors.values()), errors
+    assert "--budget 0.5: not a budget of" in errors["untrained"]["stderr"]
+    assert "trained budgets: 1, 0.77, 0.4" in errors["untrained"]["stderr"]
+    assert "no nested_config.json" in errors["not_nested"]["stderr"]
+    assert "--out" in errors["out_taken"]["stderr"]
