@@ -12,7 +12,7 @@ import sys
 
 
 def _register_all(subparsers: argparse._SubParsersAction) -> None:
-    from elastic_plugin import info
+    from elastic_plugin import info, serve_check
     from elastic_plugin.data import cli as data_cli
     from elastic_plugin.elastic import cli as elastic_cli
     from elastic_plugin.evaluation import cli as evaluate_cli
@@ -35,6 +35,7 @@ def _register_all(subparsers: argparse._SubParsersAction) -> None:
         export_cli,
         evaluate_cli,
         generate_cli,
+        serve_check,
     ):
         module.register_subcommand(subparsers)
 

@@ -18,28 +18,21 @@ CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tin
 
 
 @pytest.fixture(scope="module")
-def tiny_hf():
-    """The tiny Megatron model (perturbed, so a wrong mapping shows) in transformers' names."""
-    from elastic_plugin.compat import enable_cpu_megatron
-    from elastic_plugin.export.hf import hf_config, megatron_to_hf
-    from elastic_plugin.models.config import load_config
-    from elastic_plugin.parallel import (
-        Layout,
-        build_model_chunks,
-        init_distributed,
-        initialize_layout,
-    )
+def tiny():
+    """The tiny Megatron model, perturbed (so a wrong mapping shows), and its HF tensors."""
+    from elastic_plugin.export.hf import megatron_to_hf
+    from elastic_plugin.testing.inference_cases import tiny_inference_model
 
-    enable_cpu_megatron()
-    init_distributed()
-    initialize_layout(Layout(), seed=13)
-    cfg = load_config(CONFIG).model
-    model = build_model_chunks(cfg, Layout(), wrap_ddp=False)[0][0].eval()
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for tensor in model.parameters():
-            tensor.add_(0.1 * torch.randn(tensor.shape, generator=gen))
-    hf = megatron_to_hf(model.state_dict(), cfg)
+    model, cfg = tiny_inference_model(seed=13)
+    return cfg, model, megatron_to_hf(model.state_dict(), cfg)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tiny):
+    """The tiny model in transformers' names with its config.json."""
+    from elastic_plugin.export.hf import hf_config
+
+    cfg, _, hf = tiny
     return cfg, hf, hf_config(hf, cfg, "fp32", {"pad": 0, "eos": 1})
 
 
@@ -152,32 +145,16 @@ def test_broken_directories_are_named(tiny_hf, tmp_path):
             parse_shard_size(bad)
 
 
-def test_hf_slicing_equals_the_megatron_slicing(tmp_path):
+def test_hf_slicing_equals_the_megatron_slicing(tiny):
     """A budget cut from the full model's HF tensors == the HF tensors of the budget's Megatron
     slice, bit for bit, for a homogeneous and a per-layer choice."""
-    from elastic_plugin.compat import enable_cpu_megatron
     from elastic_plugin.export.hf import megatron_to_hf
     from elastic_plugin.export.hf_slicing import slice_hf_state
-    from elastic_plugin.models.config import ConfigError, load_config
+    from elastic_plugin.models.config import ConfigError
     from elastic_plugin.nested.slicing import sliced_state_dict
-    from elastic_plugin.parallel import (
-        Layout,
-        build_model_chunks,
-        init_distributed,
-        initialize_layout,
-    )
     from elastic_plugin.testing.export_cases import PER_LAYER, SMALL
 
-    enable_cpu_megatron()
-    init_distributed()
-    initialize_layout(Layout(), seed=17)
-    cfg = load_config(CONFIG).model
-    model = build_model_chunks(cfg, Layout(), wrap_ddp=False)[0][0]
-    gen = torch.Generator().manual_seed(9)
-    with torch.no_grad():
-        for tensor in model.parameters():
-            tensor.add_(0.1 * torch.randn(tensor.shape, generator=gen))
-    full = megatron_to_hf(model.state_dict(), cfg)
+    cfg, model, full = tiny
     for choice in (SMALL, PER_LAYER):
         expected = megatron_to_hf(sliced_state_dict(model, cfg, choice), cfg)
         got = slice_hf_state(full, cfg, choice)
@@ -224,3 +201,45 @@ def test_slice_refuses_bad_input_before_writing(nested_run):
     assert "trained budgets: 1, 0.77, 0.4" in errors["untrained"]["stderr"]
     assert "no nested_config.json" in errors["not_nested"]["stderr"]
     assert "--out" in errors["out_taken"]["stderr"]
+
+
+@pytest.fixture(scope="module")
+def serve_checked(rank_pools, tmp_path_factory):
+    work = tmp_path_factory.mktemp("serve_check")
+    (result,) = rank_pools.get(1).run(
+        "elastic_plugin.testing.export_cases:serve_check_case",
+        config_path=CONFIG,
+        workdir=str(work),
+    )
+    return result
+
+
+@pytest.mark.multirank
+def test_serve_check_passes_every_format_and_catches_a_tampered_export(serve_checked):
+    r = serve_checked
+    loaders = {
+        "hf_1_bf16": "transformers AutoModelForCausalLM",
+        "hf_0.4_fp32": "transformers AutoModelForCausalLM",
+        "hf_0.4_fp8": "elastic_plugin load_hf_model",
+        "hf_0.4_nvfp4": "elastic_plugin load_hf_model",
+        "hf_0.77_fp32": "elastic_plugin load_hf_model",  # per-layer widths
+        "nested_0.77": "load_nested",
+    }
+    for name, loader in loaders.items():
+        result = r[name]["result"]
+        print(name, result)
+        assert r[name]["exit"] == 0 and result["ok"] and result["loader"] == loader, r[name]
+        assert not result["missing_keys"] and not result["unexpected_keys"]
+    assert r["hf_0.4_fp32"]["result"]["max_abs_diff"] <= 1e-5
+    assert (
+        r["hf_0.77_fp32"]["result"]["per_layer"]
+        and r["hf_0.77_fp32"]["result"]["max_abs_diff"] <= 1e-5
+    )
+    assert r["hf_0.4_fp8"]["result"]["precision"] == "fp8"
+    tampered = r["tampered"]
+    assert tampered["exit"] == 1 and not tampered["result"]["ok"]
+    assert tampered["result"]["max_abs_diff"] > 1e-3
+    assert r["nested_without_budget"]["exit"] == 2
+    assert "is a nested directory; name the budget" in r["nested_without_budget"]["stderr"]
+    assert r["budget_on_plain"]["exit"] == 2
+    assert "--budget goes with a nested directory" in r["budget_on_plain"]["stderr"]

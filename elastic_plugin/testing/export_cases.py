@@ -230,3 +230,54 @@ def nested_export_case(config_path: str, workdir: str) -> dict[str, Any]:
         "rows": rows,
         "errors": errors,
     }
+
+
+def serve_check_case(config_path: str, workdir: str) -> dict[str, Any]:
+    """1 rank: ``serve-check`` on every export format of a trained checkpoint (HF fp32 / bf16 /
+    FP8 / NVFP4, per-layer, a nested directory's budget), on a tampered export, and on bad input."""
+    import contextlib
+    import io
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from elastic_plugin.cli import main
+    from elastic_plugin.export.extract import extract_nested
+    from elastic_plugin.export.nested_hf import write_nested_export
+
+    work = Path(workdir)
+    ckpt = train_checkpoint(config_path, work)
+    exports = {}
+    for budget, dtype, quantize in (
+        (1.0, "bf16", None),
+        (0.4, "fp32", None),
+        (0.4, "bf16", "fp8"),
+        (0.4, "bf16", "nvfp4"),
+        (0.77, "fp32", None),
+    ):
+        name = f"hf_{budget:g}_{quantize or dtype}"
+        extract_nested(ckpt, budget, work / name, fmt="hf", dtype=dtype, quantize=quantize)
+        exports[name] = [str(work / name)]
+    write_nested_export(ckpt, work / "nested")
+    exports["nested_0.77"] = [str(work / "nested"), "--budget", "0.77"]
+    tampered = work / "tampered"
+    shutil.copytree(work / "hf_0.4_fp32", tampered)
+    weights = load_file(str(tampered / "model.safetensors"))
+    key = "backbone.layers.1.mixer.k_proj.weight"
+    weights[key] = weights[key] * 1.5
+    save_file(weights, str(tampered / "model.safetensors"), metadata={"format": "pt"})
+    exports["tampered"] = [str(tampered)]
+    exports["nested_without_budget"] = [str(work / "nested")]
+    exports["budget_on_plain"] = [str(work / "hf_0.4_fp32"), "--budget", "0.4"]
+    results = {}
+    for name, argv in exports.items():
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["serve-check", *argv, "--json"])
+        text = out.getvalue()
+        results[name] = {
+            "exit": code,
+            "result": json.loads(text[text.index("{") :]) if "{" in text else None,
+            "stderr": err.getvalue(),
+        }
+    return results
