@@ -243,3 +243,23 @@ def test_serve_check_passes_every_format_and_catches_a_tampered_export(serve_che
     assert "is a nested directory; name the budget" in r["nested_without_budget"]["stderr"]
     assert r["budget_on_plain"]["exit"] == 2
     assert "--budget goes with a nested directory" in r["budget_on_plain"]["stderr"]
+
+
+def test_slicing_the_files_reads_the_same_tensors(tiny_hf, tmp_path):
+    """``slice_hub_files`` (reads only what a budget keeps, shard by shard) == slicing the whole
+    state in memory, for a homogeneous and a per-layer choice."""
+    from elastic_plugin.checkpoint.hub import from_hub
+    from elastic_plugin.export.hf import write_hf_checkpoint
+    from elastic_plugin.export.hf_slicing import slice_hf_state, slice_hub_files
+    from elastic_plugin.testing.export_cases import PER_LAYER, SMALL
+
+    cfg, hf, config = tiny_hf
+    write_hf_checkpoint(tmp_path, hf, config, "bf16", max_shard_bytes=100_000)
+    stored = from_hub(_stored(tmp_path))
+    for choice in (SMALL, PER_LAYER):
+        expected = slice_hf_state(stored, cfg, choice)
+        got = slice_hub_files(tmp_path, cfg, choice)
+        assert set(got) == set(expected)
+        assert all(
+            torch.equal(got[k], expected[k]) and got[k].dtype == expected[k].dtype for k in got
+        )

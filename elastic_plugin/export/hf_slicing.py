@@ -14,7 +14,10 @@ Tensors use transformers' in-memory names (``checkpoint.hub.from_hub`` of the st
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,9 +25,12 @@ from elastic_plugin.models.config import ConfigError, ModelConfig
 from elastic_plugin.models.prefix import mamba_rows, query_rows
 from elastic_plugin.nested.choice import choice_sizes
 
-__all__ = ["slice_hf_state"]
+__all__ = ["slice_hf_state", "slice_hub_files"]
 
 Cut = tuple[tuple[int, int | torch.Tensor], ...]  # (dim, prefix length or index set) per dim
+_PER_EXPERT = re.compile(
+    r"^(?P<head>.*\.mixer\.experts)\.(?P<e>\d+)\.(?P<proj>up_proj|down_proj)\.weight$"
+)
 
 
 def _cut(tensor: torch.Tensor, cut: Cut) -> torch.Tensor:
@@ -114,15 +120,8 @@ def _layer_cuts(
     return cuts
 
 
-@torch.no_grad()
-def slice_hf_state(
-    hf: Mapping[str, torch.Tensor],
-    model: ModelConfig,
-    choice: Mapping[str, int | Sequence[int]],
-) -> dict[str, torch.Tensor]:
-    """The nested model of ``choice`` (axis -> size, or one size per layer of the axis) cut
-    from the full model's NemotronH tensors (``model`` their config). Raises ``ConfigError``
-    for a choice the model cannot take or a tensor no rule covers (fresh copies returned)."""
+def _cuts(model: ModelConfig, choice: Mapping[str, int | Sequence[int]]) -> dict[str, Cut]:
+    """The cut of every tensor of the nested model of ``choice`` (transformers' names)."""
     sizes = choice_sizes(model, choice)
     h = sizes["embedding"][None]
     cuts: dict[str, Cut] = {
@@ -133,10 +132,77 @@ def slice_hf_state(
     for i, kind in enumerate(model.layer_types):
         for name, cut in _layer_cuts(model, kind, i + 1, sizes).items():
             cuts[f"model.layers.{i}.{name}"] = cut
+    return cuts
+
+
+def _no_rule(keys: list[str]) -> ConfigError:
+    return ConfigError(
+        f"slice: tensors without a slicing rule: {sorted(keys)[:3]} (a quantized or foreign "
+        "checkpoint?)"
+    )
+
+
+@torch.no_grad()
+def slice_hf_state(
+    hf: Mapping[str, torch.Tensor],
+    model: ModelConfig,
+    choice: Mapping[str, int | Sequence[int]],
+) -> dict[str, torch.Tensor]:
+    """The nested model of ``choice`` (axis -> size, or one size per layer of the axis) cut
+    from the full model's NemotronH tensors (``model`` their config). Raises ``ConfigError``
+    for a choice the model cannot take or a tensor no rule covers (fresh copies returned)."""
+    cuts = _cuts(model, choice)
     unknown = sorted(set(hf) - set(cuts))
     if unknown:
-        raise ConfigError(
-            f"slice: tensors without a slicing rule: {unknown[:3]} (a quantized or "
-            "foreign checkpoint?)"
-        )
+        raise _no_rule(unknown)
     return {key: _cut(value, cuts[key]) for key, value in hf.items()}
+
+
+@torch.no_grad()
+def slice_hub_files(
+    path: str | Path, model: ModelConfig, choice: Mapping[str, int | Sequence[int]]
+) -> dict[str, torch.Tensor]:
+    """:func:`slice_hf_state` of a Hub directory's files (equal to it), reading only what the
+    budget keeps: routed experts past the budget are not read at all, and a tensor cut to
+    leading prefixes is read through ``safe_open(...).get_slice``."""
+    from safetensors import safe_open
+
+    from elastic_plugin.checkpoint.hub import HUB_PREFIX, MEMORY_PREFIX, hub_weight_files
+
+    cuts = _cuts(model, choice)
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    unknown = []
+    for file in hub_weight_files(path):
+        with safe_open(str(file), "pt") as handle:
+            for key in handle.keys():
+                name = MEMORY_PREFIX + key[len(HUB_PREFIX) :] if key.startswith(HUB_PREFIX) else key
+                expert = _PER_EXPERT.match(name)
+                if expert is not None:
+                    stacked = f"{expert['head']}.{expert['proj']}"
+                    if stacked not in cuts:
+                        unknown.append(key)
+                        continue
+                    (_, keep), *rest = cuts[stacked]  # the expert axis, then the rest
+                    if int(expert["e"]) < int(keep):
+                        cut = tuple((dim - 1, index) for dim, index in rest)
+                        experts.setdefault(stacked, {})[int(expert["e"])] = _read(handle, key, cut)
+                elif name in cuts:
+                    out[name] = _read(handle, key, cuts[name])
+                else:
+                    unknown.append(key)
+    if unknown:
+        raise _no_rule(unknown)
+    for stacked, members in experts.items():
+        out[stacked] = torch.stack([members[e] for e in sorted(members)])
+    return out
+
+
+def _read(handle: Any, key: str, cut: Cut) -> torch.Tensor:
+    if all(isinstance(index, int) for _, index in cut):
+        view = handle.get_slice(key)
+        index = [slice(None)] * len(view.get_shape())
+        for dim, keep in cut:
+            index[dim] = slice(0, keep)
+        return view[tuple(index)].clone(memory_format=torch.contiguous_format)
+    return _cut(handle.get_tensor(key), cut)

@@ -98,9 +98,8 @@ def _budget_entry(path: str | Path, config: Mapping[str, Any], budget: float) ->
 
 def _sliced(path: Path, budget: float) -> tuple[dict[str, Any], dict[str, Any], Any]:
     """(budget entry, full config.json, sliced in-memory tensors) of one budget."""
-    from elastic_plugin.checkpoint.hub import from_hub, read_hub_tensors
     from elastic_plugin.export.hf import HF_CONFIG, HF_QUANT_CONFIG
-    from elastic_plugin.export.hf_slicing import slice_hf_state
+    from elastic_plugin.export.hf_slicing import slice_hub_files
 
     config = read_nested_config(path)
     entry = _budget_entry(path, config, budget)
@@ -111,7 +110,7 @@ def _sliced(path: Path, budget: float) -> tuple[dict[str, Any], dict[str, Any], 
         )
     model = ModelConfig(**config["model"])
     hf_config = json.loads((path / HF_CONFIG).read_text())
-    tensors = slice_hf_state(from_hub(read_hub_tensors(path)), model, entry["choice"])
+    tensors = slice_hub_files(path, model, entry["choice"])
     return entry, hf_config, (model, tensors)
 
 
