@@ -194,6 +194,14 @@ def test_every_budget_sliced_from_one_nested_directory_is_its_own_export(nested_
 
 
 @pytest.mark.multirank
+def test_a_killed_slice_leaves_no_output(nested_run):
+    r = nested_run
+    assert r["interrupted"] == "killed mid-save"
+    assert r["after_kill"] == {"out": False, "tmp": True}
+    assert r["rerun_equal"] and not r["rerun_tmp"]
+
+
+@pytest.mark.multirank
 def test_slice_refuses_bad_input_before_writing(nested_run):
     errors = nested_run["errors"]
     assert all(e["exit"] == 2 and not e["written"] for e in errors.values()), errors

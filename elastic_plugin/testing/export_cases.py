@@ -153,7 +153,7 @@ def nested_export_case(config_path: str, workdir: str) -> dict[str, Any]:
     from elastic_plugin.checkpoint.hub import from_hub, read_hub_tensors
     from elastic_plugin.cli import main
     from elastic_plugin.export.extract import extract_nested
-    from elastic_plugin.export.nested_hf import load_nested, write_nested_export
+    from elastic_plugin.export.nested_hf import load_nested, slice_nested, write_nested_export
     from elastic_plugin.models.config import load_config
 
     work = Path(workdir)
@@ -185,6 +185,30 @@ def nested_export_case(config_path: str, workdir: str) -> dict[str, Any]:
                 "bytes_own": sum(p.stat().st_size for p in own.iterdir()),
             }
         )
+    # a slice killed while writing its weights leaves only <out>.tmp; a rerun replaces it
+    import safetensors.torch as st
+
+    original = st.save_file
+
+    def dying_save(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"partial")
+        raise RuntimeError("killed mid-save")
+
+    killed = work / "killed"
+    st.save_file = dying_save
+    try:
+        slice_nested(work / "nested", 0.4, killed)
+        interrupted = "no error"
+    except RuntimeError as exc:
+        interrupted = str(exc)
+    finally:
+        st.save_file = original
+    after_kill = {"out": killed.exists(), "tmp": killed.with_name(killed.name + ".tmp").exists()}
+    slice_nested(work / "nested", 0.4, killed)
+    rerun = from_hub(read_hub_tensors(killed))
+    rerun_equal = all(
+        torch.equal(rerun[k], v) for k, v in from_hub(read_hub_tensors(work / "hf_0.4")).items()
+    )
     errors = {}
     for name, argv in {
         "untrained": [
@@ -229,6 +253,10 @@ def nested_export_case(config_path: str, workdir: str) -> dict[str, Any]:
         "nested_config": json.loads((work / "nested" / "nested_config.json").read_text()),
         "rows": rows,
         "errors": errors,
+        "interrupted": interrupted,
+        "after_kill": after_kill,
+        "rerun_equal": rerun_equal,
+        "rerun_tmp": killed.with_name(killed.name + ".tmp").exists(),
     }
 
 
