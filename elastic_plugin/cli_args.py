@@ -49,10 +49,11 @@ def layout_from_args(args: argparse.Namespace, parallel: Any) -> Layout:
 
 
 def check_data_path_args(args: argparse.Namespace) -> None:
-    """--data-path / --valid-data-path must be Megatron indexed datasets, with a tokenizer.json."""
+    """--data-path / --valid-data-path (where the command has it) must be Megatron indexed
+    datasets, with a tokenizer.json."""
     for flag, value in (
         ("--data-path", args.data_path),
-        ("--valid-data-path", args.valid_data_path),
+        ("--valid-data-path", getattr(args, "valid_data_path", None)),
     ):
         if value and not Path(value + ".idx").is_file():
             raise ConfigError(

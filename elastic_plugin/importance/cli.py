@@ -12,7 +12,12 @@ import argparse
 from pathlib import Path
 
 from elastic_plugin.checkpoint.meta import read_checkpoint_meta
-from elastic_plugin.cli_args import add_layout_args, layout_from_args, start_ranks
+from elastic_plugin.cli_args import (
+    add_layout_args,
+    check_data_path_args,
+    layout_from_args,
+    start_ranks,
+)
 from elastic_plugin.cli_errors import report_bad_input
 from elastic_plugin.importance.hooks import AXES
 from elastic_plugin.models.config import ConfigError, ParallelConfig
@@ -110,14 +115,7 @@ def _calibration(args, meta, cfg, seq_length: int):
     from elastic_plugin.data.tokenizer import JsonTokenizer
 
     if args.data_path:
-        if not Path(args.data_path + ".idx").is_file():
-            raise ConfigError(
-                f"--data-path {args.data_path}: no .idx/.bin (Megatron indexed dataset prefix)"
-            )
-        if not args.tokenizer or not Path(args.tokenizer).is_file():
-            raise ConfigError(
-                f"--tokenizer {args.tokenizer}: --data-path needs an existing tokenizer.json"
-            )
+        check_data_path_args(args)
         tokenizer, prefix = JsonTokenizer.from_file(args.tokenizer), args.data_path
     else:
         prepared_dir = (meta.get("data") or {}).get("prepared")
