@@ -6,9 +6,12 @@ them only; interleaving (with a rotating order) spreads it over all, and medians
 
 from __future__ import annotations
 
+import itertools
+import shutil
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -67,3 +70,18 @@ def keep_freed_memory() -> bool:
         )
     except (OSError, AttributeError):
         return False
+
+
+def copy_floor(work: Path, nbytes: int) -> Callable[[], None]:
+    """A timed step that copies a file of ``nbytes`` inside ``work`` (and deletes the copy): the
+    floor any writer of that many bytes pays on this disk, to set beside a step that writes them."""
+    blob = work / f"blob_{nbytes}.bin"
+    blob.write_bytes(bytes(nbytes))
+    names = itertools.count()
+
+    def copy() -> None:
+        target = work / f"copy_{next(names)}.bin"
+        shutil.copyfile(blob, target)
+        target.unlink()
+
+    return copy

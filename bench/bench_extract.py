@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _timing import interleaved_medians  # noqa: E402
+from _timing import copy_floor, interleaved_medians  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = ROOT / "examples" / "configs" / "tiny.yaml"
@@ -114,19 +114,14 @@ def run(
                     load_s = time.perf_counter() - began
                 sample = run_extraction(plan(), source)
                 size = sample["bytes"]
-                blob = work / "blob.bin"
-                blob.write_bytes(bytes(size))
 
                 def extract():
                     out = run_extraction(plan(), source)["out"]
                     shutil.rmtree(out)
 
-                def copy():
-                    target = work / f"copy_{next(counter)}.bin"
-                    shutil.copyfile(blob, target)
-                    target.unlink()
-
-                times = interleaved_medians({"extract": extract, "copy": copy}, reps=reps, warmup=1)
+                times = interleaved_medians(
+                    {"extract": extract, "copy": copy_floor(work, size)}, reps=reps, warmup=1
+                )
                 mb = round(size / 1e6, 6)  # the rates below are of the MB reported
                 rows.append(
                     {

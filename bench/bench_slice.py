@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _timing import interleaved_medians  # noqa: E402
+from _timing import copy_floor, interleaved_medians  # noqa: E402
 from bench_extract import BUDGETS, _checkpoint  # noqa: E402
 
 
@@ -50,20 +50,15 @@ def run(
                 for b in BUDGETS
             }
             for budget in BUDGETS:
-                blob = work / "blob.bin"
-                blob.write_bytes(bytes(sizes[budget]))
 
                 def cut():
                     out = work / f"slice_{next(counter)}"
                     slice_nested(work / "nested", float(budget), out)
                     shutil.rmtree(out)
 
-                def copy():
-                    target = work / f"copy_{next(counter)}.bin"
-                    shutil.copyfile(blob, target)
-                    target.unlink()
-
-                times = interleaved_medians({"slice": cut, "copy": copy}, reps=reps, warmup=1)
+                times = interleaved_medians(
+                    {"slice": cut, "copy": copy_floor(work, sizes[budget])}, reps=reps, warmup=1
+                )
                 mb = sizes[budget] / 1e6
                 rows.append(
                     {

@@ -63,9 +63,14 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
     """Everything the files and flags say, checked before any model is built."""
     from elastic_plugin.checkpoint.hub import hub_weight_files
-    from elastic_plugin.checkpoint.meta import match_budget, read_elastic_meta, stored_choice
+    from elastic_plugin.checkpoint.meta import (
+        match_budget,
+        read_elastic_meta,
+        stored_choice,
+        trained_budgets,
+    )
     from elastic_plugin.export.extract import EXPORT_META
-    from elastic_plugin.export.hf import HF_CONFIG, HF_QUANT_CONFIG
+    from elastic_plugin.export.hf import HF_CONFIG, HF_QUANT_CONFIG, config_dtype
     from elastic_plugin.export.nested_hf import NESTED_CONFIG, read_nested_config
 
     path = Path(args.dir)
@@ -91,7 +96,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         budget = args.budget
     else:
         budget = float(export_meta["budget"])
-    match = match_budget(float(budget), [float(b) for b in meta["elastic"]["budgets"]])
+    match = match_budget(float(budget), trained_budgets(meta))
     if match is None:
         raise ConfigError(f"--budget {budget}: not a trained budget of --ckpt {ckpt}")
     config = json.loads((path / HF_CONFIG).read_text())
@@ -103,7 +108,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
             .get("quant_algo", "quantized")
             .lower()
         )
-    dtype = {"float32": "fp32", "float16": "fp16"}.get(str(config.get("torch_dtype")), "bf16")
+    dtype = config_dtype(config)
     choice = stored_choice(meta, match, ckpt)
     return {
         "path": path,

@@ -54,6 +54,7 @@ __all__ = [
     "build_hf_model",
     "generation_config",
     "tokenizer_token_ids",
+    "config_dtype",
     "HF_WEIGHTS",
     "HF_CONFIG",
 ]
@@ -71,6 +72,7 @@ PATTERN = {"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}
 # the clamp a no-op for every positive dt.
 NO_DT_FLOOR = float(torch.finfo(torch.float32).tiny)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_TORCH_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # config.json
 
 
 # ------------------------------------------------------------------------------ renaming
@@ -304,7 +306,7 @@ def hf_config(
     config = {
         "architectures": [HF_ARCHITECTURE],
         "model_type": "nemotron_h",
-        "torch_dtype": {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype],
+        "torch_dtype": _TORCH_DTYPE_NAMES[dtype],
         "vocab_size": int(vocab),
         "hidden_size": int(hidden),
         "layers_block_type": blocks,
@@ -406,6 +408,13 @@ def write_hf_checkpoint(
     for name, payload in (extra_files or {}).items():
         (out / name).write_text(json.dumps(payload, indent=2) + "\n")
     return sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+
+
+def config_dtype(config: Mapping[str, Any]) -> str:
+    """Our dtype name ("bf16", "fp16", "fp32") of a ``config.json``'s ``torch_dtype`` (bf16 when
+    it names none of them)."""
+    names = {v: k for k, v in _TORCH_DTYPE_NAMES.items()}
+    return names.get(str(config.get("torch_dtype")), "bf16")
 
 
 def tokenizer_token_ids(tokenizer_file: str | Path | None) -> dict[str, int]:

@@ -130,8 +130,8 @@ def slice_nested(
     (written as ``<out>.tmp`` and renamed: an interrupted run leaves no ``<out>``)."""
     from elastic_plugin.checkpoint.hub import DEFAULT_MAX_SHARD_BYTES, parse_shard_size
     from elastic_plugin.checkpoint.io import fresh_temporary, publish_directory
+    from elastic_plugin.export.hf import config_dtype, write_hf_checkpoint
     from elastic_plugin.export.hf import hf_config as make_hf_config
-    from elastic_plugin.export.hf import write_hf_checkpoint
 
     path, out = Path(hf_dir), Path(out_dir)
     shard = DEFAULT_MAX_SHARD_BYTES if max_shard_size is None else parse_shard_size(max_shard_size)
@@ -140,12 +140,12 @@ def slice_nested(
             f"--out {out}: exists and is not an empty directory (nothing is overwritten)"
         )
     entry, full_config, (model, tensors) = _sliced(path, budget)
-    dtype = {"float32": "fp32", "float16": "fp16"}.get(str(full_config.get("torch_dtype")), "bf16")
+    dtype = config_dtype(full_config)
     ids = {k: full_config.get(f"{k}_token_id") for k in ("pad", "bos", "eos")}
     config = make_hf_config(tensors, model, dtype, {k: v for k, v in ids.items() if v is not None})
     tokenizer = path / "tokenizer.json"
     tmp = fresh_temporary(out)
-    write_hf_checkpoint(
+    size = write_hf_checkpoint(
         tmp,
         tensors,
         config,
@@ -167,7 +167,6 @@ def slice_nested(
         max_shard_bytes=shard,
     )
     publish_directory(tmp, out)
-    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     return {
         "out": str(out.resolve()),
         "budget": entry["budget"],
@@ -213,16 +212,15 @@ def write_nested_export(
         tokenizer_token_ids,
         write_hf_checkpoint,
     )
-    from elastic_plugin.models.config import config_from_dict
     from elastic_plugin.nested.choice import nested_params
     from elastic_plugin.nested.slicing import nested_state_dict
 
     ckpt, out = Path(ckpt_dir), Path(out_dir)
     shard = DEFAULT_MAX_SHARD_BYTES if max_shard_size is None else parse_shard_size(max_shard_size)
+    # the same input checks as every per-budget HF export (format, dtype, --out), on the full budget
     meta = read_elastic_meta(ckpt)
-    model = config_from_dict(meta["config"], source=f"--ckpt {ckpt}").model
-    # the same input checks as every per-budget HF export (format, dtype, --out)
     plan = plan_extraction(ckpt, max(trained_budgets(meta)), out, fmt="hf", dtype=dtype)
+    model = plan.model
     params = {
         label: nested_params(meta, model, choice, ckpt)
         for label, choice in stored_choices(meta).items()
@@ -232,7 +230,7 @@ def write_nested_export(
     config = hf_config(tensors, model, dtype, tokenizer_token_ids(meta.get("tokenizer")))
     nested = nested_config(meta, model, params)
     tmp = fresh_temporary(out)
-    write_hf_checkpoint(
+    size = write_hf_checkpoint(
         tmp,
         tensors,
         config,
@@ -251,7 +249,6 @@ def write_nested_export(
         max_shard_bytes=shard,
     )
     publish_directory(tmp, out)
-    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     return {
         "out": str(out.resolve()),
         "bytes": size,

@@ -5,6 +5,7 @@ each budget (the reference), and HF / quantized exports of them compared with it
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,27 @@ PER_LAYER = {
     "shared_ffn": [64, 128],
     "ffn": [128, 256],
 }
+
+
+def killed_mid_save(write: Callable[[], Any]) -> str:
+    """Run ``write`` with safetensors' ``save_file`` dying after it created its file (a job
+    killed mid-save); returns the error it raised ("no error" if none)."""
+    import safetensors.torch as st
+
+    original = st.save_file
+
+    def dying_save(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"partial")
+        raise RuntimeError("killed mid-save")
+
+    st.save_file = dying_save
+    try:
+        write()
+        return "no error"
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        st.save_file = original
 
 
 def _tokens(vocab: int) -> torch.Tensor:
@@ -114,23 +136,8 @@ def hf_export_case(config_path: str, workdir: str) -> dict[str, Any]:
         per_layer_megatron = str(exc)
 
     # interrupted: the safetensors write dies after creating a file in <out>.tmp
-    import safetensors.torch as st
-
-    original = st.save_file
-
-    def dying_save(tensors, filename, *args, **kwargs):
-        Path(filename).write_bytes(b"partial")
-        raise RuntimeError("killed mid-save")
-
-    st.save_file = dying_save
     out = work / "interrupted"
-    try:
-        extract_nested(ckpt, 0.4, out, fmt="hf")
-        interrupted = "no error"
-    except RuntimeError as exc:
-        interrupted = str(exc)
-    finally:
-        st.save_file = original
+    interrupted = killed_mid_save(lambda: extract_nested(ckpt, 0.4, out, fmt="hf"))
     after = {"out": out.exists(), "tmp": out.with_name(out.name + ".tmp").exists()}
     extract_nested(ckpt, 0.4, out, fmt="hf", dtype="fp32")
     rerun = (hf_logits(out, vocab) - refs["0.4"]).abs().max().item()
@@ -186,23 +193,8 @@ def nested_export_case(config_path: str, workdir: str) -> dict[str, Any]:
             }
         )
     # a slice killed while writing its weights leaves only <out>.tmp; a rerun replaces it
-    import safetensors.torch as st
-
-    original = st.save_file
-
-    def dying_save(tensors, filename, *args, **kwargs):
-        Path(filename).write_bytes(b"partial")
-        raise RuntimeError("killed mid-save")
-
     killed = work / "killed"
-    st.save_file = dying_save
-    try:
-        slice_nested(work / "nested", 0.4, killed)
-        interrupted = "no error"
-    except RuntimeError as exc:
-        interrupted = str(exc)
-    finally:
-        st.save_file = original
+    interrupted = killed_mid_save(lambda: slice_nested(work / "nested", 0.4, killed))
     after_kill = {"out": killed.exists(), "tmp": killed.with_name(killed.name + ".tmp").exists()}
     slice_nested(work / "nested", 0.4, killed)
     rerun = from_hub(read_hub_tensors(killed))
