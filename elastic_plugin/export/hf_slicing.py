@@ -25,7 +25,7 @@ from elastic_plugin.models.config import ConfigError, ModelConfig
 from elastic_plugin.models.prefix import mamba_rows, query_rows
 from elastic_plugin.nested.choice import choice_sizes
 
-__all__ = ["slice_hf_state", "slice_hub_files"]
+__all__ = ["Cut", "cut_tensor", "read_cut", "slice_hf_state", "slice_hub_files", "tensor_cuts"]
 
 Cut = tuple[tuple[int, int | torch.Tensor], ...]  # (dim, prefix length or index set) per dim
 _PER_EXPERT = re.compile(
@@ -33,7 +33,7 @@ _PER_EXPERT = re.compile(
 )
 
 
-def _cut(tensor: torch.Tensor, cut: Cut) -> torch.Tensor:
+def cut_tensor(tensor: torch.Tensor, cut: Cut) -> torch.Tensor:
     out = tensor
     for dim, index in cut:
         if isinstance(index, int):
@@ -120,7 +120,7 @@ def _layer_cuts(
     return cuts
 
 
-def _cuts(model: ModelConfig, choice: Mapping[str, int | Sequence[int]]) -> dict[str, Cut]:
+def tensor_cuts(model: ModelConfig, choice: Mapping[str, int | Sequence[int]]) -> dict[str, Cut]:
     """The cut of every tensor of the nested model of ``choice`` (transformers' names)."""
     sizes = choice_sizes(model, choice)
     h = sizes["embedding"][None]
@@ -151,11 +151,11 @@ def slice_hf_state(
     """The nested model of ``choice`` (axis -> size, or one size per layer of the axis) cut
     from the full model's NemotronH tensors (``model`` their config). Raises ``ConfigError``
     for a choice the model cannot take or a tensor no rule covers (fresh copies returned)."""
-    cuts = _cuts(model, choice)
+    cuts = tensor_cuts(model, choice)
     unknown = sorted(set(hf) - set(cuts))
     if unknown:
         raise _no_rule(unknown)
-    return {key: _cut(value, cuts[key]) for key, value in hf.items()}
+    return {key: cut_tensor(value, cuts[key]) for key, value in hf.items()}
 
 
 @torch.no_grad()
@@ -169,7 +169,7 @@ def slice_hub_files(
 
     from elastic_plugin.checkpoint.hub import HUB_PREFIX, MEMORY_PREFIX, hub_weight_files
 
-    cuts = _cuts(model, choice)
+    cuts = tensor_cuts(model, choice)
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}
     unknown = []
@@ -186,9 +186,11 @@ def slice_hub_files(
                     (_, keep), *rest = cuts[stacked]  # the expert axis, then the rest
                     if int(expert["e"]) < int(keep):
                         cut = tuple((dim - 1, index) for dim, index in rest)
-                        experts.setdefault(stacked, {})[int(expert["e"])] = _read(handle, key, cut)
+                        experts.setdefault(stacked, {})[int(expert["e"])] = read_cut(
+                            handle, key, cut
+                        )
                 elif name in cuts:
-                    out[name] = _read(handle, key, cuts[name])
+                    out[name] = read_cut(handle, key, cuts[name])
                 else:
                     unknown.append(key)
     if unknown:
@@ -198,11 +200,11 @@ def slice_hub_files(
     return out
 
 
-def _read(handle: Any, key: str, cut: Cut) -> torch.Tensor:
+def read_cut(handle: Any, key: str, cut: Cut) -> torch.Tensor:
     if all(isinstance(index, int) for _, index in cut):
         view = handle.get_slice(key)
         index = [slice(None)] * len(view.get_shape())
         for dim, keep in cut:
             index[dim] = slice(0, keep)
         return view[tuple(index)].clone(memory_format=torch.contiguous_format)
-    return _cut(handle.get_tensor(key), cut)
+    return cut_tensor(handle.get_tensor(key), cut)

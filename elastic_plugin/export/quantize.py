@@ -68,6 +68,7 @@ __all__ = [
     "DEFAULT_QUANTIZED",
     "check_format",
     "quantize_state_dict",
+    "input_scale",
     "dequantize_state_dict",
     "tensor_bytes",
     "quantized_weight_bytes",
@@ -245,8 +246,6 @@ def quantize_state_dict(
     unknown = sorted(set(amax) - {n.removesuffix(WEIGHT) for n in picked})
     if unknown:
         raise ConfigError(f"input_amax names modules that are not quantized: {unknown[:4]}")
-    act_max = E4M3_MAX if fmt == "fp8" else E2M1_MAX * E4M3_MAX
-
     out: dict[str, torch.Tensor] = {}
     exclude: list[str] = []
     for source, module, t in _entries(state):
@@ -267,9 +266,7 @@ def quantize_state_dict(
             out[module + WEIGHT], out[module + SCALE], out[module + SCALE_2] = quantize_nvfp4(t)
         key = source.removesuffix(WEIGHT)
         if key in amax:
-            out[module + INPUT_SCALE] = _positive(
-                torch.as_tensor(amax[key], dtype=torch.float32).reshape(()) / act_max
-            )
+            out[module + INPUT_SCALE] = input_scale(amax[key], fmt)
 
     quantization: dict = {"quant_algo": QUANT_ALGO[fmt], "kv_cache_quant_algo": None}
     if fmt == "nvfp4":
@@ -279,6 +276,13 @@ def quantize_state_dict(
         "producer": {"name": "elastic_plugin", "version": __version__},
         "quantization": quantization,
     }
+
+
+def input_scale(amax: float | torch.Tensor, fmt: str) -> torch.Tensor:
+    """ModelOpt's static activation scale of a calibrated input |x|max: amax / 448 (FP8) or
+    amax / (6 * 448) (NVFP4's global input scale), 0-d fp32 (0 -> 1)."""
+    act_max = E4M3_MAX if check_format(fmt) == "fp8" else E2M1_MAX * E4M3_MAX
+    return _positive(torch.as_tensor(amax, dtype=torch.float32).reshape(()) / act_max)
 
 
 def _is_embedding(name: str) -> bool:

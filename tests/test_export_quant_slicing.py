@@ -1,0 +1,168 @@
+"""Budgets cut from a quantized (FP8 / NVFP4) full model: the quantized nested checkpoint.
+
+The reference is the plain slicing (``slice_hf_state``, itself tested against Megatron's slicing):
+dequantizing a budget cut from the quantized parent must give exactly the parent's dequantized
+weights cut to that budget, scales carried over, and NVFP4 cuts that keep whole 16-value blocks
+(refused, or kept in high precision, where a budget would cut through one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.export]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from elastic_plugin.export.hf import megatron_to_hf
+    from elastic_plugin.testing.inference_cases import tiny_inference_model
+
+    model, cfg = tiny_inference_model(seed=17)
+    return cfg, megatron_to_hf(model.state_dict(), cfg)
+
+
+# mamba_head_dim 16 of 16: every input cut keeps whole blocks
+ALIGNED = {
+    "embedding": 96,
+    "ffn": 192,
+    "shared_ffn": 64,
+    "attention_heads": 2,
+    "mamba_heads": 4,
+    "mamba_head_dim": 16,
+    "experts": 4,
+}
+
+
+def _choices():
+    from elastic_plugin.testing.export_cases import PER_LAYER, SMALL
+
+    return {"aligned": ALIGNED, "small": SMALL, "per_layer": PER_LAYER}
+
+
+def test_nvfp4_alignment_is_found_from_the_config(tiny):
+    """Only the Mamba out_proj of layers sliced to mamba_head_dim 8 (of 16) cuts through NVFP4
+    blocks; the policy refuses it naming the axis and the way out, or keeps it in BF16."""
+    from elastic_plugin.export.quant_slicing import check_unaligned, unaligned_weights
+    from elastic_plugin.models.config import ConfigError
+    from elastic_plugin.testing.export_cases import PER_LAYER, SMALL
+
+    cfg, _ = tiny
+    assert unaligned_weights(cfg, {"aligned": ALIGNED}) == {}
+    small = unaligned_weights(cfg, {"0.4": SMALL})
+    mamba = [f"model.layers.{i}.mixer.out_proj.weight" for i in (0, 4)]  # "M*E-M*E-"
+    assert sorted(small) == mamba
+    assert "mamba_heads / mamba_head_dim" in small[mamba[0]] and "budget 0.4" in small[mamba[0]]
+    # per layer: mamba_head_dim [16, 8] -> only the second Mamba layer
+    assert sorted(unaligned_weights(cfg, {"0.77": PER_LAYER})) == mamba[1:]
+    with pytest.raises(ConfigError, match="--nvfp4-unaligned high-precision"):
+        check_unaligned(cfg, "nvfp4", {"0.4": SMALL}, "error")
+    check_unaligned(cfg, "nvfp4", {"0.4": SMALL}, "high-precision")
+    check_unaligned(cfg, "fp8", {"0.4": SMALL}, "error")  # FP8 has no blocks
+    with pytest.raises(ConfigError, match="--nvfp4-unaligned 'keep'.*error, high-precision"):
+        check_unaligned(cfg, "nvfp4", {"0.4": SMALL}, "keep")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_a_budget_cut_from_the_quantized_parent_is_the_parents_values_cut(tiny, fmt):
+    from elastic_plugin.export.hf_slicing import slice_hf_state
+    from elastic_plugin.export.quant_slicing import quantize_nested, slice_quantized_state
+    from elastic_plugin.export.quantize import dequantize_state_dict
+
+    cfg, full = tiny
+    choices = _choices()
+    quantized, quant_config = quantize_nested(full, cfg, fmt, choices, "high-precision")
+    parent = dequantize_state_dict(quantized, quant_config)
+    excluded = quant_config["quantization"]["exclude_modules"]
+    if fmt == "nvfp4":  # the unaligned Mamba out_proj stay in high precision, for every budget
+        assert {"model.layers.0.mixer.out_proj", "model.layers.4.mixer.out_proj"} <= set(excluded)
+    else:
+        assert not any("out_proj" in m for m in excluded)
+    for name, choice in choices.items():
+        sliced = slice_quantized_state(quantized, cfg, choice, fmt)
+        got = dequantize_state_dict(sliced, quant_config)
+        expected = slice_hf_state(parent, cfg, choice)
+        assert set(got) == set(expected), name
+        for key in expected:
+            assert torch.equal(got[key], expected[key]), (name, key)
+        for key, scale in sliced.items():  # per-tensor scales carry over
+            if key.endswith(("weight_scale_2", "input_scale")) or (
+                fmt == "fp8" and key.endswith("weight_scale")
+            ):
+                assert torch.equal(scale, quantized[key]), key
+        q_proj = "model.layers.1.mixer.q_proj.weight"
+        assert sliced[q_proj].dtype == quantized[q_proj].dtype  # still quantized
+
+
+def test_an_nvfp4_cut_through_a_block_is_refused_naming_the_axis(tiny):
+    from elastic_plugin.export.quant_slicing import slice_quantized_state
+    from elastic_plugin.export.quantize import quantize_state_dict
+    from elastic_plugin.models.config import ConfigError
+    from elastic_plugin.testing.export_cases import SMALL
+
+    cfg, full = tiny
+    quantized, _ = quantize_state_dict(full, "nvfp4")  # every weight quantized, out_proj too
+    with pytest.raises(ConfigError, match="out_proj.*mamba_heads / mamba_head_dim.*multiples"):
+        slice_quantized_state(quantized, cfg, SMALL, "nvfp4")
+    with pytest.raises(ConfigError, match="without a slicing rule"):
+        slice_quantized_state({**quantized, "extra.weight": torch.ones(2, 2)}, cfg, ALIGNED, "fp8")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_slicing_the_files_equals_slicing_in_memory(tiny, fmt, tmp_path):
+    """Read from a sharded quantized directory (experts per expert on disk, only the kept ones
+    read) == the in-memory slice; the sliced exclude_modules list only modules still there."""
+    from elastic_plugin.checkpoint.hub import from_hub
+    from elastic_plugin.export.hf import hf_config, write_hf_checkpoint
+    from elastic_plugin.export.quant_slicing import (
+        quantize_nested,
+        slice_quant_config,
+        slice_quantized_files,
+        slice_quantized_state,
+    )
+
+    cfg, full = tiny
+    choices = _choices()
+    quantized, quant_config = quantize_nested(full, cfg, fmt, choices, "high-precision")
+    write_hf_checkpoint(
+        tmp_path,
+        quantized,
+        hf_config(full, cfg, "fp32"),
+        "fp32",
+        quant_config=quant_config,
+        max_shard_bytes=60_000,
+    )
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    for name, choice in choices.items():
+        expected = from_hub(slice_quantized_state(quantized, cfg, choice, fmt))
+        got = slice_quantized_files(tmp_path, cfg, choice, fmt)
+        assert set(got) == set(expected), name
+        for key in expected:
+            assert _same_bytes(got[key], expected[key]), key
+        kept = slice_quant_config(quant_config, got)["quantization"]["exclude_modules"]
+        assert "lm_head" in kept
+        assert not [m for m in kept if ".experts.7." in m or ".experts.5." in m]  # dropped
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bits (float8 has no CPU ``torch.equal``)."""
+    flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(*flat)
+
+
+def test_input_scales_follow_the_calibration(tiny):
+    from elastic_plugin.export.quant_slicing import slice_quantized_state, with_input_scales
+    from elastic_plugin.export.quantize import input_scale, quantize_state_dict
+    from elastic_plugin.models.config import ConfigError
+
+    cfg, full = tiny
+    quantized, _ = quantize_state_dict(full, "fp8")
+    sliced = slice_quantized_state(quantized, cfg, ALIGNED, "fp8")
+    amax = {"model.layers.1.mixer.q_proj": 3.0, "model.layers.2.mixer.experts.up_proj": 5.0}
+    scaled = with_input_scales(sliced, amax, "fp8")
+    assert torch.equal(scaled["model.layers.1.mixer.q_proj.input_scale"], input_scale(3.0, "fp8"))
+    experts = sorted(k for k in scaled if k.endswith("up_proj.input_scale") and "experts." in k)
+    assert len(experts) == ALIGNED["experts"]  # each kept expert, none past the budget
+    assert float(scaled[experts[0]]) == pytest.approx(5.0 / 448)
+    with pytest.raises(ConfigError, match="not a module of this model"):
+        with_input_scales(sliced, {"model.layers.1.mixer.nope": 1.0}, "fp8")
