@@ -1,0 +1,388 @@
+"""Calibrated static activation scales for FP8 / NVFP4 exports, and an activation fake quant to
+evaluate such an export with its activation quantization applied.
+
+ModelOpt's ``FP8`` and ``NVFP4`` algorithms quantize the *inputs* of every quantized linear as
+well as its weight, with a static per-tensor ``X.input_scale`` the serving engine reads from the
+checkpoint. Weights can be quantized from the weights alone (:mod:`elastic_plugin.export.quantize`);
+input scales need calibration data. :func:`calibrate_input_amax` runs NVIDIA ModelOpt's own
+calibration (``mtq.quantize`` with ``FP8_DEFAULT_CFG`` / ``NVFP4_DEFAULT_CFG``, the ``max``
+algorithm) and ModelOpt's own pre-export unification, so the numbers are those ModelOpt's
+``export_hf_checkpoint`` would write: ``input_scale = amax / 448`` (FP8) and
+``amax / (6 * 448)`` (NVFP4, the global scale of its dynamic 16-value blocks), computed in fp32.
+
+Keys are transformers' in-memory module names without ``.weight``
+(``model.layers.1.mixer.q_proj``); a fused-experts stack is named by its 3-D parameter
+(``model.layers.2.mixer.experts.up_proj`` / ``….experts.down_proj``): ModelOpt has one input
+quantizer per stack, shared by all experts, so every ``…experts.{e}.up_proj.input_scale`` is
+the same number. The dict is what :func:`elastic_plugin.export.quantize.quantize_state_dict`
+takes as ``input_amax``.
+
+:func:`activation_fake_quant` puts ModelOpt's input fake quant (``TensorQuantizer`` built from
+the same default config, amax fixed, never calibrated) in forward hooks of a plain transformers
+model, e.g. one loaded from an export's dequantized weights, and removes them without a trace.
+
+ModelOpt is imported lazily (it is an optional dependency and slow to import); nothing here
+imports Megatron.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import math
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from types import ModuleType, TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from elastic_plugin.export.quantize import check_format
+from elastic_plugin.models.config import ConfigError
+
+__all__ = [
+    "E2M1_MAX",
+    "E4M3_MAX",
+    "NVFP4_BLOCK",
+    "ActivationFakeQuant",
+    "activation_fake_quant",
+    "calibrate_input_amax",
+    "input_scale",
+    "nvfp4_fake_quant",
+]
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+NVFP4_BLOCK = 16
+# ModelOpt's NVFP4 fake-quant kernel replaces a dequantized block scale below this by 1.0
+_NVFP4_MIN_SCALE = 1e-5
+
+
+# ------------------------------------------------------------------------------ ModelOpt imports
+def _modelopt(needed_by: str) -> tuple[ModuleType, ModuleType]:
+    """``(mtq, modelopt.torch.export.unified_export_hf)``, or a ConfigError saying who needs it.
+
+    The import prints untested-version and Megatron-plugin warnings that say nothing about
+    calibration, so they are silenced."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import modelopt.torch.export.unified_export_hf as unified
+            import modelopt.torch.quantization as mtq
+    except ImportError as e:
+        raise ConfigError(
+            f"{needed_by} needs nvidia-modelopt (pip install nvidia-modelopt): {e}"
+        ) from e
+    return mtq, unified
+
+
+def _quant_cfg(mtq: ModuleType, fmt: str) -> dict[str, Any]:
+    """ModelOpt's default config of ``fmt`` (the one its export recipes use)."""
+    return mtq.FP8_DEFAULT_CFG if fmt == "fp8" else mtq.NVFP4_DEFAULT_CFG
+
+
+def _input_quantizer_attrs(mtq: ModuleType, fmt: str) -> dict[str, Any]:
+    """The ``*input_quantizer`` attributes of ModelOpt's default config of ``fmt``."""
+    for entry in _quant_cfg(mtq, fmt)["quant_cfg"]:
+        if entry.get("quantizer_name") == "*input_quantizer" and "cfg" in entry:
+            return dict(entry["cfg"])
+    raise RuntimeError(f"ModelOpt's {fmt} config has no '*input_quantizer' entry")
+
+
+def input_scale(amax: float | torch.Tensor, fmt: str) -> torch.Tensor:
+    """The 0-d fp32 ``X.input_scale`` ModelOpt's export writes for a calibrated ``amax``:
+    ``amax / 448`` (FP8), ``amax / (6 * 448)`` (NVFP4), one fp32 division."""
+    check_format(fmt)
+    bound = E4M3_MAX if fmt == "fp8" else E2M1_MAX * E4M3_MAX
+    return torch.as_tensor(amax, dtype=torch.float32).reshape(()) / bound
+
+
+# ------------------------------------------------------------------------------ calibration
+def _check_batches(batches: Iterable[torch.Tensor], fmt: str) -> list[torch.Tensor]:
+    """The batches as a list (the forward loop may be run more than once); a ConfigError
+    naming ``--calib-samples`` when there are none or one is not a [b, s] token tensor."""
+    out = list(batches)
+    if not out:
+        raise ConfigError(
+            f"--calib-samples: calibration data for --quantize {fmt} is empty; "
+            "give at least one token batch"
+        )
+    for i, b in enumerate(out):
+        if not isinstance(b, torch.Tensor) or b.dim() != 2 or b.is_floating_point():
+            what = f"shape {tuple(b.shape)}, {b.dtype}" if isinstance(b, torch.Tensor) else type(b)
+            raise ConfigError(
+                f"--calib-samples: calibration batch {i} must be an integer [batch, seq] "
+                f"token tensor; got {what}"
+            )
+    return out
+
+
+def _calibrated_quantizers(model: nn.Module) -> dict[str, Any]:
+    """Module name -> its enabled input ``TensorQuantizer``; a fused-experts module (ModelOpt's
+    ``_Quant*FusedExperts``: one input quantizer per 3-D projection) gives one entry per
+    projection, named by the 3-D parameter (``…experts.up_proj`` / ``…experts.down_proj``)."""
+    found: dict[str, Any] = {}
+    for name, module in model.named_modules():
+        first = getattr(module, "_first_proj_attr", None)
+        if first is not None and hasattr(module, f"{first}_input_quantizer"):
+            pairs = [
+                (f"{name}.{first}", getattr(module, f"{first}_input_quantizer")),
+                (f"{name}.down_proj", getattr(module, "down_proj_input_quantizer", None)),
+            ]
+        else:
+            pairs = [(name, getattr(module, "input_quantizer", None))]
+        for key, q in pairs:
+            # a SequentialQuantizer (W4A8) has no single amax; the FP8/NVFP4 defaults make none
+            if q is not None and getattr(q, "is_enabled", False) and hasattr(q, "export_amax"):
+                found[key] = q
+    return found
+
+
+def calibrate_input_amax(
+    model: nn.Module, batches: Iterable[torch.Tensor], fmt: str
+) -> dict[str, float]:
+    """Calibrated activation |x|max per input-quantized module, as ModelOpt exports it.
+
+    ``model`` is a transformers ``NemotronHForCausalLM`` (any causal LM ModelOpt quantizes);
+    it is left untouched: ModelOpt's ``mtq.quantize`` replaces modules in place, so it runs on
+    a deep copy. ``batches`` are LongTensor [b, s] token batches, ``fmt`` is ``"fp8"`` or
+    ``"nvfp4"``. After calibration the copy gets the same pre-export passes as ModelOpt's
+    ``export_hf_checkpoint`` (``requantize_resmooth_fused_llm_layers``: one max amax for the
+    linears that read one tensor; ``sync_tied_input_amax``: one for tied weights), so
+    ``input_scale(amax, fmt)`` equals the exported ``X.input_scale`` bit for bit. Modules whose
+    quantizer never saw data are left out (ModelOpt's export writes no scale for them either).
+    """
+    check_format(fmt)
+    data = _check_batches(batches, fmt)
+    mtq, unified = _modelopt("--calib-samples")
+    from modelopt.torch.export.quant_utils import sync_tied_input_amax
+
+    work = copy.deepcopy(model).eval()
+    # ModelOpt's dummy forward reads config.architectures (multimodal check); the copy only
+    config: Any = getattr(work, "config", None)
+    if config is not None and not getattr(config, "architectures", None):
+        config.architectures = [type(model).__name__]
+    device = next(work.parameters()).device
+
+    def forward_loop(m: nn.Module) -> None:
+        with torch.no_grad():
+            for b in data:
+                m(input_ids=b.to(device), use_cache=False)
+
+    # ModelOpt prints one line per registered module kind and a quantizer count
+    with contextlib.redirect_stdout(io.StringIO()):
+        mtq.quantize(work, _quant_cfg(mtq, fmt), forward_loop)
+        unified.requantize_resmooth_fused_llm_layers(work)
+        sync_tied_input_amax(work)
+
+    amax: dict[str, float] = {}
+    for key, q in _calibrated_quantizers(work).items():
+        if q.amax is None:
+            continue
+        exported = q.export_amax()  # what the export divides: zero/NaN -> maxbound, clamped
+        if exported.numel() != 1:
+            raise RuntimeError(f"{key}: ModelOpt calibrated a per-channel input amax")
+        amax[key] = float(exported.float().reshape(()))
+    del work
+    return amax
+
+
+# ------------------------------------------------------------------------------ NVFP4 fake quant
+def _round_e2m1_magnitude(a: torch.Tensor) -> torch.Tensor:
+    """|x| / scale rounded to the E2M1 grid with ModelOpt's kernel's decision boundaries
+    (``fp4_round_magnitude``: ties to the even code, > 5 saturates to 6)."""
+    return torch.where(
+        a <= 0.25,
+        0.0,
+        torch.where(
+            a < 0.75,
+            0.5,
+            torch.where(
+                a <= 1.25,
+                1.0,
+                torch.where(
+                    a < 1.75,
+                    1.5,
+                    torch.where(
+                        a <= 2.5, 2.0, torch.where(a < 3.5, 3.0, torch.where(a <= 5.0, 4.0, 6.0))
+                    ),
+                ),
+            ),
+        ),
+    )
+
+
+def nvfp4_fake_quant(x: torch.Tensor, amax: float | torch.Tensor) -> torch.Tensor:
+    """NVFP4 fake quant of an activation with global amax ``amax``: a PyTorch port of ModelOpt's
+    Triton kernel (``fp4_fake_quant_block``), because ModelOpt's own NVFP4 fake quant runs
+    on CUDA only.
+
+    Per 16 consecutive values along the last dim (zero-padded): block scale
+    ``e4m3(min(block_amax / (6 * g), 448)) * g`` with ``g = amax / (6 * 448)`` (a scale below
+    1e-5 becomes 1), values rounded to E2M1 times that scale; computed in fp32, returned in
+    ``x.dtype``."""
+    shape, dtype = x.shape, x.dtype
+    flat = x.float().reshape(-1, shape[-1])
+    pad = -flat.shape[-1] % NVFP4_BLOCK
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    blocks = flat.view(flat.shape[0], -1, NVFP4_BLOCK)
+    g = torch.as_tensor(amax, dtype=torch.float32, device=x.device).reshape(()) / (
+        E2M1_MAX * E4M3_MAX
+    )
+    g = torch.where(g > 0, g, torch.full_like(g, 1e-12))
+    mag = blocks.abs()
+    block_scale = (mag.amax(dim=-1, keepdim=True) / (E2M1_MAX * g)).clamp(max=E4M3_MAX)
+    scale = block_scale.to(torch.float8_e4m3fn).float() * g
+    scale = torch.where(scale >= _NVFP4_MIN_SCALE, scale, torch.ones_like(scale))
+    q = _round_e2m1_magnitude(mag / scale) * scale
+    q = torch.where(blocks >= 0, q, -q)
+    out = q.view(flat.shape)[:, : shape[-1]]
+    return out.reshape(shape).to(dtype)
+
+
+# ------------------------------------------------------------------------------ activation fake quant
+class _InputQuant:
+    """One module input's fake quant: ModelOpt's ``TensorQuantizer`` (amax fixed, not attached
+    to the model, so the model's modules and state dict do not change)."""
+
+    def __init__(self, quantizer: Any, amax: float, fmt: str) -> None:
+        self.quantizer, self.amax, self.fmt = quantizer, amax, fmt
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "nvfp4" and not x.is_cuda:
+            return nvfp4_fake_quant(x, self.amax)  # ModelOpt's kernels need CUDA
+        return self.quantizer(x)
+
+
+class ActivationFakeQuant:
+    """Forward hooks that fake-quantize the inputs of the modules in ``input_amax``.
+
+    Use as a context manager or call :meth:`remove`; removing the hooks leaves the model as it
+    was (nothing else is changed). ``calls`` counts, per key, how often an input was
+    quantized, so a caller can check that every hook fired (a fused kernel that bypasses a
+    module's forward would silently skip it)."""
+
+    def __init__(self, handles: list[torch.utils.hooks.RemovableHandle], keys: list[str]) -> None:
+        self._handles = handles
+        self.calls: dict[str, int] = dict.fromkeys(keys, 0)
+
+    def remove(self) -> None:
+        """Remove every hook (idempotent)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> ActivationFakeQuant:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+
+def _resolve(model: nn.Module, key: str) -> tuple[str, nn.Module]:
+    """``("linear", module)`` for a Linear, ``("experts_up" | "experts_down", experts)`` for a
+    non-gated fused-experts stack named by its 3-D parameter; else a ConfigError."""
+    head, _, attr = key.rpartition(".")
+    try:
+        module = model.get_submodule(key)
+    except AttributeError:
+        module = None
+    if isinstance(module, nn.Linear):
+        return "linear", module
+    try:
+        parent = model.get_submodule(head) if head else model
+    except AttributeError:
+        parent = None
+    param = getattr(parent, attr, None) if parent is not None else None
+    if isinstance(param, nn.Parameter) and param.dim() == 3 and attr in ("up_proj", "down_proj"):
+        # NemotronHExperts: down_proj(act_fn(up_proj(x))) per expert, no gate
+        if getattr(parent, "has_gate", False) or not isinstance(
+            getattr(parent, "act_fn", None), nn.Module
+        ):
+            raise ConfigError(
+                f"input_amax names {key!r}: only non-gated fused experts with an act_fn module "
+                "(NemotronHExperts) are supported"
+            )
+        assert parent is not None
+        return ("experts_up" if attr == "up_proj" else "experts_down"), parent
+    raise ConfigError(
+        f"input_amax names {key!r}, which is neither an nn.Linear of the model nor a fused "
+        "experts.up_proj / experts.down_proj stack"
+    )
+
+
+def activation_fake_quant(
+    model: nn.Module, input_amax: Mapping[str, float], fmt: str
+) -> ActivationFakeQuant:
+    """Make ``model`` fake-quantize the inputs of the modules in ``input_amax`` (keys as
+    :func:`calibrate_input_amax` gives them) with those static amaxes; weights are untouched.
+
+    FP8: E4M3 per tensor, scale ``amax / 448``. NVFP4: dynamic 16-value blocks with E4M3 block
+    scales under the global scale ``amax / (6 * 448)``. The quantizers are ModelOpt's
+    ``TensorQuantizer`` built from its default ``*input_quantizer`` config (NVFP4 on CPU uses
+    :func:`nvfp4_fake_quant`, a port of ModelOpt's CUDA kernel). A Linear gets a forward
+    pre-hook; a fused-experts stack gets a pre-hook on the experts module (``up_proj``'s
+    input is its ``hidden_states``; a per-tensor / per-row-block quant of all tokens equals
+    ModelOpt's per-expert one) and a forward hook on its ``act_fn`` (whose output is
+    ``down_proj``'s input). Returns the hooks' handle: a context manager, or call ``remove()``.
+    """
+    check_format(fmt)
+    mtq, _ = _modelopt("activation fake quantization")
+    from modelopt.torch.quantization.config import QuantizerAttributeConfig
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    attrs = _input_quantizer_attrs(mtq, fmt)
+    plan: list[tuple[str, str, nn.Module, _InputQuant]] = []
+    for key in sorted(input_amax):
+        value = float(input_amax[key])
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(f"input_amax[{key!r}] must be a finite amax >= 0; got {value}")
+        kind, module = _resolve(model, key)
+        quantizer = TensorQuantizer(QuantizerAttributeConfig(**attrs))
+        quantizer.amax = torch.tensor(value, dtype=torch.float32)
+        quantizer.eval()
+        plan.append((key, kind, module, _InputQuant(quantizer, value, fmt)))
+
+    handles: list[torch.utils.hooks.RemovableHandle] = []
+    fake = ActivationFakeQuant(handles, [p[0] for p in plan])
+
+    def pre_hook(key: str, fq: _InputQuant) -> Callable[..., Any]:
+        def hook(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            fake.calls[key] += 1
+            if args:
+                return (fq(args[0]), *args[1:]), kwargs
+            name = "input" if "input" in kwargs else "hidden_states"
+            return args, {**kwargs, name: fq(kwargs[name])}
+
+        return hook
+
+    def out_hook(key: str, fq: _InputQuant) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+            fake.calls[key] += 1
+            return fq(output)
+
+        return hook
+
+    try:
+        for key, kind, module, fq in plan:
+            if kind == "experts_down":
+                act = module.get_submodule("act_fn")
+                handles.append(act.register_forward_hook(out_hook(key, fq)))
+            else:
+                handles.append(
+                    module.register_forward_pre_hook(pre_hook(key, fq), with_kwargs=True)
+                )
+    except BaseException:
+        fake.remove()
+        raise
+    return fake
