@@ -45,7 +45,8 @@ demo: $(STAMPS)/install
 		--out $(OUT) $(if $(QUICK),--quick,--train-iters 1500)
 	rm -rf $(OUT)/exports  # derived from the elastic checkpoint: rebuilt on every run
 	$(VENV)/bin/elastic-plugin export --ckpt $(OUT)/checkpoints/elastic --out $(OUT)/exports \
-		--eval-sequences $(if $(QUICK),16,64) --nested
+		--eval-sequences $(if $(QUICK),16,64) --nested --calib-samples $(if $(QUICK),16,64) \
+		--nvfp4-unaligned high-precision
 	$(VENV)/bin/elastic-plugin evaluate --ckpt $(OUT)/checkpoints/elastic --exports $(OUT)/exports --out $(OUT) \
 		$(if $(QUICK),--num-problems 32 --latency-problems 4,)
 

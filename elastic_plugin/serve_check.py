@@ -7,8 +7,9 @@ files alone, and check its logits against the elastic model it was cut from.
 Loader: a homogeneous, unquantized export goes through stock
 ``transformers.AutoModelForCausalLM.from_pretrained`` (missing or unexpected keys fail the check);
 per-layer (``layer_overrides``) and FP8 / NVFP4 exports, which stock transformers cannot run on a
-CPU, through ``export.hf.load_hf_model`` (quantized weights dequantized to the stored values); a
-nested directory through ``export.nested_hf.load_nested``. Reference: the elastic checkpoint named
+CPU, through ``export.hf.load_hf_model`` (quantized weights dequantized to the stored values,
+activations fake-quantized with the stored ``input_scale`` when calibrated); a nested directory
+through ``export.nested_hf.load_nested``. Reference: the elastic checkpoint named
 in ``export_meta.json`` (or ``--ckpt``) with the budget's stored choice, run by the elastic layers,
 so this command sits above the stages (it is the one place after training that builds the
 trainer's model). Exit 0 when the logits agree within the precision's tolerance, 1 when not, 2 for
@@ -70,8 +71,13 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         trained_budgets,
     )
     from elastic_plugin.export.extract import EXPORT_META
-    from elastic_plugin.export.hf import HF_CONFIG, HF_QUANT_CONFIG, config_dtype
-    from elastic_plugin.export.nested_hf import NESTED_CONFIG, read_nested_config
+    from elastic_plugin.export.hf import (
+        HF_CONFIG,
+        config_dtype,
+        export_input_amax,
+        read_quant_config,
+    )
+    from elastic_plugin.export.nested_hf import NESTED_CONFIG, budget_input_amax, read_nested_config
 
     path = Path(args.dir)
     if not (path / HF_CONFIG).is_file():
@@ -100,14 +106,13 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     if match is None:
         raise ConfigError(f"--budget {budget}: not a trained budget of --ckpt {ckpt}")
     config = json.loads((path / HF_CONFIG).read_text())
-    quantize = export_meta.get("quantize") if not nested else None
-    if (path / HF_QUANT_CONFIG).is_file() and quantize is None:
-        quantize = (
-            json.loads((path / HF_QUANT_CONFIG).read_text())
-            .get("quantization", {})
-            .get("quant_algo", "quantized")
-            .lower()
-        )
+    quantize, _ = read_quant_config(path)
+    if quantize is None:
+        input_amax: dict[str, float] = {}
+    elif nested:
+        input_amax = budget_input_amax(path, match)
+    else:
+        input_amax = export_input_amax(path)[1]
     dtype = config_dtype(config)
     choice = stored_choice(meta, match, ckpt)
     return {
@@ -120,6 +125,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         "per_layer": "layer_overrides" in config
         or any(isinstance(v, list) and len(set(v)) > 1 for v in choice.values()),
         "precision": quantize or dtype,
+        "input_amax": input_amax,
         "vocab": int(config["vocab_size"]),
     }
 
@@ -173,6 +179,18 @@ def _reference(plan: dict[str, Any], tokens: Any) -> Any:
         return model(tokens, position, None).float()
 
 
+def _activation_quant(model: Any, input_amax: dict[str, float], fmt: str) -> Any:
+    """The export's static activation quantization (its ``input_scale``) applied as a runtime
+    would, through ModelOpt's fake quant; nothing for weight-only and unquantized exports."""
+    from contextlib import nullcontext
+
+    if not input_amax:
+        return nullcontext()
+    from elastic_plugin.export.calibrate import activation_fake_quant
+
+    return activation_fake_quant(model, input_amax, fmt)
+
+
 def serve_check(args: argparse.Namespace) -> dict[str, Any]:
     """The check (see the module docstring); ConfigError for bad input."""
     import torch
@@ -181,7 +199,8 @@ def serve_check(args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, plan["vocab"], (2, args.tokens), generator=gen)
     model, loader, missing, unexpected = _load_export(plan)
-    with torch.no_grad():
+    amax = plan["input_amax"]
+    with torch.no_grad(), _activation_quant(model, amax, plan["precision"]):
         logits = model(tokens).logits.float()
     reference = _reference(plan, tokens)
     diff = (logits - reference).abs().max().item()
@@ -198,6 +217,7 @@ def serve_check(args: argparse.Namespace) -> dict[str, Any]:
         "budget": plan["budget"],
         "precision": precision,
         "per_layer": plan["per_layer"],
+        "activation_quant": bool(amax),
         "missing_keys": missing,
         "unexpected_keys": unexpected,
         "max_abs_diff": diff,

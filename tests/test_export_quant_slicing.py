@@ -166,3 +166,62 @@ def test_input_scales_follow_the_calibration(tiny):
     assert float(scaled[experts[0]]) == pytest.approx(5.0 / 448)
     with pytest.raises(ConfigError, match="not a module of this model"):
         with_input_scales(sliced, {"model.layers.1.mixer.nope": 1.0}, "fp8")
+
+
+# ------------------------------------------------------------------------------ nested directories
+@pytest.fixture(scope="module")
+def quantized_nested(rank_pools, tmp_path_factory):
+    from pathlib import Path
+
+    config = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
+    (result,) = rank_pools.get(1).run(
+        "elastic_plugin.testing.export_cases:quantized_nested_case",
+        config_path=config,
+        workdir=str(tmp_path_factory.mktemp("quantized_nested")),
+    )
+    return result
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_every_budget_sliced_from_a_quantized_nested_directory_is_its_own_export(
+    quantized_nested, fmt
+):
+    """Bit for bit: weights, scales, calibrated input scales, config.json and
+    hf_quant_config.json; load_nested computes exactly what the export computes."""
+    r = quantized_nested["formats"][fmt]
+    for label, row in r["rows"].items():
+        assert row["exit"] == 0 and row["same_keys"] and row["bitwise"], (label, row)
+        assert all(row["files_equal"].values()), (label, row["files_equal"])
+        assert row["load_nested_vs_export"] == 0.0, (label, row)
+        # every quantized module has its calibrated static input scale, this budget's own
+        modules = {k.removesuffix(".weight_scale") for k in row["quantized"]}
+        assert {k.removesuffix(".input_scale") for k in row["input_scales"]} == modules
+        stored = {k: v for k, v in row["nested_amax"].items() if k in row["input_amax"]}
+        assert row["input_amax"] == pytest.approx(stored, rel=1e-6)
+        # ModelOpt calibrates every linear; a weight kept in high precision takes no scale
+        assert set(row["nested_amax"]) - set(row["input_amax"]) <= set(r["exclude"])
+    amax = {label: row["input_amax"] for label, row in r["rows"].items()}
+    q_proj = "model.layers.1.mixer.q_proj"
+    assert amax["1"][q_proj] != amax["0.4"][q_proj]  # calibrated per budget, not copied
+    assert r["nested_bytes"] < sum(row["bytes_own"] for row in r["rows"].values())
+    # NVFP4: the Mamba out_proj that budget 0.4 slices to mamba_head_dim 8 stay in BF16
+    unaligned = {"model.layers.0.mixer.out_proj", "model.layers.4.mixer.out_proj"}
+    assert (unaligned <= set(r["exclude"])) == (fmt == "nvfp4")
+
+
+@pytest.mark.multirank
+def test_serve_check_passes_quantized_nested_and_calibrated_exports(quantized_nested):
+    assert quantized_nested["serve_check"] == {"nested_nvfp4_0.4": 0, "hf_0.77_fp8": 0}
+
+
+@pytest.mark.multirank
+def test_quantization_flags_are_refused_before_writing(quantized_nested):
+    errors = quantized_nested["errors"]
+    assert all(e["exit"] == 2 and not e["written"] for e in errors.values()), errors
+    assert "--nvfp4-unaligned high-precision" in errors["nvfp4_unaligned"]["stderr"]
+    assert "mamba_head_dim" in errors["nvfp4_unaligned"]["stderr"]
+    assert "go with --quantize" in errors["calib_without_quantize"]["stderr"]
+    assert "--calib-data" in errors["calib_data_missing"]["stderr"]
+    assert "--calib-samples 999" in errors["calib_too_short"]["stderr"]
+    assert "error, high-precision" in errors["bad_policy"]["stderr"]

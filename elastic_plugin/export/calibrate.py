@@ -39,7 +39,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastic_plugin.export.quantize import check_format
+from elastic_plugin.export.quantize import (
+    E2M1_MAX,
+    E4M3_MAX,
+    NVFP4_BLOCK,
+    check_format,
+    input_scale,
+)
 from elastic_plugin.models.config import ConfigError
 
 __all__ = [
@@ -53,9 +59,6 @@ __all__ = [
     "nvfp4_fake_quant",
 ]
 
-E4M3_MAX = 448.0
-E2M1_MAX = 6.0
-NVFP4_BLOCK = 16
 # ModelOpt's NVFP4 fake-quant kernel replaces a dequantized block scale below this by 1.0
 _NVFP4_MIN_SCALE = 1e-5
 
@@ -89,14 +92,6 @@ def _input_quantizer_attrs(mtq: ModuleType, fmt: str) -> dict[str, Any]:
         if entry.get("quantizer_name") == "*input_quantizer" and "cfg" in entry:
             return dict(entry["cfg"])
     raise RuntimeError(f"ModelOpt's {fmt} config has no '*input_quantizer' entry")
-
-
-def input_scale(amax: float | torch.Tensor, fmt: str) -> torch.Tensor:
-    """The 0-d fp32 ``X.input_scale`` ModelOpt's export writes for a calibrated ``amax``:
-    ``amax / 448`` (FP8), ``amax / (6 * 448)`` (NVFP4), one fp32 division."""
-    check_format(fmt)
-    bound = E4M3_MAX if fmt == "fp8" else E2M1_MAX * E4M3_MAX
-    return torch.as_tensor(amax, dtype=torch.float32).reshape(()) / bound
 
 
 # ------------------------------------------------------------------------------ calibration
@@ -140,6 +135,17 @@ def _calibrated_quantizers(model: nn.Module) -> dict[str, Any]:
     return found
 
 
+def _force_eager_experts(model: nn.Module) -> None:
+    """Every fused-experts module onto transformers' eager ``F.linear`` path, which ModelOpt's
+    quantized experts intercept. ModelOpt sets ``_experts_implementation = "eager"`` on the
+    model's config only; a block built from its own config copy (a per-layer nested model's
+    ``layer_overrides``) would keep ``grouped_mm`` and calibrate nothing."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_experts_implementation"):
+            config._experts_implementation = "eager"
+
+
 def calibrate_input_amax(
     model: nn.Module, batches: Iterable[torch.Tensor], fmt: str
 ) -> dict[str, float]:
@@ -160,6 +166,7 @@ def calibrate_input_amax(
     from modelopt.torch.export.quant_utils import sync_tied_input_amax
 
     work = copy.deepcopy(model).eval()
+    _force_eager_experts(work)
     # ModelOpt's dummy forward reads config.architectures (multimodal check); the copy only
     config: Any = getattr(work, "config", None)
     if config is not None and not getattr(config, "architectures", None):

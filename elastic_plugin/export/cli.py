@@ -28,7 +28,7 @@ import json
 import time
 
 from elastic_plugin.cli_errors import report_bad_input
-from elastic_plugin.export.extract import plan_extraction, run_extraction
+from elastic_plugin.export.extract import QuantOptions, plan_extraction, run_extraction
 from elastic_plugin.models.config import ConfigError
 
 EXTRACT_PROG = "elastic-plugin extract"
@@ -36,6 +36,36 @@ SHARD_HELP = (
     "--format hf: largest safetensors shard (e.g. 5GB, 500MB, 2GiB; default 5GB); past it the "
     "export is sharded with model.safetensors.index.json"
 )
+
+
+def _add_quant_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("quantized exports (FP8 / NVFP4)")
+    group.add_argument(
+        "--calib-samples",
+        type=int,
+        default=0,
+        metavar="N",
+        help="calibrate static activation scales (input_scale, as ModelOpt writes them) on N "
+        "sequences of --calib-data with ModelOpt, per budget (default 0: weight-only)",
+    )
+    group.add_argument(
+        "--calib-data",
+        default=None,
+        metavar="PREFIX",
+        help="Megatron indexed dataset prefix (PREFIX.bin/.idx) for --calib-samples "
+        "(default: the checkpoint's training data)",
+    )
+    group.add_argument(
+        "--nvfp4-unaligned",
+        default="error",
+        metavar="{error,high-precision}",
+        help="NVFP4 weights some budget would cut through a 16-value block along the input: "
+        "refuse (default) or keep them in high precision in every budget",
+    )
+
+
+def _quant_options(args: argparse.Namespace) -> QuantOptions:
+    return QuantOptions(args.nvfp4_unaligned, args.calib_samples, args.calib_data)
 
 
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
@@ -97,6 +127,7 @@ def _register_extract(subparsers: argparse._SubParsersAction) -> None:
         "scales, or NVFP4 E2M1 with an E4M3 scale per 16 values + FP32 scale)",
     )
     parser.add_argument("--max-shard-size", default=None, metavar="SIZE", help=SHARD_HELP)
+    _add_quant_args(parser)
     group = parser.add_argument_group(
         "target layout (checked only: the extracted sizes must divide it)"
     )
@@ -140,6 +171,7 @@ def run_extract(args: argparse.Namespace) -> int:
             args.dtype,
             args.quantize,
             args.max_shard_size,
+            _quant_options(args),
         )
         summary = run_extraction(plan)  # raises ConfigError before writing (interpolated choice)
     except ConfigError as exc:
@@ -186,9 +218,12 @@ def _register_export(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--nested",
         action="store_true",
-        help="also write OUT/nested: one BF16 Hugging Face directory with the full model once and "
-        "nested_config.json, from which `elastic-plugin slice` / load_nested build any budget",
+        help="also write, per precision, OUT/nested (bf16), OUT/nested_fp8, OUT/nested_nvfp4: one "
+        "Hugging Face directory with the full model once and nested_config.json, from which "
+        "`elastic-plugin slice` / load_nested build any budget (quantized ones with each "
+        "budget's own activation scales)",
     )
+    _add_quant_args(parser)
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=run_export)
 
@@ -209,6 +244,7 @@ def run_export(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             max_shard_size=args.max_shard_size,
             nested=args.nested,
+            quant=_quant_options(args),
         )
     except ConfigError as exc:
         return report_bad_input("elastic-plugin export", exc)

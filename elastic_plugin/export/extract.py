@@ -8,8 +8,14 @@ strictly into the plain ``HybridModel`` of ``models.axes.model_for_choice``, whi
 an ordinary Megatron dist
 checkpoint: any Megatron-Core code (any TP/PP/EP layout) loads it, nothing elastic is needed.
 
-The input-checking half (``ExtractPlan``, ``plan_extraction``) imports no torch, so the CLI can
-reject bad input in milliseconds; ``extract_nested`` does the heavy part.
+The input-checking half (``ExtractPlan``, ``plan_extraction``) loads no weights and imports no
+Megatron, so the CLI rejects bad input in a moment; ``extract_nested`` does the heavy part.
+
+A quantized HF export is the parent's quantization cut to the budget (``export.quant_slicing``):
+the full model is quantized once, FP8 scales carry over, NVFP4 keeps whole 16-value blocks, so
+the budget cut from a quantized nested directory equals this export bit for bit.
+``QuantOptions.calib_samples`` adds ModelOpt-calibrated static activation scales (``input_scale``)
+measured on the budget's own model.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from elastic_plugin.nested.choice import homogeneous_choice, interpolated_choice
 EXTRACTED_KIND = "extracted"
 FORMATS = ("megatron", "hf")
 EXPORT_META = "export_meta.json"  # what an HF export was cut from (budget, choice, source)
+CALIB_BATCH = 8  # sequences per calibration forward
 _TARGET_FLAGS = (
     ("--target-tensor-model-parallel-size", "tp"),
     ("--target-pipeline-model-parallel-size", "pp"),
@@ -47,6 +54,9 @@ _TARGET_FLAGS = (
 
 __all__ = [
     "ExtractPlan",
+    "QuantOptions",
+    "check_quant_options",
+    "quantized_budget",
     "plan_extraction",
     "extract_nested",
     "run_extraction",
@@ -101,6 +111,18 @@ def extracted_config(
     return out
 
 
+@dataclass(frozen=True)
+class QuantOptions:
+    """How a quantized export is made: ``nvfp4_unaligned`` ("error" / "high-precision") for
+    NVFP4 weights a budget would cut through a block; ``calib_samples`` > 0 calibrates static
+    activation scales on that many sequences of ``calib_data`` (an indexed dataset prefix;
+    default: the checkpoint's training data)."""
+
+    nvfp4_unaligned: str = "error"
+    calib_samples: int = 0
+    calib_data: str | None = None
+
+
 @dataclass
 class ExtractPlan:
     """A checked extraction: what to load, which budget, and the choice when it is known up
@@ -117,6 +139,7 @@ class ExtractPlan:
     dtype: str = "bf16"  # HF only: the floating dtype of the written tensors
     quantize: str | None = None  # HF only: "fp8" / "nvfp4" weights
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES  # HF only: safetensors shard size
+    quant: QuantOptions = QuantOptions()  # --quantize only
 
 
 def _check_format(
@@ -159,8 +182,9 @@ def plan_extraction(
     dtype: str | None = None,
     quantize: str | None = None,
     max_shard_size: str | int | None = None,
+    quant: QuantOptions | None = None,
 ) -> ExtractPlan:
-    """Everything that can be wrong with the request, found without torch."""
+    """Everything that can be wrong with the request, found before any weight is loaded."""
     meta = read_elastic_meta(ckpt_dir)
     cfg = config_from_dict(meta["config"], source=f"--ckpt {ckpt_dir}/{CHECKPOINT_META}")
     dtype = _check_format(fmt, dtype, quantize, target, cfg.model)
@@ -191,6 +215,7 @@ def plan_extraction(
         )
     if target is not None and choice is not None:
         check_target_layout(model_for_choice(cfg.model, choice), *target, budget)
+    quant = check_quant_options(meta, cfg.model, quantize, quant, choice, budget)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(
@@ -209,7 +234,43 @@ def plan_extraction(
         dtype,
         quantize,
         shard_bytes,
+        quant,
     )
+
+
+def check_quant_options(
+    meta: dict[str, Any],
+    model: ModelConfig,
+    quantize: str | None,
+    quant: QuantOptions | None,
+    choice: Mapping[str, Any] | None = None,
+    budget: float | None = None,
+) -> QuantOptions:
+    """``quant`` checked against ``--quantize`` and the checkpoint: NVFP4 block alignment of
+    every trained budget (and ``choice``, when it is known), the calibration data's presence."""
+    quant = quant or QuantOptions()
+    if quantize is None:
+        if quant != QuantOptions():
+            raise ConfigError(
+                "--calib-samples / --calib-data / --nvfp4-unaligned go with --quantize"
+            )
+        return quant
+    if quant.calib_samples < 0:
+        raise ConfigError(f"--calib-samples {quant.calib_samples}: must be >= 0")
+    if quant.calib_data is not None and not quant.calib_samples:
+        raise ConfigError("--calib-data goes with --calib-samples N (N > 0)")
+    if quant.calib_samples:
+        from elastic_plugin.export.tokens import check_calibration_source
+
+        check_calibration_source(meta, quant.calib_data)
+    from elastic_plugin.checkpoint.meta import budget_label, stored_choices
+    from elastic_plugin.export.quant_slicing import check_unaligned
+
+    choices = dict(stored_choices(meta))
+    if choice is not None and budget is not None:
+        choices[budget_label(budget)] = dict(choice)
+    check_unaligned(model, quantize, choices, quant.nvfp4_unaligned)
+    return quant
 
 
 # ------------------------------------------------------------------------------ the heavy part
@@ -274,9 +335,7 @@ def _write_hf(
     )
     quant_config = None
     if plan.quantize is not None:
-        from elastic_plugin.export.quantize import quantize_state_dict
-
-        tensors, quant_config = quantize_state_dict(tensors, plan.quantize)
+        tensors, quant_config = quantized_budget(plan, full, choice, tensors, config)
     tmp = fresh_temporary(plan.out)
     write_hf_checkpoint(
         tmp,
@@ -290,6 +349,7 @@ def _write_hf(
                 "kind": "hf",
                 "dtype": plan.dtype,
                 "quantize": plan.quantize,
+                **({"quant": dataclasses.asdict(plan.quant)} if plan.quantize else {}),
                 "model": dataclasses.asdict(plan.model),
                 **provenance,
             }
@@ -298,6 +358,74 @@ def _write_hf(
     )
     publish_directory(tmp, plan.out)
     return {"out": str(plan.out.resolve()), "bytes": _dir_bytes(plan.out)}
+
+
+def quantized_parent(plan: ExtractPlan, full, choices: Mapping[str, Any]):
+    """The full model's HF tensors quantized once (``quant_slicing.quantize_nested``) so that
+    every budget of ``choices`` is a cut of them; cached on ``full`` per format and choices,
+    since an export run cuts several budgets from one parent."""
+    import json
+
+    from elastic_plugin.export.hf import megatron_to_hf
+    from elastic_plugin.export.quant_slicing import quantize_nested
+    from elastic_plugin.nested.slicing import nested_state_dict
+
+    assert plan.quantize is not None
+    key = (plan.quantize, plan.quant.nvfp4_unaligned, json.dumps(choices, sort_keys=True))
+    cache = full.__dict__.setdefault("_elastic_quantized_parent", {})
+    if key not in cache:
+        cache.clear()  # one parent at a time: a 30B parent is large
+        parent = megatron_to_hf(nested_state_dict(full, plan.model, {}), plan.model)
+        cache[key] = quantize_nested(
+            parent, plan.model, plan.quantize, choices, plan.quant.nvfp4_unaligned
+        )
+    return cache[key]
+
+
+def calibrated_amax(
+    plan: ExtractPlan, plain: Mapping[str, Any], config: Mapping[str, Any]
+) -> dict[str, float]:
+    """ModelOpt-calibrated input |x|max of every quantizable module of one budget's plain
+    model (transformers, fp32) over ``plan.quant.calib_samples`` sequences."""
+    import torch
+
+    from elastic_plugin.export.calibrate import calibrate_input_amax
+    from elastic_plugin.export.hf import build_hf_model
+    from elastic_plugin.export.tokens import calibration_tokens
+
+    assert plan.quantize is not None
+    seq_length = int((plan.meta["config"].get("training") or {}).get("seq_length", 128))
+    tokens = calibration_tokens(
+        plan.meta, plan.quant.calib_samples, seq_length, plan.quant.calib_data
+    )
+    model = build_hf_model(config, plain, torch.float32, "the budget's model")
+    return calibrate_input_amax(model, tokens[:, :-1].split(CALIB_BATCH), plan.quantize)
+
+
+def quantized_budget(
+    plan: ExtractPlan,
+    full,
+    choice: Mapping[str, Any],
+    plain: Mapping[str, Any],
+    config: Mapping[str, Any],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One budget's quantized tensors and ``hf_quant_config.json``: the quantized parent cut to
+    ``choice`` (``plain``: the budget's unquantized HF tensors, ``config`` its config.json,
+    which the calibration runs on)."""
+    from elastic_plugin.checkpoint.meta import budget_label, stored_choices
+    from elastic_plugin.export.quant_slicing import (
+        slice_quant_config,
+        slice_quantized_state,
+        with_input_scales,
+    )
+
+    assert plan.quantize is not None
+    choices = {**stored_choices(plan.meta), budget_label(plan.budget): dict(choice)}
+    parent, parent_config = quantized_parent(plan, full, choices)
+    tensors = slice_quantized_state(parent, plan.model, choice, plan.quantize)
+    if plan.quant.calib_samples:
+        tensors = with_input_scales(tensors, calibrated_amax(plan, plain, config), plan.quantize)
+    return tensors, slice_quant_config(parent_config, tensors)
 
 
 def _provenance(plan: ExtractPlan, choice: Mapping[str, Any]) -> dict[str, Any]:

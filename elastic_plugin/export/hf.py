@@ -52,6 +52,8 @@ __all__ = [
     "write_hf_checkpoint",
     "load_hf_model",
     "build_hf_model",
+    "export_input_amax",
+    "read_quant_config",
     "generation_config",
     "tokenizer_token_ids",
     "config_dtype",
@@ -462,6 +464,36 @@ def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32):
 
         state = dequantize_state_dict(state, json.loads((path / HF_QUANT_CONFIG).read_text()))
     return build_hf_model(json.loads((path / HF_CONFIG).read_text()), state, dtype, str(path))
+
+
+def read_quant_config(path: str | Path) -> tuple[str | None, dict[str, Any] | None]:
+    """``("fp8" / "nvfp4", hf_quant_config.json)`` of a quantized export, ``(None, None)`` for
+    an unquantized one; a ConfigError for a quant_algo this package does not write."""
+    from elastic_plugin.export.quantize import QUANT_ALGO
+
+    file = Path(path) / HF_QUANT_CONFIG
+    if not file.is_file():
+        return None, None
+    quant_config = json.loads(file.read_text())
+    algo = (quant_config.get("quantization") or {}).get("quant_algo")
+    fmt = {v: k for k, v in QUANT_ALGO.items()}.get(str(algo))
+    if fmt is None:
+        raise ConfigError(
+            f"{file}: quant_algo {algo!r} is not one of {', '.join(QUANT_ALGO.values())}"
+        )
+    return fmt, quant_config
+
+
+def export_input_amax(path: str | Path) -> tuple[str | None, dict[str, float]]:
+    """``(format, calibrated input |x|max per module)`` of a quantized export with static
+    activation scales; ``(format, {})`` for a weight-only one, ``(None, {})`` unquantized."""
+    from elastic_plugin.export.quantize import stored_input_amax
+
+    fmt, _ = read_quant_config(path)
+    if fmt is None:
+        return None, {}
+    scales = {k: v for k, v in read_hub_tensors(path).items() if k.endswith(".input_scale")}
+    return fmt, stored_input_amax(from_hub(scales), fmt)
 
 
 def build_hf_model(

@@ -22,6 +22,7 @@ from elastic_plugin.models.config import ConfigError, ModelConfig
 
 __all__ = [
     "NESTED_CONFIG",
+    "budget_input_amax",
     "load_nested",
     "nested_config",
     "read_nested_config",
@@ -96,28 +97,55 @@ def _budget_entry(path: str | Path, config: Mapping[str, Any], budget: float) ->
     return next(b for b in config["budgets"] if float(b["budget"]) == match)
 
 
-def _sliced(path: Path, budget: float) -> tuple[dict[str, Any], dict[str, Any], Any]:
-    """(budget entry, full config.json, sliced in-memory tensors) of one budget."""
-    from elastic_plugin.export.hf import HF_CONFIG, HF_QUANT_CONFIG
+@dataclasses.dataclass
+class _Budget:
+    """One budget cut from a nested directory, in memory."""
+
+    entry: dict[str, Any]  # its nested_config.json entry
+    full_config: dict[str, Any]  # the directory's config.json
+    model: ModelConfig
+    tensors: dict[str, Any]  # transformers' names; quantized ones as stored
+    quant_config: dict[str, Any] | None  # the budget's hf_quant_config.json (quantized only)
+
+
+def _sliced(path: Path, budget: float) -> _Budget:
+    from elastic_plugin.export.hf import HF_CONFIG, read_quant_config
     from elastic_plugin.export.hf_slicing import slice_hub_files
 
     config = read_nested_config(path)
     entry = _budget_entry(path, config, budget)
-    if (path / HF_QUANT_CONFIG).is_file():
-        raise ConfigError(
-            f"--hf {path}: quantized nested exports cannot be sliced yet (export "
-            "the nested directory in bf16/fp32)"
-        )
     model = ModelConfig(**config["model"])
     hf_config = json.loads((path / HF_CONFIG).read_text())
-    tensors = slice_hub_files(path, model, entry["choice"])
-    return entry, hf_config, (model, tensors)
+    fmt, quant_config = read_quant_config(path)
+    if fmt is None:
+        return _Budget(entry, hf_config, model, slice_hub_files(path, model, entry["choice"]), None)
+    from elastic_plugin.export.quant_slicing import (
+        slice_quant_config,
+        slice_quantized_files,
+        with_input_scales,
+    )
+
+    assert quant_config is not None
+    tensors = slice_quantized_files(path, model, entry["choice"], fmt)
+    if entry.get("input_amax"):  # this budget's own calibration replaces the parent's scales
+        plain = {k: v for k, v in tensors.items() if not k.endswith(".input_scale")}
+        tensors = with_input_scales(plain, entry["input_amax"], fmt)
+    return _Budget(entry, hf_config, model, tensors, slice_quant_config(quant_config, tensors))
+
+
+def _plain(budget: _Budget) -> dict[str, Any]:
+    """The budget's weights as its model computes with them (quantized ones dequantized)."""
+    from elastic_plugin.export.quantize import dequantize_state_dict
+
+    if budget.quant_config is None:
+        return budget.tensors
+    return dequantize_state_dict(budget.tensors, budget.quant_config)
 
 
 def sliced_tensors(hf_dir: str | Path, budget: float) -> dict[str, Any]:
-    """Budget ``budget``'s tensors (transformers' names, the directory's dtype), sliced from a
-    nested directory in memory."""
-    return _sliced(Path(hf_dir), budget)[2][1]
+    """Budget ``budget``'s tensors (transformers' names, as the directory stores them: its
+    dtype, or quantized with their scales), sliced from a nested directory in memory."""
+    return _sliced(Path(hf_dir), budget).tensors
 
 
 def slice_nested(
@@ -130,7 +158,7 @@ def slice_nested(
     (written as ``<out>.tmp`` and renamed: an interrupted run leaves no ``<out>``)."""
     from elastic_plugin.checkpoint.hub import DEFAULT_MAX_SHARD_BYTES, parse_shard_size
     from elastic_plugin.checkpoint.io import fresh_temporary, publish_directory
-    from elastic_plugin.export.hf import config_dtype, write_hf_checkpoint
+    from elastic_plugin.export.hf import config_dtype, read_quant_config, write_hf_checkpoint
     from elastic_plugin.export.hf import hf_config as make_hf_config
 
     path, out = Path(hf_dir), Path(out_dir)
@@ -139,23 +167,28 @@ def slice_nested(
         raise ConfigError(
             f"--out {out}: exists and is not an empty directory (nothing is overwritten)"
         )
-    entry, full_config, (model, tensors) = _sliced(path, budget)
+    sliced = _sliced(path, budget)
+    entry, full_config, model = sliced.entry, sliced.full_config, sliced.model
     dtype = config_dtype(full_config)
     ids = {k: full_config.get(f"{k}_token_id") for k in ("pad", "bos", "eos")}
-    config = make_hf_config(tensors, model, dtype, {k: v for k, v in ids.items() if v is not None})
+    config = make_hf_config(
+        _plain(sliced), model, dtype, {k: v for k, v in ids.items() if v is not None}
+    )
     tokenizer = path / "tokenizer.json"
+    fmt, _ = read_quant_config(path)
     tmp = fresh_temporary(out)
     size = write_hf_checkpoint(
         tmp,
-        tensors,
+        sliced.tensors,
         config,
         dtype,
         tokenizer if tokenizer.is_file() else None,
+        sliced.quant_config,
         extra_files={
             "export_meta.json": {
                 "kind": "hf",
                 "dtype": dtype,
-                "quantize": None,
+                "quantize": fmt,
                 "source": str(path),
                 "budget": entry["budget"],
                 "choice": entry["choice"],
@@ -178,18 +211,28 @@ def slice_nested(
 
 def load_nested(hf_dir: str | Path, budget: float, dtype: Any = None):
     """``NemotronHForCausalLM`` of budget ``budget``, built from a nested directory's files
-    alone (per-layer widths included); ``dtype`` defaults to float32."""
+    alone (per-layer widths included); ``dtype`` defaults to float32. A quantized directory's
+    weights are dequantized to the exact values the quantized model multiplies with (its
+    activation scales: :func:`budget_input_amax`)."""
     import torch
 
     from elastic_plugin.export.hf import build_hf_model
     from elastic_plugin.export.hf import hf_config as make_hf_config
 
     path = Path(hf_dir)
-    _, full_config, (model, tensors) = _sliced(path, budget)
-    config = make_hf_config(tensors, model, "fp32")
+    sliced = _sliced(path, budget)
+    tensors = _plain(sliced)
+    config = make_hf_config(tensors, sliced.model, "fp32")
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        config[key] = full_config.get(key)
+        config[key] = sliced.full_config.get(key)
     return build_hf_model(config, tensors, dtype or torch.float32, source=str(path))
+
+
+def budget_input_amax(hf_dir: str | Path, budget: float) -> dict[str, float]:
+    """The calibrated activation |x|max per module of budget ``budget`` of a quantized nested
+    directory ({} for a weight-only or unquantized one): what its sliced ``input_scale`` hold."""
+    config = read_nested_config(hf_dir)
+    return dict(_budget_entry(hf_dir, config, budget).get("input_amax") or {})
 
 
 def write_nested_export(
@@ -198,14 +241,26 @@ def write_nested_export(
     source: Any = None,
     dtype: str = "bf16",
     max_shard_size: str | int | None = None,
+    quantize: str | None = None,
+    quant: Any = None,
 ) -> dict[str, Any]:
     """Write the nested directory of an elastic checkpoint: the full importance-ordered model once
     (``dtype``, the Hub's layout, sharded past ``max_shard_size``) and ``nested_config.json``.
+    ``quantize`` "fp8" / "nvfp4": the full model quantized once so that every trained budget is a
+    cut of it (``export.quant_slicing``); with ``quant.calib_samples`` each budget's own
+    ModelOpt-calibrated activation |x|max goes into its ``nested_config.json`` entry
+    (``input_amax``) and the stored ``input_scale`` are the full budget's.
     ``source``: ``export.extract.load_source``'s (model, meta), to load the checkpoint once."""
     from elastic_plugin.checkpoint.hub import DEFAULT_MAX_SHARD_BYTES, parse_shard_size
     from elastic_plugin.checkpoint.io import fresh_temporary, publish_directory
     from elastic_plugin.checkpoint.meta import read_elastic_meta, stored_choices, trained_budgets
-    from elastic_plugin.export.extract import EXPORT_META, load_source, plan_extraction
+    from elastic_plugin.export.extract import (
+        EXPORT_META,
+        calibrated_amax,
+        load_source,
+        plan_extraction,
+        quantized_parent,
+    )
     from elastic_plugin.export.hf import (
         hf_config,
         megatron_to_hf,
@@ -217,18 +272,33 @@ def write_nested_export(
 
     ckpt, out = Path(ckpt_dir), Path(out_dir)
     shard = DEFAULT_MAX_SHARD_BYTES if max_shard_size is None else parse_shard_size(max_shard_size)
-    # the same input checks as every per-budget HF export (format, dtype, --out), on the full budget
+    # the same input checks as every per-budget HF export (format, dtype, quantization, --out)
     meta = read_elastic_meta(ckpt)
-    plan = plan_extraction(ckpt, max(trained_budgets(meta)), out, fmt="hf", dtype=dtype)
+    plan = plan_extraction(
+        ckpt, max(trained_budgets(meta)), out, fmt="hf", dtype=dtype, quantize=quantize, quant=quant
+    )
     model = plan.model
-    params = {
-        label: nested_params(meta, model, choice, ckpt)
-        for label, choice in stored_choices(meta).items()
-    }
+    choices = stored_choices(meta)
+    params = {label: nested_params(meta, model, choice, ckpt) for label, choice in choices.items()}
     full, _ = source if source is not None else load_source(plan)
     tensors = megatron_to_hf(nested_state_dict(full, model, {}), model)
     config = hf_config(tensors, model, dtype, tokenizer_token_ids(meta.get("tokenizer")))
     nested = nested_config(meta, model, params)
+    quant_config = None
+    if quantize is not None:
+        from elastic_plugin.export.quant_slicing import with_input_scales
+
+        tensors, quant_config = quantized_parent(plan, full, dict(choices))
+        if plan.quant.calib_samples:
+            for entry in nested["budgets"]:
+                plain = megatron_to_hf(nested_state_dict(full, model, entry["choice"]), model)
+                entry["input_amax"] = calibrated_amax(plan, plain, hf_config(plain, model, dtype))
+            largest = nested["budgets"][0]["input_amax"]  # budgets run largest first
+            tensors = with_input_scales(tensors, largest, quantize)
+        nested["quantization"] = {
+            "quant_algo": quant_config["quantization"]["quant_algo"],
+            **dataclasses.asdict(plan.quant),
+        }
     tmp = fresh_temporary(out)
     size = write_hf_checkpoint(
         tmp,
@@ -236,12 +306,13 @@ def write_nested_export(
         config,
         dtype,
         meta.get("tokenizer"),
+        quant_config,
         extra_files={
             NESTED_CONFIG: nested,
             EXPORT_META: {
                 "kind": "hf-nested",
                 "dtype": dtype,
-                "quantize": None,
+                "quantize": quantize,
                 "source": str(ckpt),
                 "model": dataclasses.asdict(model),
             },

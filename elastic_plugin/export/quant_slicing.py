@@ -153,7 +153,7 @@ def _piece(key: str, cuts: Mapping[str, Cut]) -> _Piece | None:
             f"{expert['head']}.{expert['e']}.{expert['proj']}",
             expert["leaf"],
             tuple((dim - 1, index) for dim, index in rest),
-            int(expert["e"]) < int(count),  # type: ignore[arg-type]
+            int(expert["e"]) < int(count),
         )
     if key in cuts:
         return _Piece(key.removesuffix(".weight"), "weight", cuts[key])

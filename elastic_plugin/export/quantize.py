@@ -69,6 +69,7 @@ __all__ = [
     "check_format",
     "quantize_state_dict",
     "input_scale",
+    "stored_input_amax",
     "dequantize_state_dict",
     "tensor_bytes",
     "quantized_weight_bytes",
@@ -283,6 +284,23 @@ def input_scale(amax: float | torch.Tensor, fmt: str) -> torch.Tensor:
     amax / (6 * 448) (NVFP4's global input scale), 0-d fp32 (0 -> 1)."""
     act_max = E4M3_MAX if check_format(fmt) == "fp8" else E2M1_MAX * E4M3_MAX
     return _positive(torch.as_tensor(amax, dtype=torch.float32).reshape(()) / act_max)
+
+
+def stored_input_amax(tensors: Mapping[str, torch.Tensor], fmt: str) -> dict[str, float]:
+    """The calibrated activation |x|max that a quantized state's ``X.input_scale`` stand for
+    (the inverse of :func:`input_scale`), per module; experts' per-expert scales under their
+    stack's name (``…experts.up_proj``: the largest, ModelOpt writes one value for all)."""
+    act_max = E4M3_MAX if check_format(fmt) == "fp8" else E2M1_MAX * E4M3_MAX
+    out: dict[str, float] = {}
+    for name, scale in tensors.items():
+        if not name.endswith(INPUT_SCALE):
+            continue
+        module = name.removesuffix(INPUT_SCALE)
+        one = _EXPERT_ONE.match(module + WEIGHT)
+        if one is not None:
+            module = f"{one['head']}.{one['proj']}"
+        out[module] = max(out.get(module, 0.0), float(scale.float()) * act_max)
+    return out
 
 
 def _is_embedding(name: str) -> bool:

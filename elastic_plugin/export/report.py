@@ -10,6 +10,7 @@ of separate checkpoints. Written to ``exports.json``, ``exports.md`` and ``expor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -24,8 +25,15 @@ from elastic_plugin.checkpoint.meta import (
     stored_choices,
     trained_budgets,
 )
-from elastic_plugin.export.extract import ExtractPlan, load_source, plan_extraction, run_extraction
+from elastic_plugin.export.extract import (
+    ExtractPlan,
+    QuantOptions,
+    load_source,
+    plan_extraction,
+    run_extraction,
+)
 from elastic_plugin.export.hf_compat import QUANTIZE_FORMATS
+from elastic_plugin.export.tokens import validation_tokens
 from elastic_plugin.models.config import ConfigError
 
 PRECISIONS = ("bf16", *QUANTIZE_FORMATS)
@@ -49,6 +57,7 @@ def _plans(
     precisions: Sequence[str],
     megatron: bool,
     max_shard_size: str | int | None = None,
+    quant: QuantOptions | None = None,
 ) -> list[_Job]:
     """Every export, checked before anything is loaded."""
     bad = [p for p in precisions if p not in PRECISIONS]
@@ -86,6 +95,7 @@ def _plans(
                         dtype="bf16",
                         quantize=quantize,
                         max_shard_size=max_shard_size,
+                        quant=quant if quantize else None,
                     ),
                 )
             )
@@ -93,47 +103,11 @@ def _plans(
 
 
 # ------------------------------------------------------------------------------ evaluation
-def _valid_prefix(meta: dict[str, Any]) -> str:
-    data = meta.get("data") or {}
-    if data.get("valid_data_path") or data.get("data_path"):
-        return data.get("valid_data_path") or data["data_path"]
-    if data.get("prepared"):
-        from elastic_plugin.data.prepare import PreparedData
-
-        return PreparedData.load(data["prepared"]).valid_prefix
-    raise ConfigError(
-        "the checkpoint records no validation data (meta 'data'); pass "
-        "--eval-sequences 0 to skip the evaluation"
-    )
-
-
-def validation_tokens(meta: dict[str, Any], sequences: int, seq_length: int):
-    """The first ``sequences`` windows of ``seq_length + 1`` tokens of the concatenated
-    validation documents (GPTDataset's packing, without shuffling): the same for every export."""
-    import numpy as np
-    import torch
-
-    from elastic_plugin.data.indexed import read_indexed_documents
-
-    docs = read_indexed_documents(_valid_prefix(meta))
-    flat = np.concatenate(docs) if docs else np.zeros(0, dtype=np.int64)
-    count = min(sequences, (len(flat) - 1) // seq_length)
-    if count < 1:
-        raise ConfigError(
-            f"the validation data has {len(flat)} tokens: too few for one sequence of {seq_length}"
-        )
-    windows = [flat[i * seq_length : i * seq_length + seq_length + 1] for i in range(count)]
-    return torch.as_tensor(np.stack(windows).astype(np.int64))
-
-
-def hf_validation_loss(path: Path, tokens, batch_size: int = 8) -> float:
-    """Mean next-token cross entropy of an HF export over ``tokens`` (fp32 compute)."""
+def model_loss(model, tokens, batch_size: int = 8) -> float:
+    """Mean next-token cross entropy of a transformers model over ``tokens`` (fp32 compute)."""
     import torch
     import torch.nn.functional as F
 
-    from elastic_plugin.export.hf import load_hf_model
-
-    model = load_hf_model(path, dtype=torch.float32)
     total, count = 0.0, 0
     with torch.no_grad():
         for batch in tokens.split(batch_size):
@@ -148,6 +122,32 @@ def hf_validation_loss(path: Path, tokens, batch_size: int = 8) -> float:
     return total / count
 
 
+def quantized_loss(model, tokens, input_amax: dict[str, float], fmt: str | None) -> float:
+    """:func:`model_loss` with the export's static activation quantization applied (ModelOpt's
+    fake quant of each calibrated module's input), as a runtime computes; weight-only exports
+    (no ``input_amax``) as they are."""
+    if not input_amax or fmt is None:
+        return model_loss(model, tokens)
+    from elastic_plugin.export.calibrate import activation_fake_quant
+
+    with activation_fake_quant(model, input_amax, fmt):
+        return model_loss(model, tokens)
+
+
+def hf_validation_loss(path: Path, tokens, batch_size: int = 8) -> float:
+    """Validation loss of an HF export as a runtime computes it: weights as stored (quantized
+    ones dequantized to their exact values), activations quantized with its ``input_scale``."""
+    import torch
+
+    from elastic_plugin.export.hf import export_input_amax, load_hf_model
+
+    model = load_hf_model(path, dtype=torch.float32)
+    fmt, amax = export_input_amax(path)
+    return (
+        quantized_loss(model, tokens, amax, fmt) if amax else model_loss(model, tokens, batch_size)
+    )
+
+
 # ------------------------------------------------------------------------------ the job
 def export_all(
     ckpt_dir: str | Path,
@@ -158,13 +158,17 @@ def export_all(
     progress: bool = True,
     max_shard_size: str | int | None = None,
     nested: bool = False,
+    quant: QuantOptions | None = None,
 ) -> dict[str, Any]:
     """Export every trained budget (see the module docstring); returns the report dict.
-    ``max_shard_size``: of the HF exports' safetensors shards (default 5GB). ``nested``: also
-    write ``OUT/nested`` (one BF16 directory serving every budget, ``export.nested_hf``) and
-    check that each budget sliced from it equals that budget's BF16 export."""
+    ``max_shard_size``: of the HF exports' safetensors shards (default 5GB). ``quant``: how the
+    FP8 / NVFP4 exports are made (block alignment, activation calibration). ``nested``: also
+    write one directory per precision serving every budget (``OUT/nested`` for BF16,
+    ``OUT/nested_fp8``, ``OUT/nested_nvfp4``; ``export.nested_hf``), check that each budget
+    sliced from it equals that budget's own export, and measure the sliced budgets."""
     ckpt, out = Path(ckpt_dir), Path(out_dir)
-    jobs = _plans(ckpt, out, list(precisions), megatron, max_shard_size)
+    precisions = list(precisions)
+    jobs = _plans(ckpt, out, precisions, megatron, max_shard_size, quant)
     meta = jobs[0].plan.meta
     out.mkdir(parents=True, exist_ok=True)
     seq_length = int((meta["config"].get("training") or {}).get("seq_length", 128))
@@ -194,11 +198,19 @@ def export_all(
                 f"{row['bytes'] / 1e6:.2f} MB{loss} ({row['seconds']:.1f} s)",
                 flush=True,
             )
-    nested_report = _nested(ckpt, out, source, rows, max_shard_size) if nested else None
+    nested_report = (
+        {
+            p: _nested(ckpt, out, source, rows, max_shard_size, p, quant, tokens, progress)
+            for p in precisions
+        }
+        if nested
+        else None
+    )
     del source
     report = {
         "source": str(ckpt),
         "eval": {"sequences": 0 if tokens is None else len(tokens), "seq_length": seq_length},
+        "quant": dataclasses.asdict(quant or QuantOptions()),
         "exports": rows,
         "recovery": _recovery(rows),
         "sizes": _sizes(rows, ckpt),
@@ -211,32 +223,73 @@ def export_all(
     return report
 
 
-def _nested(
-    ckpt: Path, out: Path, source: Any, rows: list[dict[str, Any]], max_shard_size: str | int | None
-) -> dict[str, Any]:
-    """Write the nested directory; measure its bytes against the separate BF16 exports and
-    check every budget sliced from it against that budget's own BF16 export, tensor by tensor."""
+def nested_dir_name(precision: str) -> str:
+    """``nested`` (BF16) or ``nested_<precision>``: where ``export --nested`` writes it."""
+    return "nested" if precision == "bf16" else f"nested_{precision}"
+
+
+def _same_bytes(a, b) -> bool:
+    """Equal dtype, shape and bits (float8 has no CPU ``torch.equal``)."""
     import torch
 
-    from elastic_plugin.checkpoint.hub import from_hub, read_hub_tensors
-    from elastic_plugin.export.nested_hf import sliced_tensors, write_nested_export
+    flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(*flat)
 
-    written = write_nested_export(ckpt, out / "nested", source, "bf16", max_shard_size)
-    bf16 = [r for r in rows if r["precision"] == "bf16"]
-    equal = {}
-    for r in bf16:
-        sliced = sliced_tensors(out / "nested", r["budget"])
+
+def _nested(
+    ckpt: Path,
+    out: Path,
+    source: Any,
+    rows: list[dict[str, Any]],
+    max_shard_size: str | int | None,
+    precision: str,
+    quant: QuantOptions | None,
+    tokens: Any,
+    progress: bool,
+) -> dict[str, Any]:
+    """Write one precision's nested directory; measure its bytes against that precision's
+    separate exports, check every budget sliced from it against that budget's own export tensor
+    by tensor, and measure the sliced budgets' validation loss (activation quantization applied)."""
+    from elastic_plugin.checkpoint.hub import from_hub, read_hub_tensors
+    from elastic_plugin.export.nested_hf import (
+        budget_input_amax,
+        load_nested,
+        sliced_tensors,
+        write_nested_export,
+    )
+
+    quantize = None if precision == "bf16" else precision
+    path = out / nested_dir_name(precision)
+    written = write_nested_export(
+        ckpt, path, source, "bf16", max_shard_size, quantize, quant if quantize else None
+    )
+    mine = [r for r in rows if r["precision"] == precision]
+    equal, losses = {}, {}
+    for r in mine:
+        label = budget_label(r["budget"])
+        sliced = sliced_tensors(path, r["budget"])
         exported = from_hub(read_hub_tensors(r["path"]))
-        equal[budget_label(r["budget"])] = sliced.keys() == exported.keys() and all(
-            torch.equal(sliced[k].to(exported[k].dtype), exported[k]) for k in exported
+        equal[label] = sliced.keys() == exported.keys() and all(
+            _same_bytes(sliced[k].to(exported[k].dtype), exported[k]) for k in exported
         )
-    separate = sum(r["bytes"] for r in bf16)
+        if tokens is not None:
+            model = load_nested(path, r["budget"])
+            amax = budget_input_amax(path, r["budget"])
+            losses[label] = quantized_loss(model, tokens, amax, quantize)
+    separate = sum(r["bytes"] for r in mine)
+    if progress:
+        print(
+            f"nested {precision}: {written['bytes'] / 1e6:.2f} MB (separate: "
+            f"{separate / 1e6:.2f} MB); sliced == export: {equal}",
+            flush=True,
+        )
     return {
         "path": written["out"],
         "bytes": written["bytes"],
-        "separate_bf16_bytes": separate,
+        "separate_bytes": separate,
         "saving": 1 - written["bytes"] / separate if separate else None,
         "sliced_equals_export": equal,
+        **({"sliced_valid_loss": losses} if losses else {}),
     }
 
 
@@ -330,16 +383,27 @@ def markdown(report: dict[str, Any]) -> str:
         "",
     ]
     nested = report.get("nested")
-    if nested is not None:
-        same = ", ".join(
-            f"{b}: {'yes' if ok else 'NO'}" for b, ok in nested["sliced_equals_export"].items()
-        )
+    if nested:
         lines += [
-            f"One nested BF16 directory (`{nested['path']}`, measured on disk): "
-            f"{nested['bytes'] / 1e6:.3f} MB vs {nested['separate_bf16_bytes'] / 1e6:.3f} MB for the "
-            f"separate BF16 exports; each budget sliced from it equals its own export: {same}.",
+            "## One nested directory per precision (export --nested)",
             "",
+            "Measured on disk; every budget sliced from it (`elastic-plugin slice`, `load_nested`)"
+            " is compared with its own export, tensor by tensor, and evaluated.",
+            "",
+            "| format | nested (MB) | separate (MB) | saving | sliced == export | "
+            "sliced valid loss |",
+            "|---|---|---|---|---|---|",
         ]
+        for precision, n in nested.items():
+            same = ", ".join(
+                f"{b}: {'yes' if ok else 'NO'}" for b, ok in n["sliced_equals_export"].items()
+            )
+            loss = ", ".join(f"{b}: {v:.4f}" for b, v in (n.get("sliced_valid_loss") or {}).items())
+            lines.append(
+                f"| {precision} | {n['bytes'] / 1e6:.3f} | {n['separate_bytes'] / 1e6:.3f} | "
+                f"{100 * (n['saving'] or 0):.1f}% | {same} | {loss or '-'} |"
+            )
+        lines.append("")
     return "\n".join(lines)
 
 

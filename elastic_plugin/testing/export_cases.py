@@ -301,3 +301,118 @@ def serve_check_case(config_path: str, workdir: str) -> dict[str, Any]:
             "stderr": err.getvalue(),
         }
     return results
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(*flat)
+
+
+def _cli(argv: list[str]) -> tuple[int, str]:
+    """(exit code, stderr) of one ``elastic-plugin`` command run in this process."""
+    import contextlib
+    import io
+
+    from elastic_plugin.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(argv)
+    return code, err.getvalue()
+
+
+def quantized_nested_case(config_path: str, workdir: str) -> dict[str, Any]:
+    """1 rank: FP8 / NVFP4 nested directories with calibrated activation scales; every budget
+    sliced from them (``slice`` CLI, ``load_nested``) against that budget's own quantized
+    export; serve-check on a sliced and a calibrated export; bad input before anything is
+    written."""
+    import numpy as np
+
+    from elastic_plugin.checkpoint.hub import from_hub, read_hub_tensors
+    from elastic_plugin.data.indexed import write_indexed_dataset
+    from elastic_plugin.export.extract import QuantOptions, plan_extraction, run_extraction
+    from elastic_plugin.export.hf import export_input_amax
+    from elastic_plugin.export.nested_hf import budget_input_amax, load_nested, write_nested_export
+    from elastic_plugin.models.config import load_config
+
+    work = Path(workdir)
+    vocab = load_config(config_path).model.vocab_size
+    ckpt = train_checkpoint(config_path, work)
+    rng = np.random.default_rng(0)
+    calib = str(work / "calib")  # the user's calibration text, as an indexed dataset
+    write_indexed_dataset(calib, [rng.integers(0, vocab, 300) for _ in range(4)], vocab_size=vocab)
+    quant = QuantOptions("high-precision", calib_samples=6, calib_data=calib)
+    out: dict[str, Any] = {"formats": {}}
+    for fmt in ("fp8", "nvfp4"):
+        nested = work / f"nested_{fmt}"
+        write_nested_export(ckpt, nested, None, "bf16", "100KB", fmt, quant)
+        rows = {}
+        for budget in (1.0, 0.77, 0.4):
+            label = f"{budget:g}"
+            own = work / f"hf_{label}_{fmt}"
+            plan = plan_extraction(
+                ckpt, budget, own, fmt="hf", dtype="bf16", quantize=fmt, quant=quant
+            )
+            run_extraction(plan)
+            sliced = work / f"sliced_{label}_{fmt}"
+            code, _ = _cli(["slice", "--hf", str(nested), "--budget", label, "--out", str(sliced)])
+            a, b = from_hub(read_hub_tensors(own)), from_hub(read_hub_tensors(sliced))
+            with torch.no_grad():
+                loaded = load_nested(nested, budget)(_tokens(vocab)).logits
+            rows[label] = {
+                "exit": code,
+                "same_keys": sorted(a) == sorted(b),
+                "bitwise": all(_same_bytes(a[k], b[k]) for k in a),
+                "files_equal": {
+                    name: (own / name).read_text() == (sliced / name).read_text()
+                    for name in ("config.json", "hf_quant_config.json")
+                },
+                "load_nested_vs_export": (loaded - hf_logits(own, vocab)).abs().max().item(),
+                "input_amax": export_input_amax(own)[1],
+                "nested_amax": budget_input_amax(nested, budget),
+                "input_scales": sorted(k for k in a if k.endswith(".input_scale")),
+                "quantized": sorted(k for k in a if k.endswith(".weight_scale")),
+                "bytes_own": sum(p.stat().st_size for p in own.iterdir()),
+            }
+        out["formats"][fmt] = {
+            "rows": rows,
+            "nested_bytes": sum(p.stat().st_size for p in nested.iterdir()),
+            "exclude": json.loads((nested / "hf_quant_config.json").read_text())["quantization"][
+                "exclude_modules"
+            ],
+        }
+    out["serve_check"] = {
+        name: _cli(["serve-check", *argv])[0]
+        for name, argv in {
+            "nested_nvfp4_0.4": [str(work / "nested_nvfp4"), "--budget", "0.4"],
+            "hf_0.77_fp8": [str(work / "hf_0.77_fp8")],
+        }.items()
+    }
+    base = ["extract", "--ckpt", str(ckpt), "--budget", "0.4", "--format", "hf"]
+    errors = {}
+    for name, (argv, target) in {
+        "nvfp4_unaligned": (["--quantize", "nvfp4", "--out"], "e1"),
+        "calib_without_quantize": (["--calib-samples", "4", "--out"], "e2"),
+        "calib_data_missing": (
+            [
+                "--quantize",
+                "fp8",
+                "--calib-samples",
+                "4",
+                "--calib-data",
+                str(work / "no"),
+                "--out",
+            ],
+            "e3",
+        ),
+        "calib_too_short": (
+            ["--quantize", "fp8", "--calib-samples", "999", "--calib-data", calib, "--out"],
+            "e4",
+        ),
+        "bad_policy": (["--quantize", "nvfp4", "--nvfp4-unaligned", "keep", "--out"], "e5"),
+    }.items():
+        code, stderr = _cli([*base, *argv, str(work / target)])
+        written = (work / target).exists() or (work / f"{target}.tmp").exists()
+        errors[name] = {"exit": code, "stderr": stderr, "written": written}
+    out["errors"] = errors
+    return out
