@@ -83,7 +83,12 @@ def _checkpoint(name: str, work: Path) -> Path:
 def run(
     quick: bool = False, reps: int | None = None, models: tuple[str, ...] | None = None
 ) -> list[dict]:
-    from elastic_plugin.export.extract import load_source, plan_extraction, run_extraction
+    from elastic_plugin.export.extract import (
+        QuantOptions,
+        load_source,
+        plan_extraction,
+        run_extraction,
+    )
 
     reps = reps or (1 if quick else 3)
     models = models or (("tiny",) if quick else ("tiny", "wide"))
@@ -107,6 +112,8 @@ def run(
                         fmt=fmt,
                         dtype=dtype,
                         quantize=quantize,
+                        # the smallest Mamba head dim (0.5 x) is not whole NVFP4 blocks
+                        quant=QuantOptions("high-precision") if quantize else None,
                     )
 
                 if source is None:

@@ -10,8 +10,10 @@ interleaved (``interleaved_medians``):
 * ``copy``: ``shutil.copyfile`` of a file the size of that budget's output, the floor any writer
   of those bytes pays on this disk.
 
-Columns: ``MB`` written, medians, ``slice/copy`` (lower is better), and per model the nested
-directory's bytes against the budgets' separate exports (``nested/separate``).
+Per precision (BF16, and FP8 / NVFP4 nested directories, whose slices cut the quantized parent:
+packed NVFP4 bytes and block scales). Columns: ``MB`` written, medians, ``slice/copy`` (lower is
+better), and per model and precision the nested directory's bytes against the budgets' separate
+exports (``nested/separate``).
 
 Run: ``python bench/bench_slice.py [--quick] [--reps N] [--json PATH]`` or
 ``python bench/run_all.py --only slice``.
@@ -30,10 +32,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import copy_floor, interleaved_medians  # noqa: E402
 from bench_extract import BUDGETS, _checkpoint  # noqa: E402
 
+PRECISIONS = ("bf16", "fp8", "nvfp4")
+
 
 def run(
-    quick: bool = False, reps: int | None = None, models: tuple[str, ...] | None = None
+    quick: bool = False,
+    reps: int | None = None,
+    models: tuple[str, ...] | None = None,
+    precisions: tuple[str, ...] = PRECISIONS,
 ) -> list[dict]:
+    from elastic_plugin.export.extract import QuantOptions
     from elastic_plugin.export.nested_hf import slice_nested, write_nested_export
 
     reps = reps or (1 if quick else 3)
@@ -43,34 +51,40 @@ def run(
         work = Path(tempfile.mkdtemp(prefix=f"bench_slice_{name}_"))
         try:
             ckpt = _checkpoint(name, work)
-            nested = write_nested_export(ckpt, work / "nested")
-            counter = itertools.count()
-            sizes = {
-                b: slice_nested(work / "nested", float(b), work / f"own_{b}")["bytes"]
-                for b in BUDGETS
-            }
-            for budget in BUDGETS:
+            for precision in precisions:
+                quantize = None if precision == "bf16" else precision
+                nested_dir = work / f"nested_{precision}"
+                # tiny's smallest Mamba head dim (8 of 16) is not whole NVFP4 blocks
+                quant = QuantOptions("high-precision") if quantize else None
+                nested = write_nested_export(ckpt, nested_dir, None, "bf16", None, quantize, quant)
+                counter = itertools.count()
+                sizes = {
+                    b: slice_nested(nested_dir, float(b), work / f"own_{precision}_{b}")["bytes"]
+                    for b in BUDGETS
+                }
+                for budget in BUDGETS:
 
-                def cut():
-                    out = work / f"slice_{next(counter)}"
-                    slice_nested(work / "nested", float(budget), out)
-                    shutil.rmtree(out)
+                    def cut(source=nested_dir, budget=budget):
+                        out = work / f"slice_{next(counter)}"
+                        slice_nested(source, float(budget), out)
+                        shutil.rmtree(out)
 
-                times = interleaved_medians(
-                    {"slice": cut, "copy": copy_floor(work, sizes[budget])}, reps=reps, warmup=1
-                )
-                mb = sizes[budget] / 1e6
-                rows.append(
-                    {
-                        "name": f"{name}/b{budget}",
-                        "MB": round(mb, 3),
-                        "slice_ms": 1e3 * times["slice"],
-                        "copy_ms": 1e3 * times["copy"],
-                        "slice/copy": times["slice"] / times["copy"],
-                        "nested_MB": round(nested["bytes"] / 1e6, 3),
-                        "nested/separate": nested["bytes"] / sum(sizes.values()),
-                    }
-                )
+                    times = interleaved_medians(
+                        {"slice": cut, "copy": copy_floor(work, sizes[budget])},
+                        reps=reps,
+                        warmup=1,
+                    )
+                    rows.append(
+                        {
+                            "name": f"{name}/{precision}/b{budget}",
+                            "MB": round(sizes[budget] / 1e6, 3),
+                            "slice_ms": 1e3 * times["slice"],
+                            "copy_ms": 1e3 * times["copy"],
+                            "slice/copy": times["slice"] / times["copy"],
+                            "nested_MB": round(nested["bytes"] / 1e6, 3),
+                            "nested/separate": nested["bytes"] / sum(sizes.values()),
+                        }
+                    )
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return rows

@@ -225,3 +225,82 @@ def test_quantization_flags_are_refused_before_writing(quantized_nested):
     assert "--calib-data" in errors["calib_data_missing"]["stderr"]
     assert "--calib-samples 999" in errors["calib_too_short"]["stderr"]
     assert "error, high-precision" in errors["bad_policy"]["stderr"]
+
+
+# ------------------------------------------------------------------------------ ModelOpt's layout
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_full_budget_export_is_what_modelopt_exports(tiny, fmt, tmp_path):
+    """The same tiny model quantized by ModelOpt itself (``mtq.quantize`` + calibration, then
+    ``export_hf_checkpoint``) and by us (weights quantized once, ModelOpt-calibrated input
+    scales): the same tensor names, the same tensors, the same quantization config."""
+    import json
+
+    from elastic_plugin.checkpoint.hub import read_hub_tensors
+    from elastic_plugin.export.calibrate import calibrate_input_amax
+    from elastic_plugin.export.hf import build_hf_model, hf_config, write_hf_checkpoint
+    from elastic_plugin.export.quant_slicing import quantize_nested, with_input_scales
+
+    mtq = pytest.importorskip("modelopt.torch.quantization")
+    from modelopt.torch.export import export_hf_checkpoint
+
+    cfg, full = tiny
+    config = hf_config(full, cfg, "fp32")
+    tokens = torch.randint(0, cfg.vocab_size, (4, 32), generator=torch.Generator().manual_seed(5))
+    batches = list(tokens.split(2))
+
+    reference = build_hf_model(config, full, torch.float32)
+    reference.config.architectures = ["NemotronHForCausalLM"]
+    default = mtq.FP8_DEFAULT_CFG if fmt == "fp8" else mtq.NVFP4_DEFAULT_CFG
+
+    def forward_loop(model):
+        with torch.no_grad():
+            for batch in batches:
+                model(batch)
+
+    mtq.quantize(reference, default, forward_loop)
+    export_hf_checkpoint(reference, export_dir=tmp_path / "modelopt")
+    theirs = read_hub_tensors(tmp_path / "modelopt")
+
+    model = build_hf_model(config, full, torch.float32)
+    quantized, quant_config = quantize_nested(full, cfg, fmt, {}, "error")
+    quantized = with_input_scales(quantized, calibrate_input_amax(model, batches, fmt), fmt)
+    (tmp_path / "ours").mkdir()
+    write_hf_checkpoint(tmp_path / "ours", quantized, config, "fp32", quant_config=quant_config)
+    ours = read_hub_tensors(tmp_path / "ours")
+
+    assert sorted(ours) == sorted(theirs)
+    differ = [k for k in ours if not _same_bytes(ours[k], theirs[k].to(ours[k].dtype))]
+    assert not differ, differ[:5]
+    mine = json.loads((tmp_path / "ours" / "hf_quant_config.json").read_text())["quantization"]
+    their = json.loads((tmp_path / "modelopt" / "hf_quant_config.json").read_text())["quantization"]
+    assert mine["quant_algo"] == their["quant_algo"]
+    assert mine.get("group_size") == their.get("group_size")
+    # ModelOpt 0.47 on CPU appends a sentinel to each excluded name; the modules are the same
+    assert {m.split(".\x00")[0] for m in their["exclude_modules"]} <= set(mine["exclude_modules"])
+
+
+def test_quantization_config_in_config_json_is_modelopts(tiny, tmp_path):
+    """config.json's quantization_config == ModelOpt's convert_hf_quant_config_format of our
+    hf_quant_config.json; excluded modules are written in the Hub's names and read back in
+    transformers' in-memory ones."""
+    import json
+
+    from elastic_plugin.export.hf import hf_config, read_quant_config, write_hf_checkpoint
+    from elastic_plugin.export.quantize import quantize_state_dict
+
+    convert = pytest.importorskip("modelopt.torch.export.convert_hf_config")
+    cfg, full = tiny
+    for fmt in ("fp8", "nvfp4"):
+        quantized, quant_config = quantize_state_dict(full, fmt)
+        out = tmp_path / fmt
+        out.mkdir()
+        write_hf_checkpoint(out, quantized, hf_config(full, cfg, "fp32"), quant_config=quant_config)
+        stored = json.loads((out / "hf_quant_config.json").read_text())
+        excluded = stored["quantization"]["exclude_modules"]
+        assert "backbone.layers.0.mixer.conv1d" in excluded and "lm_head" in excluded
+        assert not any(m.startswith("model.") for m in excluded)
+        config = json.loads((out / "config.json").read_text())
+        assert config["quantization_config"] == convert.convert_hf_quant_config_format(stored)
+        assert config["quantization_config"]["quant_method"] == "modelopt"
+        read_fmt, read = read_quant_config(out)
+        assert read_fmt == fmt and read == quant_config

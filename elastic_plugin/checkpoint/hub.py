@@ -33,7 +33,9 @@ __all__ = [
     "HUB_WEIGHTS",
     "MEMORY_PREFIX",
     "from_hub",
+    "hub_name",
     "hub_weight_files",
+    "memory_name",
     "iter_hub_shards",
     "parse_shard_size",
     "read_hub_tensors",
@@ -115,6 +117,16 @@ def from_hub(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             )
         out[f"{head}.{proj}"] = torch.stack(parts)
     return out
+
+
+def hub_name(name: str) -> str:
+    """A module or tensor name in the Hub's form (``model.`` -> ``backbone.``)."""
+    return HUB_PREFIX + name[len(MEMORY_PREFIX) :] if name.startswith(MEMORY_PREFIX) else name
+
+
+def memory_name(name: str) -> str:
+    """A module or tensor name in transformers' in-memory form (``backbone.`` -> ``model.``)."""
+    return MEMORY_PREFIX + name[len(HUB_PREFIX) :] if name.startswith(HUB_PREFIX) else name
 
 
 def _put(out: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:

@@ -481,6 +481,7 @@ def extract_nested(
     fmt: str = "megatron",
     dtype: str | None = None,
     quantize: str | None = None,
+    quant: QuantOptions | None = None,
 ) -> dict[str, Any]:
     """Extract the nested model of ``budget`` from an elastic checkpoint into ``out_dir``.
 
@@ -490,11 +491,14 @@ def extract_nested(
     extracted model splits that way (and becomes its config's default layout). Written to
     ``<out>.tmp`` and renamed to ``<out>`` at the end: an interrupted run leaves no ``<out>``.
     ``fmt="hf"`` writes Hugging Face NemotronH safetensors instead (per-layer widths allowed;
-    ``dtype`` bf16/fp16/fp32, ``quantize`` "fp8"/"nvfp4" in ModelOpt's layout).
+    ``dtype`` bf16/fp16/fp32, ``quantize`` "fp8"/"nvfp4" in ModelOpt's layout, made as
+    ``quant`` says).
     Returns ``{"out", "format", "dtype", "quantize", "budget", "interpolated", "choice",
     "params": {"total", "active"}, "bytes"}``. Raises ``ConfigError`` for bad input (before
     loading anything when possible).
     """
     return run_extraction(
-        plan_extraction(ckpt_dir, budget, out_dir, interpolate, target, fmt, dtype, quantize)
+        plan_extraction(
+            ckpt_dir, budget, out_dir, interpolate, target, fmt, dtype, quantize, quant=quant
+        )
     )

@@ -36,7 +36,9 @@ from elastic_plugin.checkpoint.hub import (
     DEFAULT_MAX_SHARD_BYTES,
     HUB_WEIGHTS,
     from_hub,
+    hub_name,
     hub_weight_files,
+    memory_name,
     read_hub_tensors,
     to_hub,
     write_hub_shards,
@@ -53,6 +55,7 @@ __all__ = [
     "load_hf_model",
     "build_hf_model",
     "export_input_amax",
+    "modelopt_quantization_config",
     "read_quant_config",
     "generation_config",
     "tokenizer_token_ids",
@@ -343,7 +346,7 @@ def hf_config(
         ),
         "n_shared_experts": 1,
         "norm_topk_prob": model.moe_router_topk > 1,
-        "routed_scaling_factor": 1.0,
+        "routed_scaling_factor": model.moe_router_topk_scaling_factor or 1.0,
         "n_group": 1,
         "topk_group": 1,
         "layer_norm_epsilon": model.layernorm_epsilon,
@@ -389,10 +392,13 @@ def write_hf_checkpoint(
         for k, v in tensors.items()
     }
     write_hub_shards(out, to_hub(cast), max_shard_bytes)
-    (out / HF_CONFIG).write_text(json.dumps(dict(config), indent=2) + "\n")
+    config = dict(config)
+    if quant_config is not None:  # as ModelOpt's unified export: both files, Hub module names
+        quant_config = _renamed_excludes(quant_config, hub_name)
+        (out / HF_QUANT_CONFIG).write_text(json.dumps(quant_config, indent=2) + "\n")
+        config["quantization_config"] = modelopt_quantization_config(quant_config)
+    (out / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     (out / HF_GENERATION_CONFIG).write_text(json.dumps(generation_config(config), indent=2) + "\n")
-    if quant_config is not None:
-        (out / HF_QUANT_CONFIG).write_text(json.dumps(dict(quant_config), indent=2) + "\n")
     if tokenizer_file is not None and Path(tokenizer_file).is_file():
         shutil.copyfile(tokenizer_file, out / "tokenizer.json")
         (out / "tokenizer_config.json").write_text(
@@ -466,15 +472,65 @@ def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32):
     return build_hf_model(json.loads((path / HF_CONFIG).read_text()), state, dtype, str(path))
 
 
+def _renamed_excludes(quant_config: Mapping[str, Any], rename) -> dict[str, Any]:
+    """``quant_config`` with its ``exclude_modules`` renamed (Hub <-> in-memory names)."""
+    out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in quant_config.items()}
+    quantization = out.get("quantization")
+    if isinstance(quantization, dict) and "exclude_modules" in quantization:
+        quantization["exclude_modules"] = [rename(m) for m in quantization["exclude_modules"]]
+    return out
+
+
+def modelopt_quantization_config(quant_config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config.json``'s ``quantization_config`` for an ``hf_quant_config.json`` dict, as
+    ModelOpt's unified export writes it (``quant_method: modelopt``, compressed-tensors style
+    ``config_groups``; what transformers and vLLM detect a ModelOpt checkpoint by). Tested equal
+    to ModelOpt's own ``convert_hf_quant_config_format``."""
+    details = quant_config.get("quantization") or {}
+    algo = details.get("quant_algo")
+    if algo == "FP8":
+        group: dict[str, Any] = {
+            "input_activations": {"dynamic": False, "num_bits": 8, "type": "float"},
+            "weights": {"dynamic": False, "num_bits": 8, "type": "float"},
+        }
+    elif algo == "NVFP4":
+        size = details.get("group_size", 16)
+        group = {
+            "input_activations": {
+                "dynamic": False,
+                "num_bits": 4,
+                "type": "float",
+                "group_size": size,
+            },
+            "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": size},
+        }
+    else:
+        raise ConfigError(f"hf_quant_config.json quant_algo {algo!r}: allowed: FP8, NVFP4")
+    out: dict[str, Any] = {
+        "config_groups": {"group_0": {**group, "targets": ["Linear"]}},
+        "ignore": list(details.get("exclude_modules") or []),
+        "quant_algo": algo,
+    }
+    kv_cache = details.get("kv_cache_quant_algo")
+    if kv_cache:
+        fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
+        out["kv_cache_scheme"] = fp8 if kv_cache == "FP8" else kv_cache
+    if quant_config.get("producer"):
+        out["producer"] = dict(quant_config["producer"])
+    out["quant_method"] = "modelopt"
+    return out
+
+
 def read_quant_config(path: str | Path) -> tuple[str | None, dict[str, Any] | None]:
-    """``("fp8" / "nvfp4", hf_quant_config.json)`` of a quantized export, ``(None, None)`` for
-    an unquantized one; a ConfigError for a quant_algo this package does not write."""
+    """``("fp8" / "nvfp4", hf_quant_config.json)`` of a quantized export (``exclude_modules``
+    in transformers' in-memory names, as the tensors are held), ``(None, None)`` for an
+    unquantized one; a ConfigError for a quant_algo this package does not write."""
     from elastic_plugin.export.quantize import QUANT_ALGO
 
     file = Path(path) / HF_QUANT_CONFIG
     if not file.is_file():
         return None, None
-    quant_config = json.loads(file.read_text())
+    quant_config = _renamed_excludes(json.loads(file.read_text()), memory_name)
     algo = (quant_config.get("quantization") or {}).get("quant_algo")
     fmt = {v: k for k, v in QUANT_ALGO.items()}.get(str(algo))
     if fmt is None:
@@ -513,7 +569,11 @@ def build_hf_model(
     raw = dict(config_json)
     overrides = raw.pop("layer_overrides", {})
     config = NemotronHConfig(
-        **{k: v for k, v in raw.items() if k not in ("architectures", "model_type", "torch_dtype")}
+        **{
+            k: v
+            for k, v in raw.items()
+            if k not in ("architectures", "model_type", "torch_dtype", "quantization_config")
+        }
     )
     model = NemotronHForCausalLM(config)
     for index, fields in overrides.items():

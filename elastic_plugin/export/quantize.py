@@ -20,11 +20,14 @@ and ``modelopt/torch/export/{quant_utils,moe_utils,unified_export_hf}.py``):
   checkpoints (and transformers' NemotronH conversion mapping) use. :func:`quantize_fp8` /
   :func:`quantize_nvfp4` on a 3-D tensor likewise give one per-tensor scale per expert.
 * ``exclude_modules``: module names (the weight name less ``.weight``) of matrix-shaped weights
-  left in high precision — ``lm_head``, Mamba ``conv1d``, the MoE router ``gate`` and any
-  projection not quantized — as in the released Nemotron-3 NVFP4 ``hf_quant_config.json``;
-  embeddings and 1-D tensors (norms, ``A_log``, ``D``, ``dt_bias``, biases) are not listed.
+  left in high precision — the embeddings, ``lm_head``, Mamba ``conv1d``, the MoE router
+  ``gate`` and any projection not quantized — as ModelOpt 0.47's export lists them (tested
+  against it); 1-D tensors (norms, ``A_log``, ``D``, ``dt_bias``, biases) are not listed.
+  On disk the names are the Hub's (``backbone.…``, ``export.hf.write_hf_checkpoint``).
 
-Scales are all computed in fp32 from the (exact) fp32 image of the weight; ModelOpt's FP8
+NVFP4 q/k/v projections of one attention layer share one global scale (the max of their
+amaxes), as ModelOpt's export and the runtimes' fused QKV GEMM have it. Scales are all computed
+in fp32 from the (exact) fp32 image of the weight; ModelOpt's FP8
 export divides a bf16 weight by a 0-d fp32 scale in bf16 (type promotion), which can differ by
 one E4M3 step where that extra rounding lands on a tie. Zero tensors (amax 0) get scale 1
 instead of ModelOpt's 0/0 = NaN. The quantization is weight-only; ModelOpt's ``FP8``/``NVFP4``
@@ -169,14 +172,18 @@ def _blocks(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(*w.shape[:-1], w.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
 
 
-def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_nvfp4(
+    w: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(packed uint8 [..., in/2], block_scale float8_e4m3fn [..., in/16], global_scale fp32)``.
 
     ``global_scale = amax / (6 * 448)`` (0-d; [E] for a 3-D expert stack); block scale
     ``block_amax / (6 * global_scale)`` (0 -> 1) clamped to [2^-9, 448] and cast to E4M3, so
-    that the largest block scale is 448 and the block's largest value lands on 6. The input dim
-    must divide by 16 (:func:`quantize_state_dict` leaves other tensors unquantized)."""
-    gs = _positive(_amax(w) / (E2M1_MAX * E4M3_MAX))
+    that the largest block scale is 448 and the block's largest value lands on 6. ``amax``
+    defaults to ``w``'s own; a group of weights that runtimes fuse into one GEMM shares one.
+    The input dim must divide by 16 (:func:`quantize_state_dict` leaves other tensors
+    unquantized)."""
+    gs = _positive((_amax(w) if amax is None else amax.float()) / (E2M1_MAX * E4M3_MAX))
     _blocks(w)  # the input dim must divide by 16
     packed, block_scale = nvfp4_quantize(*_rows(w, gs))
     return (packed.reshape(*w.shape[:-1], -1), block_scale.reshape(*w.shape[:-1], -1), gs)
@@ -247,12 +254,13 @@ def quantize_state_dict(
     unknown = sorted(set(amax) - {n.removesuffix(WEIGHT) for n in picked})
     if unknown:
         raise ConfigError(f"input_amax names modules that are not quantized: {unknown[:4]}")
+    shared = _fused_amax(state, picked) if fmt == "nvfp4" else {}
     out: dict[str, torch.Tensor] = {}
     exclude: list[str] = []
     for source, module, t in _entries(state):
         if module is None and source not in picked:
             out[source] = t
-            if source.endswith(WEIGHT) and t.dim() >= 2 and not _is_embedding(source):
+            if source.endswith(WEIGHT) and t.dim() >= 2:
                 exclude.append(source.removesuffix(WEIGHT))
             continue
         module = module if module is not None else source.removesuffix(WEIGHT)
@@ -264,7 +272,9 @@ def quantize_state_dict(
         if fmt == "fp8":
             out[module + WEIGHT], out[module + SCALE] = quantize_fp8(t)
         else:
-            out[module + WEIGHT], out[module + SCALE], out[module + SCALE_2] = quantize_nvfp4(t)
+            out[module + WEIGHT], out[module + SCALE], out[module + SCALE_2] = quantize_nvfp4(
+                t, shared.get(source)
+            )
         key = source.removesuffix(WEIGHT)
         if key in amax:
             out[module + INPUT_SCALE] = input_scale(amax[key], fmt)
@@ -277,6 +287,24 @@ def quantize_state_dict(
         "producer": {"name": "elastic_plugin", "version": __version__},
         "quantization": quantization,
     }
+
+
+def _fused_amax(state: Mapping[str, torch.Tensor], picked: set[str]) -> dict[str, torch.Tensor]:
+    """One weight amax for each attention layer's q/k/v projections (weight name -> amax), so
+    they share NVFP4's global ``weight_scale_2``: runtimes run them as one fused QKV GEMM with
+    one global scale, and ModelOpt's export unifies them the same way (its
+    ``preprocess_linear_fusion``, NVFP4 only). Only when all three are quantized."""
+    groups: dict[str, list[str]] = {}
+    for name in picked:
+        match = re.match(r"^(?P<head>.*\.mixer)\.[qkv]_proj\.weight$", name)
+        if match is not None and state[name].shape[-1] % NVFP4_BLOCK == 0:
+            groups.setdefault(match["head"], []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for names in groups.values():
+        if len(names) == 3:
+            amax = torch.stack([_amax(state[n]) for n in names]).amax()
+            out.update(dict.fromkeys(names, amax))
+    return out
 
 
 def input_scale(amax: float | torch.Tensor, fmt: str) -> torch.Tensor:
@@ -301,10 +329,6 @@ def stored_input_amax(tensors: Mapping[str, torch.Tensor], fmt: str) -> dict[str
             module = f"{one['head']}.{one['proj']}"
         out[module] = max(out.get(module, 0.0), float(scale.float()) * act_max)
     return out
-
-
-def _is_embedding(name: str) -> bool:
-    return bool(re.search(r"(^|\.)(embeddings|embed_tokens)\.weight$", name))
 
 
 def dequantize_state_dict(

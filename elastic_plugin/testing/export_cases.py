@@ -54,6 +54,13 @@ def killed_mid_save(write: Callable[[], Any]) -> str:
         st.save_file = original
 
 
+def _quant_high_precision():
+    """SMALL slices the Mamba head dim 16 -> 8: NVFP4 keeps those out_proj in high precision."""
+    from elastic_plugin.export.extract import QuantOptions
+
+    return QuantOptions("high-precision")
+
+
 def _tokens(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, TOKENS), generator=torch.Generator().manual_seed(3))
 
@@ -113,7 +120,15 @@ def hf_export_case(config_path: str, workdir: str) -> dict[str, Any]:
     for budget in (0.4, 0.77):
         for dtype, quantize in (("fp32", None), ("bf16", None), ("bf16", "fp8"), ("bf16", "nvfp4")):
             out = work / f"hf_{budget:g}_{quantize or dtype}"
-            summary = extract_nested(ckpt, budget, out, fmt="hf", dtype=dtype, quantize=quantize)
+            summary = extract_nested(
+                ckpt,
+                budget,
+                out,
+                fmt="hf",
+                dtype=dtype,
+                quantize=quantize,
+                quant=_quant_high_precision() if quantize else None,
+            )
             ref = refs[f"{budget:g}"]
             logits = hf_logits(out, vocab)
             rows.append(
@@ -276,7 +291,15 @@ def serve_check_case(config_path: str, workdir: str) -> dict[str, Any]:
         (0.77, "fp32", None),
     ):
         name = f"hf_{budget:g}_{quantize or dtype}"
-        extract_nested(ckpt, budget, work / name, fmt="hf", dtype=dtype, quantize=quantize)
+        extract_nested(
+            ckpt,
+            budget,
+            work / name,
+            fmt="hf",
+            dtype=dtype,
+            quantize=quantize,
+            quant=_quant_high_precision() if quantize else None,
+        )
         exports[name] = [str(work / name)]
     write_nested_export(ckpt, work / "nested")
     exports["nested_0.77"] = [str(work / "nested"), "--budget", "0.77"]
@@ -331,7 +354,7 @@ def quantized_nested_case(config_path: str, workdir: str) -> dict[str, Any]:
     from elastic_plugin.checkpoint.hub import from_hub, read_hub_tensors
     from elastic_plugin.data.indexed import write_indexed_dataset
     from elastic_plugin.export.extract import QuantOptions, plan_extraction, run_extraction
-    from elastic_plugin.export.hf import export_input_amax
+    from elastic_plugin.export.hf import export_input_amax, read_quant_config
     from elastic_plugin.export.nested_hf import budget_input_amax, load_nested, write_nested_export
     from elastic_plugin.models.config import load_config
 
@@ -377,9 +400,8 @@ def quantized_nested_case(config_path: str, workdir: str) -> dict[str, Any]:
         out["formats"][fmt] = {
             "rows": rows,
             "nested_bytes": sum(p.stat().st_size for p in nested.iterdir()),
-            "exclude": json.loads((nested / "hf_quant_config.json").read_text())["quantization"][
-                "exclude_modules"
-            ],
+            # in transformers' module names (the file holds the Hub's)
+            "exclude": (read_quant_config(nested)[1] or {})["quantization"]["exclude_modules"],
         }
     out["serve_check"] = {
         name: _cli(["serve-check", *argv])[0]

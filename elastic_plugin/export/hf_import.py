@@ -1,0 +1,512 @@
+"""``elastic-plugin import``: a Hugging Face NemotronH directory as a teacher checkpoint.
+
+Users bring a pretrained ``NemotronHForCausalLM`` (what ``save_pretrained`` and the Hub write:
+``backbone.*`` keys, one tensor per routed expert, sharded safetensors with an index) and start
+``importance`` / ``reorder`` / ``elastic-train`` from it as from a teacher we trained. The import
+is the inverse of the exporter (``export.hf``: the same renaming table, fused ``linear_qkv`` rows
+interleaved per query group, per-expert linears), so an import exported again gives the input
+bit for bit.
+
+Everything is checked before a weight is read (:func:`plan_import`, torch- and Megatron-free):
+``config.json`` (``models.hf_config``), ``--out``, the shard files (the index's names, each
+file's safetensors header against its size, so a truncated shard is found without reading it),
+and every tensor's name, dtype and shape against the model ``config.json`` describes. Then
+:func:`run_import` builds our Megatron model at TP=PP=EP=1 in this process and copies the shards
+into it one tensor at a time (peak memory: the model plus one memory-mapped shard), and saves it
+with :func:`checkpoint.io.save_checkpoint` as a ``kind: teacher`` checkpoint. The whole output is
+staged beside ``--out`` and renamed at the end, so a killed import leaves no complete-looking
+``--out``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from elastic_plugin.models.config import ConfigError, ExperimentConfig, ModelConfig
+from elastic_plugin.models.hf_config import (
+    HF_CONFIG_FILE,
+    hf_config_notes,
+    model_config_from_hf,
+    read_hf_config,
+)
+
+__all__ = [
+    "IMPORT_DTYPES",
+    "TOKENIZER_DIR",
+    "TOKENIZER_FILES",
+    "HfSource",
+    "ImportPlan",
+    "check_hf_source",
+    "check_import_out",
+    "import_hf",
+    "import_table",
+    "plan_import",
+    "read_safetensors_header",
+    "run_import",
+]
+
+IMPORT_DTYPES = ("fp32", "bf16")
+TOKENIZER_DIR = "hf_tokenizer"  # inside the checkpoint directory
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
+_HUB_PREFIX, _MEMORY_PREFIX = "backbone.", "model."  # checkpoint.hub's two name forms
+_INDEX = "model.safetensors.index.json"
+_SAFETENSORS_DTYPES = {"F32": 4, "BF16": 2, "F16": 2}  # floating tensors a model is made of
+_MAX_HEADER = 100 * 2**20
+
+
+class Target(NamedTuple):
+    """Where one stored tensor goes: a Megatron state key (None: dropped, e.g. an empty shared
+    expert), the shape ``config.json`` implies, the config fields that shape comes from, and for
+    q/k/v which part of the fused ``linear_qkv``."""
+
+    megatron: str | None
+    shape: tuple[int, ...]
+    fields: str
+    part: str | None = None
+
+
+@dataclasses.dataclass
+class HfSource:
+    """A checked Hugging Face directory: its config, files and every tensor's header entry."""
+
+    path: Path
+    config_json: dict[str, Any]
+    model: ModelConfig
+    files: list[Path]
+    tensors: dict[str, tuple[Path, tuple[int, ...], str]]  # stored key -> (file, shape, dtype)
+    table: dict[str, Target]
+    zero_filled: list[str]  # Megatron keys no stored tensor sets (a conv bias NemotronH lacks)
+    nbytes: int
+    notes: list[str]
+
+
+@dataclasses.dataclass
+class ImportPlan:
+    source: HfSource
+    out: Path
+    dtype: str
+
+
+# ------------------------------------------------------------------------------ name table
+def _hub(name: str) -> str:
+    return _HUB_PREFIX + name[len(_MEMORY_PREFIX) :] if name.startswith(_MEMORY_PREFIX) else name
+
+
+def _layer_shapes(m: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Shape and source fields of each per-layer NemotronH tensor, by its name in the layer."""
+    h, di, nh = m.hidden_size, m.mamba_d_inner, m.mamba_num_heads
+    conv = di + 2 * m.mamba_num_groups * m.mamba_state_dim
+    mamba = "mamba_num_heads, mamba_head_dim, n_groups, ssm_state_size"
+    shared = m.moe_shared_expert_intermediate_size
+    return {
+        "norm.weight": ((h,), "hidden_size"),
+        "mixer.in_proj.weight": ((di + conv + nh, h), f"hidden_size, {mamba}"),
+        "mixer.conv1d.weight": ((conv, 1, m.mamba_conv_kernel), f"{mamba}, conv_kernel"),
+        "mixer.conv1d.bias": ((conv,), mamba),
+        "mixer.dt_bias": ((nh,), "mamba_num_heads"),
+        "mixer.A_log": ((nh,), "mamba_num_heads"),
+        "mixer.D": ((nh,), "mamba_num_heads"),
+        "mixer.norm.weight": ((di,), "mamba_num_heads, mamba_head_dim"),
+        "mixer.out_proj.weight": ((h, di), f"hidden_size, {mamba}"),
+        "mixer.o_proj.weight": (
+            (h, m.num_attention_heads * m.head_dim),
+            "hidden_size, num_attention_heads, head_dim",
+        ),
+        "mixer.up_proj.weight": ((m.ffn_hidden_size, h), "intermediate_size, hidden_size"),
+        "mixer.down_proj.weight": ((h, m.ffn_hidden_size), "intermediate_size, hidden_size"),
+        "mixer.gate.weight": ((m.num_moe_experts, h), "n_routed_experts, hidden_size"),
+        "mixer.gate.e_score_correction_bias": ((m.num_moe_experts,), "n_routed_experts"),
+        "mixer.shared_experts.up_proj.weight": (
+            (shared, h),
+            "moe_shared_expert_intermediate_size, hidden_size",
+        ),
+        "mixer.shared_experts.down_proj.weight": (
+            (h, shared),
+            "moe_shared_expert_intermediate_size, hidden_size",
+        ),
+    }
+
+
+def import_table(model: ModelConfig, conv_bias: bool = True) -> dict[str, Target]:
+    """Every tensor a NemotronH directory of ``model`` stores (Hub names) -> its Target. The
+    renaming is the exporter's own table (``export.hf``), read in the other direction."""
+    from elastic_plugin.export.hf import _GLOBAL, _layer_pairs
+
+    h, v = model.hidden_size, model.vocab_size
+    table: dict[str, Target] = {}
+    for megatron, memory in _GLOBAL:
+        if memory == "lm_head.weight" and not model.untie_embeddings_and_output_weights:
+            continue  # tied: save_pretrained stores no lm_head
+        shape = (h,) if memory.endswith("norm_f.weight") else (v, h)
+        table[_hub(memory)] = Target(megatron, shape, "vocab_size, hidden_size")
+    shapes = _layer_shapes(model)
+    for i, kind in enumerate(model.layer_types):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        for megatron, memory in _layer_pairs(kind, src, dst):
+            leaf = memory[len(dst) :]
+            if leaf == "mixer.conv1d.bias" and not conv_bias:
+                continue
+            shape, fields = shapes[leaf]
+            empty = ".shared_experts." in leaf and model.moe_shared_expert_intermediate_size == 0
+            table[_hub(memory)] = Target(None if empty else megatron, shape, fields)
+        if kind == "attention":
+            _add_qkv(table, model, src, _hub(dst))
+        elif kind == "moe":
+            _add_experts(table, model, src, _hub(dst))
+    return table
+
+
+def _add_qkv(table: dict[str, Target], m: ModelConfig, src: str, dst: str) -> None:
+    fields = "num_attention_heads, num_key_value_heads, head_dim, hidden_size"
+    qkv = src + "self_attention.linear_qkv.weight"
+    rows = {"q": m.num_attention_heads, "k": m.query_groups, "v": m.query_groups}
+    for part, heads in rows.items():
+        table[f"{dst}mixer.{part}_proj.weight"] = Target(
+            qkv, (heads * m.head_dim, m.hidden_size), fields, part
+        )
+
+
+def _add_experts(table: dict[str, Target], m: ModelConfig, src: str, dst: str) -> None:
+    fields = "n_routed_experts, moe_intermediate_size, hidden_size"
+    f, h = m.moe_ffn_hidden_size, m.hidden_size
+    for e in range(m.num_moe_experts):
+        for proj, fc, shape in (
+            ("up_proj", "linear_fc1", (f, h)),
+            ("down_proj", "linear_fc2", (h, f)),
+        ):
+            table[f"{dst}mixer.experts.{e}.{proj}.weight"] = Target(
+                f"{src}mlp.experts.local_experts.{e}.{fc}.weight", shape, fields
+            )
+
+
+# ------------------------------------------------------------------------------ files
+def read_safetensors_header(file: str | Path) -> dict[str, dict[str, Any]]:
+    """The tensor entries of a safetensors file's header (no tensor data is read). A file whose
+    size is not what its header says (a truncated or interrupted download) is refused."""
+    file = Path(file)
+    size = file.stat().st_size
+    with file.open("rb") as fh:
+        head = fh.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 2 or length > min(size - 8, _MAX_HEADER):
+            raise ConfigError(
+                f"{file}: not a safetensors file (truncated or damaged header; {size} bytes)"
+            )
+        try:
+            header = json.loads(fh.read(length))
+        except ValueError as exc:
+            raise ConfigError(f"{file}: damaged safetensors header ({exc})") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{file}: damaged safetensors header (not an object)")
+    header.pop("__metadata__", None)
+    end = 0
+    for key, entry in header.items():
+        try:
+            start, stop = (int(x) for x in entry["data_offsets"])
+            shape, dtype = [int(d) for d in entry["shape"]], str(entry["dtype"])
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(f"{file}: damaged safetensors header entry {key!r}") from None
+        width = _SAFETENSORS_DTYPES.get(dtype)
+        if width is not None and stop - start != math.prod(shape) * width:
+            raise ConfigError(f"{file}: {key!r} has {stop - start} bytes for shape {shape}")
+        end = max(end, stop)
+    if 8 + length + end != size:
+        state = "truncated" if 8 + length + end > size else "longer than its header says"
+        raise ConfigError(
+            f"{file}: {state} ({size} bytes on disk, its header describes {8 + length + end}); "
+            "download or copy it again"
+        )
+    return header
+
+
+def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The shard files (the index's, or ``model.safetensors``) and the index's weight map."""
+    from elastic_plugin.checkpoint.hub import hub_weight_files
+
+    index = path / _INDEX
+    files = hub_weight_files(path)  # names the index's missing file, or the missing weights
+    if not index.is_file():
+        return files, None
+    weight_map = json.loads(index.read_text())["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise ConfigError(f"{index}: weight_map must map tensor names to files")
+    return files, weight_map
+
+
+def _stored_tensors(
+    files: list[Path], weight_map: Mapping[str, str] | None
+) -> tuple[dict[str, tuple[Path, tuple[int, ...], str]], int]:
+    tensors: dict[str, tuple[Path, tuple[int, ...], str]] = {}
+    nbytes = 0
+    for file in files:
+        header = read_safetensors_header(file)
+        if weight_map is not None:
+            listed = {k for k, f in weight_map.items() if f == file.name}
+            if listed != set(header):
+                raise ConfigError(
+                    f"{file}: does not match {_INDEX} (missing {sorted(listed - set(header))[:3]}"
+                    f", unlisted {sorted(set(header) - listed)[:3]})"
+                )
+        for key, entry in header.items():
+            if key in tensors:
+                raise ConfigError(f"{file}: {key!r} is also stored in {tensors[key][0].name}")
+            tensors[key] = (file, tuple(int(d) for d in entry["shape"]), str(entry["dtype"]))
+        nbytes += file.stat().st_size
+    return tensors, nbytes
+
+
+def _check_tensors(
+    stored: Mapping[str, tuple[Path, tuple[int, ...], str]],
+    table: Mapping[str, Target],
+    model: ModelConfig,
+    source: Path,
+) -> None:
+    """Every stored tensor has a place of the right shape and dtype, and every place a tensor."""
+    unknown = sorted(set(stored) - set(table))
+    if unknown:
+        file = stored[unknown[0]][0]
+        raise ConfigError(
+            f"{file}: tensor(s) {unknown[:3]} have no place in the model {source / HF_CONFIG_FILE} "
+            f"describes (layers {model.hybrid_layer_pattern!r}); {len(unknown)} unknown key(s)"
+        )
+    missing = [k for k, t in table.items() if k not in stored and t.megatron is not None]
+    if missing:
+        raise ConfigError(
+            f"{source}: no shard holds {missing[0]!r} (shape {table[missing[0]].shape}), which "
+            f"{HF_CONFIG_FILE} implies; {len(missing)} tensor(s) missing"
+        )
+    for key, (file, shape, dtype) in stored.items():
+        target = table[key]
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise ConfigError(
+                f"{file}: {key!r} has dtype {dtype}; allowed: {', '.join(_SAFETENSORS_DTYPES)} "
+                "(quantized checkpoints are not imported)"
+            )
+        if shape != target.shape:
+            raise ConfigError(
+                f"{file}: {key!r} has shape {list(shape)}, but {HF_CONFIG_FILE} implies "
+                f"{list(target.shape)} (from {target.fields})"
+            )
+
+
+def check_hf_source(hf_dir: str | Path) -> HfSource:
+    """Read and check a Hugging Face NemotronH directory without reading any weight."""
+    path = Path(hf_dir)
+    config_json = read_hf_config(path)
+    model = model_config_from_hf(config_json, source=str(path / HF_CONFIG_FILE))
+    conv_bias = bool(config_json.get("use_conv_bias", config_json.get("mamba_conv_bias", True)))
+    files, weight_map = _weight_files(path)
+    stored, nbytes = _stored_tensors(files, weight_map)
+    table = import_table(model, conv_bias)
+    _check_tensors(stored, table, model, path)
+    zero_filled = [
+        f"decoder.layers.{i}.mixer.conv1d_bias"
+        for i, kind in enumerate(model.layer_types)
+        if kind == "mamba" and not conv_bias
+    ]
+    notes = hf_config_notes(config_json) if model.count("mamba") else []
+    if zero_filled:
+        notes.append("use_conv_bias=false: the Mamba conv biases are zeros")
+    return HfSource(path, config_json, model, files, stored, table, zero_filled, nbytes, notes)
+
+
+def check_import_out(out: str | Path, hf_dir: str | Path | None = None) -> Path:
+    """``--out``: absent, or an empty directory; never the input or inside it."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out}: already exists and is not empty; choose a new directory")
+    if hf_dir is not None:
+        src = Path(hf_dir).resolve()
+        if out.resolve() == src or src in out.resolve().parents:
+            raise ConfigError(f"--out {out}: must not be inside --hf {hf_dir}")
+    return out
+
+
+def plan_import(hf_dir: str | Path, out_dir: str | Path, dtype: str = "fp32") -> ImportPlan:
+    """Every check of an import, before any weight is read or Megatron is imported."""
+    if dtype not in IMPORT_DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: allowed: {', '.join(IMPORT_DTYPES)}")
+    out = check_import_out(out_dir, hf_dir)
+    return ImportPlan(check_hf_source(hf_dir), out, dtype)
+
+
+# ------------------------------------------------------------------------------ weights
+def _placer(target: Target, model: ModelConfig) -> Callable[[Any, Any], None]:
+    """Copy a stored tensor into its (part of the) Megatron tensor, casting to its dtype."""
+    if target.part is None:
+        return lambda dest, src: dest.copy_(src)
+    groups, hd = model.query_groups, model.head_dim
+    per_group = model.num_attention_heads // groups
+    rows = {"q": slice(0, per_group), "k": slice(per_group, per_group + 1)}
+    rows["v"] = slice(per_group + 1, per_group + 2)
+    part = rows[target.part]
+
+    def place(dest, src):
+        blocks = dest.view(groups, per_group + 2, hd, dest.shape[-1])
+        blocks[:, part].copy_(src.reshape(groups, part.stop - part.start, hd, src.shape[-1]))
+
+    return place
+
+
+def _check_model_state(state: Mapping[str, Any], source: HfSource) -> None:
+    """The built model has exactly the tensors the table fills, in the table's sizes."""
+    sizes: dict[str, int] = {}
+    for target in source.table.values():
+        if target.megatron is not None:
+            sizes[target.megatron] = sizes.get(target.megatron, 0) + math.prod(target.shape)
+    for key in source.zero_filled:
+        sizes[key] = state[key].numel()
+    wanted = {k for k in state if not k.endswith(("_extra_state", "local_tokens_per_expert"))}
+    if set(sizes) != wanted or any(state[k].numel() != n for k, n in sizes.items()):
+        odd = sorted(set(sizes) ^ wanted) or [k for k, n in sizes.items() if state[k].numel() != n]
+        raise RuntimeError(f"import table and the built model disagree on {odd[:5]}")
+
+
+def _copy_weights(state: Mapping[str, Any], source: HfSource, progress: bool) -> int:
+    """Stream every shard into ``state`` one tensor at a time; returns the tensors copied."""
+    import torch
+    from safetensors import safe_open
+
+    from elastic_plugin.parallel import is_rank0
+
+    bar = None
+    if progress and is_rank0():
+        from tqdm import tqdm
+
+        bar = tqdm(total=source.nbytes, desc="import", unit="B", unit_scale=True)
+    placers = {k: _placer(t, source.model) for k, t in source.table.items()}
+    copied = 0
+    with torch.no_grad():
+        for key in source.zero_filled:
+            state[key].zero_()
+        for file in source.files:
+            with safe_open(str(file), framework="pt") as shard:
+                for key in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    target = source.table[key]
+                    if target.megatron is not None:
+                        placers[key](state[target.megatron], shard.get_tensor(key))
+                        copied += 1
+            if bar is not None:
+                bar.update(file.stat().st_size)
+    if bar is not None:
+        bar.close()
+    return copied
+
+
+def _check_tied(state: Mapping[str, Any], source: HfSource) -> None:
+    """A tied model's stored lm_head (if any) must be its embedding."""
+    if source.model.untie_embeddings_and_output_weights or "lm_head.weight" not in source.tensors:
+        return
+    from safetensors import safe_open
+
+    file = source.tensors["lm_head.weight"][0]
+    with safe_open(str(file), framework="pt") as shard:
+        head = shard.get_tensor("lm_head.weight")
+    embedding = state["embedding.word_embeddings.weight"]
+    if not bool((head.to(embedding.dtype) == embedding).all()):
+        raise ConfigError(
+            f"{file}: lm_head.weight differs from the embeddings, but config.json says "
+            "tie_word_embeddings=true"
+        )
+
+
+def _import_meta(plan: ImportPlan, final: Path, tokenizer: Path | None) -> dict[str, Any]:
+    from elastic_plugin.parallel import Layout
+
+    src = plan.source
+    config = ExperimentConfig(model=src.model).to_dict()
+    return {
+        "kind": "teacher",
+        "imported_from": {
+            "hf": str(src.path.resolve()),
+            "architecture": (src.config_json.get("architectures") or ["NemotronHForCausalLM"])[0],
+            "torch_dtype": src.config_json.get("torch_dtype", src.config_json.get("dtype")),
+            "files": [f.name for f in src.files],
+            "bytes": src.nbytes,
+            "dtype": plan.dtype,
+            "token_ids": {
+                k: src.config_json.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+            },
+            "notes": src.notes,
+        },
+        "iteration": 0,
+        "layout": dataclasses.asdict(Layout()),
+        "config": config,
+        "tokenizer": str(tokenizer) if tokenizer else None,
+    }
+
+
+def _publish(ckpt: Path, source: Path, final: Path) -> None:
+    """Copy the tokenizer files into the saved checkpoint, then move it to ``final``."""
+    tokenizer_files = [source / n for n in TOKENIZER_FILES if (source / n).is_file()]
+    if tokenizer_files:
+        (ckpt / TOKENIZER_DIR).mkdir()
+        for file in tokenizer_files:
+            shutil.copyfile(file, ckpt / TOKENIZER_DIR / file.name)
+    if final.exists():
+        final.rmdir()  # checked empty by plan_import
+    ckpt.rename(final)
+
+
+def run_import(plan: ImportPlan, progress: bool = True) -> dict[str, Any]:
+    """Build the model at TP=PP=EP=1, stream the checked shards into it, save the teacher."""
+    import torch
+
+    from elastic_plugin.checkpoint.io import save_checkpoint
+    from elastic_plugin.cli_args import start_ranks
+    from elastic_plugin.parallel import Layout, build_model_chunks
+
+    start = time.perf_counter()
+    src = plan.source
+    final = plan.out.resolve()
+    has_tokenizer = (src.path / "tokenizer.json").is_file()
+    tokenizer = final / TOKENIZER_DIR / "tokenizer.json" if has_tokenizer else None
+    start_ranks(Layout(), one_process="import runs as one process")
+    dtype = torch.bfloat16 if plan.dtype == "bf16" else torch.float32
+    chunks, _ = build_model_chunks(
+        src.model, Layout(), params_dtype=dtype, wrap_ddp=False, perform_initialization=False
+    )
+    model = chunks[0]
+    state = model.state_dict(keep_vars=True)
+    _check_model_state(state, src)
+    copied = _copy_weights(state, src, progress)
+    _check_tied(state, src)
+    staging = final.with_name(final.name + ".import")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    ckpt = save_checkpoint([model], staging / "ckpt", _import_meta(plan, final, tokenizer))
+    _publish(ckpt, src.path, final)
+    shutil.rmtree(staging, ignore_errors=True)
+    params = sum(p.numel() for p in model.parameters())
+    return {
+        "out": str(final),
+        "kind": "teacher",
+        "hybrid_layer_pattern": src.model.hybrid_layer_pattern,
+        "parameters": params,
+        "tensors": copied,
+        "files": len(src.files),
+        "bytes_read": src.nbytes,
+        "dtype": plan.dtype,
+        "tokenizer": str(tokenizer) if tokenizer else None,
+        "notes": src.notes,
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+
+
+def import_hf(
+    hf_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", progress: bool = True
+) -> dict[str, Any]:
+    """Import a Hugging Face NemotronH directory as a teacher checkpoint at ``out_dir``."""
+    return run_import(plan_import(hf_dir, out_dir, dtype), progress)
