@@ -17,6 +17,7 @@ def _register_all(subparsers: argparse._SubParsersAction) -> None:
     from elastic_plugin.elastic import cli as elastic_cli
     from elastic_plugin.evaluation import cli as evaluate_cli
     from elastic_plugin.export import cli as export_cli
+    from elastic_plugin.export import import_cli
     from elastic_plugin.importance import cli as importance_cli
     from elastic_plugin.inference import cli as generate_cli
     from elastic_plugin.models import cli as models_cli
@@ -29,6 +30,7 @@ def _register_all(subparsers: argparse._SubParsersAction) -> None:
         info,
         data_cli,
         training_cli,
+        import_cli,
         importance_cli,
         elastic_cli,
         inspect_cli,

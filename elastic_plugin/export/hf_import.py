@@ -149,8 +149,8 @@ def import_table(model: ModelConfig, conv_bias: bool = True) -> dict[str, Target
     for megatron, memory in _GLOBAL:
         if memory == "lm_head.weight" and not model.untie_embeddings_and_output_weights:
             continue  # tied: save_pretrained stores no lm_head
-        shape = (h,) if memory.endswith("norm_f.weight") else (v, h)
-        table[_hub(memory)] = Target(megatron, shape, "vocab_size, hidden_size")
+        size: tuple[int, ...] = (h,) if memory.endswith("norm_f.weight") else (v, h)
+        table[_hub(memory)] = Target(megatron, size, "vocab_size, hidden_size")
     shapes = _layer_shapes(model)
     for i, kind in enumerate(model.layer_types):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
@@ -393,7 +393,7 @@ def _copy_weights(state: Mapping[str, Any], source: HfSource, progress: bool) ->
             state[key].zero_()
         for file in source.files:
             with safe_open(str(file), framework="pt") as shard:
-                for key in shard.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                for key in shard.keys():
                     target = source.table[key]
                     if target.megatron is not None:
                         placers[key](state[target.megatron], shard.get_tensor(key))

@@ -95,6 +95,7 @@ def transformer_config(
             moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size or None,
             moe_router_score_function=model.moe_router_score_function,
             moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
+            moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
             moe_aux_loss_coeff=model.moe_aux_loss_coeff,
             moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff else "none",
             moe_token_dispatcher_type=model.moe_token_dispatcher_type,

@@ -50,6 +50,9 @@ class ModelConfig:
     moe_shared_expert_intermediate_size: int = 0
     moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
     moe_router_enable_expert_bias: bool = False
+    # multiplies the (normalised) routing weights of the chosen experts; NemotronH's
+    # ``routed_scaling_factor`` (2.5 in Nemotron Nano v3). None: no scaling (Megatron's default)
+    moe_router_topk_scaling_factor: float | None = None
     moe_aux_loss_coeff: float = 0.0
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
     activation: str = "squared_relu"

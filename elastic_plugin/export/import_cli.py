@@ -1,0 +1,56 @@
+"""``elastic-plugin import``: start the pipeline from a pretrained Hugging Face NemotronH model.
+
+    elastic-plugin import --hf ./NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 --out nano_teacher
+    elastic-plugin importance --ckpt nano_teacher ...   # then reorder, elastic-train
+
+The output is a ``kind: teacher`` checkpoint (Megatron dist checkpoint + ``elastic_meta.json``,
+the tokenizer files under ``hf_tokenizer/``), read by every later stage like one ``train`` wrote.
+Bad input (config.json fields our model cannot compute, missing / truncated shards, tensors that
+contradict config.json, a non-empty ``--out``) exits 2 before Megatron is imported or a weight
+is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from elastic_plugin.cli_errors import report_bad_input
+from elastic_plugin.models.config import ConfigError
+
+IMPORT_PROG = "elastic-plugin import"
+
+
+def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``import --hf DIR --out CKPT [--dtype bf16|fp32] [--no-progress]``."""
+    parser = subparsers.add_parser(
+        "import",
+        help="import a Hugging Face NemotronH model as a teacher checkpoint",
+        description="Convert a Hugging Face NemotronHForCausalLM directory (config.json + "
+        "safetensors, sharded or not) into a teacher checkpoint that importance, reorder and "
+        "elastic-train start from. Runs as one process at TP=PP=EP=1; later stages load it in "
+        "any layout.",
+    )
+    parser.add_argument("--hf", required=True, metavar="DIR", help="Hugging Face model directory")
+    parser.add_argument("--out", required=True, metavar="CKPT", help="new checkpoint directory")
+    parser.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=("fp32", "bf16"),
+        help="precision the checkpoint stores (default fp32: bf16 inputs convert exactly)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run_import_command)
+
+
+def run_import_command(args: argparse.Namespace) -> int:
+    """Check everything, then import; print the summary as JSON."""
+    from elastic_plugin.export.hf_import import plan_import, run_import
+
+    try:
+        plan = plan_import(args.hf, args.out, args.dtype)
+        summary = run_import(plan, progress=not args.no_progress)
+    except ConfigError as exc:
+        return report_bad_input(IMPORT_PROG, exc)
+    print(json.dumps(summary, indent=2))
+    return 0
