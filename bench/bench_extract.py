@@ -12,7 +12,8 @@ width) and each output format, these run interleaved (``interleaved_medians``):
 
 Columns: ``MB`` written, medians, ``extract/copy`` (lower is better) and MB/s of each. Formats:
 ``megatron`` (plain Megatron dist checkpoint, fp32), ``hf_bf16`` and ``hf_nvfp4`` (safetensors;
-NVFP4 also quantizes). ``load_s`` is the one-off load of the full model, reported per model.
+NVFP4 also quantizes the parent once and cuts it), ``hf_fp8_calib`` (FP8 with activation scales
+calibrated by ModelOpt on 16 sequences: the cost of ``--calib-samples``). ``load_s`` is the one-off load of the full model, reported per model.
 
 Run: ``python bench/bench_extract.py [--quick] [--reps N] [--json PATH]`` or
 ``python bench/run_all.py --only extract``.
@@ -35,12 +36,14 @@ from _timing import copy_floor, interleaved_medians  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = ROOT / "examples" / "configs" / "tiny.yaml"
-FORMATS = {
-    "megatron": ("megatron", None, None),
-    "hf_bf16": ("hf", "bf16", None),
-    "hf_nvfp4": ("hf", "bf16", "nvfp4"),
-}
 BUDGETS = ("1", "0.4")  # the stored table is set to full / smallest (see _checkpoint)
+CALIB_SAMPLES = 16  # --calib-samples of the calibrated format
+FORMATS = {  # (format, dtype, quantize, calibration sequences)
+    "megatron": ("megatron", None, None, 0),
+    "hf_bf16": ("hf", "bf16", None, 0),
+    "hf_nvfp4": ("hf", "bf16", "nvfp4", 0),
+    "hf_fp8_calib": ("hf", "bf16", "fp8", CALIB_SAMPLES),
+}
 
 
 def _experiment(name: str):
@@ -58,6 +61,20 @@ def _experiment(name: str):
             mamba_head_dim=64,
         )
     return cfg
+
+
+def _calibration_data(work: Path, name: str) -> str:
+    """An indexed dataset of random tokens: the calibration text of ``hf_fp8_calib``."""
+    import numpy as np
+
+    from elastic_plugin.data.indexed import write_indexed_dataset
+
+    vocab = _experiment(name).model.vocab_size
+    rng = np.random.default_rng(0)
+    prefix = str(work / "calib")
+    docs = [rng.integers(0, vocab, 1000) for _ in range(CALIB_SAMPLES)]
+    write_indexed_dataset(prefix, docs, vocab_size=vocab)
+    return prefix
 
 
 def _checkpoint(name: str, work: Path) -> Path:
@@ -100,7 +117,8 @@ def run(
             counter = itertools.count()
             began = time.perf_counter()
             source = None
-            for budget, (fmt_name, (fmt, dtype, quantize)) in itertools.product(
+            calib = _calibration_data(work, name)
+            for budget, (fmt_name, (fmt, dtype, quantize, samples)) in itertools.product(
                 BUDGETS, FORMATS.items()
             ):
 
@@ -113,7 +131,9 @@ def run(
                         dtype=dtype,
                         quantize=quantize,
                         # the smallest Mamba head dim (0.5 x) is not whole NVFP4 blocks
-                        quant=QuantOptions("high-precision") if quantize else None,
+                        quant=QuantOptions("high-precision", samples, calib if samples else None)
+                        if quantize
+                        else None,
                     )
 
                 if source is None:
