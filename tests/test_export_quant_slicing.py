@@ -14,12 +14,18 @@ pytestmark = [pytest.mark.export]
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def tiny_megatron():
     from elastic_plugin.export.hf import megatron_to_hf
     from elastic_plugin.testing.inference_cases import tiny_inference_model
 
     model, cfg = tiny_inference_model(seed=17)
-    return cfg, megatron_to_hf(model.state_dict(), cfg)
+    return model, cfg, megatron_to_hf(model.state_dict(), cfg)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_megatron):
+    _, cfg, hf = tiny_megatron
+    return cfg, hf
 
 
 # mamba_head_dim 16 of 16: every input cut keeps whole blocks
@@ -304,3 +310,35 @@ def test_quantization_config_in_config_json_is_modelopts(tiny, tmp_path):
         assert config["quantization_config"]["quant_method"] == "modelopt"
         read_fmt, read = read_quant_config(out)
         assert read_fmt == fmt and read == quant_config
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_megatron_evaluation_quantizes_activations_as_transformers_does(tiny_megatron, fmt):
+    """The evaluation's Megatron model with an export's static activation scales computes what
+    the transformers model with ModelOpt's fake quant computes (same weights): q/k/v as one
+    fused linear_qkv, every local expert, the shared expert; the hooks all fire."""
+    from elastic_plugin.evaluation.models import megatron_activation_quant
+    from elastic_plugin.export.calibrate import activation_fake_quant, calibrate_input_amax
+    from elastic_plugin.export.hf import build_hf_model, hf_config
+
+    model, cfg, full = tiny_megatron
+    hf = build_hf_model(hf_config(full, cfg, "fp32"), full, torch.float32)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(9))
+    amax = calibrate_input_amax(hf, [tokens], fmt)
+    position = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        plain = model(tokens, position, None).float()
+        with activation_fake_quant(hf, amax, fmt):
+            reference = hf(tokens).logits.float()
+        handle = megatron_activation_quant(model, amax, fmt)
+        try:
+            ours = model(tokens, position, None).float()
+        finally:
+            handle.remove()
+        after = model(tokens, position, None).float()
+    assert all(n > 0 for n in handle.calls.values()), handle.calls
+    assert torch.equal(after, plain)  # removed without a trace
+    quant_effect = ((reference - plain).norm() / plain.norm()).item()
+    mismatch = ((ours - reference).norm() / reference.norm()).item()
+    assert quant_effect > 1e-3  # the quantization is really applied
+    assert mismatch < 0.05 * quant_effect, (mismatch, quant_effect)

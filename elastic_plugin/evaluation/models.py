@@ -1,10 +1,13 @@
 """The models the evaluation runs: every trained budget of an elastic checkpoint (cut out in
 memory, fp32), and each exported HF variant (BF16 / FP8 / NVFP4) loaded back into a plain
-Megatron model with exactly the values its file holds (quantized weights dequantized)."""
+Megatron model with exactly the values its file holds (quantized weights dequantized, and with
+calibrated ``input_scale`` the activations fake-quantized as a runtime quantizes them)."""
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +15,7 @@ import torch
 
 from elastic_plugin.models.config import ConfigError, ModelConfig
 
-__all__ = ["load_budget_models", "load_export_model"]
+__all__ = ["load_budget_models", "load_export_model", "megatron_activation_quant"]
 
 
 def load_budget_models(ckpt: str | Path, budgets: list[float]) -> dict[tuple[float, str], Any]:
@@ -29,7 +32,7 @@ def load_export_model(export_dir: str | Path) -> tuple[torch.nn.Module, dict[str
     Homogeneous exports only (plain Megatron builds every layer of a kind alike)."""
     from elastic_plugin.checkpoint.hub import from_hub, read_hub_tensors
     from elastic_plugin.export.extract import EXPORT_META
-    from elastic_plugin.export.hf import HF_QUANT_CONFIG, hf_to_megatron
+    from elastic_plugin.export.hf import HF_QUANT_CONFIG, export_input_amax, hf_to_megatron
     from elastic_plugin.models.axes import model_for_choice
     from elastic_plugin.nested.choice import homogeneous_choice
     from elastic_plugin.parallel import Layout, build_model_chunks
@@ -54,4 +57,110 @@ def load_export_model(export_dir: str | Path) -> tuple[torch.nn.Module, dict[str
             f"{export_dir}: weights do not fit the model (missing {missing[:3]}, "
             f"unexpected {unexpected[:3]})"
         )
+    fmt, input_amax = export_input_amax(export_dir)
+    if fmt is not None and input_amax:  # hooks stay: this model exists to be evaluated
+        megatron_activation_quant(model, input_amax, fmt)
     return model.eval(), meta
+
+
+def _input_modules(model: Any, key: str) -> tuple[str, list[torch.nn.Module]]:
+    """(group, the Megatron modules whose input is HF module ``key``'s input). q/k/v share one
+    group: Megatron computes them as one ``linear_qkv``."""
+    match = re.fullmatch(r"model\.layers\.(\d+)\.mixer\.(.+)", key)
+    if match is None:
+        raise ConfigError(f"calibrated input {key!r}: not a NemotronH layer module")
+    layer = model.decoder.layers[int(match[1])]
+    rest = match[2]
+    if rest in ("q_proj", "k_proj", "v_proj"):
+        return f"{match[1]}.qkv", [layer.self_attention.linear_qkv]
+    single = {
+        "in_proj": lambda: layer.mixer.in_proj,
+        "out_proj": lambda: layer.mixer.out_proj,
+        "o_proj": lambda: layer.self_attention.linear_proj,
+        "up_proj": lambda: layer.mlp.linear_fc1,
+        "down_proj": lambda: layer.mlp.linear_fc2,
+        "shared_experts.up_proj": lambda: layer.mlp.shared_experts.linear_fc1,
+        "shared_experts.down_proj": lambda: layer.mlp.shared_experts.linear_fc2,
+        "experts.up_proj": lambda: [e.linear_fc1 for e in layer.mlp.experts.local_experts],
+        "experts.down_proj": lambda: list(layer.mlp.experts.local_experts),
+    }
+    if rest not in single:
+        raise ConfigError(f"calibrated input {key!r}: no Megatron module for it")
+    found = single[rest]()
+    return key, found if isinstance(found, list) else [found]
+
+
+class _Hooks:
+    """The handles of :func:`megatron_activation_quant`; ``calls`` counts, per group, how often
+    an input was quantized (every hook must fire)."""
+
+    def __init__(self) -> None:
+        self.handles: list[Any] = []
+        self.calls: dict[str, int] = {}
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def megatron_activation_quant(
+    model: torch.nn.Module, input_amax: Mapping[str, float], fmt: str
+) -> _Hooks:
+    """Fake-quantize the inputs of a plain Megatron ``HybridModel``'s linears with an HF
+    export's static activation scales (``input_amax``: transformers' module names, as
+    ``export.hf.export_input_amax`` reads them), as ModelOpt quantizes them in the transformers
+    model (``export.calibrate``). A routed expert's ``linear_fc2`` input is Megatron's
+    ``act(fc1(x)) * prob`` (it weights tokens before fc2; transformers and the runtimes after
+    down_proj): the quantizer sees ``act(fc1(x))``, the token's weight is applied after."""
+    from elastic_plugin.export.calibrate import input_fake_quant
+
+    amax: dict[str, float] = {}
+    modules: dict[str, list[torch.nn.Module]] = {}
+    for key, value in input_amax.items():
+        group, targets = _input_modules(model, key)
+        amax[group] = max(amax.get(group, 0.0), float(value))
+        modules[group] = targets
+    hooks = _Hooks()
+    for group in sorted(amax):
+        quant = input_fake_quant(amax[group], fmt, group)
+        hooks.calls[group] = 0
+        for module in modules[group]:
+            if group.endswith(".mixer.experts.down_proj"):
+                hooks.handles += _expert_down_hooks(module, quant, hooks.calls, group)
+            else:
+                hooks.handles.append(
+                    module.register_forward_pre_hook(_quantize_first(quant, hooks.calls, group))
+                )
+    return hooks
+
+
+def _quantize_first(quant: Any, calls: dict[str, int], group: str) -> Any:
+    def hook(_module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        calls[group] += 1
+        return (quant(args[0]), *args[1:])
+
+    return hook
+
+
+def _expert_down_hooks(expert: Any, quant: Any, calls: dict[str, int], group: str) -> list[Any]:
+    """Quantize ``act(fc1(x))`` of one local expert: its MLP receives the tokens' router
+    weights (``per_token_scale``) and multiplies them in before ``linear_fc2``."""
+    weights: dict[str, torch.Tensor | None] = {"scale": None}
+
+    def remember(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        weights["scale"] = kwargs.get("per_token_scale", args[1] if len(args) > 1 else None)
+
+    def fc2(_module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        calls[group] += 1
+        x, scale = args[0], weights["scale"]
+        if scale is None:
+            return (quant(x), *args[1:])
+        column = scale.unsqueeze(-1).to(x.dtype)
+        safe = torch.where(column != 0, column, torch.ones_like(column))
+        return (quant(x / safe) * column, *args[1:])
+
+    return [
+        expert.register_forward_pre_hook(remember, with_kwargs=True),
+        expert.linear_fc2.register_forward_pre_hook(fc2),
+    ]

@@ -54,6 +54,7 @@ __all__ = [
     "NVFP4_BLOCK",
     "ActivationFakeQuant",
     "activation_fake_quant",
+    "input_fake_quant",
     "calibrate_input_amax",
     "input_scale",
     "nvfp4_fake_quant",
@@ -326,6 +327,24 @@ def _resolve(model: nn.Module, key: str) -> tuple[str, nn.Module]:
     )
 
 
+def input_fake_quant(amax: float, fmt: str, key: str = "input") -> _InputQuant:
+    """ModelOpt's static input fake quant of ``fmt`` with a fixed ``amax``: a callable on one
+    activation tensor (a ``TensorQuantizer`` from the default config's ``*input_quantizer``,
+    never calibrated; NVFP4 on a CPU through :func:`nvfp4_fake_quant`)."""
+    check_format(fmt)
+    value = float(amax)
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"input_amax[{key!r}] must be a finite amax >= 0; got {value}")
+    mtq, _ = _modelopt("activation fake quantization")
+    from modelopt.torch.quantization.config import QuantizerAttributeConfig
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    quantizer = TensorQuantizer(QuantizerAttributeConfig(**_input_quantizer_attrs(mtq, fmt)))
+    quantizer.amax = torch.tensor(value, dtype=torch.float32)
+    quantizer.eval()
+    return _InputQuant(quantizer, value, fmt)
+
+
 def activation_fake_quant(
     model: nn.Module, input_amax: Mapping[str, float], fmt: str
 ) -> ActivationFakeQuant:
@@ -342,21 +361,10 @@ def activation_fake_quant(
     ``down_proj``'s input). Returns the hooks' handle: a context manager, or call ``remove()``.
     """
     check_format(fmt)
-    mtq, _ = _modelopt("activation fake quantization")
-    from modelopt.torch.quantization.config import QuantizerAttributeConfig
-    from modelopt.torch.quantization.nn import TensorQuantizer
-
-    attrs = _input_quantizer_attrs(mtq, fmt)
     plan: list[tuple[str, str, nn.Module, _InputQuant]] = []
     for key in sorted(input_amax):
-        value = float(input_amax[key])
-        if not math.isfinite(value) or value < 0:
-            raise ConfigError(f"input_amax[{key!r}] must be a finite amax >= 0; got {value}")
         kind, module = _resolve(model, key)
-        quantizer = TensorQuantizer(QuantizerAttributeConfig(**attrs))
-        quantizer.amax = torch.tensor(value, dtype=torch.float32)
-        quantizer.eval()
-        plan.append((key, kind, module, _InputQuant(quantizer, value, fmt)))
+        plan.append((key, kind, module, input_fake_quant(input_amax[key], fmt, key)))
 
     handles: list[torch.utils.hooks.RemovableHandle] = []
     fake = ActivationFakeQuant(handles, [p[0] for p in plan])
