@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from elastic_plugin.checkpoint.lock import acquire_out_lock, add_force_unlock_arg
 from elastic_plugin.checkpoint.meta import CHECKPOINT_META, ELASTIC_SUBDIR, read_checkpoint_meta
 from elastic_plugin.cli_args import (
     add_layout_args,
@@ -147,6 +148,7 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--tokenizer", default=None, metavar="FILE", help="tokenizer.json for --data-path"
     )
+    add_force_unlock_arg(parser)
     add_layout_args(parser)
     add_elastic_args(parser)
     parser.set_defaults(func=run_elastic_train)
@@ -531,7 +533,12 @@ def run_elastic_train(args: argparse.Namespace) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps(_finished_summary(inputs), indent=2))
         return 0
-    return _train(inputs, args)
+    try:
+        lock = acquire_out_lock(inputs.out, force=args.force_unlock)  # one writer per --out
+    except ConfigError as exc:
+        return report_bad_input(PROG, exc)
+    with lock:
+        return _train(inputs, args)
 
 
 def _train(inputs: ElasticInputs, args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from elastic_plugin.checkpoint.lock import acquire_out_lock, add_force_unlock_arg
 from elastic_plugin.cli_args import (
     add_layout_args,
     check_data_path_args,
@@ -50,6 +51,7 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         help="a short run (fewer iterations and examples) to check the pipeline",
     )
     parser.add_argument("--no-progress", action="store_true")
+    add_force_unlock_arg(parser)
     add_layout_args(parser)
     parser.set_defaults(func=run_train)
 
@@ -91,8 +93,15 @@ def _checked_inputs(args: argparse.Namespace):
 def run_train(args: argparse.Namespace) -> int:
     try:
         cfg, layout, out = _checked_inputs(args)
+        lock = acquire_out_lock(out, force=args.force_unlock)  # one writer per --out
     except ConfigError as exc:
         return report_bad_input("elastic-plugin train", exc)
+    with lock:
+        return _train(args, cfg, layout, out)
+
+
+def _train(args: argparse.Namespace, cfg, layout, out: Path) -> int:
+    """The heavy part, holding --out's lock: process group, data, model, training."""
     start_ranks()
     from elastic_plugin.training.data_feed import build_data_feed
     from elastic_plugin.training.teacher import train_teacher
