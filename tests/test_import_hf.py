@@ -151,6 +151,46 @@ def test_imported_teacher_gives_transformers_logits(hf_dir, imported):
     assert not imported.with_name(imported.name + ".tmp").exists()
 
 
+VARIANTS = {
+    # transformers' NemotronH ties no weights: a stored lm_head is used, and imported untied
+    "tied_config_no_conv_bias": {"tie_word_embeddings": True, "use_conv_bias": False},
+    "dense_legacy_list": {
+        "hybrid_override_pattern": None,
+        "num_hidden_layers": None,
+        "layers_block_type": ["mamba", "attention", "mlp", "mamba", "mlp"],
+    },
+    # a shared expert size of 0 builds one of intermediate_size in transformers
+    "top1_shared_size_0": {
+        "moe_shared_expert_intermediate_size": 0,
+        "num_experts_per_tok": 1,
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0,
+    },
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_other_nemotron_h_forms_import_exactly(variant, tmp_path):
+    from elastic_plugin.export.hf_import import import_hf
+
+    raw = {k: v for k, v in _small_json(**VARIANTS[variant]).items() if v is not None}
+    raw.update({k: None for k in ("sliding_window", "moe_latent_size")})
+    model = _hf_model(raw)
+    model.save_pretrained(tmp_path / "hf", max_shard_size="60KB")
+    tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        reference = model(tokens).logits
+    summary = import_hf(tmp_path / "hf", tmp_path / "ckpt", progress=False)
+    ours, cfg, _ = _ours(tmp_path / "ckpt")
+    assert (_logits(ours, tokens) - reference).abs().max().item() <= TOL
+    if variant.startswith("tied"):
+        assert cfg.model.untie_embeddings_and_output_weights
+        assert any("lm_head" in note for note in summary["notes"])
+        assert not ours.state_dict()["decoder.layers.0.mixer.conv1d_bias"].any()
+    if variant.startswith("top1"):
+        assert cfg.model.moe_shared_expert_intermediate_size == 96
+
+
 def _export(model, cfg, out: Path, dtype: str) -> dict:
     from elastic_plugin.export.hf import hf_config, megatron_to_hf, write_hf_checkpoint
 

@@ -67,11 +67,10 @@ _MAX_HEADER = 100 * 2**20
 
 
 class Target(NamedTuple):
-    """Where one stored tensor goes: a Megatron state key (None: dropped, e.g. an empty shared
-    expert), the shape ``config.json`` implies, the config fields that shape comes from, and for
-    q/k/v which part of the fused ``linear_qkv``."""
+    """Where one stored tensor goes: a Megatron state key, the shape ``config.json`` implies, the
+    config fields that shape comes from, and for q/k/v which part of the fused ``linear_qkv``."""
 
-    megatron: str | None
+    megatron: str
     shape: tuple[int, ...]
     fields: str
     part: str | None = None
@@ -148,7 +147,7 @@ def import_table(model: ModelConfig, conv_bias: bool = True) -> dict[str, Target
     table: dict[str, Target] = {}
     for megatron, memory in _GLOBAL:
         if memory == "lm_head.weight" and not model.untie_embeddings_and_output_weights:
-            continue  # tied: save_pretrained stores no lm_head
+            continue  # tied: the output layer is the embedding
         size: tuple[int, ...] = (h,) if memory.endswith("norm_f.weight") else (v, h)
         table[_hub(memory)] = Target(megatron, size, "vocab_size, hidden_size")
     shapes = _layer_shapes(model)
@@ -159,8 +158,7 @@ def import_table(model: ModelConfig, conv_bias: bool = True) -> dict[str, Target
             if leaf == "mixer.conv1d.bias" and not conv_bias:
                 continue
             shape, fields = shapes[leaf]
-            empty = ".shared_experts." in leaf and model.moe_shared_expert_intermediate_size == 0
-            table[_hub(memory)] = Target(None if empty else megatron, shape, fields)
+            table[_hub(memory)] = Target(megatron, shape, fields)
         if kind == "attention":
             _add_qkv(table, model, src, _hub(dst))
         elif kind == "moe":
@@ -281,7 +279,7 @@ def _check_tensors(
             f"{file}: tensor(s) {unknown[:3]} have no place in the model {source / HF_CONFIG_FILE} "
             f"describes (layers {model.hybrid_layer_pattern!r}); {len(unknown)} unknown key(s)"
         )
-    missing = [k for k, t in table.items() if k not in stored and t.megatron is not None]
+    missing = [k for k in table if k not in stored]
     if missing:
         raise ConfigError(
             f"{source}: no shard holds {missing[0]!r} (shape {table[missing[0]].shape}), which "
@@ -309,6 +307,14 @@ def check_hf_source(hf_dir: str | Path) -> HfSource:
     conv_bias = bool(config_json.get("use_conv_bias", config_json.get("mamba_conv_bias", True)))
     files, weight_map = _weight_files(path)
     stored, nbytes = _stored_tensors(files, weight_map)
+    notes = hf_config_notes(config_json) if model.count("mamba") else []
+    if not model.untie_embeddings_and_output_weights and "lm_head.weight" in stored:
+        # transformers' NemotronH ties nothing: a stored lm_head is its output layer
+        model = dataclasses.replace(model, untie_embeddings_and_output_weights=True)
+        notes.append(
+            "tie_word_embeddings=true, but the files hold lm_head.weight, which transformers' "
+            "NemotronH uses as its output layer (it ties no weights): imported untied"
+        )
     table = import_table(model, conv_bias)
     _check_tensors(stored, table, model, path)
     zero_filled = [
@@ -316,7 +322,6 @@ def check_hf_source(hf_dir: str | Path) -> HfSource:
         for i, kind in enumerate(model.layer_types)
         if kind == "mamba" and not conv_bias
     ]
-    notes = hf_config_notes(config_json) if model.count("mamba") else []
     if zero_filled:
         notes.append("use_conv_bias=false: the Mamba conv biases are zeros")
     return HfSource(path, config_json, model, files, stored, table, zero_filled, nbytes, notes)
@@ -364,8 +369,7 @@ def _check_model_state(state: Mapping[str, Any], source: HfSource) -> None:
     """The built model has exactly the tensors the table fills, in the table's sizes."""
     sizes: dict[str, int] = {}
     for target in source.table.values():
-        if target.megatron is not None:
-            sizes[target.megatron] = sizes.get(target.megatron, 0) + math.prod(target.shape)
+        sizes[target.megatron] = sizes.get(target.megatron, 0) + math.prod(target.shape)
     for key in source.zero_filled:
         sizes[key] = state[key].numel()
     wanted = {k for k in state if not k.endswith(("_extra_state", "local_tokens_per_expert"))}
@@ -394,10 +398,8 @@ def _copy_weights(state: Mapping[str, Any], source: HfSource, progress: bool) ->
         for file in source.files:
             with safe_open(str(file), framework="pt") as shard:
                 for key in shard.keys():
-                    target = source.table[key]
-                    if target.megatron is not None:
-                        placers[key](state[target.megatron], shard.get_tensor(key))
-                        copied += 1
+                    placers[key](state[source.table[key].megatron], shard.get_tensor(key))
+                    copied += 1
             if bar is not None:
                 bar.update(file.stat().st_size)
     if bar is not None:
@@ -405,24 +407,7 @@ def _copy_weights(state: Mapping[str, Any], source: HfSource, progress: bool) ->
     return copied
 
 
-def _check_tied(state: Mapping[str, Any], source: HfSource) -> None:
-    """A tied model's stored lm_head (if any) must be its embedding."""
-    if source.model.untie_embeddings_and_output_weights or "lm_head.weight" not in source.tensors:
-        return
-    from safetensors import safe_open
-
-    file = source.tensors["lm_head.weight"][0]
-    with safe_open(str(file), framework="pt") as shard:
-        head = shard.get_tensor("lm_head.weight")
-    embedding = state["embedding.word_embeddings.weight"]
-    if not bool((head.to(embedding.dtype) == embedding).all()):
-        raise ConfigError(
-            f"{file}: lm_head.weight differs from the embeddings, but config.json says "
-            "tie_word_embeddings=true"
-        )
-
-
-def _import_meta(plan: ImportPlan, final: Path, tokenizer: Path | None) -> dict[str, Any]:
+def _import_meta(plan: ImportPlan, tokenizer: Path | None) -> dict[str, Any]:
     from elastic_plugin.parallel import Layout
 
     src = plan.source
@@ -482,11 +467,10 @@ def run_import(plan: ImportPlan, progress: bool = True) -> dict[str, Any]:
     state = model.state_dict(keep_vars=True)
     _check_model_state(state, src)
     copied = _copy_weights(state, src, progress)
-    _check_tied(state, src)
     staging = final.with_name(final.name + ".import")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    ckpt = save_checkpoint([model], staging / "ckpt", _import_meta(plan, final, tokenizer))
+    ckpt = save_checkpoint([model], staging / "ckpt", _import_meta(plan, tokenizer))
     _publish(ckpt, src.path, final)
     shutil.rmtree(staging, ignore_errors=True)
     params = sum(p.numel() for p in model.parameters())

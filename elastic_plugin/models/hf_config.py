@@ -124,6 +124,7 @@ _NO_EFFECT = {
     "expand": "not read: d_inner is mamba_num_heads * mamba_head_dim",
     "moe_shared_expert_overlap": "communication schedule",
     "output_router_logits": "training output",
+    "n_shared_experts": "not read: transformers' NemotronH builds one shared expert per MoE layer",
     "mtp_layers_block_type": "only with num_nextn_predict_layers > 0",
     "mtp_hybrid_override_pattern": "only with num_nextn_predict_layers > 0",
     "rope_theta": "NemotronH has no position embedding",
@@ -180,7 +181,6 @@ _CHECKED = {
     "norm_topk_prob",
     "n_group",
     "topk_group",
-    "n_shared_experts",
     "time_step_limit",
     "num_nextn_predict_layers",
     "moe_latent_size",
@@ -348,12 +348,6 @@ def _check_function(c: Mapping[str, Any], kinds: list[str], source: str) -> None
             ("n_group", c["n_group"] == 1, "1", "group-limited routing is not supported"),
             ("topk_group", c["topk_group"] == 1, "1", "group-limited routing is not supported"),
             ("moe_latent_size", c["moe_latent_size"] is None, "null", "no latent MoE"),
-            (
-                "n_shared_experts",
-                c["n_shared_experts"] in (0, 1),
-                "1 (0 without a shared expert)",
-                "NemotronH builds one shared expert of moe_shared_expert_intermediate_size",
-            ),
         ]
     for name in ("norm_eps", "rms_norm_eps"):
         if name in c and c[name] != c["layer_norm_epsilon"]:
@@ -443,18 +437,12 @@ def model_config_from_hf(
 
 
 def _map_moe(model: ModelConfig, c: Mapping[str, Any], source: str) -> None:
-    shared = c["moe_shared_expert_intermediate_size"]
-    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+    # transformers' NemotronHMLP takes ``intermediate_size or config.intermediate_size``: a
+    # shared expert size of 0 (or null) builds one of intermediate_size, never none
+    shared = c["moe_shared_expert_intermediate_size"] or c["intermediate_size"]
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared <= 0:
         raise ConfigError(
-            f"{source}: moe_shared_expert_intermediate_size={shared!r} must be an integer >= 0"
-        )
-    if c["n_shared_experts"] == 0 and shared:
-        raise _refuse(
-            source,
-            "n_shared_experts",
-            0,
-            "1",
-            f"transformers builds a shared expert of moe_shared_expert_intermediate_size={shared}",
+            f"{source}: moe_shared_expert_intermediate_size={shared!r} must be a positive integer"
         )
     scale = c["routed_scaling_factor"]
     if not isinstance(scale, int | float) or isinstance(scale, bool) or not scale > 0:
