@@ -13,6 +13,7 @@ import sys
 
 def _register_all(subparsers: argparse._SubParsersAction) -> None:
     from elastic_plugin import info, serve_check
+    from elastic_plugin.checkpoint import cli as verify_cli
     from elastic_plugin.data import cli as data_cli
     from elastic_plugin.elastic import cli as elastic_cli
     from elastic_plugin.evaluation import cli as evaluate_cli
@@ -38,6 +39,7 @@ def _register_all(subparsers: argparse._SubParsersAction) -> None:
         evaluate_cli,
         generate_cli,
         serve_check,
+        verify_cli,
     ):
         module.register_subcommand(subparsers)
 

@@ -4,21 +4,37 @@ A checkpoint directory holds Megatron's dist-checkpoint files plus ``elastic_met
 (``checkpoint.meta``: the experiment config, the layout it was written with, and whether the
 weights are importance-reordered). Reordered models keep their globally ranked axes strided in
 memory; checkpoints always hold the canonical order (``checkpoint.layout``), so any layout can
-load them. Every directory is published atomically (written as ``<dir>.tmp``, then renamed).
+load them. Every directory is published atomically (written as ``<dir>.tmp``, then renamed),
+with the size and content digest of each of its files in its metadata (``checkpoint.integrity``);
+every load checks them first, so a damaged file is a ConfigError naming it, not silently wrong
+weights or a traceback from deep inside ``torch.load``.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from elastic_plugin.checkpoint.integrity import (
+    FILES_KEY,
+    balanced_share,
+    check_hashes,
+    check_sizes,
+    digest_names,
+    file_digests,
+    recorded_digests,
+)
 from elastic_plugin.checkpoint.layout import STRIDED_ATTR, canonical_weights, mark_loaded_reordered
 from elastic_plugin.checkpoint.meta import (
     CHECKPOINT_META,
     read_checkpoint_meta,
     write_checkpoint_meta,
 )
+from elastic_plugin.models.config import ConfigError
 from elastic_plugin.parallel import barrier, is_rank0
 
 __all__ = [
@@ -27,7 +43,9 @@ __all__ = [
     "load_checkpoint",
     "load_optimizer",
     "publish_directory",
+    "record_digests",
     "save_checkpoint",
+    "verify_checkpoint",
 ]
 
 
@@ -51,8 +69,9 @@ def save_checkpoint(chunks, out_dir: str | Path, meta: dict[str, Any], optimizer
             state = {**state, "optimizer": optimizer.sharded_state_dict(state)}
         dist_checkpointing.save(state, str(tmp))
     barrier()
+    digests = record_digests(tmp)
     if is_rank0():
-        write_checkpoint_meta(tmp, meta)
+        write_checkpoint_meta(tmp, {**meta, FILES_KEY: digests})
         publish_directory(tmp, final)
     barrier()
     return final
@@ -84,6 +103,7 @@ def load_checkpoint(chunks, ckpt_dir: str | Path) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
     meta = read_checkpoint_meta(ckpt_dir)
+    verify_checkpoint(ckpt_dir, meta)
     model = getattr(chunks[0], "module", chunks[0])
     state = dist_checkpointing.load(model.sharded_state_dict(), str(ckpt_dir))
     model.load_state_dict(state, strict=False)
@@ -96,6 +116,7 @@ def load_optimizer(chunks, optimizer, ckpt_dir: str | Path) -> None:
     """Restore optimizer state written by ``save_checkpoint(..., optimizer=...)``."""
     from megatron.core import dist_checkpointing
 
+    verify_checkpoint(ckpt_dir)
     model = getattr(chunks[0], "module", chunks[0])
     sharded = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True)
     state = dist_checkpointing.load({"optimizer": sharded}, str(ckpt_dir))
@@ -112,6 +133,113 @@ def build_from_checkpoint(ckpt_dir: str | Path, layout, wrap_ddp: bool = False):
 
     meta = read_checkpoint_meta(ckpt_dir)
     cfg = config_from_dict(meta["config"], source=f"{ckpt_dir}/{CHECKPOINT_META}")
+    verify_checkpoint(ckpt_dir, meta)  # before building: a damaged checkpoint fails fast
     chunks, _ = build_model_chunks(cfg.model, layout, wrap_ddp=wrap_ddp)
     load_checkpoint(chunks, ckpt_dir)
     return chunks, cfg, meta
+
+
+# ------------------------------------------------------------------------------ integrity
+# (directory, recorded digests, stat of every recorded file) of checkpoints this process has
+# verified: loading the same unchanged checkpoint again (a frozen teacher that is also the
+# student, the optimizer after the model) hashes nothing twice.
+_Signature = tuple[str, str, tuple[tuple[str, int, int, int, int], ...]]
+_VERIFIED: set[_Signature] = set()
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_gather(value: Any) -> list[Any]:
+    """Every rank's ``value`` (just ours outside a multi-rank process group)."""
+    _, world = _rank_world()
+    if world == 1:
+        return [value]
+    values: list[Any] = [None] * world
+    dist.all_gather_object(values, value)
+    return values
+
+
+def _from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    _, world = _rank_world()
+    if world == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def record_digests(directory: str | Path) -> dict[str, dict[str, Any]]:
+    """The digests of every file of a just written checkpoint directory, on every rank: the ranks
+    split the files by size (``balanced_share``), so hashing costs ~1/world of the bytes each.
+    Collective; call it after every rank's files are complete (after a barrier)."""
+    root = Path(directory)
+    sizes = _from_rank0(
+        {name: (root / name).stat().st_size for name in digest_names(root)} if is_rank0() else None
+    )
+    rank, world = _rank_world()
+    mine: dict[str, dict[str, Any]] | str
+    try:
+        mine = file_digests(root, balanced_share(sizes, rank, world))
+    except OSError as exc:  # every rank must still reach the gather, or the others hang
+        mine = f"rank {rank}: {exc}"
+    parts = _all_gather(mine)
+    failed = [part for part in parts if isinstance(part, str)]
+    if failed:
+        raise OSError(f"checkpoint {root}: cannot hash the saved files ({failed[0]})")
+    merged: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        merged.update(part)
+    return dict(sorted(merged.items()))
+
+
+def _signature(root: Path, recorded: dict[str, dict[str, Any]]) -> _Signature:
+    """What identifies an unchanged verified checkpoint: its path, digests and files' stats."""
+    stats = []
+    for name in sorted(recorded):
+        st = os.stat(root / name)
+        stats.append((name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
+    return str(root.resolve()), repr(sorted(recorded.items())), tuple(stats)
+
+
+def _problem(root: Path, recorded: dict[str, dict[str, Any]], share: list[str]) -> str | None:
+    """This rank's finding: every file's size (cheap, so every rank checks all), then the
+    content of its share of the files; None when all is well."""
+    try:
+        check_sizes(root, recorded)
+        check_hashes(root, recorded, share)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def verify_checkpoint(ckpt_dir: str | Path, meta: dict[str, Any] | None = None) -> None:
+    """Check a checkpoint's files against the digests its metadata recorded, before anything
+    reads them: a ConfigError (the same on every rank) names the first missing, truncated or
+    altered file with the expected and found size or hash. Checkpoints written before digests
+    were recorded pass unchecked. Collective under a process group: each rank hashes a share."""
+    root = Path(ckpt_dir)
+    meta = read_checkpoint_meta(root) if meta is None else meta
+    recorded = recorded_digests(meta, root)
+    if recorded is None:
+        return
+    rank, world = _rank_world()
+    signature: _Signature | None
+    try:
+        signature = _signature(root, recorded)
+    except OSError:
+        signature = None  # a file is missing: _problem names it
+    if signature is not None and signature in _VERIFIED:
+        problem = None
+    else:
+        sizes = {name: int(entry["bytes"]) for name, entry in recorded.items()}
+        problem = _problem(root, recorded, balanced_share(sizes, rank, world))
+    problems = [p for p in _all_gather(problem) if p]
+    if problems:
+        raise ConfigError(problems[0])
+    if signature is not None:
+        _VERIFIED.add(signature)
