@@ -1,6 +1,7 @@
 """``elastic-plugin import``: start the pipeline from a pretrained Hugging Face NemotronH model.
 
     elastic-plugin import --hf ./NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 --out nano_teacher
+    elastic-plugin import --megatron ./megatron_run/checkpoints --out my_teacher
     elastic-plugin importance --ckpt nano_teacher ...   # then reorder, elastic-train
 
 The output is a ``kind: teacher`` checkpoint (Megatron dist checkpoint + ``elastic_meta.json``,
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from elastic_plugin.cli_errors import report_bad_input
 from elastic_plugin.models.config import ConfigError
@@ -22,16 +24,23 @@ IMPORT_PROG = "elastic-plugin import"
 
 
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``import --hf DIR --out CKPT [--dtype bf16|fp32] [--no-progress]``."""
+    """Add ``import (--hf DIR | --megatron DIR) --out CKPT [--dtype bf16|fp32] [--no-progress]``."""
     parser = subparsers.add_parser(
         "import",
-        help="import a Hugging Face NemotronH model as a teacher checkpoint",
+        help="import a Hugging Face NemotronH model or a Megatron-LM checkpoint as a teacher",
         description="Convert a Hugging Face NemotronHForCausalLM directory (config.json + "
-        "safetensors, sharded or not) into a teacher checkpoint that importance, reorder and "
-        "elastic-train start from. Runs as one process at TP=PP=EP=1; later stages load it in "
+        "safetensors, sharded or not), or a Megatron-LM torch_dist checkpoint of a hybrid model "
+        "(any TP/PP/EP; architecture from its saved args), into a teacher checkpoint that "
+        "importance, reorder and elastic-train start from. Runs as one process at TP=PP=EP=1; later stages load it in "
         "any layout.",
     )
-    parser.add_argument("--hf", required=True, metavar="DIR", help="Hugging Face model directory")
+    parser.add_argument("--hf", metavar="DIR", help="Hugging Face model directory")
+    parser.add_argument(
+        "--megatron",
+        metavar="DIR",
+        help="Megatron-LM save directory (torch_dist; latest_checkpointed_iteration.txt), "
+        "instead of --hf",
+    )
     parser.add_argument("--out", required=True, metavar="CKPT", help="new checkpoint directory")
     parser.add_argument(
         "--dtype",
@@ -45,12 +54,24 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
 
 def run_import_command(args: argparse.Namespace) -> int:
     """Check everything, then import; print the summary as JSON."""
-    from elastic_plugin.export.hf_import import plan_import, run_import
-
     try:
-        plan = plan_import(args.hf, args.out, args.dtype)
-        summary = run_import(plan, progress=not args.no_progress)
+        summary = _import(args)
     except ConfigError as exc:
         return report_bad_input(IMPORT_PROG, exc)
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def _import(args: argparse.Namespace) -> dict[str, Any]:
+    """The import of exactly one of ``--hf`` / ``--megatron``."""
+    if (args.hf is None) == (getattr(args, "megatron", None) is None):
+        given = "both --hf and --megatron" if args.hf is not None else "neither --hf nor --megatron"
+        raise ConfigError(f"give exactly one source: --hf DIR or --megatron DIR (got {given})")
+    if args.hf is not None:
+        from elastic_plugin.export.hf_import import plan_import, run_import
+
+        return run_import(plan_import(args.hf, args.out, args.dtype), not args.no_progress)
+    from elastic_plugin.export.megatron_import import plan_megatron_import, run_megatron_import
+
+    plan = plan_megatron_import(args.megatron, args.out, args.dtype)
+    return run_megatron_import(plan, not args.no_progress)
