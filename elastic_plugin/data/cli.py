@@ -1,4 +1,5 @@
-"""``elastic-plugin prepare-data``: write the demo's tokenizer, indexed datasets and held-out set."""
+"""``elastic-plugin prepare-data``: write the demo's tokenizer, indexed datasets and held-out set,
+or (``--input FILE.jsonl --tokenizer tokenizer.json``) a user's text as indexed datasets."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Generate reasoning-gym problems (PROMPT<think>STEPS</think>ANSWER), train a small "
             "tokenizer and write tokenizer.json, train/valid_text_document.{bin,idx}, "
-            "heldout.jsonl and meta.json into --out (reused when the settings match)."
+            "heldout.jsonl and meta.json into --out (reused when the settings match). With "
+            "--input FILE.jsonl --tokenizer TOKENIZER_JSON: your JSONL text (--text-key) as "
+            "train/valid_text_document.{bin,idx} + meta.json, each document ended by the "
+            "tokenizer's EOS (for importance / elastic-train --data-path)."
         ),
     )
     p.add_argument("--out", required=True, help="output directory")
@@ -48,6 +52,27 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="BPE vocabulary size (default: character-level)",
     )
+    p.add_argument(
+        "--input",
+        default=None,
+        metavar="FILE.jsonl",
+        help="your text, one JSON object a line (instead of --task)",
+    )
+    p.add_argument(
+        "--text-key", default="text", help="--input: the field holding the text (default: text)"
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="TOKENIZER_JSON",
+        help="--input: the model's tokenizer.json (an import's CKPT/hf_tokenizer/tokenizer.json)",
+    )
+    p.add_argument(
+        "--valid-fraction",
+        type=float,
+        default=0.05,
+        help="--input: share of documents held out as valid (default: 0.05)",
+    )
     p.add_argument("--force", action="store_true", help="regenerate even if --out matches")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.set_defaults(func=run_prepare_data)
@@ -76,6 +101,8 @@ def parse_task_args(items: list[str]) -> dict[str, Any]:
 
 def run_prepare_data(args: argparse.Namespace) -> int:
     """Run ``prepare_dataset`` from parsed arguments; prints a summary, returns an exit code."""
+    if args.input is not None or args.tokenizer is not None:
+        return _run_jsonl(args)
     from .prepare import prepare_dataset
 
     try:
@@ -102,4 +129,30 @@ def run_prepare_data(args: argparse.Namespace) -> int:
         f"{meta['tokens']['per_example_mean']} tokens/example, "
         f"{meta['overlaps_removed']} train/held-out overlaps removed"
     )
+    return 0
+
+
+def _run_jsonl(args: argparse.Namespace) -> int:
+    """``--input``: check every line and the tokenizer, then write; exit 2 on bad input."""
+    import json
+
+    from .jsonl import prepare_jsonl
+
+    try:
+        if args.input is None or args.tokenizer is None:
+            raise ValueError("--input and --tokenizer go together (your JSONL and its tokenizer)")
+        meta = prepare_jsonl(
+            args.input,
+            args.out,
+            tokenizer=args.tokenizer,
+            text_key=args.text_key,
+            valid_fraction=args.valid_fraction,
+            seed=args.seed,
+            force=args.force,
+            progress=not args.no_progress,
+        )
+    except ValueError as err:
+        print(f"prepare-data: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(meta, indent=2))
     return 0

@@ -111,12 +111,12 @@ def _start(args: argparse.Namespace):
 def _calibration(args, meta, cfg, seq_length: int):
     """Dataset for calibration: the user's prefix, or the data the checkpoint was trained on."""
     from elastic_plugin.data.indexed import build_gpt_datasets
+    from elastic_plugin.data.jsonl import open_tokenizer
     from elastic_plugin.data.prepare import PreparedData
-    from elastic_plugin.data.tokenizer import JsonTokenizer
 
     if args.data_path:
         check_data_path_args(args)
-        tokenizer, prefix = JsonTokenizer.from_file(args.tokenizer), args.data_path
+        tokenizer, prefix = open_tokenizer(args.tokenizer), args.data_path
     else:
         prepared_dir = (meta.get("data") or {}).get("prepared")
         if not prepared_dir or not Path(prepared_dir).is_dir():

@@ -332,6 +332,21 @@ def _load_backend(path: str):
         raise ConfigError(f"--tokenizer {path}: not a readable tokenizer.json ({exc})") from None
 
 
+def _eod_token(path: str, backend) -> tuple[str, int]:
+    """The document separator prompts start with: data.jsonl.tokenizer_spec's EOS (<eod> for the
+    demo's tokenizers; tokenizer_config.json / generation_config.json for an imported one)."""
+    from elastic_plugin.data.jsonl import JsonlError, tokenizer_spec
+
+    try:
+        spec = tokenizer_spec(path)
+        return spec.eos_token, spec.eos_id
+    except JsonlError as exc:
+        raise ConfigError(
+            f"{exc} (every prompt is prefixed with it); special tokens: "
+            f"{', '.join(_special_tokens(backend))}"
+        ) from None
+
+
 def _special_tokens(backend) -> list[str]:
     return [t.content for _, t in sorted(backend.get_added_tokens_decoder().items())]
 
@@ -420,19 +435,14 @@ def plan_generation(args: argparse.Namespace) -> GeneratePlan:
             f"--tokenizer {path}: {size} tokens, more than the model's vocabulary "
             f"({vocab}); is it the tokenizer this model was trained with?"
         )
-    eod = backend.token_to_id(EOD_TOKEN)
-    if eod is None:
-        raise ConfigError(
-            f"--tokenizer {path}: has no {EOD_TOKEN} token (every prompt is "
-            f"prefixed with it); special tokens: {', '.join(_special_tokens(backend))}"
-        )
+    eod_token, eod = _eod_token(path, backend)  # <eod>, or an imported (Hub) tokenizer's EOS
     think_close = backend.token_to_id(THINK_CLOSE)
     if mode != "generate" and think_close is None:
         flag = "--think-budget" if mode == "budget_control" else "--max-think-tokens"
         raise ConfigError(
             f"{flag}: budget control needs a {THINK_CLOSE} token, and the tokenizer {path} has none"
         )
-    stop_tokens = list(args.stop) if args.stop else [EOD_TOKEN]
+    stop_tokens = list(args.stop) if args.stop else [eod_token]
     stop_ids = []
     for token in stop_tokens:
         ident = backend.token_to_id(token)
@@ -455,7 +465,7 @@ def plan_generation(args: argparse.Namespace) -> GeneratePlan:
                 else ""
             )
             raise ConfigError(
-                f"{name} has {len(ids)} tokens with the {EOD_TOKEN} prefix; the "
+                f"{name} has {len(ids)} tokens with the {eod_token} prefix; the "
                 f"model's max_sequence_length is {context}, so a prompt may have at "
                 f"most {limit} tokens{why}"
             )
@@ -541,12 +551,12 @@ def _timings(phases: Mapping[str, Any]) -> dict[str, Any]:
 
 def run_plan(plan: GeneratePlan) -> dict[str, Any]:
     """Load the model(s) and generate; returns the JSON-ready summary."""
-    from elastic_plugin.data.tokenizer import JsonTokenizer
+    from elastic_plugin.data.jsonl import open_tokenizer
     from elastic_plugin.inference import budget_control_generate, capped_thinking_generate, generate
     from elastic_plugin.models.counting import count_parameters
     from elastic_plugin.nested.model import load_nested_models
 
-    tokenizer = JsonTokenizer.from_file(plan.tokenizer_path)
+    tokenizer = open_tokenizer(plan.tokenizer_path)  # EOS of an imported (Hub) tokenizer too
     begin = time.perf_counter()
     loaded = load_nested_models(plan.ckpt, plan.budgets)
     load_s = time.perf_counter() - begin

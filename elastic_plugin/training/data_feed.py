@@ -52,8 +52,8 @@ def build_data_feed(
 ) -> DataFeed:
     """Prepare (or open) the data and build Megatron GPT datasets sized for the run."""
     from elastic_plugin.data.indexed import build_gpt_datasets
+    from elastic_plugin.data.jsonl import open_tokenizer
     from elastic_plugin.data.prepare import prepare_dataset
-    from elastic_plugin.data.tokenizer import JsonTokenizer
 
     t = cfg.training
     num_train_samples = t.train_iters * t.global_batch_size
@@ -84,7 +84,7 @@ def build_data_feed(
             raise ConfigError(
                 f"data_path={data_path!r} needs tokenizer_path (the tokenizer.json of the data)"
             )
-        tokenizer = JsonTokenizer.from_file(tokenizer_path)
+        tokenizer = open_tokenizer(tokenizer_path)  # EOS of an imported (Hub) tokenizer too
         datasets = build_gpt_datasets(
             tokenizer,
             t.seq_length,

@@ -6,6 +6,15 @@
 #
 #   RUN=/lustre/me/run1 CONFIG=examples/configs/tiny_elastic.yaml TP=2 EP=2 \
 #       bash examples/slurm/pipeline.sh
+#
+# Bring your own model: HF=DIR replaces the teacher run by `elastic-plugin import --hf DIR`
+# (RUN/checkpoints/teacher); DATA_PATH (and VALID_DATA_PATH) name your indexed datasets
+# (`elastic-plugin prepare-data --input ... --tokenizer ...`), read with the imported tokenizer;
+# CONFIG then needs the imported model: section (README.md, "Bring your own model").
+#
+#   RUN=/lustre/me/run2 HF=/lustre/Nano-v3 DATA_PATH=/lustre/data/train_text_document \
+#       VALID_DATA_PATH=/lustre/data/valid_text_document CONFIG=my_elastic.yaml \
+#       bash examples/slurm/pipeline.sh
 
 set -euo pipefail
 
@@ -17,6 +26,10 @@ ELASTIC_NODES=${ELASTIC_NODES:-1}
 CALIB_SAMPLES=${CALIB_SAMPLES:-1024}       # importance calibration samples (per DP rank)
 CALIB_MICRO_BATCH=${CALIB_MICRO_BATCH:-8}
 DRY_RUN=${DRY_RUN:-0}
+HF=${HF:-}                                 # a Hugging Face NemotronH directory to import
+DATA_PATH=${DATA_PATH:-}                   # Megatron indexed dataset prefix (train)
+VALID_DATA_PATH=${VALID_DATA_PATH:-}       # (valid; default DATA_PATH)
+TOKENIZER=${TOKENIZER:-}                   # default with HF: the imported tokenizer
 
 # submit NAME NODES DEPENDENCY SCRIPT [ARGS...] -> prints the job id
 submit() {
@@ -34,16 +47,33 @@ submit() {
     fi
 }
 
-teacher=$(submit elastic-teacher "$TEACHER_NODES" "" "$HERE/run_stage.sbatch" \
-    train --config "$CONFIG" --out "$RUN" --no-progress)
+data_args=()
+if [[ -n "$HF" ]]; then
+    TOKENIZER=${TOKENIZER:-$RUN/checkpoints/teacher/hf_tokenizer/tokenizer.json}
+    [[ -n "$DATA_PATH" ]] || { echo "HF=$HF needs DATA_PATH (prepare-data --input)" >&2; exit 2; }
+    # one process, no torchrun (import runs at TP=PP=EP=1; later stages load any layout)
+    teacher=$(submit elastic-import 1 "" --wrap "$(printf '%q ' "${PYTHON:-python}" -m \
+        elastic_plugin.cli import --hf "$HF" --out "$RUN/checkpoints/teacher" --no-progress)")
+else
+    teacher=$(submit elastic-teacher "$TEACHER_NODES" "" "$HERE/run_stage.sbatch" \
+        train --config "$CONFIG" --out "$RUN" --no-progress)
+fi
+if [[ -n "$DATA_PATH" ]]; then
+    [[ -n "$TOKENIZER" ]] || { echo "DATA_PATH needs TOKENIZER (its tokenizer.json)" >&2; exit 2; }
+    data_args=(--data-path "$DATA_PATH" --tokenizer "$TOKENIZER")
+fi
 importance=$(submit elastic-importance 1 "$teacher" "$HERE/run_stage.sbatch" \
     importance --ckpt "$RUN/checkpoints/teacher" --out "$RUN/importance.pt" \
     --num-samples "$CALIB_SAMPLES" --micro-batch-size "$CALIB_MICRO_BATCH" \
-    --plot "$RUN/importance.png" --no-progress)
+    --plot "$RUN/importance.png" --no-progress ${data_args[@]+"${data_args[@]}"})
 reorder=$(submit elastic-reorder 1 "$importance" "$HERE/run_stage.sbatch" \
     reorder --ckpt "$RUN/checkpoints/teacher" --scores "$RUN/importance.pt" \
     --out "$RUN/checkpoints/reordered")
+elastic_args=()  # appended to elastic-train's command line by train_elastic.sbatch
+if [[ -n "$DATA_PATH" ]]; then
+    elastic_args=("${data_args[@]}" --valid-data-path "${VALID_DATA_PATH:-$DATA_PATH}")
+fi
 elastic=$(submit elastic-train "$ELASTIC_NODES" "$reorder" \
     --export "ALL,CKPT=$RUN/checkpoints/reordered,OUT=$RUN,CONFIG=$CONFIG" \
-    "$HERE/train_elastic.sbatch")
+    "$HERE/train_elastic.sbatch" ${elastic_args[@]+"${elastic_args[@]}"})
 echo "submitted: teacher $teacher -> importance $importance -> reorder $reorder -> elastic $elastic"
