@@ -467,6 +467,11 @@ def test_elastic_train_under_torchrun_tp2_sp_checkpoints_plots_and_resumes(pipel
         str(exports),
         "--eval-sequences",
         "4",
+        # as make demo: calibrated activation scales, tiny's Mamba head dim 16 -> 12 kept in BF16
+        "--calib-samples",
+        "4",
+        "--nvfp4-unaligned",
+        "high-precision",
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((exports / "exports.json").read_text())
@@ -488,6 +493,11 @@ def test_elastic_train_under_torchrun_tp2_sp_checkpoints_plots_and_resumes(pipel
         sizes = report["sizes"][precision]
         assert sizes["nested_bytes"] == rows[(1.0, precision)]["bytes"] and sizes["saving"] > 0.3
     assert "One nested checkpoint vs separate" in (exports / "exports.md").read_text()
+    from elastic_plugin.export.hf import export_input_amax
+
+    for precision in ("fp8", "nvfp4"):  # calibrated static activation scales, ModelOpt's form
+        fmt, amax = export_input_amax(exports / f"hf_0.4_{precision}")
+        assert fmt == precision and "model.layers.1.mixer.q_proj" in amax
     assert (exports / "exports.png").stat().st_size > 10_000
 
     # the demo report: accuracy per budget and precision, budget control, targets, plots

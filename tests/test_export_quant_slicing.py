@@ -342,3 +342,15 @@ def test_megatron_evaluation_quantizes_activations_as_transformers_does(tiny_meg
     mismatch = ((ours - reference).norm() / reference.norm()).item()
     assert quant_effect > 1e-3  # the quantization is really applied
     assert mismatch < 0.05 * quant_effect, (mismatch, quant_effect)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_fake_quant_of_an_empty_input_is_empty(fmt):
+    """An expert no token was routed to gets a [0, ffn] input: passed through, no error."""
+    from elastic_plugin.export.calibrate import input_fake_quant
+
+    quant = input_fake_quant(3.0, fmt)
+    empty = torch.zeros(0, 64)
+    assert quant(empty).shape == (0, 64)
+    x = torch.randn(4, 64)
+    assert not torch.equal(quant(x), x)  # a real input is quantized

@@ -260,6 +260,8 @@ class _InputQuant:
         self.quantizer, self.amax, self.fmt = quantizer, amax, fmt
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:  # an expert no token was routed to
+            return x
         if self.fmt == "nvfp4" and not x.is_cuda:
             return nvfp4_fake_quant(x, self.amax)  # ModelOpt's kernels need CUDA
         return self.quantizer(x)
