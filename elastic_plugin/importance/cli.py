@@ -160,7 +160,10 @@ def run_importance(args: argparse.Namespace) -> int:
         )
     except (ConfigError, CalibrationError) as exc:
         return report_bad_input("elastic-plugin importance", exc)
-    chunks, cfg, _ = build_from_checkpoint(args.ckpt, layout)
+    try:  # a damaged checkpoint (integrity check) is bad input, not a traceback
+        chunks, cfg, _ = build_from_checkpoint(args.ckpt, layout)
+    except ConfigError as exc:
+        return report_bad_input("elastic-plugin importance", exc)
     iterator = batch_iterator(
         dataset, args.micro_batch_size, seed=cfg.training.seed, shuffle=False, infinite=False
     )
@@ -217,7 +220,10 @@ def run_reorder(args: argparse.Namespace) -> int:
     from elastic_plugin.importance import ImportanceScores
     from elastic_plugin.importance.reorder import Permutations, apply_permutations
 
-    chunks, cfg, meta = build_from_checkpoint(args.ckpt, layout)
+    try:  # a damaged checkpoint (integrity check) is bad input, not a traceback
+        chunks, cfg, meta = build_from_checkpoint(args.ckpt, layout)
+    except ConfigError as exc:
+        return report_bad_input("elastic-plugin reorder", exc)
     perms = Permutations.from_scores(
         ImportanceScores.load(args.scores),
         cfg.model.query_groups,
