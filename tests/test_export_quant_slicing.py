@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from elastic_plugin.export.quantize import same_bits
+
 pytestmark = [pytest.mark.export]
 
 
@@ -144,16 +146,10 @@ def test_slicing_the_files_equals_slicing_in_memory(tiny, fmt, tmp_path):
         got = slice_quantized_files(tmp_path, cfg, choice, fmt)
         assert set(got) == set(expected), name
         for key in expected:
-            assert _same_bytes(got[key], expected[key]), key
+            assert same_bits(got[key], expected[key]), key
         kept = slice_quant_config(quant_config, got)["quantization"]["exclude_modules"]
         assert "lm_head" in kept
         assert not [m for m in kept if ".experts.7." in m or ".experts.5." in m]  # dropped
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal dtype, shape and bits (float8 has no CPU ``torch.equal``)."""
-    flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(*flat)
 
 
 def test_input_scales_follow_the_calibration(tiny):
@@ -275,7 +271,7 @@ def test_full_budget_export_is_what_modelopt_exports(tiny, fmt, tmp_path):
     ours = read_hub_tensors(tmp_path / "ours")
 
     assert sorted(ours) == sorted(theirs)
-    differ = [k for k in ours if not _same_bytes(ours[k], theirs[k].to(ours[k].dtype))]
+    differ = [k for k in ours if not same_bits(ours[k], theirs[k].to(ours[k].dtype))]
     assert not differ, differ[:5]
     mine = json.loads((tmp_path / "ours" / "hf_quant_config.json").read_text())["quantization"]
     their = json.loads((tmp_path / "modelopt" / "hf_quant_config.json").read_text())["quantization"]

@@ -73,6 +73,7 @@ __all__ = [
     "quantize_state_dict",
     "input_scale",
     "stored_input_amax",
+    "same_bits",
     "dequantize_state_dict",
     "tensor_bytes",
     "quantized_weight_bytes",
@@ -379,6 +380,13 @@ def _restack_experts(plain: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if int(m["e"]) == 0:
             out[stacked] = torch.stack([plain[members[e]] for e in range(len(members))])
     return out
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bits: the bitwise comparison of quantized tensors (float8 has no
+    CPU ``torch.equal``)."""
+    flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(*flat)
 
 
 # ------------------------------------------------------------------------------ sizes

@@ -228,14 +228,6 @@ def nested_dir_name(precision: str) -> str:
     return "nested" if precision == "bf16" else f"nested_{precision}"
 
 
-def _same_bytes(a, b) -> bool:
-    """Equal dtype, shape and bits (float8 has no CPU ``torch.equal``)."""
-    import torch
-
-    flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(*flat)
-
-
 def _nested(
     ckpt: Path,
     out: Path,
@@ -257,6 +249,7 @@ def _nested(
         sliced_tensors,
         write_nested_export,
     )
+    from elastic_plugin.export.quantize import same_bits
 
     quantize = None if precision == "bf16" else precision
     path = out / nested_dir_name(precision)
@@ -270,7 +263,7 @@ def _nested(
         sliced = sliced_tensors(path, r["budget"])
         exported = from_hub(read_hub_tensors(r["path"]))
         equal[label] = sliced.keys() == exported.keys() and all(
-            _same_bytes(sliced[k].to(exported[k].dtype), exported[k]) for k in exported
+            same_bits(sliced[k].to(exported[k].dtype), exported[k]) for k in exported
         )
         if tokens is not None:
             model = load_nested(path, r["budget"])

@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from elastic_plugin.testing import elastic_cases
+
 EOS = "</s>"
 PAD = "<pad>"
 BPE_VOCAB = 300  # byte-level: 256 bytes + 2 specials + a few merges
@@ -36,19 +38,7 @@ SMALL_MODEL = dict(
     max_position_embeddings=256,
 )
 
-ELASTIC: dict[str, Any] = {
-    "budgets": [1.0, 0.7],
-    "sizes": {
-        "embedding": [1.0, 0.75, 0.5],
-        "ffn": [1.0, 0.5],
-        "shared_ffn": [1.0, 0.5],
-        "attention_heads": [1.0, 0.5],
-        "mamba_heads": [1.0, 0.5],
-        "mamba_head_dim": [1.0, 0.5],
-        "experts": [1.0, 0.5],
-    },
-    "router": {"hidden_size": 32},
-}
+ELASTIC: dict[str, Any] = {**elastic_cases.ELASTIC, "budgets": [1.0, 0.7]}  # two budgets
 
 
 def corpus(n: int = 64) -> list[str]:

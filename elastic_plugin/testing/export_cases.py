@@ -326,11 +326,6 @@ def serve_check_case(config_path: str, workdir: str) -> dict[str, Any]:
     return results
 
 
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(*flat)
-
-
 def _cli(argv: list[str]) -> tuple[int, str]:
     """(exit code, stderr) of one ``elastic-plugin`` command run in this process."""
     import contextlib
@@ -356,6 +351,7 @@ def quantized_nested_case(config_path: str, workdir: str) -> dict[str, Any]:
     from elastic_plugin.export.extract import QuantOptions, plan_extraction, run_extraction
     from elastic_plugin.export.hf import export_input_amax, read_quant_config
     from elastic_plugin.export.nested_hf import budget_input_amax, load_nested, write_nested_export
+    from elastic_plugin.export.quantize import same_bits
     from elastic_plugin.models.config import load_config
 
     work = Path(workdir)
@@ -385,7 +381,7 @@ def quantized_nested_case(config_path: str, workdir: str) -> dict[str, Any]:
             rows[label] = {
                 "exit": code,
                 "same_keys": sorted(a) == sorted(b),
-                "bitwise": all(_same_bytes(a[k], b[k]) for k in a),
+                "bitwise": all(same_bits(a[k], b[k]) for k in a),
                 "files_equal": {
                     name: (own / name).read_text() == (sliced / name).read_text()
                     for name in ("config.json", "hf_quant_config.json")
