@@ -63,14 +63,13 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
 
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
     """Everything the files and flags say, checked before any model is built."""
-    from elastic_plugin.checkpoint.hub import hub_weight_files
+    from elastic_plugin.checkpoint.hub import EXPORT_META, hub_weight_files
     from elastic_plugin.checkpoint.meta import (
         match_budget,
         read_elastic_meta,
         stored_choice,
         trained_budgets,
     )
-    from elastic_plugin.export.extract import EXPORT_META
     from elastic_plugin.export.hf import (
         HF_CONFIG,
         config_dtype,

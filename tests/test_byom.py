@@ -175,6 +175,33 @@ def test_imported_model_runs_every_stage(tmp_path):
         )  # fmt: skip
     )
     assert trained["iterations"] == 2
+    elastic = run / "checkpoints" / "elastic"
+    exports = tmp_path / "exports"
+    step(
+        "export", "export", "--ckpt", elastic, "--out", exports, "--precisions", "bf16",
+        "--no-megatron", "--nested", "--eval-sequences", "2", "--no-progress",
+    )  # fmt: skip
+    evaluated = tmp_path / "eval"
+    step(
+        "evaluate", "evaluate", "--ckpt", elastic, "--exports", exports, "--out", evaluated,
+        "--data-path", valid, "--tokenizer", tokenizer, "--num-sequences", "4",
+        "--seq-length", "32", "--no-progress",
+    )  # fmt: skip
+    report = json.loads((evaluated / "lm_report.json").read_text())
+    budgets = json.loads((elastic / "elastic_meta.json").read_text())["elastic"]["budgets"]
+    assert [r["budget"] for r in report["budgets"]] == sorted(budgets, reverse=True)
+    assert report["sequences"] == 4 and report["tokens"] == 4 * 32
+    for row in report["budgets"]:
+        fp32, bf16 = row["loss"]["fp32"], row["loss"]["bf16"]
+        # the BF16 export computes what the fp32 nested model does, within BF16 rounding
+        assert 0 < fp32 < 20 and bf16 == pytest.approx(fp32, rel=0.02), row
+        # the budget sliced from the one nested directory is that export, bit for bit
+        assert row["sliced_from_nested"]["bf16"] == bf16, row
+    params = [r["params"]["active"] for r in report["budgets"]]
+    assert params == sorted(params, reverse=True) and params[0] > params[-1]
+    assert (evaluated / "loss_vs_params.png").stat().st_size > 0
+    assert "sliced from nested" in (evaluated / "lm_report.md").read_text()
+    _evaluate_refuses_bad_input(elastic, valid, tokenizer, tmp_path)
     generated = _json(
         step(
             "generate",
@@ -191,6 +218,37 @@ def test_imported_model_runs_every_stage(tmp_path):
     )
     assert generated, "generate printed no JSON"
     print("stage seconds:", times, json.dumps(generated)[:300])
+
+
+def _evaluate_refuses_bad_input(elastic: Path, valid: str, tokenizer: Path, tmp: Path) -> None:
+    """evaluate --data-path: each bad input exits 2 naming its flag; no report is started."""
+    import contextlib
+    import io
+
+    from elastic_plugin.cli import main
+    from elastic_plugin.data.indexed import write_indexed_dataset
+
+    vocab = json.loads((elastic / "elastic_meta.json").read_text())["config"]["model"]
+    foreign = tmp / "foreign_text_document"
+    write_indexed_dataset(foreign, [list(range(vocab["vocab_size"], vocab["vocab_size"] + 80))],
+                          vocab_size=2 * vocab["vocab_size"])  # fmt: skip
+    out = tmp / "never"
+    cases = [
+        (["--tokenizer", tokenizer], "--tokenizer is given without --data-path"),
+        (["--data-path", tmp / "nothing", "--tokenizer", tokenizer], "--data-path"),
+        (["--data-path", valid], "--tokenizer None"),
+        (["--data-path", valid, "--tokenizer", tokenizer, "--num-sequences", "0"],
+         "--num-sequences=0"),
+        (["--data-path", foreign, "--tokenizer", tokenizer, "--seq-length", "32"],
+         "the model's vocabulary"),
+        (["--data-path", valid, "--tokenizer", tokenizer, "--exports", tmp], "no exports.json"),
+    ]  # fmt: skip
+    for extra, needle in cases:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = main(["evaluate", "--ckpt", str(elastic), "--out", str(out), *map(str, extra)])
+        assert rc == 2 and needle in err.getvalue(), (extra, err.getvalue())
+        assert not out.exists()
 
 
 def test_demo_tokenizers_keep_eod_and_pad(tmp_path):

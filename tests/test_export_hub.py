@@ -247,10 +247,71 @@ def test_serve_check_passes_every_format_and_catches_a_tampered_export(serve_che
     tampered = r["tampered"]
     assert tampered["exit"] == 1 and not tampered["result"]["ok"]
     assert tampered["result"]["max_abs_diff"] > 1e-3
+    # the same altered file in an export that recorded its digests is refused before loading
+    damaged = r["damaged"]
+    assert (
+        damaged["exit"] == 2
+        and "file model.safetensors differs from what was saved" in (damaged["stderr"])
+    ), damaged
+    verify = r["verify"]
+    assert verify["hf_0.4_fp32"][0] == 0 and verify["nested"][0] == 0, verify
+    assert verify["damaged"][0] == 2 and "model.safetensors differs" in verify["damaged"][1]
     assert r["nested_without_budget"]["exit"] == 2
     assert "is a nested directory; name the budget" in r["nested_without_budget"]["stderr"]
     assert r["budget_on_plain"]["exit"] == 2
     assert "--budget goes with a nested directory" in r["budget_on_plain"]["stderr"]
+
+
+def test_exports_record_digests_and_every_read_verifies_them(tiny_hf, tmp_path):
+    """An export's export_meta.json records every other file's size and SHA-256; a flipped
+    byte, a truncated or a missing shard is named before any tensor is read. A Hub download
+    (no export_meta.json) reads as before."""
+    import hashlib
+
+    from elastic_plugin.checkpoint.hub import (
+        EXPORT_META,
+        HUB_INDEX,
+        from_hub,
+        read_hub_tensors,
+        verify_export_files,
+    )
+    from elastic_plugin.export.hf import write_hf_checkpoint
+    from elastic_plugin.models.config import ConfigError
+
+    _, hf, config = tiny_hf
+    export = tmp_path / "export"
+    export.mkdir()
+    write_hf_checkpoint(
+        export,
+        hf,
+        config,
+        "fp32",
+        extra_files={EXPORT_META: {"kind": "hf"}},
+        max_shard_bytes=200_000,
+    )
+    meta = json.loads((export / EXPORT_META).read_text())
+    files = sorted(p.name for p in export.iterdir() if p.name != EXPORT_META)
+    assert meta["kind"] == "hf" and sorted(meta["files"]) == files
+    shard = sorted(set(json.loads((export / HUB_INDEX).read_text())["weight_map"].values()))[0]
+    data = (export / shard).read_bytes()
+    assert meta["files"][shard] == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert verify_export_files(export) and from_hub(read_hub_tensors(export)).keys() == hf.keys()
+
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF
+    (export / shard).write_bytes(bytes(flipped))
+    with pytest.raises(ConfigError, match=f"file {shard} differs from what was saved"):
+        read_hub_tensors(export)
+    (export / shard).write_bytes(data[:-10])
+    with pytest.raises(ConfigError, match=f"file {shard} is truncated: expected {len(data)}"):
+        read_hub_tensors(export)
+    (export / shard).unlink()
+    with pytest.raises(ConfigError, match=f"file {shard} is missing"):
+        read_hub_tensors(export)
+    plain = tmp_path / "plain"  # no export_meta.json: nothing recorded, nothing checked
+    plain.mkdir()
+    write_hf_checkpoint(plain, hf, config, "fp32")
+    assert not verify_export_files(plain) and from_hub(read_hub_tensors(plain)).keys() == hf.keys()
 
 
 def test_slicing_the_files_reads_the_same_tensors(tiny_hf, tmp_path):

@@ -108,7 +108,13 @@ def imported(hf_dir):
 
     path, _, _, work = hf_dir
     out = work / "teacher"
-    assert main(["import", "--hf", str(path), "--out", str(out), "--no-progress"]) == 0
+    target = [
+        "--target-tensor-model-parallel-size",
+        "2",
+        "--target-expert-model-parallel-size",
+        "2",
+    ]
+    assert main(["import", "--hf", str(path), "--out", str(out), "--no-progress", *target]) == 0
     return out
 
 
@@ -417,6 +423,25 @@ def test_out_and_dtype_are_checked(hf_dir, tmp_path, no_weight_reads):
     with pytest.raises(ConfigError, match="must not be inside --hf"):
         plan_import(hf_dir[0], hf_dir[0] / "ckpt")
     assert (tmp_path / "out" / "old.txt").read_text() == "keep me"
+
+
+def test_target_layout_is_checked_before_any_weight_is_read(
+    hf_dir, tmp_path, capsys, no_weight_reads
+):
+    """--target-*-parallel-size: a layout the imported sizes cannot split under exits 2 naming
+    the field and the flag; nothing is written."""
+    from elastic_plugin.cli import main
+
+    out = tmp_path / "out"
+    for flags, needle in (
+        (["--target-tensor-model-parallel-size", "3"], "the tensor-parallel size 3"),
+        (["--target-expert-model-parallel-size", "3"], "model.num_moe_experts"),
+        (["--target-pipeline-model-parallel-size", "0"], "--target-pipeline-model-parallel-size 0"),
+    ):
+        rc = main(["import", "--hf", str(hf_dir[0]), "--out", str(out), *flags])
+        err = capsys.readouterr().err
+        assert rc == 2 and needle in err, (flags, err)
+        assert not out.exists() and not list(tmp_path.glob("out.*"))
 
 
 def test_cli_reports_bad_input_before_megatron_is_imported(hf_dir, tmp_path):

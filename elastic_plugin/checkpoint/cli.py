@@ -1,7 +1,8 @@
-"""``elastic-plugin verify CKPT``: is a checkpoint intact, without loading a model.
+"""``elastic-plugin verify CKPT``: is a checkpoint (or an HF export) intact, without loading a model.
 
     elastic-plugin verify demo_out/checkpoints/elastic
     elastic-plugin verify demo_out/checkpoints/elastic --json
+    elastic-plugin verify demo_out/exports/nested          # an export: its export_meta.json
 
 Hashes every file the checkpoint's ``elastic_meta.json`` records (``checkpoint.integrity``)
 and compares size and digest: exit 0 with a summary when all match, exit 2 naming the first
@@ -14,9 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict
+from pathlib import Path
+from typing import Any
 
 from elastic_plugin.checkpoint.integrity import DIGEST_ALGORITHM, VerifyReport, verify_directory
-from elastic_plugin.checkpoint.meta import read_checkpoint_meta
+from elastic_plugin.checkpoint.meta import CHECKPOINT_META, EXPORT_META, read_checkpoint_meta
 from elastic_plugin.cli_errors import report_bad_input
 from elastic_plugin.models.config import ConfigError
 
@@ -31,7 +34,11 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "recorded in its elastic_meta.json at save (no model is loaded). Exit 0 when intact, "
         "2 naming the first damaged file.",
     )
-    parser.add_argument("ckpt", metavar="CKPT", help="a checkpoint directory of this plugin")
+    parser.add_argument(
+        "ckpt",
+        metavar="CKPT",
+        help="a checkpoint directory of this plugin, or an HF export it wrote (export_meta.json)",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(func=run_verify)
 
@@ -52,8 +59,12 @@ def format_report(report: VerifyReport) -> str:
 
 def run_verify(args: argparse.Namespace) -> int:
     try:
-        meta = read_checkpoint_meta(args.ckpt, "CKPT")
-        report = verify_directory(args.ckpt, meta)
+        path = Path(args.ckpt)
+        if (path / EXPORT_META).is_file() and not (path / CHECKPOINT_META).is_file():
+            report = verify_directory(path, _export_meta(path), EXPORT_META)
+        else:
+            meta = read_checkpoint_meta(args.ckpt, "CKPT")
+            report = verify_directory(args.ckpt, meta)
     except ConfigError as exc:
         return report_bad_input(PROG, exc)
     if args.json:
@@ -61,3 +72,14 @@ def run_verify(args: argparse.Namespace) -> int:
     else:
         print(format_report(report))
     return 0
+
+
+def _export_meta(path: Path) -> dict[str, Any]:
+    """An export's ``export_meta.json`` (what it was cut from, and its files' digests)."""
+    try:
+        meta = json.loads((path / EXPORT_META).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"CKPT {path}/{EXPORT_META}: not readable JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"CKPT {path}/{EXPORT_META}: not a JSON object")
+    return meta

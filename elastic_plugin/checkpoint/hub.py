@@ -24,10 +24,12 @@ from pathlib import Path
 
 import torch
 
+from elastic_plugin.checkpoint.meta import EXPORT_META
 from elastic_plugin.models.config import ConfigError
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
+    "EXPORT_META",
     "HUB_INDEX",
     "HUB_PREFIX",
     "HUB_WEIGHTS",
@@ -40,6 +42,7 @@ __all__ = [
     "parse_shard_size",
     "read_hub_tensors",
     "to_hub",
+    "verify_export_files",
     "write_hub_shards",
 ]
 
@@ -194,10 +197,48 @@ def write_hub_shards(
     return [*written, index_file]
 
 
+_VERIFIED_EXPORTS: set[tuple[str, str, tuple[tuple[str, int, int, int, int], ...]]] = set()
+
+
+def verify_export_files(path: str | Path) -> bool:
+    """Check an export of ours against the sizes and SHA-256 digests its ``export_meta.json``
+    recorded when it was written: a ConfigError naming the first missing, truncated or altered
+    file. A directory without them (a Hub download, an older export) passes unchecked (False).
+    Verified directories are remembered by their files' stats, so repeated reads hash once."""
+    from elastic_plugin.checkpoint.integrity import recorded_digests, verify_digests
+
+    root = Path(path)
+    meta_file = root / EXPORT_META
+    if not meta_file.is_file():
+        return False
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{meta_file}: not readable JSON ({exc})") from None
+    recorded = recorded_digests(meta, root, EXPORT_META) if isinstance(meta, dict) else None
+    if recorded is None:
+        return False
+    try:
+        stats = tuple(
+            (name, (st := (root / name).stat()).st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+            for name in sorted(recorded)
+        )
+        signature = (str(root.resolve()), repr(sorted(recorded.items())), stats)
+    except OSError:
+        signature = None  # a file is missing: verify_digests names it
+    if signature is None or signature not in _VERIFIED_EXPORTS:
+        verify_digests(root, recorded)
+        if signature is not None:
+            _VERIFIED_EXPORTS.add(signature)
+    return True
+
+
 def hub_weight_files(path: str | Path) -> list[Path]:
     """The safetensors files of a Hub directory (the index's shards, or ``model.safetensors``);
-    a ConfigError naming the directory or the missing file otherwise."""
+    a ConfigError naming the directory or the missing file otherwise. An export of ours is
+    verified against its recorded digests first (:func:`verify_export_files`)."""
     path = Path(path)
+    verify_export_files(path)
     index = path / HUB_INDEX
     if index.is_file():
         try:

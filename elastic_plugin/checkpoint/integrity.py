@@ -77,10 +77,11 @@ def file_digests(
 
 
 def recorded_digests(
-    meta: Mapping[str, Any], where: str | Path
+    meta: Mapping[str, Any], where: str | Path, meta_name: str = CHECKPOINT_META
 ) -> dict[str, dict[str, Any]] | None:
-    """The digests a checkpoint's metadata records (None for checkpoints written before they
-    were recorded); a ConfigError if they are malformed, since then nothing can be trusted."""
+    """The digests a checkpoint's (or an export's: ``meta_name``) metadata records (None for
+    ones written before they were recorded); a ConfigError if they are malformed, since then
+    nothing can be trusted."""
     files = meta.get(FILES_KEY)
     if files is None:
         return None
@@ -91,7 +92,7 @@ def recorded_digests(
         for entry in files.values()
     ):
         raise ConfigError(
-            f"{where}/{CHECKPOINT_META}: '{FILES_KEY}' is malformed (each file needs "
+            f"{where}/{meta_name}: '{FILES_KEY}' is malformed (each file needs "
             f"'bytes' and a digest such as '{DIGEST_ALGORITHM}')"
         )
     return {str(name): dict(entry) for name, entry in files.items()}
@@ -181,11 +182,13 @@ class VerifyReport:
     seconds: float
 
 
-def verify_directory(ckpt: str | Path, meta: Mapping[str, Any]) -> VerifyReport:
-    """Verify a checkpoint's files against its metadata's digests (read by the caller through
-    ``checkpoint.meta``); a ConfigError names the first bad file."""
+def verify_directory(
+    ckpt: str | Path, meta: Mapping[str, Any], meta_name: str = CHECKPOINT_META
+) -> VerifyReport:
+    """Verify a checkpoint's (or an export's: ``meta_name``) files against its metadata's
+    digests (read by the caller); a ConfigError names the first bad file."""
     start = time.perf_counter()
-    recorded = recorded_digests(meta, ckpt)
+    recorded = recorded_digests(meta, ckpt, meta_name)
     if recorded is not None:
         verify_digests(ckpt, recorded)
     entries = (recorded or {}).values()

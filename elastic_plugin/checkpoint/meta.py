@@ -21,6 +21,7 @@ from elastic_plugin.models.config import ConfigError
 __all__ = [
     "CHECKPOINT_META",
     "DIST_METADATA",
+    "EXPORT_META",
     "ELASTIC_SUBDIR",
     "budget_label",
     "match_budget",
@@ -34,6 +35,7 @@ __all__ = [
 ]
 
 CHECKPOINT_META = "elastic_meta.json"
+EXPORT_META = "export_meta.json"  # our HF exports: what they were cut from, their files' digests
 DIST_METADATA = "metadata.json"  # Megatron dist checkpoint's own index
 ELASTIC_SUBDIR = ("checkpoints", "elastic")
 _ELASTIC_HINT = "the output of elastic-plugin elastic-train (OUT/checkpoints/elastic)"

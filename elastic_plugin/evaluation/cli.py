@@ -1,9 +1,14 @@
-"""``elastic-plugin evaluate``: the demo report (accuracy per budget and precision, budget control).
+"""``elastic-plugin evaluate``: the demo report (accuracy per budget and precision, budget control),
+or, on the user's own data, held-out language-model loss per budget and precision.
 
     elastic-plugin evaluate --ckpt demo_out/checkpoints/elastic --exports demo_out/exports --out demo_out
+    elastic-plugin evaluate --ckpt run/checkpoints/elastic --exports run/exports --out run/eval \
+        --data-path data/valid_text_document --tokenizer teacher/hf_tokenizer/tokenizer.json
 
-Writes ``report.json``, ``report.md``, ``accuracy_vs_params.png``, ``loss_per_budget.png`` and
-``accuracy_vs_latency.png`` into --out. Bad input exits 2 before any model is loaded.
+The demo form writes ``report.json``, ``report.md``, ``accuracy_vs_params.png``,
+``loss_per_budget.png`` and ``accuracy_vs_latency.png`` into --out; the ``--data-path`` form
+writes ``lm_report.json``, ``lm_report.md`` and ``loss_vs_params.png``. Bad input exits 2 before
+any model is loaded.
 """
 
 from __future__ import annotations
@@ -45,11 +50,32 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="problems answered one at a time to measure batch-1 latency",
     )
+    lm = parser.add_argument_group(
+        "your own data (instead of the demo task): held-out language-model loss"
+    )
+    lm.add_argument(
+        "--data-path",
+        default=None,
+        metavar="PREFIX",
+        help="Megatron indexed dataset prefix (e.g. prepare-data's valid split)",
+    )
+    lm.add_argument("--tokenizer", default=None, metavar="FILE", help="its tokenizer.json")
+    lm.add_argument("--num-sequences", type=int, default=64, metavar="N")
+    lm.add_argument(
+        "--seq-length",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens per sequence (default: the checkpoint's training seq_length)",
+    )
+    lm.add_argument("--micro-batch-size", type=int, default=8, metavar="N")
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=run_evaluate)
 
 
 def run_evaluate(args: argparse.Namespace) -> int:
+    if args.data_path is not None or args.tokenizer is not None:
+        return _run_lm(args)
     from elastic_plugin.evaluation.report import REPORT_MD, evaluate_demo
 
     try:
@@ -65,4 +91,31 @@ def run_evaluate(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return report_bad_input("elastic-plugin evaluate", exc)
     print(open(f"{args.out}/{REPORT_MD}").read())
+    return 0
+
+
+def _run_lm(args: argparse.Namespace) -> int:
+    """``--data-path``: held-out loss per nested model and precision on the user's data."""
+    from elastic_plugin.cli_args import check_data_path_args
+    from elastic_plugin.data.jsonl import JsonlError
+    from elastic_plugin.evaluation.lm_loss import LM_REPORT_MD, evaluate_lm
+
+    try:
+        if args.data_path is None:
+            raise ConfigError("--tokenizer is given without --data-path (give both, or neither)")
+        check_data_path_args(args)
+        evaluate_lm(
+            args.ckpt,
+            args.out,
+            args.data_path,
+            args.tokenizer,
+            args.exports,
+            args.num_sequences,
+            args.seq_length,
+            args.micro_batch_size,
+            progress=not args.no_progress,
+        )
+    except (ConfigError, JsonlError) as exc:
+        return report_bad_input("elastic-plugin evaluate", exc)
+    print(open(f"{args.out}/{LM_REPORT_MD}").read())
     return 0

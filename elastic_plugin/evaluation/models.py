@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,12 @@ import torch
 
 from elastic_plugin.models.config import ConfigError, ModelConfig
 
-__all__ = ["load_budget_models", "load_export_model", "megatron_activation_quant"]
+__all__ = [
+    "budget_params",
+    "load_budget_models",
+    "load_export_model",
+    "megatron_activation_quant",
+]
 
 
 def load_budget_models(ckpt: str | Path, budgets: list[float]) -> dict[tuple[float, str], Any]:
@@ -26,12 +31,33 @@ def load_budget_models(ckpt: str | Path, budgets: list[float]) -> dict[tuple[flo
     return {(budget, "fp32"): model.eval() for budget, (model, _) in zip(budgets, loaded)}
 
 
+def budget_params(
+    ckpt: Path, meta: dict[str, Any], budgets: Sequence[float | None]
+) -> dict[str, dict[str, int]]:
+    """``{label: {"total", "active"}}`` per budget: a trained budget's nested model, or (budget
+    None, label ``"full"``) the whole model of a non-elastic checkpoint."""
+    from elastic_plugin.checkpoint.meta import budget_label, stored_choice
+    from elastic_plugin.models.config import config_from_dict
+    from elastic_plugin.models.counting import count_parameters
+    from elastic_plugin.nested.choice import homogeneous_choice, nested_params
+
+    model = config_from_dict(meta["config"], source=f"--ckpt {ckpt}").model
+    out: dict[str, dict[str, int]] = {}
+    for budget in budgets:
+        if budget is None:
+            counts = count_parameters(model)
+            out["full"] = {"total": counts.total, "active": counts.active}
+            continue
+        choice = homogeneous_choice(stored_choice(meta, budget, ckpt), budget)
+        out[budget_label(budget)] = nested_params(meta, model, choice, ckpt)
+    return out
+
+
 def load_export_model(export_dir: str | Path) -> tuple[torch.nn.Module, dict[str, Any]]:
     """A plain Megatron ``HybridModel`` holding an HF export's weights, and its export meta.
 
     Homogeneous exports only (plain Megatron builds every layer of a kind alike)."""
-    from elastic_plugin.checkpoint.hub import from_hub, read_hub_tensors
-    from elastic_plugin.export.extract import EXPORT_META
+    from elastic_plugin.checkpoint.hub import EXPORT_META, from_hub, read_hub_tensors
     from elastic_plugin.export.hf import HF_QUANT_CONFIG, export_input_amax, hf_to_megatron
     from elastic_plugin.models.axes import model_for_choice
     from elastic_plugin.nested.choice import homogeneous_choice

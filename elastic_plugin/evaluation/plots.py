@@ -9,10 +9,10 @@ from typing import Any
 
 from elastic_plugin.checkpoint.meta import budget_label
 
-__all__ = ["draw_report_plots"]
+__all__ = ["draw_report_plots", "finish_figure", "pyplot"]
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -21,7 +21,7 @@ def _pyplot():
     return plt
 
 
-def _finish(
+def finish_figure(
     fig, ax, path: Path, xlabel: str, ylabel: str, title: str, legend_size: int | None = None
 ) -> Path:
     """Labels, legend, save, close: the same ending for every figure."""
@@ -31,12 +31,12 @@ def _finish(
     ax.legend(fontsize=legend_size)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return path
 
 
 def _accuracy_vs_params(report: dict[str, Any], path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for precision, marker in (("fp32", "o-"), ("bf16", "s--"), ("fp8", "^--"), ("nvfp4", "v--")):
         points = sorted(
@@ -56,7 +56,7 @@ def _accuracy_vs_params(report: dict[str, Any], path: Path) -> Path:
                     xytext=(4, 4),
                     fontsize=8,
                 )
-    return _finish(
+    return finish_figure(
         fig, ax, path, "active parameters", "accuracy (%)", f"Nested models on {report['task']}"
     )
 
@@ -65,7 +65,7 @@ def _loss_per_budget(metrics: Path, path: Path) -> Path | None:
     if not metrics.is_file():
         return None
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     budgets = sorted(
         {b for r in records for b in (r.get("train_loss") or {})}, key=float, reverse=True
@@ -87,11 +87,13 @@ def _loss_per_budget(metrics: Path, path: Path) -> Path | None:
         if valid:
             ax.plot(*zip(*valid), "o-", color=color, label=f"{budget} valid")
     ax.set_yscale("log")
-    return _finish(fig, ax, path, "iteration", "loss", "Loss per budget over elastic training", 7)
+    return finish_figure(
+        fig, ax, path, "iteration", "loss", "Loss per budget over elastic training", 7
+    )
 
 
 def _accuracy_vs_latency(report: dict[str, Any], path: Path) -> Path | None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     styles = {
         "single": ("o", "one model"),
@@ -129,7 +131,7 @@ def _accuracy_vs_latency(report: dict[str, Any], path: Path) -> Path | None:
             textcoords="offset points",
             xytext=(4, 2),
         )
-    return _finish(
+    return finish_figure(
         fig,
         ax,
         path,

@@ -19,7 +19,6 @@ from typing import Any
 from elastic_plugin.checkpoint.meta import (
     budget_label,
     read_elastic_meta,
-    stored_choice,
     stored_choices,
     trained_budgets,
 )
@@ -66,7 +65,8 @@ def _check_inputs(
     if _prepared_dir(meta) is None:
         raise ConfigError(
             f"--ckpt {ckpt}: its data ({meta.get('data')}) is not a prepared task "
-            f"directory here; evaluation needs the task's held-out problems"
+            f"directory here; evaluation needs the task's held-out problems (on your own data: "
+            f"--data-path PREFIX --tokenizer FILE measures held-out loss per budget)"
         )
     if exports is not None and not (exports / "exports.json").is_file():
         raise ConfigError(
@@ -207,7 +207,9 @@ def _assemble(
     export_rows: list[dict],
     valid: dict[str, float],
 ) -> dict[str, Any]:
-    params = _params(ckpt, meta, budgets)
+    from elastic_plugin.evaluation.models import budget_params
+
+    params = budget_params(ckpt, meta, budgets)
     rows = []
     for budget in budgets:
         fp32 = per_model[(budget, "fp32")]
@@ -259,19 +261,6 @@ def _strip(result: dict[str, Any]) -> dict[str, Any]:
         "examples",
     )
     return {k: result.get(k) for k in keep}
-
-
-def _params(ckpt: Path, meta: dict[str, Any], budgets: list[float]) -> dict[str, dict[str, int]]:
-    from elastic_plugin.models.config import config_from_dict
-    from elastic_plugin.nested.choice import homogeneous_choice, nested_params
-
-    model = config_from_dict(meta["config"], source=f"--ckpt {ckpt}").model
-    return {
-        budget_label(budget): nested_params(
-            meta, model, homogeneous_choice(stored_choice(meta, budget, ckpt), budget), ckpt
-        )
-        for budget in budgets
-    }
 
 
 def _targets(rows: list[dict], control: list[dict]) -> dict[str, Any]:

@@ -363,6 +363,7 @@ def activation_fake_quant(
     ``down_proj``'s input). Returns the hooks' handle: a context manager, or call ``remove()``.
     """
     check_format(fmt)
+    _modelopt("activation fake quantization")  # refused up front, even for an empty plan
     plan: list[tuple[str, str, nn.Module, _InputQuant]] = []
     for key in sorted(input_amax):
         kind, module = _resolve(model, key)

@@ -128,31 +128,31 @@ def _register_extract(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--max-shard-size", default=None, metavar="SIZE", help=SHARD_HELP)
     _add_quant_args(parser)
-    group = parser.add_argument_group(
-        "target layout (checked only: the extracted sizes must divide it)"
-    )
-    group.add_argument("--target-tensor-model-parallel-size", type=int, default=None, metavar="N")
-    group.add_argument("--target-pipeline-model-parallel-size", type=int, default=None, metavar="N")
-    group.add_argument("--target-expert-model-parallel-size", type=int, default=None, metavar="N")
+    add_target_layout_args(parser, "the extracted sizes must divide it")
     parser.set_defaults(func=run_extract)
 
 
-def _target(args: argparse.Namespace) -> tuple[int, int, int] | None:
-    values = (
-        args.target_tensor_model_parallel_size,
-        args.target_pipeline_model_parallel_size,
-        args.target_expert_model_parallel_size,
-    )
+TARGET_FLAGS = (
+    "--target-tensor-model-parallel-size",
+    "--target-pipeline-model-parallel-size",
+    "--target-expert-model-parallel-size",
+)
+
+
+def add_target_layout_args(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--target-{tensor,pipeline,expert}-model-parallel-size``: a layout the output must
+    split under, checked before any weight is read (the output itself is layout-free)."""
+    group = parser.add_argument_group(f"target layout (checked only: {what})")
+    for flag in TARGET_FLAGS:
+        group.add_argument(flag, type=int, default=None, metavar="N")
+
+
+def target_layout(args: argparse.Namespace) -> tuple[int, int, int] | None:
+    """(tp, pp, ep) of the ``--target-*`` flags (unset ones 1), or None when none is given."""
+    values = tuple(getattr(args, flag[2:].replace("-", "_")) for flag in TARGET_FLAGS)
     if all(v is None for v in values):
         return None
-    for flag, value in zip(
-        (
-            "--target-tensor-model-parallel-size",
-            "--target-pipeline-model-parallel-size",
-            "--target-expert-model-parallel-size",
-        ),
-        values,
-    ):
+    for flag, value in zip(TARGET_FLAGS, values):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value}: must be >= 1")
     return tuple(1 if v is None else v for v in values)  # type: ignore[return-value]
@@ -166,7 +166,7 @@ def run_extract(args: argparse.Namespace) -> int:
             args.budget,
             args.out,
             args.interpolate,
-            _target(args),
+            target_layout(args),
             args.format,
             args.dtype,
             args.quantize,

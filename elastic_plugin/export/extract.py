@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic_plugin.checkpoint.hub import DEFAULT_MAX_SHARD_BYTES, parse_shard_size
+from elastic_plugin.checkpoint.hub import DEFAULT_MAX_SHARD_BYTES, EXPORT_META, parse_shard_size
 from elastic_plugin.checkpoint.meta import (
     CHECKPOINT_META,
     match_budget,
@@ -44,7 +44,6 @@ from elastic_plugin.nested.choice import homogeneous_choice, interpolated_choice
 
 EXTRACTED_KIND = "extracted"
 FORMATS = ("megatron", "hf")
-EXPORT_META = "export_meta.json"  # what an HF export was cut from (budget, choice, source)
 CALIB_BATCH = 8  # sequences per calibration forward
 _TARGET_FLAGS = (
     ("--target-tensor-model-parallel-size", "tp"),

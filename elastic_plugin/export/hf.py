@@ -34,6 +34,7 @@ import torch
 
 from elastic_plugin.checkpoint.hub import (
     DEFAULT_MAX_SHARD_BYTES,
+    EXPORT_META,
     HUB_WEIGHTS,
     from_hub,
     hub_name,
@@ -376,7 +377,9 @@ def write_hf_checkpoint(
     """Write the weights in the Hub's layout (floating tensors cast to ``dtype``; quantized and
     integer tensors as they are; sharded past ``max_shard_bytes``), ``config.json``,
     ``generation_config.json``, optional ``hf_quant_config.json``, the tokenizer and JSON
-    extras into an existing directory. Returns the bytes written."""
+    extras into an existing directory. An ``export_meta.json`` extra is written last, with the
+    size and SHA-256 of every other file (``checkpoint.hub.verify_export_files`` checks them
+    whenever the directory is read). Returns the bytes written."""
     out = Path(out_dir)
     target = _DTYPES[dtype]
     cast = {
@@ -413,8 +416,16 @@ def write_hf_checkpoint(
             )
             + "\n"
         )
-    for name, payload in (extra_files or {}).items():
+    extras = dict(extra_files or {})
+    export_meta = extras.pop(EXPORT_META, None)
+    for name, payload in extras.items():
         (out / name).write_text(json.dumps(payload, indent=2) + "\n")
+    if export_meta is not None:  # last: the digests cover every other file, as verify reads them
+        from elastic_plugin.checkpoint.integrity import FILES_KEY, file_digests
+
+        digests = file_digests(out, exclude=(EXPORT_META,))
+        payload = {**export_meta, FILES_KEY: digests}
+        (out / EXPORT_META).write_text(json.dumps(payload, indent=2) + "\n")
     return sum(p.stat().st_size for p in out.iterdir() if p.is_file())
 
 

@@ -18,13 +18,15 @@ import json
 from typing import Any
 
 from elastic_plugin.cli_errors import report_bad_input
-from elastic_plugin.models.config import ConfigError
+from elastic_plugin.export.cli import add_target_layout_args, target_layout
+from elastic_plugin.models.config import ConfigError, ModelConfig
 
 IMPORT_PROG = "elastic-plugin import"
 
 
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``import (--hf DIR | --megatron DIR) --out CKPT [--dtype bf16|fp32] [--no-progress]``."""
+    """Add ``import (--hf DIR | --megatron DIR) --out CKPT [--dtype bf16|fp32] [--no-progress]
+    [--target-*-parallel-size N]``."""
     parser = subparsers.add_parser(
         "import",
         help="import a Hugging Face NemotronH model or a Megatron-LM checkpoint as a teacher",
@@ -49,6 +51,7 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         help="precision the checkpoint stores (default fp32: bf16 inputs convert exactly)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_target_layout_args(parser, "the imported model's sharded sizes must divide it")
     parser.set_defaults(func=run_import_command)
 
 
@@ -67,11 +70,32 @@ def _import(args: argparse.Namespace) -> dict[str, Any]:
     if (args.hf is None) == (getattr(args, "megatron", None) is None):
         given = "both --hf and --megatron" if args.hf is not None else "neither --hf nor --megatron"
         raise ConfigError(f"give exactly one source: --hf DIR or --megatron DIR (got {given})")
+    target = target_layout(args)
     if args.hf is not None:
         from elastic_plugin.export.hf_import import plan_import, run_import
 
-        return run_import(plan_import(args.hf, args.out, args.dtype), not args.no_progress)
+        plan = plan_import(args.hf, args.out, args.dtype)
+        _check_target(plan.source.model, target)
+        return run_import(plan, not args.no_progress) | _target_summary(target)
     from elastic_plugin.export.megatron_import import plan_megatron_import, run_megatron_import
 
-    plan = plan_megatron_import(args.megatron, args.out, args.dtype)
-    return run_megatron_import(plan, not args.no_progress)
+    mplan = plan_megatron_import(args.megatron, args.out, args.dtype)
+    _check_target(mplan.source.model, target)
+    return run_megatron_import(mplan, not args.no_progress) | _target_summary(target)
+
+
+def _check_target(model: ModelConfig, target: tuple[int, int, int] | None) -> None:
+    """The layout later stages will load the import in must split its sizes: refused here,
+    naming the field and the flag, rather than after the weights were copied."""
+    if target is None:
+        return
+    try:
+        model.check_parallel(*target)
+    except ConfigError as exc:
+        raise ConfigError(f"the target layout (--target-*-parallel-size): {exc}") from exc
+
+
+def _target_summary(target: tuple[int, int, int] | None) -> dict[str, Any]:
+    if target is None:
+        return {}
+    return {"target_layout_checked": dict(zip(("tp", "pp", "ep"), target))}

@@ -251,11 +251,10 @@ def write_nested_export(
     ModelOpt-calibrated activation |x|max goes into its ``nested_config.json`` entry
     (``input_amax``) and the stored ``input_scale`` are the full budget's.
     ``source``: ``export.extract.load_source``'s (model, meta), to load the checkpoint once."""
-    from elastic_plugin.checkpoint.hub import DEFAULT_MAX_SHARD_BYTES, parse_shard_size
+    from elastic_plugin.checkpoint.hub import DEFAULT_MAX_SHARD_BYTES, EXPORT_META, parse_shard_size
     from elastic_plugin.checkpoint.io import fresh_temporary, publish_directory
     from elastic_plugin.checkpoint.meta import read_elastic_meta, stored_choices, trained_budgets
     from elastic_plugin.export.extract import (
-        EXPORT_META,
         calibrated_amax,
         load_source,
         plan_extraction,

@@ -309,6 +309,12 @@ def serve_check_case(config_path: str, workdir: str) -> dict[str, Any]:
     key = "backbone.layers.1.mixer.k_proj.weight"
     weights[key] = weights[key] * 1.5
     save_file(weights, str(tampered / "model.safetensors"), metadata={"format": "pt"})
+    damaged = work / "damaged"  # the altered file with the digests recorded at export
+    shutil.copytree(tampered, damaged)
+    exports["damaged"] = [str(damaged)]
+    meta = json.loads((tampered / "export_meta.json").read_text())
+    del meta["files"]  # a wrong export that looks intact (written without digests)
+    (tampered / "export_meta.json").write_text(json.dumps(meta))
     exports["tampered"] = [str(tampered)]
     exports["nested_without_budget"] = [str(work / "nested")]
     exports["budget_on_plain"] = [str(work / "hf_0.4_fp32"), "--budget", "0.4"]
@@ -323,6 +329,9 @@ def serve_check_case(config_path: str, workdir: str) -> dict[str, Any]:
             "result": json.loads(text[text.index("{") :]) if "{" in text else None,
             "stderr": err.getvalue(),
         }
+    results["verify"] = {
+        name: _cli(["verify", str(work / name)]) for name in ("hf_0.4_fp32", "nested", "damaged")
+    }
     return results
 
 
