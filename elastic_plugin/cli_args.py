@@ -16,7 +16,13 @@ from elastic_plugin.models.config import ConfigError
 if TYPE_CHECKING:
     from elastic_plugin.parallel import Layout
 
-__all__ = ["add_layout_args", "check_data_path_args", "layout_from_args", "start_ranks"]
+__all__ = [
+    "add_layout_args",
+    "blend_prefixes",
+    "check_data_path_args",
+    "layout_from_args",
+    "start_ranks",
+]
 
 
 def add_layout_args(parser: argparse.ArgumentParser) -> None:
@@ -48,17 +54,42 @@ def layout_from_args(args: argparse.Namespace, parallel: Any) -> Layout:
     )
 
 
+def blend_prefixes(value: str) -> list[str]:
+    """The dataset prefixes of a Megatron ``--data-path``: one prefix, several (equal weights),
+    or ``"w1 p1 w2 p2"`` pairs (Megatron's ``get_blend_from_list`` reading, torch-free)."""
+    items = value.split()
+    if items and len(items) % 2 == 0 and all(_is_number(w) for w in items[0::2]):
+        return items[1::2]
+    return items
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def check_data_path_args(args: argparse.Namespace) -> None:
     """--data-path / --valid-data-path (where the command has it) must be Megatron indexed
-    datasets, with a tokenizer.json."""
+    datasets (a prefix or a blend of them), with a tokenizer.json."""
     for flag, value in (
         ("--data-path", args.data_path),
         ("--valid-data-path", getattr(args, "valid_data_path", None)),
     ):
-        if value and not Path(value + ".idx").is_file():
-            raise ConfigError(
-                f"{flag} {value}: no {value}.idx / .bin (a Megatron indexed dataset prefix)"
-            )
+        if not value:
+            continue
+        prefixes = blend_prefixes(value)
+        if not prefixes:
+            raise ConfigError(f"{flag} {value!r}: empty (give a dataset prefix or a blend)")
+        for prefix in prefixes:
+            if not Path(prefix + ".idx").is_file():
+                where = f" (in the blend {value!r})" if len(prefixes) > 1 else ""
+                raise ConfigError(
+                    f"{flag} {prefix}: no {prefix}.idx / .bin (a Megatron indexed dataset "
+                    f"prefix){where}"
+                )
     if not args.tokenizer or not Path(args.tokenizer).is_file():
         raise ConfigError(
             f"--tokenizer {args.tokenizer}: --data-path needs an existing tokenizer.json"

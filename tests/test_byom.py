@@ -158,7 +158,7 @@ def test_imported_model_runs_every_stage(tmp_path):
             "--out",
             run,
             "--data-path",
-            train,
+            f"0.3 {train} 0.7 {train}",  # a Megatron blend (weights, prefixes)
             "--valid-data-path",
             valid,
             "--tokenizer",
@@ -249,6 +249,33 @@ def _evaluate_refuses_bad_input(elastic: Path, valid: str, tokenizer: Path, tmp:
             rc = main(["evaluate", "--ckpt", str(elastic), "--out", str(out), *map(str, extra)])
         assert rc == 2 and needle in err.getvalue(), (extra, err.getvalue())
         assert not out.exists()
+
+
+def test_data_path_blends_are_checked_prefix_by_prefix(tmp_path):
+    """--data-path takes what Megatron's --data-path takes: one prefix, several, or weighted
+    pairs; each prefix must exist, and a missing one is named."""
+    import argparse
+
+    from elastic_plugin.cli_args import blend_prefixes, check_data_path_args
+    from elastic_plugin.models.config import ConfigError
+
+    assert blend_prefixes("data/a") == ["data/a"]
+    assert blend_prefixes("0.3 data/a 0.7 data/b") == ["data/a", "data/b"]
+    assert blend_prefixes("data/a data/b") == ["data/a", "data/b"]  # equal weights
+    assert blend_prefixes("data/a 1 data/b") == ["data/a", "1", "data/b"]
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.idx").write_bytes(b"")
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text("{}")
+    a, b = tmp_path / "a", tmp_path / "b"
+
+    def check(data_path: str) -> None:
+        check_data_path_args(argparse.Namespace(data_path=data_path, tokenizer=str(tok)))
+
+    check(f"0.3 {a} 0.7 {b}")
+    check(f"{a} {b}")
+    with pytest.raises(ConfigError, match=rf"--data-path {tmp_path}/c: no .*\(in the blend"):
+        check(f"0.3 {a} 0.7 {tmp_path / 'c'}")
 
 
 def test_demo_tokenizers_keep_eod_and_pad(tmp_path):

@@ -27,6 +27,7 @@ from elastic_plugin.checkpoint.lock import acquire_out_lock, add_force_unlock_ar
 from elastic_plugin.checkpoint.meta import CHECKPOINT_META, ELASTIC_SUBDIR, read_checkpoint_meta
 from elastic_plugin.cli_args import (
     add_layout_args,
+    blend_prefixes,
     check_data_path_args,
     layout_from_args,
     start_ranks,
@@ -323,7 +324,7 @@ def _data_source(args: argparse.Namespace, meta: dict[str, Any]) -> DataSource:
         prefixes = (data["data_path"], data.get("valid_data_path") or data["data_path"])
         tokenizer = meta.get("tokenizer")
         if (
-            not all(Path(p + ".idx").is_file() for p in prefixes)
+            not all(Path(q + ".idx").is_file() for p in prefixes for q in blend_prefixes(p))
             or not tokenizer
             or not Path(tokenizer).is_file()
         ):
