@@ -450,6 +450,13 @@ def test_bad_input_exits_2_with_clear_messages(fakes, no_loading, capsys):
             f"{f['tokenizer']}; its special tokens: {SPECIALS}",
         ),
         (["--prompt", ""], (), "--prompt 1 is empty"),
+        (
+            ["--prompt", "1+1=\u00e9\u00e9\u4e00"],
+            (),
+            f"--prompt 1 has characters the tokenizer {f['tokenizer']} cannot represent: "
+            "'\u00e9', '\u4e00' (they would become its unknown token or vanish); rephrase the "
+            "prompt, or pass --allow-unknown-chars",
+        ),
         (["--prompt", "1+1=", "--prompt", "  "], (), "--prompt 2 is empty"),
         (
             ["--prompts-file", str(root / "missing.txt")],
@@ -557,6 +564,12 @@ def test_flags_resolve_to_a_plan(fakes):
     )
     assert (p.mode, p.budgets, p.think_close) == ("budget_control", [0.4, 1.0], tok.think_close)
     assert len(p.prompt_ids[0]) == 253  # the longest prompt budget control takes
+
+    p = plan(
+        "--ckpt", str(f["good"]), "--budget", "1", "--prompt", "1+\u00e9", "--allow-unknown-chars"
+    )
+    unk = tok.backend.token_to_id("<unk>")
+    assert p.prompt_ids == [[tok.eod, *tok.tokenize("1+"), unk]]  # kept as asked, as <unk>
 
     p = plan("--ckpt", str(f["extracted"]), "--prompt", "1" * 254)
     assert (p.mode, p.budgets, p.kind) == ("generate", [None], "extracted")

@@ -132,6 +132,12 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="a text file with one prompt per line (blank lines are skipped)",
     )
+    prompts.add_argument(
+        "--allow-unknown-chars",
+        action="store_true",
+        help="generate even when a prompt has characters the tokenizer cannot represent "
+        "(they become its unknown token or are dropped); refused by default",
+    )
     gen = parser.add_argument_group("generation")
     gen.add_argument(
         "--max-new-tokens",
@@ -416,6 +422,25 @@ def _sampling(args: argparse.Namespace, vocab: int) -> tuple[dict[str, Any], int
     )
 
 
+def _unk_id(backend: Any) -> int | None:
+    """The id of the tokenizer model's unknown token, if it has one."""
+    unk = getattr(backend.model, "unk_token", None)
+    return backend.token_to_id(unk) if unk else None
+
+
+def unknown_chars(text: str, encoding: Any, unk_id: int | None) -> list[str]:
+    """The distinct characters of ``text`` the encoding lost: not covered by any token's offsets
+    (dropped) or covered only by the unknown token. Whitespace a pre-tokenizer splits on is not
+    counted (it is a separator, not lost content)."""
+    covered = [False] * len(text)
+    for ident, (start, end) in zip(encoding.ids, encoding.offsets):
+        if ident != unk_id:
+            for i in range(start, min(end, len(text))):
+                covered[i] = True
+    lost = [c for c, ok in zip(text, covered) if not ok and not c.isspace()]
+    return sorted(set(lost), key=lost.index)
+
+
 def plan_generation(args: argparse.Namespace) -> GeneratePlan:
     """Check every flag, the checkpoint's metadata, the budgets, the tokenizer and the prompts;
     torch-free, so bad input fails in a second. Raises ``ConfigError`` naming the flag."""
@@ -457,7 +482,16 @@ def plan_generation(args: argparse.Namespace) -> GeneratePlan:
     limit = context - 1 - (_CONTROL_RESERVE if mode == "budget_control" else 0)
     prompt_ids = []
     for name, text in zip(names, texts):
-        ids = [eod, *backend.encode(text, add_special_tokens=False).ids]
+        encoding = backend.encode(text, add_special_tokens=False)
+        unknown = unknown_chars(text, encoding, _unk_id(backend))
+        if unknown and not getattr(args, "allow_unknown_chars", False):
+            shown = ", ".join(repr(c) for c in unknown[:10]) + (" ..." if len(unknown) > 10 else "")
+            raise ConfigError(
+                f"{name} has characters the tokenizer {path} cannot represent: {shown} (they "
+                f"would become its unknown token or vanish); rephrase the prompt, or pass "
+                f"--allow-unknown-chars to generate anyway"
+            )
+        ids = [eod, *encoding.ids]
         if len(ids) > limit:
             why = (
                 " (budget control keeps 2 positions for </think> and the answer)"
