@@ -101,7 +101,7 @@ def _start(args: argparse.Namespace):
     from elastic_plugin.models.config import config_from_dict
 
     meta = read_checkpoint_meta(args.ckpt)
-    cfg = config_from_dict(meta["config"])
+    cfg = config_from_dict(meta["config"], source=f"--ckpt {args.ckpt}")
     layout = layout_from_args(args, ParallelConfig())  # layout from flags; default one rank
     cfg.model.check_parallel(layout.tp, layout.pp, layout.ep)
     layout.check_world(int(os.environ.get("WORLD_SIZE", "1")))
