@@ -97,13 +97,39 @@ def _worker(
 
 
 def _reset_model_parallel() -> None:
-    """Leave no model-parallel state behind for the next case."""
+    """Leave no model-parallel state behind for the next case.
+
+    Megatron's ``destroy_model_parallel`` only drops its references to the groups; a gloo group
+    lives on with a TCP loop thread per peer. Each case makes a fresh set, so a worker that ran
+    a few hundred cases held ~1600 such threads, which took half a core between them and slowed
+    every later case (and any process sharing the machine). The groups are destroyed here."""
     try:
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
     except Exception:
         pass
+    destroy_subgroups()
+
+
+def destroy_subgroups() -> int:
+    """Destroy every process group but the default (world) one; returns how many."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return 0
+    world = c10d._get_default_group()
+    destroyed = 0
+    for group in list(c10d._world.pg_map):
+        if group is world:
+            continue
+        try:
+            dist.destroy_process_group(group)
+            destroyed += 1
+        except Exception:  # already gone, or torn down by its backend: nothing left to free
+            pass
+    return destroyed
 
 
 class RankPool:
