@@ -190,7 +190,8 @@ def test_imported_model_runs_every_stage(tmp_path):
     report = json.loads((evaluated / "lm_report.json").read_text())
     budgets = json.loads((elastic / "elastic_meta.json").read_text())["elastic"]["budgets"]
     assert [r["budget"] for r in report["budgets"]] == sorted(budgets, reverse=True)
-    assert report["sequences"] == 4 and report["tokens"] == 4 * 32
+    # up to 4 windows of 32 tokens, as many as the small valid split holds
+    assert 1 <= report["sequences"] <= 4 and report["tokens"] == report["sequences"] * 32
     for row in report["budgets"]:
         fp32, bf16 = row["loss"]["fp32"], row["loss"]["bf16"]
         # the BF16 export computes what the fp32 nested model does, within BF16 rounding
