@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from elastic_plugin.checkpoint.meta import read_checkpoint_meta
+
 pytestmark = [pytest.mark.data]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,7 +190,7 @@ def test_imported_model_runs_every_stage(tmp_path):
         "--seq-length", "32", "--no-progress",
     )  # fmt: skip
     report = json.loads((evaluated / "lm_report.json").read_text())
-    budgets = json.loads((elastic / "elastic_meta.json").read_text())["elastic"]["budgets"]
+    budgets = read_checkpoint_meta(elastic)["elastic"]["budgets"]
     assert [r["budget"] for r in report["budgets"]] == sorted(budgets, reverse=True)
     # up to 4 windows of 32 tokens, as many as the small valid split holds
     assert 1 <= report["sequences"] <= 4 and report["tokens"] == report["sequences"] * 32
@@ -229,7 +231,7 @@ def _evaluate_refuses_bad_input(elastic: Path, valid: str, tokenizer: Path, tmp:
     from elastic_plugin.cli import main
     from elastic_plugin.data.indexed import write_indexed_dataset
 
-    vocab = json.loads((elastic / "elastic_meta.json").read_text())["config"]["model"]
+    vocab = read_checkpoint_meta(elastic)["config"]["model"]
     foreign = tmp / "foreign_text_document"
     write_indexed_dataset(foreign, [list(range(vocab["vocab_size"], vocab["vocab_size"] + 80))],
                           vocab_size=2 * vocab["vocab_size"])  # fmt: skip

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from elastic_plugin.checkpoint.meta import read_checkpoint_meta
 from elastic_plugin.compat.rendezvous import free_port
 
 pytestmark = pytest.mark.elastic
@@ -423,7 +424,7 @@ def test_elastic_train_under_torchrun_tp2_sp_checkpoints_plots_and_resumes(pipel
     assert first.returncode == 0, first.stderr[-4000:]
     stopped = json_out(first)
     assert stopped["iterations"] == 2 and "rerun with --resume" in stopped["stopped_at"]
-    meta = json.loads((out / "checkpoints" / "elastic" / "elastic_meta.json").read_text())
+    meta = read_checkpoint_meta(out / "checkpoints" / "elastic")
     assert (meta["iteration"], meta["consumed_samples"]) == (2, 8)
 
     second = torchrun(*args, "--resume")
@@ -436,7 +437,7 @@ def test_elastic_train_under_torchrun_tp2_sp_checkpoints_plots_and_resumes(pipel
     assert summary["teacher_valid_loss"] == pytest.approx(stopped["teacher_valid_loss"], rel=1e-6)
     assert set(summary["choices"]) == {"1", "0.77", "0.4"}
 
-    meta = json.loads((out / "checkpoints" / "elastic" / "elastic_meta.json").read_text())
+    meta = read_checkpoint_meta(out / "checkpoints" / "elastic")
     assert meta["kind"] == "elastic" and meta["iteration"] == 4 and meta["consumed_samples"] == 16
     assert meta["layout"]["tp"] == 2 and meta["layout"]["sequence_parallel"] is True
     assert meta["elastic"]["choices"] == summary["choices"]

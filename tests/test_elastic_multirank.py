@@ -165,6 +165,29 @@ def test_stop_and_resume_under_pipeline_parallel(rank_pools, tmp_path):
         _assert_same_trace(result)
 
 
+def test_resume_skips_a_damaged_newest_save_and_reproduces_the_trace(rank_pools, tmp_path):
+    """History (checkpoint.history): saves every iteration keeping 2, so the stop at 3 leaves
+    iter_0000002 and iter_0000003 with the pointer on 3. Flipped bytes in iter_0000003: --resume
+    says it skipped it and why, continues from iter_0000002, and the loss trace still equals
+    the uninterrupted run; the history then holds the newest 2 again."""
+    (result,) = rank_pools.get(1).run(
+        f"{CASES}:train_and_resume",
+        config_path=CONFIG,
+        workdir=str(tmp_path),
+        iters=6,
+        stop=3,
+        damage_newest=True,
+    )
+    assert result["saves_after_stop"] == ["iter_0000003", "iter_0000002"]
+    assert result["latest_after_stop"] == "3"
+    printed = result["resume_printed"]
+    assert "resume: skipped iter_0000003: checkpoint" in printed, printed
+    assert "differs from what was saved" in printed and "continuing from iter_0000002" in printed
+    _assert_same_trace(result)
+    assert result["saves_after_resume"] == ["iter_0000006", "iter_0000005"]
+    assert result["latest_after_resume"] == "6"
+
+
 def test_fp8_training_with_loss_selected_freeze_resumes_exactly(rank_pools, tmp_path):
     """elastic.fp8_gemm=row through train_elastic: FP8 training steps, FP8 validation and the
     loss-selected freeze measured in FP8; stop + resume reproduces the uninterrupted run, and

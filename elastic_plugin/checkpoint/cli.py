@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from elastic_plugin.checkpoint.history import resolve_checkpoint
 from elastic_plugin.checkpoint.integrity import DIGEST_ALGORITHM, VerifyReport, verify_directory
 from elastic_plugin.checkpoint.meta import CHECKPOINT_META, EXPORT_META, read_checkpoint_meta
 from elastic_plugin.cli_errors import report_bad_input
@@ -64,7 +65,7 @@ def run_verify(args: argparse.Namespace) -> int:
             report = verify_directory(path, _export_meta(path), EXPORT_META)
         else:
             meta = read_checkpoint_meta(args.ckpt, "CKPT")
-            report = verify_directory(args.ckpt, meta)
+            report = verify_directory(resolve_checkpoint(path), meta)  # a stage: its newest
     except ConfigError as exc:
         return report_bad_input(PROG, exc)
     if args.json:

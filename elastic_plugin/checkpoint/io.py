@@ -19,6 +19,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+from elastic_plugin.checkpoint.history import (
+    iteration_dir,
+    prune_history,
+    resolve_checkpoint,
+    write_latest,
+)
 from elastic_plugin.checkpoint.integrity import (
     FILES_KEY,
     balanced_share,
@@ -49,14 +55,25 @@ __all__ = [
 ]
 
 
-def save_checkpoint(chunks, out_dir: str | Path, meta: dict[str, Any], optimizer=None) -> Path:
+def save_checkpoint(
+    chunks,
+    out_dir: str | Path,
+    meta: dict[str, Any],
+    optimizer=None,
+    iteration: int | None = None,
+    keep_last: int = 0,
+) -> Path:
     """Write a Megatron dist checkpoint atomically: into ``<dir>.tmp``, then rename.
 
     With ``optimizer`` its state is saved too (key ``optimizer``), for resuming in the same
-    layout: its moments of strided axes stay in memory order, which only that layout reads."""
+    layout: its moments of strided axes stay in memory order, which only that layout reads.
+    With ``iteration``, ``out_dir`` is a stage directory with history (``checkpoint.history``):
+    the save goes to ``out_dir/iter_NNNNNNN``, is verified, then the stage's
+    ``latest_checkpointed_iteration.txt`` points at it, and only then are saves beyond the
+    newest ``keep_last`` (0: keep all) removed. Returns the checkpoint directory written."""
     from megatron.core import dist_checkpointing
 
-    final = Path(out_dir)
+    final = Path(out_dir) if iteration is None else iteration_dir(out_dir, iteration)
     tmp = final.with_name(final.name + ".tmp")
     model = getattr(chunks[0], "module", chunks[0])
     meta = {**meta, "reordered": bool(getattr(model, STRIDED_ATTR, False))}
@@ -74,6 +91,12 @@ def save_checkpoint(chunks, out_dir: str | Path, meta: dict[str, Any], optimizer
         write_checkpoint_meta(tmp, {**meta, FILES_KEY: digests})
         publish_directory(tmp, final)
     barrier()
+    if iteration is not None:
+        verify_checkpoint(final)  # the pointer moves, and old saves go, only after this
+        if is_rank0():
+            write_latest(out_dir, iteration)
+            prune_history(out_dir, keep_last)
+        barrier()
     return final
 
 
@@ -102,6 +125,7 @@ def load_checkpoint(chunks, ckpt_dir: str | Path) -> dict[str, Any]:
     """Load into model chunks of any layout; reordered weights are laid out strided again."""
     from megatron.core import dist_checkpointing
 
+    ckpt_dir = resolve_checkpoint(ckpt_dir)
     meta = read_checkpoint_meta(ckpt_dir)
     verify_checkpoint(ckpt_dir, meta)
     model = getattr(chunks[0], "module", chunks[0])
@@ -116,6 +140,7 @@ def load_optimizer(chunks, optimizer, ckpt_dir: str | Path) -> None:
     """Restore optimizer state written by ``save_checkpoint(..., optimizer=...)``."""
     from megatron.core import dist_checkpointing
 
+    ckpt_dir = resolve_checkpoint(ckpt_dir)
     verify_checkpoint(ckpt_dir)
     model = getattr(chunks[0], "module", chunks[0])
     sharded = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True)
@@ -131,6 +156,7 @@ def build_from_checkpoint(ckpt_dir: str | Path, layout, wrap_ddp: bool = False):
     from elastic_plugin.models.config import config_from_dict
     from elastic_plugin.parallel import build_model_chunks
 
+    ckpt_dir = resolve_checkpoint(ckpt_dir)
     meta = read_checkpoint_meta(ckpt_dir)
     cfg = config_from_dict(meta["config"], source=f"{ckpt_dir}/{CHECKPOINT_META}")
     verify_checkpoint(ckpt_dir, meta)  # before building: a damaged checkpoint fails fast
@@ -222,7 +248,7 @@ def verify_checkpoint(ckpt_dir: str | Path, meta: dict[str, Any] | None = None) 
     reads them: a ConfigError (the same on every rank) names the first missing, truncated or
     altered file with the expected and found size or hash. Checkpoints written before digests
     were recorded pass unchecked. Collective under a process group: each rank hashes a share."""
-    root = Path(ckpt_dir)
+    root = resolve_checkpoint(ckpt_dir)
     meta = read_checkpoint_meta(root) if meta is None else meta
     recorded = recorded_digests(meta, root)
     if recorded is None:

@@ -47,8 +47,19 @@ def read_checkpoint_meta(
     """The metadata of a complete checkpoint written by this plugin, or a ConfigError naming ``flag``.
 
     ``require_weights``: also insist on Megatron's dist-checkpoint index (an interrupted save
-    leaves only ``<dir>.tmp``); commands that read metadata only can skip it."""
+    leaves only ``<dir>.tmp``); commands that read metadata only can skip it. A stage
+    directory with history (``checkpoint.history``) stands for its newest save."""
+    from elastic_plugin.checkpoint.history import resolve_checkpoint
+
     path = Path(ckpt)
+    if not path.is_dir():
+        raise ConfigError(f"{flag} {path}: no such checkpoint directory")
+    try:
+        path = resolve_checkpoint(path)
+    except OSError as exc:
+        raise ConfigError(
+            f"{flag} {path}: its latest-save pointer is not readable ({exc})"
+        ) from None
     if not path.is_dir():
         raise ConfigError(f"{flag} {path}: no such checkpoint directory")
     if not (path / CHECKPOINT_META).is_file():

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from elastic_plugin.checkpoint.history import iteration_dirs
 from elastic_plugin.checkpoint.lock import acquire_out_lock, add_force_unlock_arg
 from elastic_plugin.checkpoint.meta import CHECKPOINT_META, ELASTIC_SUBDIR, read_checkpoint_meta
 from elastic_plugin.cli_args import (
@@ -56,6 +57,7 @@ _SCHEDULE_FLAGS: tuple[tuple[str, str], ...] = (
     ("--log-interval", "log_interval"),
     ("--eval-iters", "eval_iters"),
     ("--save-interval", "save_interval"),
+    ("--keep-last", "keep_last"),
 )
 # --flag -> field whose default comes from the experiment config's training: section
 _TRAINING_FLAGS: tuple[tuple[str, str], ...] = (
@@ -118,11 +120,20 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="checkpoint every N iterations (0: only at the end)",
     )
+    sched.add_argument(
+        "--keep-last",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep the newest N saves in OUT/checkpoints/elastic/iter_* (default 2; 0: all); "
+        "older ones are removed only after a new save verified",
+    )
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="continue OUT/checkpoints/elastic if it exists (else start); safe to "
-        "pass on every (re)submission of a job",
+        help="continue from the newest save of OUT/checkpoints/elastic that verifies (else "
+        "start; damaged newer saves are skipped, and named); safe to pass on every "
+        "(re)submission of a job",
     )
     parser.add_argument(
         "--stop-after",
@@ -230,7 +241,7 @@ def _positive_flags(args: argparse.Namespace) -> None:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and value <= 0:
             raise ConfigError(f"{flag}={value} must be > 0")
-    for flag in ("--save-interval", "--lr-warmup-iters", "--lr", "--min-lr"):
+    for flag in ("--save-interval", "--keep-last", "--lr-warmup-iters", "--lr", "--min-lr"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and not value >= 0:
             raise ConfigError(f"{flag}={value} must be >= 0")
@@ -345,7 +356,8 @@ def _check_resume(
 ) -> dict[str, Any] | None:
     """A resumable run must match the saved one; returns the saved meta when already finished."""
     ckpt = out.joinpath(*ELASTIC_SUBDIR)
-    if not (ckpt / CHECKPOINT_META).is_file():
+    saves = [path for _, path in iteration_dirs(ckpt)]
+    if not saves and not (ckpt / CHECKPOINT_META).is_file():
         if ckpt.exists() and not args.resume:
             raise ConfigError(
                 f"--out {out}: {ckpt} exists but is incomplete; remove it or pass --resume"
@@ -356,7 +368,7 @@ def _check_resume(
             f"--out {out} already holds an elastic checkpoint ({ckpt}); pass --resume "
             f"to continue it, or choose another --out"
         )
-    meta = _checkpoint_meta(ckpt, "--resume:")
+    meta = _newest_readable_meta(ckpt, saves)
     saved_layout = meta.get("layout") or {}
     if saved_layout != dataclasses.asdict(layout):
         raise ConfigError(
@@ -388,6 +400,20 @@ def _check_resume(
     if int(meta.get("iteration", 0)) >= sched["train_iters"]:
         return meta
     return None
+
+
+def _newest_readable_meta(stage: Path, saves: list[Path]) -> dict[str, Any]:
+    """The metadata of the newest save whose metadata reads (the run's settings, to compare
+    with the command line; which save is resumed is decided after hashing, in training)."""
+    problems = []
+    for path in saves:
+        try:
+            return _checkpoint_meta(path, "--resume:")
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if (stage / CHECKPOINT_META).is_file():  # a checkpoint written before history existed
+        return _checkpoint_meta(stage, "--resume:")
+    raise ConfigError(f"--resume: no save of {stage} has readable metadata: {'; '.join(problems)}")
 
 
 def _checked_inputs(args: argparse.Namespace) -> ElasticInputs:

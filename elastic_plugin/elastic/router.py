@@ -415,9 +415,11 @@ def load_router(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
     the router is one replicated copy)."""
     from megatron.core import dist_checkpointing
 
+    from elastic_plugin.checkpoint.history import resolve_checkpoint
+
     inner = getattr(model, "module", model)
     module = cast(RouterModule, inner.get_submodule(ROUTER_ATTR))  # attach_elastic added it
     sharded = module.sharded_state_dict(prefix=f"{ROUTER_ATTR}.")
-    loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
+    loaded = dist_checkpointing.load(sharded, str(resolve_checkpoint(ckpt_dir)))
     prefix = f"{ROUTER_ATTR}."
     module.load_state_dict({k[len(prefix) :]: v for k, v in loaded.items() if k.startswith(prefix)})

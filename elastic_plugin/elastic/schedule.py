@@ -25,6 +25,7 @@ class ElasticSchedule:
     eval_interval: int = 100
     eval_iters: int = 4
     save_interval: int = 0  # 0: only at the end
+    keep_last: int = 2  # saves kept in checkpoints/elastic/iter_*; 0: keep all
     seed: int = 1234
 
     def check(self) -> None:
@@ -40,6 +41,10 @@ class ElasticSchedule:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"elastic training: {name}={value!r} must be a positive integer")
+        if not isinstance(self.keep_last, int) or self.keep_last < 0:
+            raise ConfigError(
+                f"elastic training: keep_last={self.keep_last!r} must be an integer >= 0"
+            )
         if not self.lr > 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(
                 f"elastic training: need lr > 0 and 0 <= min_lr <= lr "

@@ -127,12 +127,41 @@ def _scheduler(optimizer, sched: ElasticSchedule):
     )
 
 
-def _save(chunks, optimizer, scheduler, out: Path, meta: dict[str, Any]) -> Path:
+def _save(chunks, optimizer, scheduler, stage: Path, meta: dict[str, Any], keep_last: int) -> Path:
+    """One save into the stage's history (``iter_NNNNNNN``; ``checkpoint.history``)."""
     from elastic_plugin.checkpoint.io import save_checkpoint
 
     return save_checkpoint(
-        chunks, out, {**meta, "scheduler": scheduler.state_dict()}, optimizer=optimizer
+        chunks,
+        stage,
+        {**meta, "scheduler": scheduler.state_dict()},
+        optimizer=optimizer,
+        iteration=int(meta["iteration"]),
+        keep_last=keep_last,
     )
+
+
+def resume_source(stage: Path) -> Path | None:
+    """The save to resume from: the newest that verifies (damaged newer ones are skipped and
+    named on rank 0), a checkpoint written before history existed, or None (nothing saved).
+    Collective: every rank hashes a share of each save it tries."""
+    from elastic_plugin.checkpoint.history import iteration_dirs, newest_verified
+    from elastic_plugin.checkpoint.io import verify_checkpoint
+
+    if iteration_dirs(stage):
+        chosen, skipped = newest_verified(stage, verify_checkpoint)
+        for path, why in skipped:
+            if is_rank0():
+                print(f"resume: skipped {path.name}: {why}", flush=True)
+        if chosen is None:
+            raise ConfigError(
+                f"resume: no save of {stage} verifies ({len(skipped)} tried); the last "
+                f"problem: {skipped[-1][1] if skipped else 'none'}"
+            )
+        if skipped and is_rank0():
+            print(f"resume: continuing from {chosen.name}", flush=True)
+        return chosen
+    return stage if (stage / CHECKPOINT_META).is_file() else None
 
 
 def train_elastic(
@@ -188,14 +217,15 @@ def train_elastic(
         )
     start_iter, consumed = 1, 0
     source = Path(student_ckpt)
-    if resume and (ckpt_dir / CHECKPOINT_META).is_file():
-        meta = read_checkpoint_meta(ckpt_dir)
+    resumed = resume_source(ckpt_dir) if resume else None
+    if resumed is not None:
+        meta = read_checkpoint_meta(resumed)
         if meta.get("layout") != asdict(layout):
             raise ConfigError(
-                f"resume: {ckpt_dir} was written with layout {meta.get('layout')}; "
+                f"resume: {resumed} was written with layout {meta.get('layout')}; "
                 f"resume with the same layout (optimizer state is not resharded)"
             )
-        source, start_iter = ckpt_dir, int(meta["iteration"]) + 1
+        source, start_iter = resumed, int(meta["iteration"]) + 1
         consumed = int(meta["consumed_samples"])
     num_microbatches = sched.global_batch_size // (sched.micro_batch_size * dp)
     initialize_layout(layout, seed=sched.seed)
@@ -215,8 +245,8 @@ def train_elastic(
         config_overrides=router_param_groups(sched.lr, sched.min_lr, ecfg.router.lr_mult),
     )
     scheduler = _scheduler(optimizer, sched)
-    if start_iter > 1:
-        load_optimizer(chunks, optimizer, ckpt_dir)
+    if resumed is not None:
+        load_optimizer(chunks, optimizer, resumed)
         scheduler.load_state_dict(meta_src["scheduler"])
     anneal = ecfg.router.anneal_iters or sched.train_iters
     stages = [Stage(s.iters, s.budget_probs, s.seq_length) for s in ecfg.curriculum] or None
@@ -369,11 +399,11 @@ def train_elastic(
             if record.get("train_loss"):
                 bar.set_postfix({k: f"{v:.3f}" for k, v in record["train_loss"].items()})
         if sched.save_interval and iteration % sched.save_interval == 0 and iteration != last:
-            _save(chunks, optimizer, scheduler, ckpt_dir, meta_now())
+            _save(chunks, optimizer, scheduler, ckpt_dir, meta_now(), sched.keep_last)
     if bar is not None:
         bar.close()
     table = current_table()
-    saved = _save(chunks, optimizer, scheduler, ckpt_dir, meta_now())
+    saved = _save(chunks, optimizer, scheduler, ckpt_dir, meta_now(), sched.keep_last)
     plots = [str(p) for p in metrics.plot()] if is_rank0() else []
     counts = {
         metric: ElasticCost(model_cfg, resolved, metric=f"{metric}_params")

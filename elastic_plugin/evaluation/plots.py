@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from elastic_plugin.checkpoint.history import run_dir
 from elastic_plugin.checkpoint.meta import budget_label
 
 __all__ = ["draw_report_plots", "finish_figure", "pyplot"]
@@ -145,7 +146,7 @@ def _accuracy_vs_latency(report: dict[str, Any], path: Path) -> Path | None:
 def draw_report_plots(report: dict[str, Any], ckpt: Path, out: Path) -> list[Path]:
     paths = [
         _accuracy_vs_params(report, out / "accuracy_vs_params.png"),
-        _loss_per_budget(ckpt.parent.parent / "elastic_metrics.jsonl", out / "loss_per_budget.png"),
+        _loss_per_budget(run_dir(ckpt) / "elastic_metrics.jsonl", out / "loss_per_budget.png"),
         _accuracy_vs_latency(report, out / "accuracy_vs_latency.png"),
     ]
     return [p for p in paths if p is not None]

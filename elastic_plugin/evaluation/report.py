@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from elastic_plugin.checkpoint.history import run_dir
 from elastic_plugin.checkpoint.meta import (
     budget_label,
     read_elastic_meta,
@@ -37,7 +38,7 @@ TARGETS = {"speedup": 1.5, "accuracy_drop_points": 2.0, "retention": 0.9}
 
 def _valid_losses(ckpt: Path) -> dict[str, float]:
     """The elastic run's last validation loss per budget (its metrics file next to the run)."""
-    metrics = ckpt.parent.parent / "elastic_metrics.jsonl"
+    metrics = run_dir(ckpt) / "elastic_metrics.jsonl"
     last: dict[str, float] = {}
     if metrics.is_file():
         for line in metrics.read_text().splitlines():

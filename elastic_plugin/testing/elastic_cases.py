@@ -394,16 +394,25 @@ def train_and_resume(
     freeze_select: str = "likelihood",
     freeze_candidates: int | None = None,
     fp8_gemm: str = "off",
+    damage_newest: bool = False,
 ) -> dict[str, Any]:
     """The loss trace of an uninterrupted run vs. a run stopped after ``stop`` iterations and
     resumed from its checkpoint (optimizer, LR schedule, router, data position); with
     ``freeze_after`` the router freezes after that many iterations, picking each budget's model
     by ``freeze_select`` (the frozen choices must survive the resume). ``fp8_gemm``: the
-    student's GEMM precision (``elastic.fp8_gemm``)."""
+    student's GEMM precision (``elastic.fp8_gemm``). ``damage_newest``: the stopped run saves
+    every iteration keeping 2 (history), then its newest save gets flipped bytes; the resume
+    must skip it, say so, and continue from the save before, still reproducing the trace."""
+    import contextlib
     import dataclasses
+    import io
 
+    import torch.distributed as dist
+
+    from elastic_plugin.checkpoint.history import LATEST_FILE, iteration_dirs
     from elastic_plugin.elastic.train import ElasticSchedule, train_elastic
     from elastic_plugin.parallel import Layout
+    from elastic_plugin.testing.integrity_cases import flip_middle
 
     work = Path(workdir)
     cfg = _experiment(config_path, None)
@@ -438,6 +447,9 @@ def train_and_resume(
     full = train_elastic(
         cfg, ecfg, layout, work / "init", work / "full", make_iter, valid, sched, progress=False
     )
+    part_sched = (
+        dataclasses.replace(sched, save_interval=1, keep_last=2) if damage_newest else sched
+    )
     part = train_elastic(
         cfg,
         ecfg,
@@ -446,29 +458,52 @@ def train_and_resume(
         work / "part",
         make_iter,
         valid,
-        sched,
+        part_sched,
         progress=False,
         stop_after=stop,
     )
-    rest = train_elastic(
-        cfg,
-        ecfg,
-        layout,
-        work / "init",
-        work / "part",
-        make_iter,
-        valid,
-        sched,
-        progress=False,
-        resume=True,
-    )
+    stage = work / "part" / "checkpoints" / "elastic"
+    history: dict[str, Any] = {}
+    if damage_newest:
+        saves = iteration_dirs(stage)
+        history = {
+            "saves_after_stop": [p.name for _, p in saves],
+            "latest_after_stop": (stage / LATEST_FILE).read_text().strip(),
+        }
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            newest = saves[0][1]
+            flip_middle(max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size))
+        if dist.is_initialized():
+            dist.barrier()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rest = train_elastic(
+            cfg,
+            ecfg,
+            layout,
+            work / "init",
+            work / "part",
+            make_iter,
+            valid,
+            part_sched,
+            progress=False,
+            resume=True,
+        )
+    if damage_newest:
+        history |= {
+            "resume_printed": printed.getvalue(),
+            "saves_after_resume": [p.name for _, p in iteration_dirs(stage)],
+            "latest_after_resume": (stage / LATEST_FILE).read_text().strip(),
+        }
 
     def trace(run):
         return [(h["iteration"], h["train_loss"]) for h in run.history if "train_loss" in h]
 
+    first_resumed = rest.history[0]["iteration"] if rest.history else stop + 1
     return {
+        **history,
         "full": trace(full),
-        "resumed": trace(part) + trace(rest),
+        "resumed": [t for t in trace(part) if t[0] < first_resumed] + trace(rest),
         "full_valid": full.final_valid,
         "resumed_valid": rest.final_valid,
         "choices_full": full.choices,
@@ -479,17 +514,21 @@ def train_and_resume(
         "frozen_meta": _elastic_meta(work / "full").get("frozen_choices"),
         "freeze_search": _elastic_meta(work / "full").get("freeze_search"),
         "freeze_search_resumed": _elastic_meta(work / "part").get("freeze_search"),
-        "fp8_gemm_meta": json.loads(
-            (work / "full" / "checkpoints" / "elastic" / "elastic_meta.json").read_text()
-        )["config"]["elastic"]["fp8_gemm"],
+        "fp8_gemm_meta": _read_meta(work / "full" / "checkpoints" / "elastic")["config"]["elastic"][
+            "fp8_gemm"
+        ],
         "iterations": (part.iterations, rest.iterations),
     }
 
 
+def _read_meta(ckpt: Path) -> dict[str, Any]:
+    from elastic_plugin.checkpoint.meta import read_checkpoint_meta
+
+    return read_checkpoint_meta(ckpt)
+
+
 def _elastic_meta(run_dir: Path) -> dict[str, Any]:
-    return json.loads((run_dir / "checkpoints" / "elastic" / "elastic_meta.json").read_text())[
-        "elastic"
-    ]
+    return _read_meta(run_dir / "checkpoints" / "elastic")["elastic"]
 
 
 def route_trace(
