@@ -40,6 +40,7 @@ from elastic_plugin.checkpoint.meta import (
     read_checkpoint_meta,
     write_checkpoint_meta,
 )
+from elastic_plugin.compat.faults import fault_point
 from elastic_plugin.models.config import ConfigError
 from elastic_plugin.parallel import barrier, is_rank0
 
@@ -85,16 +86,19 @@ def save_checkpoint(
         if optimizer is not None:
             state = {**state, "optimizer": optimizer.sharded_state_dict(state)}
         dist_checkpointing.save(state, str(tmp))
+    fault_point("save.written")
     barrier()
     digests = record_digests(tmp)
     if is_rank0():
         write_checkpoint_meta(tmp, {**meta, FILES_KEY: digests})
         publish_directory(tmp, final)
     barrier()
+    fault_point("save.published")
     if iteration is not None:
         verify_checkpoint(final)  # the pointer moves, and old saves go, only after this
         if is_rank0():
             write_latest(out_dir, iteration)
+            fault_point("save.pointer")
             prune_history(out_dir, keep_last)
         barrier()
     return final

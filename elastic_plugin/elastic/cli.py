@@ -568,6 +568,24 @@ def run_elastic_train(args: argparse.Namespace) -> int:
         return _train(inputs, args)
 
 
+def _save_failed(out: Path, exc: OSError) -> str:
+    """What a failed write leaves: the last complete save (history publishes a save only
+    after it is fully written, so the earlier ones are intact) and how to continue."""
+    from elastic_plugin.checkpoint.history import LATEST_FILE
+
+    stage = out.joinpath(*ELASTIC_SUBDIR)
+    latest = stage / LATEST_FILE
+    last = (
+        f"the last complete save is iteration {latest.read_text().strip()} in {stage}"
+        if latest.is_file()
+        else "no save was completed"
+    )
+    return (
+        f"{PROG}: error: writing under --out {out} failed ({exc}); {last}; free the space "
+        f"and rerun with --resume"
+    )
+
+
 def _train(inputs: ElasticInputs, args: argparse.Namespace) -> int:
     """The heavy part: process group, data, model, training (every rank)."""
     start_ranks()
@@ -614,6 +632,9 @@ def _train(inputs: ElasticInputs, args: argparse.Namespace) -> int:
     except ConfigError as exc:  # found after start-up; every rank finds it alike
         dist.destroy_process_group()
         return report_bad_input(PROG, exc)
+    except OSError as exc:  # a full disk or a lost filesystem while saving
+        print(_save_failed(inputs.out, exc), file=sys.stderr, flush=True)
+        return 1
     if dist.get_rank() == 0:
         print(json.dumps(summary(run, sched.train_iters), indent=2))
         print(run.table(), file=sys.stderr)

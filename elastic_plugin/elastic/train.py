@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_plugin.checkpoint.meta import CHECKPOINT_META, budget_label
+from elastic_plugin.compat.faults import fault_point
 from elastic_plugin.elastic.config import ElasticConfig, ResolvedElastic
 from elastic_plugin.elastic.cost import ElasticCost
 from elastic_plugin.elastic.freeze import constrained_table, loss_selected_table
@@ -139,6 +140,25 @@ def _save(chunks, optimizer, scheduler, stage: Path, meta: dict[str, Any], keep_
         iteration=int(meta["iteration"]),
         keep_last=keep_last,
     )
+
+
+def _restart_metrics(path: Path, start_iter: int) -> None:
+    """Keep the records of iterations before ``start_iter``: a run killed after its last save
+    (or resumed from an older save because a newer one was damaged) logged iterations that it
+    trains again now, and the file must read as one uninterrupted trace."""
+    import json
+
+    if start_iter == 1 or not path.is_file():
+        path.write_text("")
+        return
+    kept = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and int(json.loads(line).get("iteration", 0)) < start_iter
+    ]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    tmp.replace(path)
 
 
 def resume_source(stage: Path) -> Path | None:
@@ -292,8 +312,7 @@ def train_elastic(
     )
     if is_rank0():
         out_dir.mkdir(parents=True, exist_ok=True)
-        if start_iter == 1:
-            (out_dir / "elastic_metrics.jsonl").write_text("")
+        _restart_metrics(out_dir / "elastic_metrics.jsonl", start_iter)
     train_iterator = make_train_iterator(consumed)
     nb = len(resolved.budgets)
     window = torch.zeros(nb, 4, dtype=torch.float64)  # kd_sum, tokens, budget_loss_sum, count
@@ -332,6 +351,7 @@ def train_elastic(
     iteration = start_iter - 1
     freeze_after = ecfg.router.freeze_after
     for iteration in range(start_iter, last + 1):
+        fault_point("train.step")
         step.iteration = iteration
         if freeze_after is not None and iteration > freeze_after and not frozen_table:
 
