@@ -6,11 +6,15 @@ the uninterrupted run's loss trace exactly."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import tempfile
+import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 from elastic_plugin.compat.rendezvous import free_port
@@ -28,10 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 LAYOUTS = {
     "tp2_ep2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                    "--expert-model-parallel-size", "2"]),
+                    "--expert-model-parallel-size", "2", "--global-batch-size", "8"]),  # DP=2
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
 }  # fmt: skip
-FAULTS_PER_LAYOUT = {"tp2_ep2": 2, "pp2": 1}
+FAULTS_PER_LAYOUT = {"tp2_ep2": 2, "pp2": 2}  # a step kill and a save kill each
+JOB_ENV = "ELASTIC_PLUGIN_TEST_JOB"
+ORPHANS: list[int] = []  # processes left behind per finished job (killed by _end_job)
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +55,46 @@ def start(rank_pools, tmp_path_factory):
 def _elastic_train(start, out: Path, nproc: int, flags: list[str], *extra: str, fault=None):
     config, ckpt = start
     args = ["elastic-train", "--ckpt", str(ckpt), "--config", str(config), "--out", str(out),
+            "--train-iters", str(TRAIN_ITERS), "--log-interval", "1", "--eval-interval",
+            str(TRAIN_ITERS), "--eval-iters", "1", "--lr-warmup-iters", "1",
             "--save-interval", "2", "--keep-last", "2", "--no-progress", *flags, *extra]  # fmt: skip
     launcher = [sys.executable, "-m", "elastic_plugin.cli"]
     if nproc > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                     "--master-port", str(free_port()), "-m", "elastic_plugin.cli"]  # fmt: skip
-    env = {**ENV, **({"ELASTIC_PLUGIN_FAULT": fault} if fault else {})}
-    return subprocess.run(
-        [*launcher, *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=900
-    )
+    job = uuid.uuid4().hex  # every process of this job inherits it: how leftovers are found
+    env = {**ENV, JOB_ENV: job, **({"ELASTIC_PLUGIN_FAULT": fault} if fault else {})}
+    # output to files, not pipes: a leftover process must not keep the launcher's pipes open
+    with tempfile.TemporaryFile("w+") as out_file, tempfile.TemporaryFile("w+") as err_file:
+        proc = subprocess.Popen(
+            [*launcher, *args], stdout=out_file, stderr=err_file, text=True, cwd=ROOT, env=env
+        )
+        try:
+            proc.wait(timeout=900)
+        finally:
+            ORPHANS.append(_end_job(job))
+            proc.kill()
+            proc.wait()
+        out_file.seek(0)
+        err_file.seek(0)
+        stdout, stderr = out_file.read(), err_file.read()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _end_job(job: str) -> int:
+    """Kill what is left of a finished job, as a batch scheduler ends a job's processes, and
+    count it. A rank killed with SIGKILL leaves the multiprocessing Manager that Megatron's
+    checkpoint writer starts (``get_write_results_queue``) running, reparented to init."""
+    left = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if process.environ().get(JOB_ENV) == job:
+                left.append(process)
+    for process in left:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(left, timeout=10)
+    return len(left)
 
 
 def _same_trace(got: dict, want: dict) -> None:
@@ -83,6 +120,7 @@ def test_killed_ranks_resume_to_the_uninterrupted_trace(start, layout, tmp_path)
     assert reference.returncode == 0, reference.stderr[-3000:]
     want = loss_trace(tmp_path / "reference")
     counts = {"faults injected": 0, "runs recovered": 0, "bytes lost": 0}
+    orphans_before = len(ORPHANS)
     for i, fault in enumerate(pick_faults(f"faults-{layout}", nproc, FAULTS_PER_LAYOUT[layout])):
         out = tmp_path / f"run{i}"
         killed = _elastic_train(start, out, nproc, flags, fault=fault)
@@ -97,6 +135,7 @@ def test_killed_ranks_resume_to_the_uninterrupted_trace(start, layout, tmp_path)
         _same_trace(loss_trace(out), want)
         _check_left_intact(published_state(out))
         counts["runs recovered"] += 1
+    counts["processes left behind"] = sum(ORPHANS[orphans_before:])
     print(f"fault injection ({layout}): {counts}")
     assert counts["runs recovered"] == counts["faults injected"] > 0 and counts["bytes lost"] == 0
 
@@ -135,4 +174,6 @@ def test_fault_specs_are_checked():
         with pytest.raises(ValueError, match="ELASTIC_PLUGIN_FAULT"):
             parse_faults(bad)
     specs = pick_faults("faults-tp2_ep2", 4, 4)
-    assert specs == pick_faults("faults-tp2_ep2", 4, 4) and len(set(specs)) == 4  # seeded
+    assert specs == pick_faults("faults-tp2_ep2", 4, 4)  # seeded
+    assert [s.split("@")[0].split(".")[0] for s in specs] == ["train", "save", "train", "save"]
+    assert all(len(parse_faults(s)) == 1 for s in specs)

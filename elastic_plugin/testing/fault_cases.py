@@ -50,22 +50,21 @@ def init_checkpoint(config_path: str, out: str) -> str:
 
 
 def pick_faults(seed: str, world: int, count: int) -> list[str]:
-    """``count`` seeded ``ELASTIC_PLUGIN_FAULT`` specs, alternating one rank and all ranks
-    killed, at a random point of a training step or a checkpoint save. ``save.pointer`` runs on
-    rank 0 only, so a one-rank kill there targets rank 0."""
+    """``count`` seeded ``ELASTIC_PLUGIN_FAULT`` specs, alternating a kill of one random rank at
+    a random training step and a kill of every rank at a random point of a random checkpoint
+    save. ``save.pointer`` runs on rank 0 only, so a one-rank kill there targets rank 0."""
     from elastic_plugin.compat.faults import POINTS
 
     rng = random.Random(seed)
+    save_points = [p for p in POINTS if p.startswith("save.")]
     specs = []
     for i in range(count):
-        point = rng.choice(POINTS)
-        hit = rng.randint(2, TRAIN_ITERS) if point == "train.step" else rng.randint(1, SAVES)
         if i % 2 == 0:
-            rank = "0" if point == "save.pointer" else str(rng.randrange(world))
+            specs.append(f"train.step@{rng.randint(2, TRAIN_ITERS)}:rank={rng.randrange(world)}")
         else:
-            rank = "all"
-        specs.append(f"{point}@{hit}:rank={rank}:action=kill")
-    return specs
+            point = rng.choice(save_points)
+            specs.append(f"{point}@{rng.randint(1, SAVES)}:rank=all")
+    return [f"{spec}:action=kill" for spec in specs]
 
 
 def loss_trace(out: Path) -> dict[int, dict[str, float]]:
