@@ -105,10 +105,10 @@ def prune_history(stage: str | Path, keep_last: int) -> list[Path]:
     if keep_last < 1:
         return []
     root = Path(stage)
-    current = resolve_checkpoint(root) if (root / LATEST_FILE).is_file() else None
+    current = resolve_checkpoint(root).resolve()  # the stage itself when nothing is pointed at
     removed = []
     for _, path in iteration_dirs(root)[keep_last:]:
-        if current is not None and path.resolve() == current.resolve():
+        if path.resolve() == current:
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
@@ -116,7 +116,7 @@ def prune_history(stage: str | Path, keep_last: int) -> list[Path]:
 
 
 def newest_verified(
-    stage: str | Path, verify: Callable[[Path], None]
+    stage: str | Path, verify: Callable[[Path], object]
 ) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest save of ``stage`` that ``verify`` accepts (it raises ConfigError on a damaged
     one), and the newer ones skipped with the reason; ``(None, skipped)`` when none verifies."""

@@ -197,15 +197,18 @@ def write_hub_shards(
     return [*written, index_file]
 
 
-_VERIFIED_EXPORTS: set[tuple[str, str, tuple[tuple[str, int, int, int, int], ...]]] = set()
-
-
 def verify_export_files(path: str | Path) -> bool:
     """Check an export of ours against the sizes and SHA-256 digests its ``export_meta.json``
     recorded when it was written: a ConfigError naming the first missing, truncated or altered
     file. A directory without them (a Hub download, an older export) passes unchecked (False).
     Verified directories are remembered by their files' stats, so repeated reads hash once."""
-    from elastic_plugin.checkpoint.integrity import recorded_digests, verify_digests
+    from elastic_plugin.checkpoint.integrity import (
+        already_verified,
+        files_signature,
+        recorded_digests,
+        remember_verified,
+        verify_digests,
+    )
 
     root = Path(path)
     meta_file = root / EXPORT_META
@@ -218,18 +221,10 @@ def verify_export_files(path: str | Path) -> bool:
     recorded = recorded_digests(meta, root, EXPORT_META) if isinstance(meta, dict) else None
     if recorded is None:
         return False
-    try:
-        stats = tuple(
-            (name, (st := (root / name).stat()).st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
-            for name in sorted(recorded)
-        )
-        signature = (str(root.resolve()), repr(sorted(recorded.items())), stats)
-    except OSError:
-        signature = None  # a file is missing: verify_digests names it
-    if signature is None or signature not in _VERIFIED_EXPORTS:
+    signature = files_signature(root, recorded)  # None when a file is missing: verify names it
+    if not already_verified(signature):
         verify_digests(root, recorded)
-        if signature is not None:
-            _VERIFIED_EXPORTS.add(signature)
+        remember_verified(signature)
     return True
 
 

@@ -12,6 +12,7 @@ BLAKE2b, CRC-32 and a plain read). Torch-free, so ``elastic-plugin verify`` runs
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,12 +26,15 @@ __all__ = [
     "DIGEST_ALGORITHM",
     "FILES_KEY",
     "VerifyReport",
+    "already_verified",
     "balanced_share",
     "check_hashes",
     "check_sizes",
     "digest_names",
     "file_digest",
     "file_digests",
+    "files_signature",
+    "remember_verified",
     "recorded_digests",
     "verify_digests",
     "verify_directory",
@@ -148,6 +152,37 @@ def check_hashes(
 def _describe(entry: Mapping[str, Any]) -> str:
     algorithm = _algorithm(entry) or DIGEST_ALGORITHM
     return f"{algorithm} {entry.get(algorithm)}"
+
+
+# (directory, recorded digests, stat of every recorded file) of directories this process has
+# verified: reading the same unchanged checkpoint or export again hashes nothing twice.
+Signature = tuple[str, str, tuple[tuple[str, int, int, int, int], ...]]
+_VERIFIED: set[Signature] = set()
+
+
+def files_signature(
+    root: str | Path, recorded: Mapping[str, Mapping[str, Any]]
+) -> Signature | None:
+    """What identifies an unchanged directory: its path, digests and recorded files' stats
+    (None when a recorded file is missing: verifying names it)."""
+    root = Path(root)
+    try:
+        stats = tuple(
+            (name, (st := os.stat(root / name)).st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+            for name in sorted(recorded)
+        )
+    except OSError:
+        return None
+    return str(root.resolve()), repr(sorted(recorded.items())), stats
+
+
+def already_verified(signature: Signature | None) -> bool:
+    return signature is not None and signature in _VERIFIED
+
+
+def remember_verified(signature: Signature | None) -> None:
+    if signature is not None:
+        _VERIFIED.add(signature)
 
 
 def verify_digests(directory: str | Path, recorded: Mapping[str, Mapping[str, Any]]) -> None:

@@ -12,7 +12,6 @@ weights or a traceback from deep inside ``torch.load``.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -27,12 +26,15 @@ from elastic_plugin.checkpoint.history import (
 )
 from elastic_plugin.checkpoint.integrity import (
     FILES_KEY,
+    already_verified,
     balanced_share,
     check_hashes,
     check_sizes,
     digest_names,
     file_digests,
+    files_signature,
     recorded_digests,
+    remember_verified,
 )
 from elastic_plugin.checkpoint.layout import STRIDED_ATTR, canonical_weights, mark_loaded_reordered
 from elastic_plugin.checkpoint.meta import (
@@ -170,13 +172,6 @@ def build_from_checkpoint(ckpt_dir: str | Path, layout, wrap_ddp: bool = False):
 
 
 # ------------------------------------------------------------------------------ integrity
-# (directory, recorded digests, stat of every recorded file) of checkpoints this process has
-# verified: loading the same unchanged checkpoint again (a frozen teacher that is also the
-# student, the optimizer after the model) hashes nothing twice.
-_Signature = tuple[str, str, tuple[tuple[str, int, int, int, int], ...]]
-_VERIFIED: set[_Signature] = set()
-
-
 def _rank_world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -227,15 +222,6 @@ def record_digests(directory: str | Path) -> dict[str, dict[str, Any]]:
     return dict(sorted(merged.items()))
 
 
-def _signature(root: Path, recorded: dict[str, dict[str, Any]]) -> _Signature:
-    """What identifies an unchanged verified checkpoint: its path, digests and files' stats."""
-    stats = []
-    for name in sorted(recorded):
-        st = os.stat(root / name)
-        stats.append((name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
-    return str(root.resolve()), repr(sorted(recorded.items())), tuple(stats)
-
-
 def _problem(root: Path, recorded: dict[str, dict[str, Any]], share: list[str]) -> str | None:
     """This rank's finding: every file's size (cheap, so every rank checks all), then the
     content of its share of the files; None when all is well."""
@@ -258,12 +244,8 @@ def verify_checkpoint(ckpt_dir: str | Path, meta: dict[str, Any] | None = None) 
     if recorded is None:
         return
     rank, world = _rank_world()
-    signature: _Signature | None
-    try:
-        signature = _signature(root, recorded)
-    except OSError:
-        signature = None  # a file is missing: _problem names it
-    if signature is not None and signature in _VERIFIED:
+    signature = files_signature(root, recorded)  # None when a file is missing: _problem names it
+    if already_verified(signature):
         problem = None
     else:
         sizes = {name: int(entry["bytes"]) for name, entry in recorded.items()}
@@ -271,5 +253,4 @@ def verify_checkpoint(ckpt_dir: str | Path, meta: dict[str, Any] | None = None) 
     problems = [p for p in _all_gather(problem) if p]
     if problems:
         raise ConfigError(problems[0])
-    if signature is not None:
-        _VERIFIED.add(signature)
+    remember_verified(signature)

@@ -60,8 +60,6 @@ def read_checkpoint_meta(
         raise ConfigError(
             f"{flag} {path}: its latest-save pointer is not readable ({exc})"
         ) from None
-    if not path.is_dir():
-        raise ConfigError(f"{flag} {path}: no such checkpoint directory")
     if not (path / CHECKPOINT_META).is_file():
         nested = path.joinpath(*ELASTIC_SUBDIR)
         hint = f" (did you mean {flag} {nested}?)" if (nested / CHECKPOINT_META).is_file() else ""

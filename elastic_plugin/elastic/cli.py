@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic_plugin.checkpoint.history import iteration_dirs
+from elastic_plugin.checkpoint.history import iteration_dirs, newest_verified
 from elastic_plugin.checkpoint.lock import acquire_out_lock, add_force_unlock_arg
 from elastic_plugin.checkpoint.meta import CHECKPOINT_META, ELASTIC_SUBDIR, read_checkpoint_meta
 from elastic_plugin.cli_args import (
@@ -356,8 +356,7 @@ def _check_resume(
 ) -> dict[str, Any] | None:
     """A resumable run must match the saved one; returns the saved meta when already finished."""
     ckpt = out.joinpath(*ELASTIC_SUBDIR)
-    saves = [path for _, path in iteration_dirs(ckpt)]
-    if not saves and not (ckpt / CHECKPOINT_META).is_file():
+    if not iteration_dirs(ckpt) and not (ckpt / CHECKPOINT_META).is_file():
         if ckpt.exists() and not args.resume:
             raise ConfigError(
                 f"--out {out}: {ckpt} exists but is incomplete; remove it or pass --resume"
@@ -368,7 +367,7 @@ def _check_resume(
             f"--out {out} already holds an elastic checkpoint ({ckpt}); pass --resume "
             f"to continue it, or choose another --out"
         )
-    meta = _newest_readable_meta(ckpt, saves)
+    meta = _newest_readable_meta(ckpt)
     saved_layout = meta.get("layout") or {}
     if saved_layout != dataclasses.asdict(layout):
         raise ConfigError(
@@ -402,18 +401,16 @@ def _check_resume(
     return None
 
 
-def _newest_readable_meta(stage: Path, saves: list[Path]) -> dict[str, Any]:
+def _newest_readable_meta(stage: Path) -> dict[str, Any]:
     """The metadata of the newest save whose metadata reads (the run's settings, to compare
     with the command line; which save is resumed is decided after hashing, in training)."""
-    problems = []
-    for path in saves:
-        try:
-            return _checkpoint_meta(path, "--resume:")
-        except ConfigError as exc:
-            problems.append(str(exc))
-    if (stage / CHECKPOINT_META).is_file():  # a checkpoint written before history existed
-        return _checkpoint_meta(stage, "--resume:")
-    raise ConfigError(f"--resume: no save of {stage} has readable metadata: {'; '.join(problems)}")
+    readable, skipped = newest_verified(stage, lambda path: _checkpoint_meta(path, "--resume:"))
+    if readable is None and (stage / CHECKPOINT_META).is_file():
+        readable = stage  # a checkpoint written before history existed
+    if readable is None:
+        problems = "; ".join(why for _, why in skipped)
+        raise ConfigError(f"--resume: no save of {stage} has readable metadata: {problems}")
+    return _checkpoint_meta(readable, "--resume:")
 
 
 def _checked_inputs(args: argparse.Namespace) -> ElasticInputs:

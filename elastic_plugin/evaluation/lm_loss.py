@@ -76,7 +76,7 @@ def _export_losses(
 ) -> tuple[list[dict[str, Any]], dict[str, dict[str, float]]]:
     """Per-budget HF exports, and budgets sliced from each nested directory, measured."""
     from elastic_plugin.export.nested_hf import budget_input_amax, load_nested, read_nested_config
-    from elastic_plugin.export.report import hf_validation_loss, model_loss, quantized_loss
+    from elastic_plugin.export.report import hf_validation_loss, quantized_loss
 
     rows = []
     for row in json.loads((exports / "exports.json").read_text())["exports"]:
@@ -96,11 +96,7 @@ def _export_losses(
             model = load_nested(path, budget)
             amax = budget_input_amax(path, budget)
             fmt = None if precision == "bf16" else precision
-            loss = (
-                quantized_loss(model, tokens, amax, fmt)
-                if amax
-                else model_loss(model, tokens, micro_batch_size)
-            )
+            loss = quantized_loss(model, tokens, amax, fmt, micro_batch_size)
             nested[precision][budget_label(budget)] = loss
             log(f"sliced from {name}: {budget_label(budget)}: loss {loss:.4f}")
     return rows, nested

@@ -122,16 +122,18 @@ def model_loss(model, tokens, batch_size: int = 8) -> float:
     return total / count
 
 
-def quantized_loss(model, tokens, input_amax: dict[str, float], fmt: str | None) -> float:
+def quantized_loss(
+    model, tokens, input_amax: dict[str, float], fmt: str | None, batch_size: int = 8
+) -> float:
     """:func:`model_loss` with the export's static activation quantization applied (ModelOpt's
     fake quant of each calibrated module's input), as a runtime computes; weight-only exports
     (no ``input_amax``) as they are."""
     if not input_amax or fmt is None:
-        return model_loss(model, tokens)
+        return model_loss(model, tokens, batch_size)
     from elastic_plugin.export.calibrate import activation_fake_quant
 
     with activation_fake_quant(model, input_amax, fmt):
-        return model_loss(model, tokens)
+        return model_loss(model, tokens, batch_size)
 
 
 def hf_validation_loss(path: Path, tokens, batch_size: int = 8) -> float:
@@ -143,9 +145,7 @@ def hf_validation_loss(path: Path, tokens, batch_size: int = 8) -> float:
 
     model = load_hf_model(path, dtype=torch.float32)
     fmt, amax = export_input_amax(path)
-    return (
-        quantized_loss(model, tokens, amax, fmt) if amax else model_loss(model, tokens, batch_size)
-    )
+    return quantized_loss(model, tokens, amax, fmt, batch_size)
 
 
 # ------------------------------------------------------------------------------ the job

@@ -450,18 +450,15 @@ def train_and_resume(
     part_sched = (
         dataclasses.replace(sched, save_interval=1, keep_last=2) if damage_newest else sched
     )
-    part = train_elastic(
-        cfg,
-        ecfg,
-        layout,
-        work / "init",
-        work / "part",
-        make_iter,
-        valid,
-        part_sched,
-        progress=False,
-        stop_after=stop,
-    )
+
+    def train_part(**how: Any):
+        """The interrupted run: stopped (``stop_after``), then continued (``resume``)."""
+        return train_elastic(
+            cfg, ecfg, layout, work / "init", work / "part", make_iter, valid, part_sched,
+            progress=False, **how,
+        )  # fmt: skip
+
+    part = train_part(stop_after=stop)
     stage = work / "part" / "checkpoints" / "elastic"
     history: dict[str, Any] = {}
     if damage_newest:
@@ -477,18 +474,7 @@ def train_and_resume(
             dist.barrier()
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        rest = train_elastic(
-            cfg,
-            ecfg,
-            layout,
-            work / "init",
-            work / "part",
-            make_iter,
-            valid,
-            part_sched,
-            progress=False,
-            resume=True,
-        )
+        rest = train_part(resume=True)
     if damage_newest:
         history |= {
             "resume_printed": printed.getvalue(),
