@@ -7,8 +7,10 @@ examples/configs/tiny.yaml) and of the same pattern at 4x the width (``wide``, a
 (``interleaved_medians``):
 
 * ``save``: ``save_checkpoint`` as shipped vs the same save with ``record_digests`` stubbed out
-  (``nodigest``); ``record``: ``record_digests`` alone on the written directory. Ratios
-  ``save/nodigest`` (the whole save) and ``record/save`` (the hash's share of a plain save);
+  (``nodigest``); ``record``: ``record_digests`` alone on the written directory; ``history``:
+  a save into a stage's history (``iteration=``: the new save is verified before the pointer
+  moves, as elastic-train saves). Ratios ``save/nodigest`` (the whole save), ``record/save``
+  (the hash's share of a plain save) and ``history/save`` (what the verification adds);
 * ``load``: ``load_checkpoint`` as shipped (its verification cache emptied each time, so every
   load hashes) vs with ``verify_checkpoint`` stubbed out; ``verify``: ``verify_checkpoint`` alone.
   Ratios ``load/noverify`` and ``verify/load``;
@@ -108,7 +110,7 @@ def _model(name: str):
 def run(
     quick: bool = False, reps: int | None = None, models: tuple[str, ...] | None = None
 ) -> list[dict]:
-    from elastic_plugin.checkpoint import io
+    from elastic_plugin.checkpoint import integrity, io
     from elastic_plugin.parallel import Layout
 
     reps = reps or (1 if quick else 5)
@@ -129,12 +131,18 @@ def run(
                 out = io.save_checkpoint(chunks, work / f"save_{next(counter)}", meta)
                 shutil.rmtree(out)
 
+            def save_history() -> None:
+                integrity.forget_verified()  # the verification hashes, as after a real save
+                stage = work / f"stage_{next(counter)}"
+                io.save_checkpoint(chunks, stage, meta, iteration=1)
+                shutil.rmtree(stage)
+
             def save_nodigest() -> None:
                 with _stubbed(io, "record_digests", lambda directory: {}):
                     save()
 
             def load() -> None:
-                io._VERIFIED.clear()  # hash every time, as a fresh process does
+                integrity.forget_verified()  # hash every time, as a fresh process does
                 io.load_checkpoint(chunks, ckpt)
 
             def load_noverify() -> None:
@@ -142,12 +150,13 @@ def run(
                     io.load_checkpoint(chunks, ckpt)
 
             def verify() -> None:
-                io._VERIFIED.clear()
+                integrity.forget_verified()
                 io.verify_checkpoint(ckpt)
 
             times = interleaved_medians(
                 {
                     "save": save,
+                    "history": save_history,
                     "nodigest": save_nodigest,
                     "record": lambda: io.record_digests(ckpt),
                     "load": load,
@@ -166,8 +175,10 @@ def run(
                     "save_ms": 1e3 * times["save"],
                     "nodigest_ms": 1e3 * times["nodigest"],
                     "record_ms": 1e3 * times["record"],
+                    "history_ms": 1e3 * times["history"],
                     "save/nodigest": times["save"] / times["nodigest"],
                     "record/save": times["record"] / times["nodigest"],
+                    "history/save": times["history"] / times["save"],
                 }
             )
             rows.append(

@@ -25,6 +25,7 @@ def test_quickest_run_gives_consistent_rows(rank_pools):
     save, load = by["tiny/save"], by["tiny/load"]
     assert save["save/nodigest"] == pytest.approx(save["save_ms"] / save["nodigest_ms"])
     assert save["record/save"] == pytest.approx(save["record_ms"] / save["nodigest_ms"])
+    assert save["history/save"] == pytest.approx(save["history_ms"] / save["save_ms"])
     assert load["load/noverify"] == pytest.approx(load["load_ms"] / load["noverify_ms"])
     assert load["verify/load"] == pytest.approx(load["verify_ms"] / load["noverify_ms"])
     for h in hashes:

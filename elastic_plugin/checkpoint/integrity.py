@@ -34,6 +34,7 @@ __all__ = [
     "file_digest",
     "file_digests",
     "files_signature",
+    "forget_verified",
     "remember_verified",
     "recorded_digests",
     "verify_digests",
@@ -183,6 +184,11 @@ def already_verified(signature: Signature | None) -> bool:
 def remember_verified(signature: Signature | None) -> None:
     if signature is not None:
         _VERIFIED.add(signature)
+
+
+def forget_verified() -> None:
+    """Hash everything again on the next read, as a fresh process does (benchmarks)."""
+    _VERIFIED.clear()
 
 
 def verify_digests(directory: str | Path, recorded: Mapping[str, Mapping[str, Any]]) -> None:
