@@ -18,9 +18,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "add_layout_args",
+    "add_runtime_args",
     "blend_prefixes",
     "check_data_path_args",
     "layout_from_args",
+    "runtime_from_args",
     "start_ranks",
 ]
 
@@ -52,6 +54,64 @@ def layout_from_args(args: argparse.Namespace, parallel: Any) -> Layout:
             args.use_distributed_optimizer, parallel.use_distributed_optimizer
         ),
     )
+
+
+def add_runtime_args(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's precision and recomputation flags (default: the config's ``training:``)."""
+    from elastic_plugin.models.runtime import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
+
+    group = parser.add_argument_group("precision and activation memory")
+    group.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="BF16 mixed precision as Megatron does it: BF16 weights and activations, FP32 main "
+        "weights, gradients and optimizer state, FP32 router and losses (default: "
+        "training.bf16, else FP32)",
+    )
+    group.add_argument(
+        "--fp16",
+        action="store_true",
+        default=None,
+        help="not supported (no loss scaling is wired); use --bf16",
+    )
+    group.add_argument(
+        "--recompute-granularity",
+        default=None,
+        metavar="|".join(RECOMPUTE_GRANULARITIES),
+        help="recompute activations in the backward pass: full layers, or selective (core "
+        "attention only)",
+    )
+    group.add_argument(
+        "--recompute-method",
+        default=None,
+        metavar="|".join(RECOMPUTE_METHODS),
+        help="with full: uniform (chunks of N layers) or block (the first N layers per stage)",
+    )
+    group.add_argument("--recompute-num-layers", type=int, default=None, metavar="N")
+
+
+def runtime_from_args(args: argparse.Namespace, training: Any, model: Any, pp: int = 1) -> Any:
+    """``training`` (a ``TrainingConfig``) with the precision / recompute flags applied and
+    checked: flags given replace the YAML's values, a contradiction names the flags."""
+    import dataclasses
+
+    from elastic_plugin.models.runtime import FLAG_NAMES, Runtime
+
+    if getattr(args, "fp16", None):
+        if getattr(args, "bf16", None):
+            raise ConfigError("--bf16 and --fp16 are mutually exclusive; use --bf16")
+        raise ConfigError("--fp16 is not supported (no loss scaling is wired); use --bf16")
+    changes = {
+        name: getattr(args, name) for name in FLAG_NAMES if getattr(args, name, None) is not None
+    }
+    if changes.get("recompute_granularity") == "selective":  # the YAML's full-only settings go
+        for name in ("recompute_method", "recompute_num_layers"):
+            changes.setdefault(name, None)
+    training = dataclasses.replace(training, **changes)
+    names = {k: (FLAG_NAMES[k] if k in changes else f"training.{k}") for k in FLAG_NAMES}
+    Runtime.of(training).check(model, pp, names)
+    return training
 
 
 def blend_prefixes(value: str) -> list[str]:

@@ -154,9 +154,14 @@ def load_optimizer(chunks, optimizer, ckpt_dir: str | Path) -> None:
     optimizer.load_state_dict(state["optimizer"])
 
 
-def build_from_checkpoint(ckpt_dir: str | Path, layout, wrap_ddp: bool = False):
+def build_from_checkpoint(
+    ckpt_dir: str | Path, layout, wrap_ddp: bool = False, params_dtype=None, **config_overrides
+):
     """Build this rank's model chunk for ``layout`` from a checkpoint's own config and load it.
 
+    ``params_dtype`` (default float32) need not be the dtype the checkpoint was written in: a
+    BF16 run's checkpoint loads into FP32 tools and the other way round (each tensor is
+    converted on load). ``config_overrides``: ``TransformerConfig`` fields (recomputation).
     Returns ``(chunks, experiment_config, meta)``; ``initialize_layout`` must have been called.
     """
     from elastic_plugin.models.config import config_from_dict
@@ -166,7 +171,15 @@ def build_from_checkpoint(ckpt_dir: str | Path, layout, wrap_ddp: bool = False):
     meta = read_checkpoint_meta(ckpt_dir)
     cfg = config_from_dict(meta["config"], source=f"{ckpt_dir}/{CHECKPOINT_META}")
     verify_checkpoint(ckpt_dir, meta)  # before building: a damaged checkpoint fails fast
-    chunks, _ = build_model_chunks(cfg.model, layout, wrap_ddp=wrap_ddp)
+    import torch
+
+    chunks, _ = build_model_chunks(
+        cfg.model,
+        layout,
+        params_dtype=params_dtype or torch.float32,
+        wrap_ddp=wrap_ddp,
+        **config_overrides,
+    )
     load_checkpoint(chunks, ckpt_dir)
     return chunks, cfg, meta
 

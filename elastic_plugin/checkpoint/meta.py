@@ -119,6 +119,16 @@ def write_checkpoint_meta(ckpt: str | Path, meta: Mapping[str, Any]) -> None:
 _BUDGET_REL_TOL, _BUDGET_ABS_TOL = 1e-9, 1e-12
 
 
+FULL_BUDGET = 1.0  # the parent itself: never routed, never shrunk (Megatron-LM samples it too)
+
+
+def is_full_budget(budget: float) -> bool:
+    """True for the budget that names the unmodified parent model."""
+    return math.isclose(
+        float(budget), FULL_BUDGET, rel_tol=_BUDGET_REL_TOL, abs_tol=_BUDGET_ABS_TOL
+    )
+
+
 def budget_label(budget: float) -> str:
     """A budget's one spelling (``0.77`` -> ``"0.77"``): its key in the choice table, in metrics
     files and in every report."""

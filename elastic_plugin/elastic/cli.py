@@ -28,9 +28,11 @@ from elastic_plugin.checkpoint.lock import acquire_out_lock, add_force_unlock_ar
 from elastic_plugin.checkpoint.meta import CHECKPOINT_META, ELASTIC_SUBDIR, read_checkpoint_meta
 from elastic_plugin.cli_args import (
     add_layout_args,
+    add_runtime_args,
     blend_prefixes,
     check_data_path_args,
     layout_from_args,
+    runtime_from_args,
     start_ranks,
 )
 from elastic_plugin.cli_errors import report_bad_input
@@ -42,6 +44,7 @@ from elastic_plugin.models.config import (
     config_from_dict,
     load_config,
 )
+from elastic_plugin.models.runtime import Runtime
 from elastic_plugin.parallel import Layout
 
 PROG = "elastic-plugin elastic-train"
@@ -162,6 +165,7 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     )
     add_force_unlock_arg(parser)
     add_layout_args(parser)
+    add_runtime_args(parser)
     add_elastic_args(parser)
     parser.set_defaults(func=run_elastic_train)
 
@@ -352,7 +356,12 @@ def _data_source(args: argparse.Namespace, meta: dict[str, Any]) -> DataSource:
 
 
 def _check_resume(
-    args: argparse.Namespace, out: Path, ecfg, layout, sched: dict[str, Any]
+    args: argparse.Namespace,
+    out: Path,
+    ecfg,
+    layout,
+    sched: dict[str, Any],
+    cfg: ExperimentConfig,
 ) -> dict[str, Any] | None:
     """A resumable run must match the saved one; returns the saved meta when already finished."""
     ckpt = out.joinpath(*ELASTIC_SUBDIR)
@@ -373,6 +382,14 @@ def _check_resume(
         raise ConfigError(
             f"--resume: {ckpt} was written with layout {saved_layout}; resume with the "
             f"same layout flags (optimizer state is not resharded)"
+        )
+    saved_dtype = meta.get("params_dtype", "float32")
+    dtype = Runtime.of(cfg.training).dtype_name
+    if saved_dtype != dtype:
+        raise ConfigError(
+            f"--resume: {ckpt} was trained in {saved_dtype} (its optimizer state "
+            f"{'has FP32 main weights' if saved_dtype == 'bfloat16' else 'has no FP32 main weights'}); "
+            f"resume {'with' if saved_dtype == 'bfloat16' else 'without'} --bf16"
         )
     saved_elastic = (meta.get("config") or {}).get("elastic")
     if saved_elastic != ecfg.to_dict():
@@ -421,6 +438,9 @@ def _checked_inputs(args: argparse.Namespace) -> ElasticInputs:
     ecfg = elastic_config_from_args(args, base=base, base_source=source)
     layout = layout_from_args(args, cfg.parallel)
     _check_layout(cfg, layout, meta, args.ckpt)
+    cfg = dataclasses.replace(
+        cfg, training=runtime_from_args(args, cfg.training, cfg.model, layout.pp)
+    )
     resolved = ecfg.resolve(cfg.model, layout.tp, layout.ep)
     if ecfg.mode == "sliced" and not ecfg.router.hard:
         raise ConfigError(
@@ -450,7 +470,7 @@ def _checked_inputs(args: argparse.Namespace) -> ElasticInputs:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a directory")
-    finished = _check_resume(args, out, ecfg, layout, sched)
+    finished = _check_resume(args, out, ecfg, layout, sched, cfg)
     data = _data_source(args, meta) if finished is None else DataSource()
     covered = sum(stage.iters for stage in ecfg.curriculum)
     if covered > sched["train_iters"]:

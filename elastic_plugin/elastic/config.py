@@ -369,6 +369,7 @@ class ElasticConfig:
             resolved = ResolvedElastic(
                 budgets=self.budgets, axes=axes, config=self, model=model, tp=tp, ep=ep
             )
+            _check_full_budget(resolved)
             _check_reachable(resolved)
         except ElasticConfigError as exc:
             raise exc.located(self.where(exc.field)) from None
@@ -571,6 +572,21 @@ def _resolve_candidates(
             f"={list(values)} resolves to {out} (full {full}); sizes must be distinct; {allowed}",
         )
     return tuple(sorted(out, reverse=True))
+
+
+def _check_full_budget(resolved: ResolvedElastic) -> None:
+    """Budget 1.0 is the parent itself, so every axis must offer its full size."""
+    from elastic_plugin.checkpoint.meta import is_full_budget
+
+    if not any(is_full_budget(b) for b in resolved.budgets):
+        return
+    for name, spec in resolved.axes.items():
+        if spec.candidates[0] != spec.full:
+            raise ElasticConfigError(
+                f"sizes.{name}",
+                f"={list(spec.candidates)}: budget 1.0 is the full parent model, so the sizes "
+                f"must include the full size {spec.full} (1.0); add it, or drop budget 1.0",
+            )
 
 
 def _check_reachable(resolved: ResolvedElastic) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from elastic_plugin.checkpoint.meta import budget_label
+from elastic_plugin.checkpoint.meta import budget_label, is_full_budget
 from elastic_plugin.elastic.config import ResolvedElastic
 
 __all__ = [
@@ -46,7 +46,10 @@ def feasible_choices(
     resolved: ResolvedElastic, cost, budget: float, tolerance: float = FREEZE_TOLERANCE
 ) -> list[Choice]:
     """Every homogeneous choice with ``|cost fraction / budget - 1| <= tolerance``, in grid
-    order; when none qualifies, the one closest to the budget alone."""
+    order; when none qualifies, the one closest to the budget alone. Budget 1.0 is the parent:
+    only the full choice (a 0.97 model within tolerance would make "full" a pruned model)."""
+    if is_full_budget(budget):
+        return [resolved.full_choice()]
     names = list(resolved.axes)
     feasible, closest, closest_miss = [], None, None
     for sizes in itertools.product(*(resolved.axes[n].candidates for n in names)):

@@ -29,6 +29,7 @@ from elastic_plugin.elastic.router import (
     load_router,
     make_router,
 )
+from elastic_plugin.models.runtime import Runtime
 
 if TYPE_CHECKING:  # Megatron ships no types: this annotates what attach_elastic takes
     from megatron.core.models.hybrid.hybrid_model import HybridModel
@@ -111,15 +112,29 @@ def router_param_groups(lr: float, min_lr: float, lr_mult: float) -> dict:
 
 
 def build_elastic_chunks(
-    ckpt_dir: str | Path, layout, resolved, wrap_ddp: bool = True, router_seed: int = 0
+    ckpt_dir: str | Path,
+    layout,
+    resolved,
+    wrap_ddp: bool = True,
+    router_seed: int = 0,
+    runtime: Runtime | None = None,
 ) -> tuple[list[torch.nn.Module], ElasticState, Any]:
     """Load a (reordered) checkpoint for ``layout``, make it elastic, wrap it in Megatron DDP.
 
-    ``initialize_layout(layout)`` must have been called. Returns (chunks, state, meta)."""
+    ``runtime``: precision and recomputation (default FP32, none); the router stays FP32 in a
+    BF16 model. ``initialize_layout(layout)`` must have been called. Returns (chunks, state,
+    meta)."""
     from elastic_plugin.checkpoint.io import build_from_checkpoint
     from elastic_plugin.parallel import wrap_ddp_chunk
 
-    chunks, _, meta = build_from_checkpoint(ckpt_dir, layout, wrap_ddp=False)
+    runtime = runtime or Runtime()
+    chunks, _, meta = build_from_checkpoint(
+        ckpt_dir,
+        layout,
+        wrap_ddp=False,
+        params_dtype=runtime.params_dtype,
+        **runtime.transformer_overrides(),
+    )
     model = chunks[0]
     state = attach_elastic(model, resolved, layout.sequence_parallel and layout.tp > 1, router_seed)
     if meta.get("kind") == "elastic":

@@ -22,6 +22,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
+from elastic_plugin.checkpoint.meta import is_full_budget
 from elastic_plugin.models.config import ConfigError
 
 BUDGET_MATCH_TOL = 1e-6
@@ -320,8 +321,12 @@ class BudgetRouter(torch.nn.Module):
 
     @torch.no_grad()
     def choose(self, budget: float, interpolate: bool = False) -> dict[str, list[int]]:
-        """Deterministic hard choice for inference/extraction: axis -> candidate index per layer."""
+        """Deterministic hard choice for inference/extraction: axis -> candidate index per layer.
+        Budget 1.0 is the parent: the full size (candidate 0) of every axis, whatever the
+        logits say (it is never routed in training)."""
         logits = self.logits(self.encode(budget, interpolate))
+        if is_full_budget(budget):
+            return {name: [0] * lg.shape[0] for name, lg in logits.items()}
         return {name: lg.argmax(dim=-1).tolist() for name, lg in logits.items()}
 
 

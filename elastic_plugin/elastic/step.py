@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from elastic_plugin.checkpoint.meta import budget_label
+from elastic_plugin.checkpoint.meta import budget_label, is_full_budget
 from elastic_plugin.elastic.cost import ElasticCost
 from elastic_plugin.elastic.layers.fp8 import fp8_gemm
 from elastic_plugin.elastic.layers.state import SLICED, ElasticState
@@ -93,6 +93,11 @@ class ElasticStep:
         """The router's (noisy, annealed) choice for micro-batch ``local``; activates it."""
         index = self.budget_index(local)
         budget = self.sampler.budgets[index]
+        if is_full_budget(budget):  # the parent itself: Megatron's own forward, no router
+            probs = self.full_probs(model)
+            self.state.clear()
+            self._record(local, index, probs)
+            return index, probs
         if self.frozen is not None:  # the router is frozen: a fixed nested model per budget
             device = next(model.parameters()).device
             probs = {name: p.to(device) for name, p in self.frozen[index].items()}
@@ -109,6 +114,22 @@ class ElasticStep:
                 generator,
             )
         self.state.set_choice(probs, self.cfg.mode, with_masks=True)
+        self._record(local, index, probs)
+        return index, probs
+
+    def full_probs(self, model) -> dict[str, torch.Tensor]:
+        """The full size of every axis as a constant one-hot choice (no router gradient)."""
+        device = next(model.parameters()).device
+        resolved = self.state.resolved
+        return {
+            name: torch.nn.functional.one_hot(
+                torch.zeros(len(spec.layers) if resolved.per_layer(name) else 1, dtype=torch.long),
+                len(spec.candidates),
+            ).to(device=device, dtype=torch.float32)
+            for name, spec in resolved.axes.items()
+        }
+
+    def _record(self, local: int, index: int, probs: dict[str, torch.Tensor]) -> None:
         if self.trace is not None:
             self.trace.append(
                 (
@@ -118,7 +139,6 @@ class ElasticStep:
                     {k: v.detach().argmax(-1).tolist() for k, v in probs.items()},
                 )
             )
-        return index, probs
 
     def freeze(self, table: dict[str, dict[str, Any]]) -> None:
         """Route every budget to its fixed choice from now on (``table``: budget label -> axis

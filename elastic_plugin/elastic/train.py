@@ -32,6 +32,7 @@ from elastic_plugin.elastic.sampling import BudgetSampler, Stage
 from elastic_plugin.elastic.schedule import ElasticSchedule
 from elastic_plugin.elastic.step import ElasticStep
 from elastic_plugin.models.config import ConfigError
+from elastic_plugin.models.runtime import Runtime
 from elastic_plugin.parallel import Layout, build_optimizer, initialize_layout, is_rank0
 from elastic_plugin.training.step import cosine_lr_scheduler, eval_step, share_from_last_stage
 
@@ -245,14 +246,25 @@ def train_elastic(
                 f"resume: {resumed} was written with layout {meta.get('layout')}; "
                 f"resume with the same layout (optimizer state is not resharded)"
             )
+        saved_dtype = meta.get("params_dtype", "float32")
+        if saved_dtype != Runtime.of(cfg.training).dtype_name:
+            raise ConfigError(
+                f"resume: {resumed} was trained in {saved_dtype}; resume in the same precision "
+                f"(training.bf16 / --bf16): its optimizer state is kept per precision"
+            )
         source, start_iter = resumed, int(meta["iteration"]) + 1
         consumed = int(meta["consumed_samples"])
     num_microbatches = sched.global_batch_size // (sched.micro_batch_size * dp)
+    runtime = Runtime.of(cfg.training)
     initialize_layout(layout, seed=sched.seed)
-    chunks, state, meta_src = build_elastic_chunks(source, layout, resolved)
+    chunks, state, meta_src = build_elastic_chunks(source, layout, resolved, runtime=runtime)
     teacher_chunks = None
     if ecfg.teacher == "frozen":
-        teacher_chunks, _, _ = build_from_checkpoint(teacher_ckpt or student_ckpt, layout)
+        # forward only: the model dtype, no recomputation, no DDP (no gradient buffers), no
+        # optimizer state
+        teacher_chunks, _, _ = build_from_checkpoint(
+            teacher_ckpt or student_ckpt, layout, params_dtype=runtime.params_dtype
+        )
         for chunk in teacher_chunks:
             chunk.requires_grad_(False)
     optimizer = build_optimizer(
@@ -484,6 +496,7 @@ def _meta(
         "iteration": iteration,
         "consumed_samples": consumed,
         "layout": asdict(layout),
+        "params_dtype": Runtime.of(cfg.training).dtype_name,
         "config": cfg.to_dict() | {"elastic": ecfg.to_dict()},
         "elastic": {
             "budgets": list(resolved.budgets),

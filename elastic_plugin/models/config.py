@@ -233,6 +233,11 @@ class TrainingConfig:
     eval_interval: int = 50
     eval_iters: int = 5
     log_interval: int = 10
+    # precision and activation recomputation (``models.runtime``; Megatron-LM's flags)
+    bf16: bool = False
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
 
 
 @dataclass
@@ -329,6 +334,12 @@ def config_from_dict(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
     cfg.model.check_parallel(
         p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
     )
+    from elastic_plugin.models.runtime import Runtime
+
+    try:
+        Runtime.of(cfg.training).check(cfg.model, p.pipeline_model_parallel_size)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     return cfg
 
 

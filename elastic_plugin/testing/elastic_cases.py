@@ -110,8 +110,10 @@ def _setup(
     heterogeneous,
     seed,
     fp8_gemm: str = "off",
+    runtime: dict[str, Any] | None = None,
 ):
-    """Elastic student (DDP), frozen teacher, optimizer and step driver for ``layout``."""
+    """Elastic student (DDP), frozen teacher, optimizer and step driver for ``layout``;
+    ``runtime``: ``models.runtime.Runtime`` fields (BF16, recomputation)."""
 
     from elastic_plugin.checkpoint.io import build_from_checkpoint
     from elastic_plugin.elastic.cost import ElasticCost
@@ -124,9 +126,12 @@ def _setup(
     cfg = _experiment(config_path, pattern)
     ecfg = _elastic_config(cfg.model, mode, heterogeneous, fp8_gemm)
     resolved = ecfg.resolve(cfg.model, layout.tp, layout.ep)
+    from elastic_plugin.models.runtime import Runtime
+
+    run = Runtime(**(runtime or {})).check(cfg.model, layout.pp)
     initialize_layout(layout, seed=seed)
-    chunks, state, _ = build_elastic_chunks(workdir / "init", layout, resolved)
-    teacher, _, _ = build_from_checkpoint(workdir / "init", layout)
+    chunks, state, _ = build_elastic_chunks(workdir / "init", layout, resolved, runtime=run)
+    teacher, _, _ = build_from_checkpoint(workdir / "init", layout, params_dtype=run.params_dtype)
     for chunk in teacher:
         chunk.requires_grad_(False)
     optimizer = build_optimizer(
@@ -285,6 +290,7 @@ def make_elastic_reference(
     heterogeneous: bool = False,
     seed: int = 1234,
     fp8_gemm: str = "off",
+    runtime: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """1 rank: the initial checkpoint, then the elastic steps' losses, choices and gradients."""
     from elastic_plugin.parallel import Layout
@@ -293,7 +299,7 @@ def make_elastic_reference(
     cfg = _experiment(config_path, pattern)
     write_init_checkpoint(cfg, work / "init", seed)
     cfg, chunks, optimizer, step = _setup(
-        config_path, work, Layout(), pattern, mode, heterogeneous, seed, fp8_gemm
+        config_path, work, Layout(), pattern, mode, heterogeneous, seed, fp8_gemm, runtime
     )
     losses, _ = _run(cfg, chunks, optimizer, step, work / "grads")
     result = {"losses": _gather_losses(losses), "trace": step.trace}
@@ -320,8 +326,10 @@ def check_elastic(
     heterogeneous: bool = False,
     seed: int = 1234,
     fp8_gemm: str = "off",
+    runtime: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """N ranks: the same elastic steps under a layout; differences vs the reference."""
+    """N ranks: the same elastic steps under a layout; differences vs the reference
+    (``runtime``: this run's BF16 / recomputation, which the reference need not share)."""
     from elastic_plugin.checkpoint.io import build_from_checkpoint
     from elastic_plugin.elastic.model import attach_elastic
     from elastic_plugin.parallel import Layout
@@ -329,7 +337,7 @@ def check_elastic(
     work = Path(workdir)
     layout = Layout(tp, pp, ep, sequence_parallel, distributed_optimizer)
     cfg, chunks, optimizer, step = _setup(
-        config_path, work, layout, pattern, mode, heterogeneous, seed + 17, fp8_gemm
+        config_path, work, layout, pattern, mode, heterogeneous, seed + 17, fp8_gemm, runtime
     )
     losses, grads = _run(cfg, chunks, optimizer, step, None)
     # the reference gradients, loaded into this layout (canonical order, contiguous shards)

@@ -17,8 +17,10 @@ from pathlib import Path
 from elastic_plugin.checkpoint.lock import acquire_out_lock, add_force_unlock_arg
 from elastic_plugin.cli_args import (
     add_layout_args,
+    add_runtime_args,
     check_data_path_args,
     layout_from_args,
+    runtime_from_args,
     start_ranks,
 )
 from elastic_plugin.cli_errors import EXIT_BAD_INPUT, report_bad_input
@@ -53,6 +55,7 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-progress", action="store_true")
     add_force_unlock_arg(parser)
     add_layout_args(parser)
+    add_runtime_args(parser)
     parser.set_defaults(func=run_train)
 
 
@@ -82,6 +85,9 @@ def _checked_inputs(args: argparse.Namespace):
     cfg = dataclasses.replace(cfg, training=training, data=data)
     layout = layout_from_args(args, cfg.parallel)
     cfg.model.check_parallel(layout.tp, layout.pp, layout.ep)
+    cfg = dataclasses.replace(
+        cfg, training=runtime_from_args(args, cfg.training, cfg.model, layout.pp)
+    )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layout.check_world(world)
     out = Path(args.out)

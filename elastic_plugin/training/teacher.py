@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from elastic_plugin.checkpoint.io import save_checkpoint
 from elastic_plugin.models.config import ConfigError, ExperimentConfig
+from elastic_plugin.models.runtime import Runtime
 from elastic_plugin.parallel import (
     Layout,
     build_model_chunks,
@@ -107,8 +108,11 @@ def train_teacher(
             f"training.micro_batch_size={t.micro_batch_size} x data-parallel size {dp}"
         )
     num_microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    runtime = Runtime.of(t)
     initialize_layout(layout, seed=t.seed)
-    chunks, _ = build_model_chunks(model_cfg, layout)
+    chunks, _ = build_model_chunks(
+        model_cfg, layout, runtime.params_dtype, **runtime.transformer_overrides()
+    )
     optimizer = build_optimizer(
         chunks,
         lr=t.lr,
@@ -179,6 +183,7 @@ def train_teacher(
         "kind": "teacher",
         "iteration": t.train_iters,
         "layout": asdict(layout),
+        "params_dtype": runtime.dtype_name,
         "config": cfg.to_dict() | {"model": asdict(model_cfg)},
         "final_train_loss": train_loss,
         "final_valid_loss": valid_loss,
