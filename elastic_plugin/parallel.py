@@ -125,13 +125,19 @@ def build_model_chunks(
         post_process=parallel_state.is_pipeline_last_stage(),
         use_te=use_te,
     )
+    from megatron.core.tensor_parallel import (
+        set_defaults_if_not_set_tensor_model_parallel_attributes,
+    )
+
     for param in model.parameters():
         # Megatron's optimizer and DDP expect every param to carry a TP flag.
-        from megatron.core.tensor_parallel import (
-            set_defaults_if_not_set_tensor_model_parallel_attributes,
-        )
-
         set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        if params_dtype != torch.float32 and param.dtype != params_dtype:
+            # as Megatron-LM's Float16Module: every weight in the model dtype (Mamba's A_log and
+            # D are made FP32; they are computed in FP32 anyway), FP32 main copies in the
+            # optimizer. Megatron's non-distributed mixed-precision optimizer cannot checkpoint
+            # FP32 weights beside BF16 ones.
+            param.data = param.data.to(params_dtype)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if not wrap_ddp:

@@ -54,6 +54,33 @@ def _narrow_stage_input(state: ElasticState):
     return hook
 
 
+def _gate_stage_input(state: ElasticState):
+    """Under full recomputation, the stack's input is where the mask gate goes
+    (``ElasticState.gate_masks``): the first stage's embedding output, a later stage's
+    received activation."""
+
+    def hook(module, args, kwargs):
+        if not state.recompute:
+            return None
+        tensor = getattr(module, "input_tensor", None)
+        if not module.pre_process and tensor is not None:
+            module.input_tensor = state.gate_masks(tensor)
+            return None
+        if "hidden_states" in kwargs and torch.is_tensor(kwargs["hidden_states"]):
+            kwargs = {**kwargs, "hidden_states": state.gate_masks(kwargs["hidden_states"])}
+            return args, kwargs
+        return None
+
+    return hook
+
+
+def _restore_at_output(state: ElasticState):
+    def hook(module, args, output):
+        return state.restore_on_backward(output) if state.recompute else output
+
+    return hook
+
+
 def attach_elastic(
     model: HybridModel, resolved, sequence_parallel: bool, router_seed: int = 0
 ) -> ElasticState:
@@ -67,13 +94,18 @@ def attach_elastic(
         groups={"attention_heads": mcfg.query_groups, "mamba_heads": mcfg.mamba_num_groups},
     )
     elastify(model, state)
-    model.add_module(ROUTER_ATTR, RouterModule(make_router(resolved, router_seed)))
+    router = RouterModule(make_router(resolved, router_seed))  # initialised in FP32
+    model.add_module(ROUTER_ATTR, router.to(model.config.params_dtype))
     for param in model.get_submodule(ROUTER_ATTR).parameters():
         param.elastic_router = True  # noqa: B010  (Megatron ParamKey(attr=...) matches on it)
     if not ps.is_pipeline_last_stage():
         model.decoder.register_forward_hook(_pad_stage_output)
     if not ps.is_pipeline_first_stage():
         model.decoder.register_forward_pre_hook(_narrow_stage_input(state), with_kwargs=True)
+    state.recompute = model.config.recompute_granularity == "full"
+    if state.recompute:
+        model.decoder.register_forward_pre_hook(_gate_stage_input(state), with_kwargs=True)
+        model.register_forward_hook(_restore_at_output(state))
     return state
 
 

@@ -180,11 +180,18 @@ class _AxisRouter(torch.nn.Module):
         self.fc1 = torch.nn.Linear(num_budgets, hidden_size)
         self.fc2 = torch.nn.Linear(hidden_size, num_layers * num_candidates)
 
+    # FP32 math whatever the weights' storage (a BF16 model keeps them in BF16, with FP32 main
+    # copies in Megatron's optimizer, as Megatron does for its MoE router)
     def hidden(self, encoding: torch.Tensor) -> torch.Tensor:
-        return F.leaky_relu(self.fc1(encoding), LEAKY_SLOPE)
+        fc1 = self.fc1
+        return F.leaky_relu(
+            F.linear(encoding.float(), fc1.weight.float(), fc1.bias.float()), LEAKY_SLOPE
+        )
 
     def forward(self, encoding: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.hidden(encoding)).reshape(self.num_layers, self.num_candidates)
+        fc2 = self.fc2
+        logits = F.linear(self.hidden(encoding), fc2.weight.float(), fc2.bias.float())
+        return logits.reshape(self.num_layers, self.num_candidates)
 
     @torch.no_grad()
     def init_output(self, targets: Sequence[int], strength: float) -> None:
@@ -298,7 +305,7 @@ class BudgetRouter(torch.nn.Module):
                 f"got {list(encoding.shape)}"
             )
         ref = next(self.parameters())
-        enc = encoding.to(device=ref.device, dtype=ref.dtype)
+        enc = encoding.to(device=ref.device, dtype=torch.float32)
         return {name: router(enc) for name, router in self.routers.items()}
 
     def forward(

@@ -3,7 +3,10 @@ and a local (non-TE) spec built from Megatron-Core's plain parallel layers other
 
 Upstream only ships a TE hybrid spec. The local one mirrors it module for module, with the norms
 that TE fuses into the following linear (``TELayerNormColumnParallelLinear``) as separate
-``WrappedTorchNorm`` modules, so the same model runs on a CPU.
+``WrappedTorchNorm`` modules, so the same model runs on a CPU. Its core attention is
+:class:`~elastic_plugin.models.attention.SDPAAttention` (``"sdpa"``, no ``[s, s]`` score
+matrix) by default, or Megatron's ``DotProductAttention`` (``"unfused"``, the full score matrix);
+neither has parameters, so checkpoints are the same for both.
 """
 
 from __future__ import annotations
@@ -29,7 +32,12 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayerSubmodules,
 )
 
+from elastic_plugin.models.attention import SDPAAttention
+from elastic_plugin.models.config import ConfigError
 from elastic_plugin.models.norms import LocalRMSNorm
+
+CORE_ATTENTIONS = {"sdpa": SDPAAttention, "unfused": DotProductAttention}
+"""The local spec's core attention modules by name (``core_attention=``)."""
 
 
 def have_transformer_engine() -> bool:
@@ -53,8 +61,22 @@ def _use_torch_final_norm_without_te() -> None:
         hybrid_block.TENorm = LocalRMSNorm
 
 
-def local_hybrid_stack_spec() -> ModuleSpec:
-    """A HybridStack spec using only Megatron-Core modules (runs on CPU, no TE)."""
+def _core_attention(name: str) -> type:
+    try:
+        return CORE_ATTENTIONS[name]
+    except KeyError:
+        raise ConfigError(
+            f"core_attention must be one of {sorted(CORE_ATTENTIONS)}, got {name!r}"
+        ) from None
+
+
+def local_hybrid_stack_spec(core_attention: str = "sdpa") -> ModuleSpec:
+    """A HybridStack spec using only Megatron-Core modules (runs on CPU, no TE).
+
+    ``core_attention``: ``"sdpa"`` (``SDPAAttention``, flash / memory-efficient kernels) or
+    ``"unfused"`` (Megatron's ``DotProductAttention``).
+    """
+    attention = _core_attention(core_attention)
     _use_torch_final_norm_without_te()
     norm = LocalRMSNorm
     moe = get_moe_module_spec_for_backend(
@@ -86,7 +108,7 @@ def local_hybrid_stack_spec() -> ModuleSpec:
                         params={"attn_mask_type": AttnMaskType.causal},
                         submodules=SelfAttentionSubmodules(
                             linear_qkv=ColumnParallelLinear,
-                            core_attention=DotProductAttention,
+                            core_attention=attention,
                             linear_proj=RowParallelLinear,
                         ),
                     ),
@@ -122,12 +144,21 @@ def local_hybrid_stack_spec() -> ModuleSpec:
     )
 
 
-def hybrid_stack_spec(use_te: bool | None = None) -> ModuleSpec:
-    """The spec to build with: TE's when present (or asked for), else the local one."""
+def hybrid_stack_spec(use_te: bool | None = None, core_attention: str | None = None) -> ModuleSpec:
+    """The spec to build with: TE's when present (or asked for), else the local one.
+
+    ``core_attention`` picks the local spec's core attention (default ``"sdpa"``); TE's spec has
+    its own (``TEDotProductAttention``), so naming one together with TE is an error.
+    """
     if use_te is None:
         use_te = have_transformer_engine()
     if use_te:
+        if core_attention is not None:
+            raise ConfigError(
+                f"core_attention={core_attention!r} selects the local (non-TE) spec's attention; "
+                "the Transformer Engine spec uses TEDotProductAttention (pass use_te=False)"
+            )
         from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as te_spec
 
         return te_spec
-    return local_hybrid_stack_spec()
+    return local_hybrid_stack_spec(core_attention or "sdpa")

@@ -596,3 +596,136 @@ def self_teacher_and_param_groups(config_path: str, workdir: str) -> dict[str, A
         "kd_second": float(reports[1]["elastic"][0]),
         "groups": groups,
     }
+
+
+def memory_per_parameter(
+    config_path: str, workdir: str, distributed_optimizer: bool = False
+) -> dict[str, Any]:
+    """Bytes per BF16 parameter that a BF16 elastic student really allocates: its weight,
+    Megatron DDP's gradient buffer and Megatron's optimizer state (its FP32 main copy and Adam's
+    two moments, after one step creates them), next to Megatron-LM's arithmetic
+    (``theoretical_memory_usage``: 18 bytes, or 6 + 12 / DP with the distributed optimizer).
+    The FP32 parameters (the router; Mamba's ``A_log`` and ``D``, FP32 by Megatron's design)
+    are listed apart. ``workdir`` must hold the ``init`` checkpoint."""
+    from megatron.core import parallel_state as ps
+
+    from elastic_plugin.elastic.model import build_elastic_chunks
+    from elastic_plugin.models.runtime import Runtime
+    from elastic_plugin.parallel import Layout, build_optimizer, initialize_layout
+
+    cfg = _experiment(config_path, None)
+    layout = Layout(distributed_optimizer=distributed_optimizer)
+    resolved = _elastic_config(cfg.model, "sliced", False).resolve(cfg.model)
+    initialize_layout(layout)
+    chunks, _, _ = build_elastic_chunks(
+        Path(workdir) / "init", layout, resolved, runtime=Runtime(bf16=True)
+    )
+    optimizer = build_optimizer(chunks, lr=1e-3, distributed_optimizer=distributed_optimizer)
+    optimizer.zero_grad()
+    optimizer.step()  # Adam's moments exist from the first step on
+    ddp = chunks[0]
+    low = [p for p in ddp.module.parameters() if p.dtype == torch.bfloat16]
+    fp32 = {n: p.numel() for n, p in ddp.module.named_parameters() if p.dtype == torch.float32}
+    n = sum(p.numel() for p in low)
+    grad_bytes = sum(
+        b.grad_data.numel() * b.grad_data.element_size()
+        for b in ddp.buffers
+        if b.param_dtype == torch.bfloat16
+    )
+    state_bytes = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        groups = getattr(opt, "shard_fp32_from_float16_groups", None)
+        if groups is None:
+            groups = opt.fp32_from_float16_groups
+        for group in groups:
+            for main in group:
+                state = opt.optimizer.state.get(main, {})
+                state_bytes += main.numel() * main.element_size() + sum(
+                    t.numel() * t.element_size()
+                    for k, t in state.items()
+                    if k in ("exp_avg", "exp_avg_sq")
+                )
+    dp = ps.get_data_parallel_world_size()
+    return {
+        "bf16_params": n,
+        "fp32_params": fp32,
+        "weight_bytes_per_param": sum(p.numel() * p.element_size() for p in low) / n,
+        "grad_bytes_per_param": grad_bytes / n,
+        "optimizer_bytes_per_param": state_bytes / n,
+        "megatron_bytes_per_param": 6 + 12 / dp if distributed_optimizer else 18,
+        "dp": dp,
+    }
+
+
+def write_init_checkpoint_at(config_path: str, path: str) -> None:
+    """``write_init_checkpoint`` of the tiny model at ``path`` (a rank-pool entry point)."""
+    write_init_checkpoint(_experiment(config_path, None), Path(path))
+
+
+def bf16_and_fp32_traces(config_path: str, workdir: str, iters: int = 20) -> dict[str, Any]:
+    """The per-budget KD loss of every iteration of ``train_elastic`` in FP32 and in BF16
+    (same data, seed and schedule), and the dtype each run's checkpoint records."""
+    import dataclasses
+
+    from elastic_plugin.elastic.schedule import ElasticSchedule
+    from elastic_plugin.elastic.train import train_elastic
+    from elastic_plugin.parallel import Layout
+
+    work = Path(workdir)
+    cfg = _experiment(config_path, None)
+    write_init_checkpoint(cfg, work / "init")
+    ecfg = _elastic_config(cfg.model, "sliced", False)
+    sched = ElasticSchedule(
+        train_iters=iters,
+        lr=5e-3,
+        min_lr=5e-4,
+        lr_warmup_iters=2,
+        global_batch_size=8,
+        micro_batch_size=4,
+        seq_length=SEQ_LEN,
+        log_interval=1,
+        eval_interval=iters,
+        eval_iters=1,
+    )
+    out: dict[str, Any] = {}
+    for name, bf16 in (("fp32", False), ("bf16", True)):
+        run_cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, bf16=bf16))
+        run = train_elastic(
+            run_cfg, ecfg, Layout(), work / "init", work / name,
+            lambda c: _synthetic_iterator(cfg.model.vocab_size, 4, c),
+            lambda: _synthetic_iterator(cfg.model.vocab_size, 4, 10**6), sched, progress=False,
+        )  # fmt: skip
+        out[name] = [h["train_loss"] for h in run.history if h.get("train_loss")]
+        out[f"{name}_valid"] = run.final_valid
+        out[f"{name}_dtype"] = _read_meta(Path(run.checkpoint_dir)).get("params_dtype")
+        out[f"{name}_ckpt"] = run.checkpoint_dir
+    out["cross_load"] = _cross_dtype_loads(Path(out["bf16_ckpt"]), Path(out["fp32_ckpt"]))
+    return out
+
+
+def _cross_dtype_loads(bf16_ckpt: Path, fp32_ckpt: Path) -> dict[str, Any]:
+    """A BF16 checkpoint read by an FP32 tool holds exactly the BF16 values; an FP32 one read
+    in BF16 holds them rounded to BF16 (max abs differences, 0 expected for both)."""
+    from elastic_plugin.checkpoint.io import build_from_checkpoint
+    from elastic_plugin.parallel import Layout
+
+    def weights(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        chunks, _, _ = build_from_checkpoint(path, Layout(), params_dtype=dtype)
+        return {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
+
+    out: dict[str, Any] = {}
+    for label, path, low_first in (
+        ("bf16_in_fp32", bf16_ckpt, True),
+        ("fp32_in_bf16", fp32_ckpt, False),
+    ):
+        low, high = weights(path, torch.bfloat16), weights(path, torch.float32)
+        out[f"{label}_dtypes"] = sorted(
+            {str(t.dtype) for t in (high if low_first else low).values()}
+        )
+        out[label] = max(
+            (high[n].to(torch.bfloat16).float() - low[n].float()).abs().max().item()
+            if not low_first
+            else (high[n] - low[n].float()).abs().max().item()
+            for n in low
+        )
+    return out

@@ -217,9 +217,11 @@ def _patch_local_attention(nm: types.ModuleType) -> None:
     def setup(self, *, hidden_size):
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+        from elastic_plugin.models.attention import SDPAAttention
+
         if not (
             self._prunes_attention_heads()
-            and isinstance(self.core_attention, DotProductAttention)
+            and isinstance(self.core_attention, (DotProductAttention, SDPAAttention))
             and type(self.linear_qkv) is ColumnParallelLinear
         ):
             return original_setup(self, hidden_size=hidden_size)

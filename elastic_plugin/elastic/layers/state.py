@@ -92,6 +92,38 @@ def _tp_grad_sum(mask: torch.Tensor | None) -> torch.Tensor | None:
     return copy_to_tensor_model_parallel_region(mask)
 
 
+class _MaskGate(torch.autograd.Function):
+    """Identity on ``x``; backward returns the gradient the masks' leaf copies gathered."""
+
+    @staticmethod
+    def forward(ctx, x, leaves, *masks):
+        ctx.leaves = leaves
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads = [
+            leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in ctx.leaves
+        ]
+        ctx.leaves = None
+        return (grad, None, *grads)
+
+
+class _RestoreChoice(torch.autograd.Function):
+    """Identity on the chunk's output; its backward re-activates the micro-batch's choice."""
+
+    @staticmethod
+    def forward(ctx, output, state, snapshot):
+        ctx.state, ctx.snapshot = state, snapshot
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.state._restore(ctx.snapshot)
+        ctx.state = ctx.snapshot = None
+        return grad, None, None
+
+
 class ElasticState:
     """Choice of the current micro-batch; ``None`` choice = the full model (no elastic code runs)."""
 
@@ -104,12 +136,23 @@ class ElasticState:
         self.groups = dict(groups or {})
         self.mode = SLICED
         self._active: dict[tuple[str, int | None], AxisActive] | None = None
-        self._cache: dict[Any, Any] = {}
+        # derived values per choice, apart for grad mode: a value made under no_grad (inside a
+        # recomputed layer's first forward) carries no graph and must not serve a grad forward
+        self._caches: dict[bool, dict[Any, Any]] = {True: {}, False: {}}
+        # full activation recomputation re-runs layers in the backward pass (``recompute``)
+        self.recompute = False
 
     # ------------------------------------------------------------------ setting the choice
     @property
     def is_active(self) -> bool:
         return self._active is not None
+
+    @property
+    def _cache(self) -> dict[Any, Any]:
+        return self._caches[torch.is_grad_enabled()]
+
+    def _reset_cache(self) -> None:
+        self._caches = {True: {}, False: {}}
 
     def clear(self) -> None:
         """Run the full model through Megatron's own code paths."""
@@ -151,7 +194,7 @@ class ElasticState:
                 else:
                     active[(name, layer)] = AxisActive(size, spec.full, mask)
         self._active = active
-        self._cache = {}
+        self._reset_cache()
 
     def set_sizes(self, sizes: dict[str, int | list[int]]) -> None:
         """A fixed hard choice without masks (evaluation, extraction): sizes per axis (per layer)."""
@@ -166,7 +209,48 @@ class ElasticState:
                 active[(name, lay)] = AxisActive(int(size), spec.full)
         self.mode = SLICED
         self._active = active
-        self._cache = {}
+        self._reset_cache()
+
+    # ------------------------------------------------------- activation recomputation
+    def gate_masks(self, x: torch.Tensor) -> torch.Tensor:
+        """At a model chunk's input, under full recomputation: layers from here on read
+        detached leaf copies of the router's masks, and the returned ``x`` (identity) hands the
+        gradient those leaves gathered to the real masks when the backward pass reaches it,
+        i.e. after every recomputed layer of this micro-batch has run. (A recomputed layer
+        backpropagates inside its own backward call; reaching the router's graph from there
+        would run it early and free it.)"""
+        if not (self.recompute and self._active is not None and torch.is_grad_enabled()):
+            return x
+        masks: dict[int, torch.Tensor] = {}
+        for act in self._active.values():
+            if act.mask is not None and act.mask.requires_grad and act.mask.grad_fn is not None:
+                masks.setdefault(id(act.mask), act.mask)
+        if not masks:
+            return x
+        leaves = {key: m.detach().requires_grad_(True) for key, m in masks.items()}
+        self._active = {
+            key: AxisActive(act.size, act.full, leaves[id(act.mask)])
+            if act.mask is not None and id(act.mask) in leaves
+            else act
+            for key, act in self._active.items()
+        }
+        self._reset_cache()
+        keys = list(masks)
+        return _MaskGate.apply(x, [leaves[k] for k in keys], *(masks[k] for k in keys))
+
+    def restore_on_backward(self, output: torch.Tensor) -> torch.Tensor:
+        """At a model chunk's output, under full recomputation: when the backward pass reaches
+        this micro-batch (1F1B runs later micro-batches' forwards in between), make its choice
+        the active one again, so its recomputed layers compute the model they computed."""
+        if not (self.recompute and self._active is not None and torch.is_grad_enabled()):
+            return output
+        if not torch.is_tensor(output) or not output.requires_grad:
+            return output
+        return _RestoreChoice.apply(output, self, (self.mode, self._active))
+
+    def _restore(self, snapshot: tuple[str, dict]) -> None:
+        self.mode, self._active = snapshot
+        self._reset_cache()
 
     def cached(self, key: Any, make: Callable[[], Any]) -> Any:
         """``make()``, computed once per choice: index sets and masks the layers derive from the
