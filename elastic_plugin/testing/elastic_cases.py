@@ -623,9 +623,10 @@ def memory_per_parameter(
     optimizer = build_optimizer(chunks, lr=1e-3, distributed_optimizer=distributed_optimizer)
     optimizer.zero_grad()
     optimizer.step()  # Adam's moments exist from the first step on
-    ddp = chunks[0]
-    low = [p for p in ddp.module.parameters() if p.dtype == torch.bfloat16]
-    fp32 = {n: p.numel() for n, p in ddp.module.named_parameters() if p.dtype == torch.float32}
+    ddp: Any = chunks[0]  # Megatron's DDP (untyped)
+    model: torch.nn.Module = ddp.module
+    low = [p for p in model.parameters() if p.dtype == torch.bfloat16]
+    fp32 = {n: p.numel() for n, p in model.named_parameters() if p.dtype == torch.float32}
     n = sum(p.numel() for p in low)
     grad_bytes = sum(
         b.grad_data.numel() * b.grad_data.element_size()
