@@ -141,7 +141,21 @@ def test_bf16_tracks_fp32_over_20_steps_and_checkpoints_cross_load(rank_pools, t
     for budget, value in r["fp32_valid"].items():
         assert r["bf16_valid"][budget] == pytest.approx(value, rel=1e-2)
     assert (r["fp32_dtype"], r["bf16_dtype"]) == ("float32", "bfloat16")
+    for name in ("fp32", "bf16"):  # throughput in every logged record
+        rate = r[f"{name}_throughput"]
+        assert rate["tokens_per_s"] > 0 and rate["tflops_per_rank"] > 0, rate
+        assert rate["peak_memory_gib"] > 0.1, rate
     cross = r["cross_load"]
     assert cross["bf16_in_fp32_dtypes"] == ["torch.float32"]
     assert cross["fp32_in_bf16_dtypes"] == ["torch.bfloat16"]
     assert cross["bf16_in_fp32"] == 0.0 and cross["fp32_in_bf16"] == 0.0, cross
+
+
+def test_counted_flops_are_the_routed_models(rank_pools, tmp_path):
+    """The FLOPs an iteration counts for the TFLOP/s figure are the sliced models that ran:
+    each micro-batch's routed choice in training (3 passes) plus the teacher's forward."""
+    (r,) = rank_pools.get(1).run(
+        f"{CASES}:flops_of_a_step", config_path=CONFIG, workdir=str(tmp_path)
+    )
+    assert r["choices"] and r["counted"] == r["expected"], r
+    assert r["after_take"] == 0.0

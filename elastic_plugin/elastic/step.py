@@ -73,7 +73,11 @@ class ElasticStep:
         None  # when a list: (iteration, global micro-batch, budget, choice) per route
     )
     frozen: dict[int, dict[str, torch.Tensor]] | None = None  # budget index -> fixed one-hot choice
+    recompute: bool = False  # full activation recomputation: a 4th pass per layer
+    flops: float = 0.0  # model FLOPs this DP replica ran since the last ``take_flops``
     _mb: int = 0
+    _shape: tuple[int, int] = (0, 0)  # (sequence length, micro-batch size) of this iteration
+    _flop_cache: dict = field(default_factory=dict)
     _teacher_logits: list[torch.Tensor] = field(default_factory=list)
 
     @property
@@ -228,11 +232,43 @@ class ElasticStep:
         )
         return total, num_tokens.to(torch.int), {"elastic": report}
 
+    # ------------------------------------------------------------------ throughput
+    def choice_flops(self, probs: dict[str, torch.Tensor] | None, train: bool = True) -> int:
+        """Model FLOPs of one micro-batch of the nested model that ``probs`` activates (None:
+        the full model), as it runs: training (3 passes, 4 with full recomputation) or a
+        forward only. Masked mode computes the full widths."""
+        from elastic_plugin.models.flops import forward_flops, training_flops
+
+        resolved = self.state.resolved
+        choice: dict[str, Any] = {}
+        if probs is not None and self.cfg.mode == SLICED:
+            for name, spec in resolved.axes.items():
+                sizes = [spec.candidates[int(i)] for i in probs[name].argmax(-1).tolist()]
+                choice[name] = sizes if resolved.per_layer(name) else sizes[0]
+        seq, mbs = self._shape
+        key = (train, seq, mbs, tuple((k, str(v)) for k, v in sorted(choice.items())))
+        if key not in self._flop_cache:
+            args = (resolved.model, seq, mbs, choice or None)
+            count = (
+                training_flops(*args, recompute=self.recompute, full_router=True)
+                if train
+                else forward_flops(*args, full_router=True)
+            )
+            self._flop_cache[key] = count.total
+        return self._flop_cache[key]
+
+    def take_flops(self) -> float:
+        """The FLOPs counted since the last call (and reset)."""
+        flops, self.flops = self.flops, 0.0
+        return flops
+
     def _student_forward_step(self, data_iterator, model):
         local = self._mb
         self._mb += 1
         batch = get_batch(data_iterator)
         index, probs = self.route(model, local)
+        if torch.is_grad_enabled():  # a training micro-batch (not a forward-only evaluation)
+            self.flops += self.choice_flops(None if not self.state.is_active else probs)
         with fp8_gemm(self.cfg.fp8_gemm):  # the backward keeps the recipe it was traced with
             output = model(
                 batch.get("tokens"), batch.get("position_ids"), batch.get("attention_mask")
@@ -250,6 +286,9 @@ class ElasticStep:
     ) -> dict[str, Any]:
         """Teacher pass, then Megatron's forward-backward + optimizer step on the student."""
         stage_seq = self.sampler.seq_length(self.iteration) or seq_length
+        self._shape = (stage_seq, micro_batch_size)
+        # the teacher's forward over every micro-batch is part of the step's work
+        self.flops += self.num_microbatches * self.choice_flops(None, train=False)
         batches = None
         if data_iterator is not None:
             batches = [

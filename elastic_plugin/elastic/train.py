@@ -31,6 +31,7 @@ from elastic_plugin.elastic.router import AnnealSchedule
 from elastic_plugin.elastic.sampling import BudgetSampler, Stage
 from elastic_plugin.elastic.schedule import ElasticSchedule
 from elastic_plugin.elastic.step import ElasticStep
+from elastic_plugin.elastic.throughput import ThroughputMeter
 from elastic_plugin.models.config import ConfigError
 from elastic_plugin.models.runtime import Runtime
 from elastic_plugin.parallel import Layout, build_optimizer, initialize_layout, is_rank0
@@ -290,6 +291,7 @@ def train_elastic(
         logit_scale=AnnealSchedule(*ecfg.router.logit_scale, anneal),
         num_microbatches=num_microbatches,
         teacher_chunks=teacher_chunks,
+        recompute=runtime.recompute_granularity == "full",
     )
     router = router_of(chunks[0])
     elastic_src = (meta_src.get("elastic") or {}) if start_iter > 1 else {}
@@ -362,6 +364,7 @@ def train_elastic(
     )
     iteration = start_iter - 1
     freeze_after = ecfg.router.freeze_after
+    meter = ThroughputMeter(world=world, data_parallel=dp)
     for iteration in range(start_iter, last + 1):
         fault_point("train.step")
         step.iteration = iteration
@@ -381,11 +384,16 @@ def train_elastic(
                 log=(bar.write if bar is not None else None),
             )
             step.freeze(frozen_table)
+        meter.start()
         result = step.train_step(
             chunks, optimizer, train_iterator, sched.seq_length, sched.micro_batch_size
         )
         scheduler.step(increment=1)
         consumed += sched.global_batch_size
+        meter.stop(
+            sched.global_batch_size * (step.sampler.seq_length(iteration) or sched.seq_length),
+            step.take_flops(),
+        )
         for index, agg in (result["loss"] or {}).items():
             window[index] += torch.tensor(
                 [agg["kd_sum"], agg["tokens"], agg["budget_loss_sum"], agg["count"]],
@@ -417,6 +425,7 @@ def train_elastic(
                 "lr": optimizer.param_groups[0]["lr"],
                 "grad_norm": float(result.get("grad_norm") or 0.0),
                 "elapsed_s": round(time.time() - start, 2),
+                "throughput": meter.report(),
             }
         if valid_factory is not None and (
             iteration % sched.eval_interval == 0 or iteration == sched.train_iters
@@ -429,7 +438,15 @@ def train_elastic(
         if bar is not None:
             bar.update(1)
             if record.get("train_loss"):
-                bar.set_postfix({k: f"{v:.3f}" for k, v in record["train_loss"].items()})
+                rate = record["throughput"]
+                bar.set_postfix(
+                    {k: f"{v:.3f}" for k, v in record["train_loss"].items()}
+                    | {
+                        "tok/s": f"{rate['tokens_per_s']:.0f}",
+                        "TFLOP/s/rank": f"{rate['tflops_per_rank']:.3g}",
+                        "mem": f"{rate['peak_memory_gib']:.2f}G",
+                    }
+                )
         if sched.save_interval and iteration % sched.save_interval == 0 and iteration != last:
             _save(chunks, optimizer, scheduler, ckpt_dir, meta_now(), sched.keep_last)
     if bar is not None:

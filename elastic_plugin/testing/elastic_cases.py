@@ -700,6 +700,7 @@ def bf16_and_fp32_traces(config_path: str, workdir: str, iters: int = 20) -> dic
         out[f"{name}_valid"] = run.final_valid
         out[f"{name}_dtype"] = _read_meta(Path(run.checkpoint_dir)).get("params_dtype")
         out[f"{name}_ckpt"] = run.checkpoint_dir
+        out[f"{name}_throughput"] = run.history[-1]["throughput"]
     out["cross_load"] = _cross_dtype_loads(Path(out["bf16_ckpt"]), Path(out["fp32_ckpt"]))
     return out
 
@@ -730,3 +731,35 @@ def _cross_dtype_loads(bf16_ckpt: Path, fp32_ckpt: Path) -> dict[str, Any]:
             for n in low
         )
     return out
+
+
+def flops_of_a_step(config_path: str, workdir: str) -> dict[str, Any]:
+    """One elastic iteration's counted model FLOPs (``ElasticStep.take_flops``) next to the sum
+    the trace implies: ``models.flops.training_flops`` of each micro-batch's routed choice plus
+    the teacher's forward of every micro-batch (the full model)."""
+    from elastic_plugin.models.flops import forward_flops, training_flops
+    from elastic_plugin.parallel import Layout
+
+    work = Path(workdir)
+    cfg = _experiment(config_path, None)
+    write_init_checkpoint(cfg, work / "init")
+    cfg, chunks, optimizer, step = _setup(config_path, work, Layout(), None, "sliced", False, 1234)
+    step.iteration = 1
+    step.train_step(
+        chunks, optimizer, iter(_iteration_batches(cfg.model.vocab_size, 1)), SEQ_LEN,
+        MICRO_BATCH, step_optimizer=False,
+    )  # fmt: skip
+    resolved = step.state.resolved
+    expected = REF_MICROBATCHES * forward_flops(cfg.model, SEQ_LEN, MICRO_BATCH).total
+    choices = []
+    for _, _, _, picks in step.trace or []:
+        choice = {n: resolved.axes[n].candidates[picks[n][0]] for n in resolved.axes}
+        choices.append(choice)
+        expected += training_flops(cfg.model, SEQ_LEN, MICRO_BATCH, choice, full_router=True).total
+    return {
+        "counted": step.take_flops(),
+        "expected": expected,
+        "choices": choices,
+        "full": resolved.full_choice(),
+        "after_take": step.flops,
+    }
