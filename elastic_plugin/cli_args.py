@@ -108,8 +108,14 @@ def runtime_from_args(args: argparse.Namespace, training: Any, model: Any, pp: i
     if changes.get("recompute_granularity") == "selective":  # the YAML's full-only settings go
         for name in ("recompute_method", "recompute_num_layers"):
             changes.setdefault(name, None)
+    # a contradiction names the flag, unless the value came from the config's training:
+    names = {
+        k: FLAG_NAMES[k]
+        if k in changes or getattr(training, k) in (None, False)
+        else f"training.{k}"
+        for k in FLAG_NAMES
+    }
     training = dataclasses.replace(training, **changes)
-    names = {k: (FLAG_NAMES[k] if k in changes else f"training.{k}") for k in FLAG_NAMES}
     Runtime.of(training).check(model, pp, names)
     return training
 

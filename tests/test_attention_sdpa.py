@@ -278,3 +278,31 @@ def test_whole_model_same_logits_and_gradients(megatron, monkeypatch):
     assert set(grads_a) == set(grads_b) and grads_a
     for name, grad in grads_a.items():
         assert (grad - grads_b[name]).abs().max().item() <= FP32_TOL, name
+
+
+def test_selective_recompute_refuses_unfused_elastic_heads(megatron, monkeypatch):
+    """Selective recomputation re-runs core attention after the elastic layer put the head
+    count back; Megatron's DotProductAttention reads it from attributes, SDPA from shapes."""
+    from elastic_plugin.elastic.config import ElasticConfig
+    from elastic_plugin.elastic.layers import ElasticState, elastify
+    from elastic_plugin.models import builder, specs
+    from elastic_plugin.models.config import ConfigError, load_config
+    from elastic_plugin.parallel import Layout, build_model_chunks, initialize_layout
+
+    model_cfg = dataclasses.replace(load_config(CONFIG).model, hybrid_layer_pattern="M*-M*-")
+    resolved = ElasticConfig.from_dict({"budgets": [1.0, 0.5]}).resolve(model_cfg)
+    for core, refused in (("unfused", True), ("sdpa", False)):
+        monkeypatch.setattr(
+            builder,
+            "hybrid_stack_spec",
+            lambda use_te=None, core=core: specs.hybrid_stack_spec(use_te, core_attention=core),
+        )
+        initialize_layout(Layout(), seed=21)
+        model = build_model_chunks(
+            model_cfg, Layout(), wrap_ddp=False, use_te=False, recompute_granularity="selective"
+        )[0][0]
+        if refused:
+            with pytest.raises(ConfigError, match="selective re-runs core attention"):
+                elastify(model, ElasticState(resolved))
+        else:
+            elastify(model, ElasticState(resolved))

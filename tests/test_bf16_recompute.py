@@ -24,6 +24,7 @@ FULL_UNIFORM = {"recompute_granularity": "full", "recompute_method": "uniform",
                 "recompute_num_layers": 1}  # fmt: skip
 FULL_BLOCK = {"recompute_granularity": "full", "recompute_method": "block",
               "recompute_num_layers": 2}  # fmt: skip
+SELECTIVE = {"recompute_granularity": "selective"}  # core attention (SDPA reads shapes)
 RECOMPUTE_GRAD_ATOL = 1e-6
 BF16 = {"bf16": True}
 
@@ -62,8 +63,9 @@ def _run(rank_pools, work: str, world: int, **kwargs):
         ("sliced", None, FULL_UNIFORM, 1, {}),
         ("masked", NO_MOE_PATTERN, FULL_BLOCK, 1, {}),
         ("sliced", None, FULL_BLOCK, 2, {"pp": 2}),
+        ("sliced", None, SELECTIVE, 1, {}),
     ],
-    ids=["sliced-uniform", "masked-block", "sliced-pp2-1f1b"],
+    ids=["sliced-uniform", "masked-block", "sliced-pp2-1f1b", "sliced-selective"],
 )
 def test_recompute_keeps_gradients(rank_pools, reference, mode, pattern, runtime, world, layout):
     work = reference(mode, pattern)

@@ -208,6 +208,26 @@ def _bad_cases(f: dict) -> list[tuple[list[str], dict, str]]:
             {},
             "--data-path /nonexistent/prefix",
         ),
+        (["--ckpt", ck, "--bf16", "--fp16"], {}, "--bf16 and --fp16 are mutually exclusive"),
+        (["--ckpt", ck, "--fp16"], {}, "--fp16 is not supported"),
+        (["--ckpt", ck, "--recompute-method", "uniform"], {}, "--recompute-method needs"),
+        (
+            ["--ckpt", ck, "--recompute-granularity", "full"],
+            {},
+            "--recompute-granularity full needs --recompute-method",
+        ),
+        (
+            ["--ckpt", ck, "--recompute-granularity", "selective", "--recompute-num-layers", "2"],
+            {},
+            "--recompute-num-layers contradicts --recompute-granularity selective",
+        ),
+        (
+            ["--ckpt", ck, "--recompute-granularity", "full", "--recompute-method", "block",
+             "--recompute-num-layers", "99"],
+            {},
+            "--recompute-num-layers=99 exceeds the",
+        ),  # fmt: skip
+        (["--ckpt", ck, "--recompute-granularity", "some"], {}, "allowed: full, selective"),
     ]
 
 
@@ -299,6 +319,7 @@ def test_resume_checks_the_saved_run(fake, no_training, monkeypatch, capsys):
             "other elastic settings (elastic.budgets)",
         ),
         (["--resume", "--train-iters", "100"], {}, "was trained with --train-iters 300, not 100"),
+        (["--resume", "--bf16"], {}, "was trained in float32"),
         (
             ["--resume", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
             {"WORLD_SIZE": "2"},

@@ -460,7 +460,22 @@ class _AttentionLayer:
 
     @staticmethod
     def elastify(layer, state) -> None:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
         attn = layer.self_attention
+        config = attn.config
+        if (
+            config.recompute_granularity == "selective"
+            and "core_attn" in (config.recompute_modules or [])
+            and isinstance(attn.core_attention, DotProductAttention)
+            and "attention_heads" in state.resolved.axes
+        ):
+            raise ConfigError(
+                "--recompute-granularity selective re-runs core attention in the backward pass, "
+                "after the elastic layer has restored the head count that Megatron's "
+                "DotProductAttention reads from its attributes; use the local spec's SDPA core "
+                "attention (the default), or --recompute-granularity full"
+            )
         _norm(layer.input_layernorm, state)
         _bind_linear(attn.linear_qkv, "column", lambda: _attention_io(state, attn, "qkv"), state)
         _bind_linear(attn.linear_proj, "row", lambda: _attention_io(state, attn, "proj"), state)
