@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from elastic_plugin.models.config import ConfigError, ModelConfig
@@ -126,3 +126,53 @@ def model_for_choice(model: ModelConfig, choice: Mapping[str, int]) -> ModelConf
         changes["kv_channels"] = model.head_dim
         changes["num_query_groups"] = model.query_groups
     return dataclasses.replace(model, **changes).validate()
+
+
+def choice_sizes(
+    model_cfg: ModelConfig, choice: Mapping[str, int | Sequence[int]]
+) -> dict[str, dict[int | None, int]]:
+    """Validated sizes: axis -> {layer number: size} (``{None: size}`` for the embedding).
+
+    Axes left out are full. A size must be what the elastic layers can compute at TP=1/EP=1
+    (``config.model_axes``): a multiple of the axis' group count in [minimum, full]."""
+    axes = model_axes(model_cfg)
+    unknown = [name for name in choice if name not in axes]
+    if unknown:
+        raise ConfigError(
+            f"choice axis {unknown[0]!r} is not an elastic axis of this model; "
+            f"allowed: {', '.join(axes)}"
+        )
+    out: dict[str, dict[int | None, int]] = {}
+    for name, (full, multiple, minimum, layers, _unit) in axes.items():
+        value = choice.get(name, full)
+        allowed = (
+            f"allowed: multiples of {multiple} ({multiple_name(name, model_cfg)}) "
+            f"in [{minimum}, {full}]"
+        )
+        if name == "experts" and minimum > multiple:
+            allowed += f" (at least model.moe_router_topk={model_cfg.moe_router_topk})"
+        if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+            if not layers:
+                raise ConfigError(
+                    f"choice[{name!r}]={list(value)!r}: one global size only (an int); {allowed}"
+                )
+            if len(value) != len(layers):
+                raise ConfigError(
+                    f"choice[{name!r}] has {len(value)} sizes; allowed: one int, "
+                    f"or one per layer {list(layers)} ({len(layers)} sizes)"
+                )
+            items: list[object] = list(value)
+        else:
+            items = [value] * max(1, len(layers))
+        sizes: list[int] = []
+        for size in items:
+            if (
+                not isinstance(size, int)
+                or isinstance(size, bool)
+                or size % multiple
+                or not minimum <= size <= full
+            ):
+                raise ConfigError(f"choice[{name!r}]={value!r}: {size!r} is not allowed; {allowed}")
+            sizes.append(size)
+        out[name] = dict(zip(layers, sizes)) if layers else {None: sizes[0]}
+    return out

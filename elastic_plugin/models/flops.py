@@ -62,7 +62,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from elastic_plugin.models.axes import model_axes, multiple_name
+from elastic_plugin.models.axes import choice_sizes
 from elastic_plugin.models.config import ConfigError, ModelConfig
 
 __all__ = ["COMPONENTS", "FlopCount", "forward_flops", "ssd_scan_flops", "training_flops"]
@@ -114,45 +114,16 @@ class FlopCount:
 def _layer_sizes(
     model: ModelConfig, choice: Mapping[str, int | Sequence[int]] | None
 ) -> tuple[int, list[dict[str, int]]]:
-    """(hidden size, per decoder layer {axis: size}) of a choice, checked as
-    ``nested.choice.choice_sizes`` checks it (a multiple of the axis' group count in
-    [minimum, full], TP = EP = 1). models/ sits below nested/, hence the same rules here."""
-    axes = model_axes(model)
-    choice = dict(choice or {})
-    unknown = [name for name in choice if name not in axes]
-    if unknown:
-        raise ConfigError(
-            f"choice axis {unknown[0]!r} is not an elastic axis of this model; "
-            f"allowed: {', '.join(axes)}"
-        )
+    """(hidden size, per decoder layer {axis: size}) of a choice, checked by ``choice_sizes``
+    (a multiple of the axis' group count in [minimum, full], TP = EP = 1)."""
     per_layer: list[dict[str, int]] = [{} for _ in model.layer_types]
     hidden = model.hidden_size
-    for name, (full, multiple, minimum, layers, _unit) in axes.items():
-        value = choice.get(name, full)
-        allowed = f"allowed: multiples of {multiple} ({multiple_name(name, model)}) in [{minimum}, {full}]"
-        if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-            if not layers or len(value) != len(layers):
-                raise ConfigError(
-                    f"choice[{name!r}]={list(value)!r}: allowed: one int"
-                    + (f", or one per layer {list(layers)}" if layers else " (one global size)")
-                )
-            items: list[object] = list(value)
-        else:
-            items = [value] * max(1, len(layers))
-        sizes: list[int] = []
-        for size in items:
-            if (
-                not isinstance(size, int)
-                or isinstance(size, bool)
-                or size % multiple
-                or not minimum <= size <= full
-            ):
-                raise ConfigError(f"choice[{name!r}]={value!r}: {size!r} is not allowed; {allowed}")
-            sizes.append(size)
-        if not layers:
-            hidden = sizes[0]
-        for number, size in zip(layers, sizes):
-            per_layer[number - 1][name] = size
+    for name, sizes in choice_sizes(model, dict(choice or {})).items():
+        for number, size in sizes.items():
+            if number is None:
+                hidden = size
+            else:
+                per_layer[number - 1][name] = size
     return hidden, per_layer
 
 

@@ -168,6 +168,27 @@ def write_init_checkpoint(cfg, path: Path, seed: int = 1234) -> None:
     )
 
 
+def tiny_schedule(
+    iters: int, lr: float, warmup: int = 0, global_batch: int = 8, micro_batch: int = 4
+):
+    """The short schedule the training cases use: LR decays to lr/10, a log line per
+    iteration, one validation batch at the end."""
+    from elastic_plugin.elastic.schedule import ElasticSchedule
+
+    return ElasticSchedule(
+        train_iters=iters,
+        lr=lr,
+        min_lr=lr / 10,
+        lr_warmup_iters=warmup,
+        global_batch_size=global_batch,
+        micro_batch_size=micro_batch,
+        seq_length=SEQ_LEN,
+        log_interval=1,
+        eval_interval=iters,
+        eval_iters=1,
+    )
+
+
 def train_tiny_elastic(
     cfg,
     work: Path,
@@ -179,23 +200,11 @@ def train_tiny_elastic(
     """A briefly trained elastic checkpoint of ``cfg``'s model on synthetic tokens (random init
     saved as reordered, ``iters`` iterations on one rank); ``choices`` (budget label -> sizes)
     overwrite the stored table, as a converged router would have chosen. Returns its path."""
-    from elastic_plugin.elastic.schedule import ElasticSchedule
     from elastic_plugin.elastic.train import train_elastic
     from elastic_plugin.parallel import Layout
 
     write_init_checkpoint(cfg, work / "init")
-    sched = ElasticSchedule(
-        train_iters=iters,
-        lr=lr,
-        min_lr=lr / 10,
-        lr_warmup_iters=0,
-        global_batch_size=batch,
-        micro_batch_size=batch,
-        seq_length=SEQ_LEN,
-        log_interval=1,
-        eval_interval=iters,
-        eval_iters=1,
-    )
+    sched = tiny_schedule(iters, lr, global_batch=batch, micro_batch=batch)
     run = train_elastic(
         cfg,
         _elastic_config(cfg.model, "sliced", False),
@@ -418,7 +427,7 @@ def train_and_resume(
     import torch.distributed as dist
 
     from elastic_plugin.checkpoint.history import LATEST_FILE, iteration_dirs
-    from elastic_plugin.elastic.train import ElasticSchedule, train_elastic
+    from elastic_plugin.elastic.train import train_elastic
     from elastic_plugin.parallel import Layout
     from elastic_plugin.testing.integrity_cases import flip_middle
 
@@ -438,18 +447,7 @@ def train_and_resume(
             ),
         )
     layout = Layout(tp=tp, pp=pp, sequence_parallel=sequence_parallel)
-    sched = ElasticSchedule(
-        train_iters=iters,
-        lr=2e-3,
-        min_lr=2e-4,
-        lr_warmup_iters=2,
-        global_batch_size=8,
-        micro_batch_size=4,
-        seq_length=SEQ_LEN,
-        log_interval=1,
-        eval_interval=iters,
-        eval_iters=1,
-    )
+    sched = tiny_schedule(iters, 2e-3, warmup=2)
     make_iter = lambda consumed: _synthetic_iterator(cfg.model.vocab_size, 4, consumed)  # noqa: E731
     valid = lambda: _synthetic_iterator(cfg.model.vocab_size, 4, 10**6)  # noqa: E731
     full = train_elastic(
@@ -668,7 +666,6 @@ def bf16_and_fp32_traces(config_path: str, workdir: str, iters: int = 20) -> dic
     (same data, seed and schedule), and the dtype each run's checkpoint records."""
     import dataclasses
 
-    from elastic_plugin.elastic.schedule import ElasticSchedule
     from elastic_plugin.elastic.train import train_elastic
     from elastic_plugin.parallel import Layout
 
@@ -676,18 +673,7 @@ def bf16_and_fp32_traces(config_path: str, workdir: str, iters: int = 20) -> dic
     cfg = _experiment(config_path, None)
     write_init_checkpoint(cfg, work / "init")
     ecfg = _elastic_config(cfg.model, "sliced", False)
-    sched = ElasticSchedule(
-        train_iters=iters,
-        lr=5e-3,
-        min_lr=5e-4,
-        lr_warmup_iters=2,
-        global_batch_size=8,
-        micro_batch_size=4,
-        seq_length=SEQ_LEN,
-        log_interval=1,
-        eval_interval=iters,
-        eval_iters=1,
-    )
+    sched = tiny_schedule(iters, 5e-3, warmup=2)
     out: dict[str, Any] = {}
     for name, bf16 in (("fp32", False), ("bf16", True)):
         run_cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, bf16=bf16))

@@ -27,7 +27,6 @@ def full_budget_is_the_parent(config_path: str, workdir: str) -> dict[str, Any]:
     (with the likelihood search) and the step's routing of budget 1.0 after real steps."""
     from elastic_plugin.elastic.cost import ElasticCost
     from elastic_plugin.elastic.freeze import constrained_table, feasible_choices
-    from elastic_plugin.elastic.schedule import ElasticSchedule
     from elastic_plugin.elastic.train import train_elastic
     from elastic_plugin.export.extract import extract_nested
     from elastic_plugin.parallel import Layout
@@ -37,18 +36,7 @@ def full_budget_is_the_parent(config_path: str, workdir: str) -> dict[str, Any]:
     ec.write_init_checkpoint(cfg, work / "init")
     ecfg = ec._elastic_config(cfg.model, "sliced", False)
     resolved = ecfg.resolve(cfg.model)
-    sched = ElasticSchedule(
-        train_iters=4,
-        lr=2e-2,
-        min_lr=2e-3,
-        lr_warmup_iters=0,
-        global_batch_size=8,
-        micro_batch_size=4,
-        seq_length=ec.SEQ_LEN,
-        log_interval=1,
-        eval_interval=4,
-        eval_iters=1,
-    )
+    sched = ec.tiny_schedule(4, 2e-2)
 
     def data(consumed: int):
         return ec._synthetic_iterator(cfg.model.vocab_size, 4, consumed)

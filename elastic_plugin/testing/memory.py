@@ -124,7 +124,8 @@ class ElasticIteration:
     def freeze_weights(self) -> None:
         """Learning rate 0 in every parameter group: the optimizer step still does all its
         arithmetic, but weights (and the router's choice) stay put, so repeated iterations
-        compute the same nested model."""
+        compute the same nested model (MoE expert-bias updates, which are no optimizer step,
+        still move a few tokens between experts)."""
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             for group in opt.param_groups:
                 group["lr"] = 0.0
