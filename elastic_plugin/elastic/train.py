@@ -31,11 +31,11 @@ from elastic_plugin.elastic.router import AnnealSchedule
 from elastic_plugin.elastic.sampling import BudgetSampler, Stage
 from elastic_plugin.elastic.schedule import ElasticSchedule
 from elastic_plugin.elastic.step import ElasticStep
-from elastic_plugin.elastic.throughput import ThroughputMeter
 from elastic_plugin.models.config import ConfigError
 from elastic_plugin.models.runtime import Runtime
 from elastic_plugin.parallel import Layout, build_optimizer, initialize_layout, is_rank0
 from elastic_plugin.training.step import cosine_lr_scheduler, eval_step, share_from_last_stage
+from elastic_plugin.training.throughput import ThroughputMeter
 
 ELASTIC_CKPT = "elastic"
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from elastic_plugin.checkpoint.io import save_checkpoint
 from elastic_plugin.models.config import ConfigError, ExperimentConfig
+from elastic_plugin.models.flops import training_flops
 from elastic_plugin.models.runtime import Runtime
 from elastic_plugin.parallel import (
     Layout,
@@ -33,6 +34,7 @@ from elastic_plugin.training.step import (
     share_from_last_stage,
     train_step,
 )
+from elastic_plugin.training.throughput import ThroughputMeter
 
 
 @dataclass
@@ -135,11 +137,20 @@ def train_teacher(
     start = time.time()
     train_loss = valid_loss = None
     window: list[float] = []
+    meter = ThroughputMeter(world=world, data_parallel=dp)
+    replica_flops = training_flops(
+        model_cfg,
+        t.seq_length,
+        t.global_batch_size // dp,
+        recompute=runtime.recompute_granularity == "full",
+    ).total
     for iteration in range(1, t.train_iters + 1):
+        meter.start()
         result = train_step(
             chunks, optimizer, train_iterator, num_microbatches, t.seq_length, t.micro_batch_size
         )
         scheduler.step(increment=1)
+        meter.stop(t.global_batch_size * t.seq_length, replica_flops)
         loss = share_from_last_stage(result["loss"])
         if loss is not None and not math.isfinite(loss):
             raise FloatingPointError(
@@ -156,6 +167,7 @@ def train_teacher(
                 "lr": optimizer.param_groups[0]["lr"],
                 "grad_norm": float(result.get("grad_norm") or 0.0),
                 "elapsed_s": round(time.time() - start, 2),
+                "throughput": meter.report(),
             }
         if valid_dataset_factory is not None and (
             iteration % t.eval_interval == 0 or iteration == t.train_iters
@@ -173,9 +185,19 @@ def train_teacher(
                     fh.write(json.dumps(record) + "\n")
         if bar is not None:
             bar.update(1)
+            rate = next((h["throughput"] for h in reversed(history) if "throughput" in h), None)
             bar.set_postfix(
                 loss=f"{train_loss:.3f}" if train_loss is not None else "-",
                 val=f"{valid_loss:.3f}" if valid_loss is not None else "-",
+                **(
+                    {
+                        "tok/s": f"{rate['tokens_per_s']:.0f}",
+                        "TFLOP/s/rank": f"{rate['tflops_per_rank']:.3g}",
+                        "mem": f"{rate['peak_memory_gib']:.2f}G",
+                    }
+                    if rate
+                    else {}
+                ),
             )
     if bar is not None:
         bar.close()
