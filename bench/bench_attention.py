@@ -10,8 +10,9 @@ the peak memory above what was allocated before the step (the inputs) and the ma
 of their outputs and q/k/v gradients. Peak memory: ``torch.cuda.max_memory_allocated`` on a GPU;
 on a CPU the profiler's allocation events (``profile_memory=True``, every allocation and free of
 the CPU allocator, in time order: independent of malloc's caching), replayed to their running
-maximum. Megatron's persistent score buffer (``get_global_memory_buffer``) is emptied before the
-measured step, so that step allocates it like the first step of training does.
+maximum (``elastic_plugin.testing.memory.peak_bytes``). Megatron's persistent score buffer
+(``get_global_memory_buffer``) is emptied before the measured step, so that step allocates it
+like the first step of training does.
 
 Columns: medians (``*_ms``), ``sdpa/unfused`` (time, lower is better), peak ``*_MB`` and
 ``mem sdpa/unfused``; ``max_diff`` (text, FP32 on a CPU, bf16 on a GPU).
@@ -24,13 +25,14 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from _timing import interleaved_medians, synchronizer  # noqa: E402
+
+from elastic_plugin.testing.memory import clear_megatron_buffer, peak_bytes  # noqa: E402
 
 TOKENS = (2048, 8192)
 QUICK_TOKENS = (512, 1024)
@@ -76,36 +78,6 @@ def _modules(device: torch.device, dtype: torch.dtype, heads: int, groups: int, 
     return {"sdpa": SDPAAttention(**args), "unfused": DotProductAttention(**args)}
 
 
-def _clear_megatron_buffer() -> None:
-    from megatron.core import parallel_state
-
-    parallel_state.get_global_memory_buffer().buffer.clear()
-
-
-def peak_bytes(fn: Callable[[], object], device: torch.device) -> tuple[int, object]:
-    """Peak bytes allocated on ``device`` while ``fn`` runs, above what was allocated before;
-    and ``fn``'s result."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        result = fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base, result
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    events = [
-        e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    ]  # one per allocation (+bytes) and free (-bytes)
-    running = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        running += event.nbytes()
-        peak = max(peak, running)
-    return peak, result
-
-
 def run(
     quick: bool = False,
     reps: int | None = None,
@@ -145,9 +117,9 @@ def run(
         peaks, results = {}, {}
         for name in modules:
             clear_grads()  # freed outside the profiled step: it counts its own gradients
-            _clear_megatron_buffer()
+            clear_megatron_buffer()
             peaks[name], results[name] = peak_bytes(lambda name=name: step(name), dev)
-        _clear_megatron_buffer()  # give back the unfused scores (GBs at 8K)
+        clear_megatron_buffer()  # give back the unfused scores (GBs at 8K)
         diff = max(
             (a.float() - r.float()).abs().max().item()
             for a, r in zip(results["sdpa"], results["unfused"])
