@@ -222,8 +222,16 @@ def _bad_cases(f: dict) -> list[tuple[list[str], dict, str]]:
             "--recompute-num-layers contradicts --recompute-granularity selective",
         ),
         (
-            ["--ckpt", ck, "--recompute-granularity", "full", "--recompute-method", "block",
-             "--recompute-num-layers", "99"],
+            [
+                "--ckpt",
+                ck,
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "block",
+                "--recompute-num-layers",
+                "99",
+            ],
             {},
             "--recompute-num-layers=99 exceeds the",
         ),  # fmt: skip
