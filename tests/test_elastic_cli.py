@@ -660,7 +660,7 @@ def pretrain_case(workdir: str) -> dict:
         "--elastic-router-hidden-size",
         "32",
         "--elastic-curriculum",
-        "4,6:0.5/0.3/0.2",
+        "4:0/0.5/0.5,6:0.5/0.3/0.2",  # the first micro-batch is routed (1.0 never is)
         "--some-unknown-flag",
     ]
     saved_argv = sys.argv

@@ -336,8 +336,11 @@ def test_unreachable_budgets(tiny):
     with pytest.raises(ConfigError, match="budget 0.4 is not reachable with budget_metric=memory"):
         ElasticConfig(budget_metric="memory").resolve(tiny)
     with pytest.raises(
-        ConfigError, match=r"budget 1 is not reachable .*largest candidates give 0\.\d+"
+        ConfigError, match=r"budget 0.99 is not reachable .*largest candidates give 0\.\d+"
     ):
+        ElasticConfig(budgets=(0.99, 0.5), sizes={"ffn": [128, 64]}).resolve(tiny)
+    # budget 1.0 is the parent: the full size of every axis must be a candidate
+    with pytest.raises(ConfigError, match=r"sizes.ffn=\[128, 64\]: budget 1.0 is the full parent"):
         ElasticConfig(sizes={"ffn": [128, 64]}).resolve(tiny)
 
 

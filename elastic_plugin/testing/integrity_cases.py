@@ -128,6 +128,7 @@ def pipeline_case(workdir: str) -> dict[str, Any]:
 
     sizes = {name: int(entry["bytes"]) for name, entry in recorded.items()}
     (damaged,) = [n for n in balanced_share(sizes, 1, 2) if n.endswith(".distcp")][:1]
+    dist.barrier()  # every rank has read the checkpoint before one of its files is damaged
     if rank == 0:
         flip_middle(ckpt / damaged)
     dist.barrier()
