@@ -35,6 +35,14 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--expert-model-parallel-size", type=int, default=None)
     group.add_argument("--sequence-parallel", action="store_true", default=None)
     group.add_argument("--use-distributed-optimizer", action="store_true", default=None)
+    group.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=None,
+        metavar="M",
+        help="how long a collective waits for a peer before the run fails naming the stuck "
+        "rank (default 10)",
+    )
 
 
 def layout_from_args(args: argparse.Namespace, parallel: Any) -> Layout:
@@ -44,6 +52,10 @@ def layout_from_args(args: argparse.Namespace, parallel: Any) -> Layout:
 
     def pick(flag: Any, default: Any) -> Any:
         return default if flag is None else flag
+
+    timeout = getattr(args, "distributed_timeout_minutes", None)
+    if timeout is not None and not timeout > 0:
+        raise ConfigError(f"--distributed-timeout-minutes={timeout} must be > 0")
 
     return Layout(
         tp=pick(args.tensor_model_parallel_size, parallel.tensor_model_parallel_size),
@@ -163,14 +175,18 @@ def check_data_path_args(args: argparse.Namespace) -> None:
 
 
 def start_ranks(
-    layout: Layout | None = None, seed: int = 1234, one_process: str | None = None
+    layout: Layout | None = None,
+    seed: int = 1234,
+    one_process: str | None = None,
+    timeout_minutes: float | None = None,
 ) -> None:
     """Start this rank the same way in every command: Megatron's CPU adaptations (only where
     CUDA is absent), the default process group (torchrun's, or a 1-rank world), then Megatron's
     model-parallel groups for ``layout`` (seeded with ``seed``) when one is given.
 
     ``one_process``: the job runs in a single process; a larger world is refused with a
-    ConfigError that starts with this text (e.g. "extraction runs as one process")."""
+    ConfigError that starts with this text (e.g. "extraction runs as one process").
+    ``timeout_minutes``: how long collectives wait (``--distributed-timeout-minutes``)."""
     from elastic_plugin.compat import enable_cpu_megatron
 
     enable_cpu_megatron()
@@ -178,7 +194,7 @@ def start_ranks(
 
     from elastic_plugin.parallel import init_distributed, initialize_layout
 
-    init_distributed()
+    init_distributed(timeout_s=None if timeout_minutes is None else timeout_minutes * 60)
     if one_process is not None and dist.get_world_size() != 1:
         raise ConfigError(
             f"{one_process}; got a world of {dist.get_world_size()} ranks (run it without torchrun)"

@@ -51,26 +51,39 @@ class Layout:
             )
 
 
-def init_distributed(backend: str | None = None, timeout_s: int = 600) -> None:
+DEFAULT_TIMEOUT_S = 600.0
+_timeout_s = DEFAULT_TIMEOUT_S  # what every collective of this process waits before it fails
+
+
+def collective_timeout_s() -> float:
+    """How long a collective waits for a peer (``--distributed-timeout-minutes``)."""
+    return _timeout_s
+
+
+def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> None:
     """Join the default process group from torchrun-style env vars (or a 1-rank world).
 
     A 1-rank world rendezvouses on a free local port passed to torch directly, not through
     ``os.environ``: a rendezvous env left behind would be inherited by every subprocess this
-    process starts (a torchrun or CLI child would then try to listen on the taken port)."""
+    process starts (a torchrun or CLI child would then try to listen on the taken port).
+    ``timeout_s``: how long a collective waits for a peer (default 600 s), also for the
+    model-parallel groups ``initialize_layout`` creates."""
+    global _timeout_s
     if dist.is_initialized():
         return
+    _timeout_s = float(timeout_s or DEFAULT_TIMEOUT_S)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, timeout=timedelta(seconds=_timeout_s))
         return
     dist.init_process_group(
         backend,
         init_method=f"tcp://127.0.0.1:{free_port()}",
         rank=0,
         world_size=1,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timedelta(seconds=_timeout_s),
     )
 
 
@@ -98,6 +111,7 @@ def initialize_layout(layout: Layout, seed: int = 1234) -> None:
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
+        distributed_timeout_minutes=_timeout_s / 60,  # a float works (a timedelta of it)
     )
     model_parallel_cuda_manual_seed(seed)
 

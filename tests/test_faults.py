@@ -161,6 +161,23 @@ def test_a_full_disk_during_a_save_leaves_the_previous_save_usable(start, tmp_pa
     )
 
 
+def test_a_hung_rank_is_named_when_the_collective_times_out(start, tmp_path):
+    """Rank 1 hangs before iteration 3: rank 0's next collective times out after 30 s, and the
+    run fails naming rank 1 and where it stopped (its heartbeat: iteration 2 done), not just
+    "timed out"."""
+    result = _elastic_train(
+        start, tmp_path / "hung", 2, ["--distributed-timeout-minutes", "0.5", "--global-batch-size", "8"],
+        fault="train.step@3:rank=1:action=hang",
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "[fault] rank 1: hang at train.step" in result.stdout + result.stderr
+    assert "a collective timed out after 30 s on rank 0 at iteration 3 (train)" in result.stderr
+    assert "rank 1 (" in result.stderr, result.stderr[-3000:]
+    assert "is stuck: its last heartbeat" in result.stderr
+    assert "was iteration 2 done" in result.stderr
+    assert "Traceback" not in result.stderr.split("a collective timed out")[0][-2000:]
+
+
 def test_fault_specs_are_checked():
     from elastic_plugin.compat.faults import FaultSpec, parse_faults
 

@@ -605,7 +605,7 @@ def _save_failed(out: Path, exc: OSError) -> str:
 
 def _train(inputs: ElasticInputs, args: argparse.Namespace) -> int:
     """The heavy part: process group, data, model, training (every rank)."""
-    start_ranks()
+    start_ranks(timeout_minutes=args.distributed_timeout_minutes)
     import torch.distributed as dist
 
     from elastic_plugin.data.indexed import batch_iterator
@@ -651,6 +651,16 @@ def _train(inputs: ElasticInputs, args: argparse.Namespace) -> int:
         return report_bad_input(PROG, exc)
     except OSError as exc:  # a full disk or a lost filesystem while saving
         print(_save_failed(inputs.out, exc), file=sys.stderr, flush=True)
+        return 1
+    except RuntimeError as exc:  # a peer never joined a collective: name the stuck rank
+        from elastic_plugin.parallel import collective_timeout_s
+        from elastic_plugin.training.heartbeat import Heartbeat, is_collective_timeout
+
+        if not is_collective_timeout(exc):
+            raise
+        heartbeat = Heartbeat(inputs.out, dist.get_rank(), dist.get_world_size())
+        report = heartbeat.stuck_report(collective_timeout_s())
+        print(f"{PROG}: error: {report}", file=sys.stderr, flush=True)
         return 1
     if dist.get_rank() == 0:
         print(json.dumps(summary(run, sched.train_iters), indent=2))

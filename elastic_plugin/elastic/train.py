@@ -34,6 +34,7 @@ from elastic_plugin.elastic.step import ElasticStep
 from elastic_plugin.models.config import ConfigError
 from elastic_plugin.models.runtime import Runtime
 from elastic_plugin.parallel import Layout, build_optimizer, initialize_layout, is_rank0
+from elastic_plugin.training.heartbeat import Heartbeat
 from elastic_plugin.training.step import cosine_lr_scheduler, eval_step, share_from_last_stage
 from elastic_plugin.training.throughput import ThroughputMeter
 
@@ -365,8 +366,11 @@ def train_elastic(
     iteration = start_iter - 1
     freeze_after = ecfg.router.freeze_after
     meter = ThroughputMeter(world=world, data_parallel=dp)
+    heartbeat = Heartbeat(out_dir, dist.get_rank() if dist.is_initialized() else 0, world)
+    heartbeat.beat(iteration, "start")
     for iteration in range(start_iter, last + 1):
         fault_point("train.step")
+        heartbeat.beat(iteration, "train")
         step.iteration = iteration
         if freeze_after is not None and iteration > freeze_after and not frozen_table:
 
@@ -430,6 +434,7 @@ def train_elastic(
         if valid_factory is not None and (
             iteration % sched.eval_interval == 0 or iteration == sched.train_iters
         ):
+            heartbeat.beat(iteration, "evaluation")
             valid = evaluate_budgets(chunks, state, current_table(), valid_factory, sched)
             record["valid_loss"] = valid
         if record:
@@ -448,10 +453,13 @@ def train_elastic(
                     }
                 )
         if sched.save_interval and iteration % sched.save_interval == 0 and iteration != last:
+            heartbeat.beat(iteration, "checkpoint save")
             _save(chunks, optimizer, scheduler, ckpt_dir, meta_now(), sched.keep_last)
+        heartbeat.beat(iteration, "done")
     if bar is not None:
         bar.close()
     table = current_table()
+    heartbeat.beat(iteration, "checkpoint save")
     saved = _save(chunks, optimizer, scheduler, ckpt_dir, meta_now(), sched.keep_last)
     plots = [str(p) for p in metrics.plot()] if is_rank0() else []
     counts = {

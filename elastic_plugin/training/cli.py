@@ -108,7 +108,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, cfg, layout, out: Path) -> int:
     """The heavy part, holding --out's lock: process group, data, model, training."""
-    start_ranks()
+    start_ranks(timeout_minutes=args.distributed_timeout_minutes)
     from elastic_plugin.training.data_feed import build_data_feed
     from elastic_plugin.training.teacher import train_teacher
 
