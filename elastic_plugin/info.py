@@ -30,11 +30,16 @@ def collect_info() -> dict[str, Any]:
 
     import elastic_plugin
     from elastic_plugin import ops
-    from elastic_plugin.compat import enable_cpu_megatron
     from elastic_plugin.compat.mamba_install import install_mamba_fallbacks
+    from elastic_plugin.compat.megatron_training import (
+        enable_cpu_megatron_training,
+        training_patches,
+    )
     from elastic_plugin.models.specs import have_transformer_engine
 
-    patches = enable_cpu_megatron()  # a no-op with CUDA; otherwise what a CPU run would use
+    # no-ops with CUDA; otherwise what a CPU run would use: Megatron-Core's patches
+    # (compat/cpu.py) and Megatron-LM's training loop's (compat/megatron_training.py)
+    patches = enable_cpu_megatron_training()
     mamba = install_mamba_fallbacks()
     cuda = torch.cuda.is_available()
     return {
@@ -54,6 +59,7 @@ def collect_info() -> dict[str, Any]:
         else "pytorch (elastic_plugin.compat.mamba_ops)",
         "extension": ops.backend_info(),
         "cpu_patches": len(patches),
+        "megatron_training_patches": training_patches(),
     }
 
 
@@ -66,6 +72,8 @@ def run_info(args: argparse.Namespace) -> int:
     for key, value in info.items():
         if isinstance(value, dict):
             value = ", ".join(f"{k}={v}" for k, v in value.items())
+        elif isinstance(value, list):
+            value = ", ".join(map(str, value)) or "none"
         print(f"{key:<{width}}  {value}")
     return 0
 

@@ -15,6 +15,10 @@ its architecture must match Megatron's model flags, which this script prints for
         --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --bf16 \\
         --data-path ... --tokenizer-type ... --save CKPT --load CKPT
 
+Without CUDA (CPU + gloo, e.g. for a smoke test) add ``--distributed-backend gloo``; ``main()``
+applies ``elastic_plugin.compat.megatron_training.enable_cpu_megatron_training()``, a no-op
+with CUDA (tests/test_pretrain_elastic.py runs this script so, in every TP/EP/DP layout).
+
 Limits (use ``elastic-plugin elastic-train`` for these): ``pretrain`` runs one forward-backward
 schedule per iteration, so the frozen teacher's logits are computed inline, micro-batch by
 micro-batch, which needs the whole model on one pipeline stage: **pipeline_model_parallel_size
@@ -570,6 +574,9 @@ def main() -> None:
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
 
+    from elastic_plugin.compat.megatron_training import enable_cpu_megatron_training
+
+    enable_cpu_megatron_training()  # CPU + gloo (--distributed-backend gloo); no-op with CUDA
     if hasattr(megatron_training, "get_megatron_optimizer_config"):
         megatron_training.get_megatron_optimizer_config = with_router_param_group(
             megatron_training.get_megatron_optimizer_config, _router_lr_mult
@@ -581,7 +588,11 @@ def main() -> None:
         from megatron.training.arguments import parse_and_validate_args
 
         args = parse_and_validate_args(extra_args_provider=add_pretrain_elastic_args)
-        elastic_setup(args)  # fail before Megatron builds anything
+        try:
+            elastic_setup(args)  # fail before Megatron builds anything
+        except ConfigError as exc:
+            print(f"pretrain_elastic.py: error: {exc}", file=sys.stderr, flush=True)
+            sys.exit(2)
         pretrain(
             pretrain_cfg_container_from_args(args),
             train_valid_test_datasets_provider,

@@ -1,0 +1,405 @@
+"""``examples/pretrain_elastic.py`` end to end: Megatron-LM's own loop (``megatron.training.
+pretrain``) under torchrun on CPU + gloo, with ``elastic_plugin.compat.megatron_training``.
+
+Every layout (one rank, TP=2 + SP, EP=2, DP=2 with the distributed optimizer) trains the elastic
+student on Megatron's mock data, logs the per-budget losses ``forward_step`` reports, evaluates
+every budget and writes Megatron-LM checkpoints; a run stopped at iteration 2 and resumed with
+``--load`` logs the same losses for iterations 3-4 as an uninterrupted run; bad input fails
+before the model is built, naming the flag. Each launch costs ~20-60 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic_plugin.elastic.args import axis_flag
+from elastic_plugin.testing.elastic_cases import ELASTIC
+
+pytestmark = [pytest.mark.elastic]
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "configs" / "tiny.yaml"
+PRETRAIN = ROOT / "examples" / "pretrain_elastic.py"
+_VENV_TORCHRUN = Path(sys.executable).with_name("torchrun")
+TORCHRUN = (
+    [str(_VENV_TORCHRUN)]
+    if _VENV_TORCHRUN.exists()
+    else [sys.executable, "-m", "torch.distributed.run"]
+)
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "CUDA_VISIBLE_DEVICES": "",  # CPU + gloo even on a GPU machine
+    "PYTHONPATH": str(ROOT),
+}
+TIMEOUT = 900
+BUDGETS = ("1", "0.77", "0.4")  # the labels Megatron's log uses for 1.0 0.77 0.4
+ITERS = 4
+# The tiny model's elastic sizes (elastic_cases.ELASTIC: every axis divides by TP=2 and EP=2).
+ELASTIC_FLAGS = [
+    "--elastic-budgets",
+    "1.0",
+    "0.77",
+    "0.4",
+    "--elastic-router-hidden-size",
+    str(ELASTIC["router"]["hidden_size"]),
+    *(
+        part
+        for axis, sizes in ELASTIC["sizes"].items()
+        for part in (axis_flag(axis), *map(str, sizes))
+    ),
+]
+# 2 micro-batches of 2 per iteration on one rank (1 under DP=2); --eval-iters 3 evaluates every
+# budget at least once per evaluation (forward_step evaluates one budget per micro-batch, in turn)
+TRAIN_FLAGS = [
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--distributed-backend",
+    "gloo",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--lr",
+    "1e-3",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "2",
+    "--eval-iters",
+    "3",
+    "--save-interval",
+    "2",
+]
+LAYOUTS = {
+    "one-rank": (1, []),
+    "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "dp2-distopt": (2, ["--use-distributed-optimizer"]),
+    "ep2": (2, ["--expert-model-parallel-size", "2"]),  # world 2: DP=2 for the dense layers
+}
+# Layouts that see the same micro-batches and budgets log the same losses (up to reduction
+# order): TP splits a micro-batch's computation only; EP=2 on 2 ranks has DP=2's data split.
+SAME_LOSSES = {"tp2-sp": "one-rank", "ep2": "dp2-distopt"}
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str  # stdout and stderr of every rank, interleaved
+    seconds: float
+
+    def tail(self, n: int = 6000) -> str:
+        return self.output[-n:]
+
+
+def torchrun(nproc: int, *args: str, timeout: int = TIMEOUT) -> Run:
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), str(PRETRAIN), *args]
+    began = time.perf_counter()
+    proc = subprocess.run(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=ENV,
+    )
+    return Run(proc.returncode, proc.stdout, time.perf_counter() - began)
+
+
+# ------------------------------------------------------------------------------ Megatron's log
+_ITERATION = re.compile(r"\biteration\s+(\d+)/\s*(\d+) \|(.*)$", re.M)
+_VALIDATION = re.compile(r"validation loss at iteration (\d+)( on \w+ set)? \|(.*)$", re.M)
+
+
+def _fields(text: str) -> dict[str, float]:
+    out = {}
+    for part in text.split("|"):
+        name, sep, value = part.rpartition(":")
+        if sep:
+            try:
+                out[name.strip()] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+def train_log(output: str) -> dict[int, dict[str, float]]:
+    """Iteration -> the values Megatron logs for it (``kd loss``, ``budget loss``, ...)."""
+    return {int(m.group(1)): _fields(m.group(3)) for m in _ITERATION.finditer(output)}
+
+
+def per_iteration(log: dict[int, dict[str, float]], key: str) -> dict[int, float]:
+    """Each iteration's own ``key`` (``--log-interval 1``). Megatron-LM keeps its loss
+    accumulators after the first iteration a run logs (``training_log(is_first_iteration)``), so
+    the second line of every run shows the mean of its first two iterations: undone here."""
+    its = sorted(log)
+    out = {it: log[it][key] for it in its}
+    if len(its) > 1:
+        out[its[1]] = 2 * log[its[1]][key] - log[its[0]][key]
+    return out
+
+
+def checkpoint_tensors(path: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Megatron-LM ``torch_dist`` checkpoint directory, by flattened key."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, scratch)
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(value, key: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{key}/{k}")
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{key}/{i}")
+        elif torch.is_tensor(value):
+            flat[key] = value
+
+    walk(torch.load(scratch, weights_only=False), "")
+    scratch.unlink()
+    return flat
+
+
+def eval_log(output: str) -> list[tuple[int, dict[str, float]]]:
+    """(iteration, {budget label: LM loss}) of every evaluation during training."""
+    evals = []
+    for m in _VALIDATION.finditer(output):
+        if m.group(2):  # the final validation / test set evaluations
+            continue
+        fields = _fields(m.group(3))
+        evals.append((int(m.group(1)), {b: fields[f"lm loss {b} value"] for b in BUDGETS}))
+    return evals
+
+
+# ------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("pretrain_elastic")
+
+
+@pytest.fixture(scope="module")
+def reordered(rank_pools, workdir) -> Path:
+    """A random tiny model saved as importance-reordered (examples/configs/tiny.yaml)."""
+    path = workdir / "reordered"
+    rank_pools.get(1).run(
+        "elastic_plugin.testing.elastic_cases:write_init_checkpoint_at",
+        config_path=str(TINY),
+        path=str(path),
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def base_args(reordered) -> list[str]:
+    """The checkpoint's architecture flags (as a user gets them) + the run's flags."""
+    proc = subprocess.run(
+        [sys.executable, str(PRETRAIN), "--print-arch-flags", "--elastic-ckpt", str(reordered)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=ENV,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    arch = shlex.split(proc.stdout)
+    from elastic_plugin.checkpoint.meta import read_checkpoint_meta
+
+    vocab = read_checkpoint_meta(reordered)["config"]["model"]["vocab_size"]
+    return [
+        *arch,
+        "--elastic-ckpt",
+        str(reordered),
+        *ELASTIC_FLAGS,
+        *TRAIN_FLAGS,
+        "--vocab-size",
+        str(vocab),
+    ]
+
+
+class Runs:
+    """Launches cached for the module: the resume test reuses the one-rank layout run."""
+
+    def __init__(self, workdir: Path, base_args: list[str]) -> None:
+        self.workdir, self.base_args, self._done = workdir, base_args, {}
+
+    def layout(self, name: str) -> tuple[Run, Path]:
+        if name not in self._done:
+            nproc, flags = LAYOUTS[name]
+            save = self.workdir / f"save-{name}"
+            run = torchrun(
+                nproc, *self.base_args, *flags, "--train-iters", str(ITERS), "--save", str(save)
+            )
+            self._done[name] = (run, save)
+        return self._done[name]
+
+
+@pytest.fixture(scope="module")
+def runs(workdir, base_args) -> Runs:
+    return Runs(workdir, base_args)
+
+
+# ------------------------------------------------------------------------------ the tests
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pretrain_elastic_trains_and_checkpoints_in_every_layout(runs, layout):
+    run, save = runs.layout(layout)
+    print(f"{layout}: {run.seconds:.1f} s")
+    assert run.returncode == 0, run.tail()
+    assert "pretrain_elastic.py: error" not in run.output
+    log = train_log(run.output)
+    assert sorted(log) == list(range(1, ITERS + 1)), run.tail()
+    for it, fields in log.items():
+        for key in ("kd loss", "budget loss", "grad norm"):
+            assert math.isfinite(fields[key]), (it, key, fields)
+        assert fields["kd loss"] >= 0 and fields["number of nan iterations"] == 0
+    # the student starts as the teacher (same checkpoint): KD loss is small but not zero
+    # (narrow budgets differ from the full teacher)
+    assert 0 <= log[1]["kd loss"] < 1.0
+    evals = eval_log(run.output)
+    assert [it for it, _ in evals] == [2, 4], run.tail()
+    for _, losses in evals:  # every budget evaluated: a finite LM loss near ln(vocab)
+        assert all(math.isfinite(v) and 0 < v < 10 for v in losses.values()), losses
+    assert (save / f"iter_{ITERS:07d}").is_dir()
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+    if layout in SAME_LOSSES:
+        other, _ = runs.layout(SAME_LOSSES[layout])
+        assert other.returncode == 0, other.tail()
+        for key in ("kd loss", "budget loss"):
+            got, want = per_iteration(log, key), per_iteration(train_log(other.output), key)
+            print(f"{key}: {layout} {got} vs {SAME_LOSSES[layout]} {want}")
+            assert got == pytest.approx(want, rel=1e-4, abs=1e-7), key
+        assert evals == [
+            (it, pytest.approx(losses, rel=1e-4)) for it, losses in eval_log(other.output)
+        ]
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_resume_from_megatron_checkpoint_matches_an_uninterrupted_run(runs, workdir, base_args):
+    """Stop at iteration 2 (``--exit-interval 2``, which saves), resume with ``--load``: the
+    losses of iterations 3-4 equal the uninterrupted run's (one rank, same seed)."""
+    reference, _ = runs.layout("one-rank")
+    assert reference.returncode == 0, reference.tail()
+    save = workdir / "save-resume"
+    args = [*base_args, "--train-iters", str(ITERS), "--save", str(save)]
+    first = torchrun(1, *args, "--exit-interval", "2")
+    assert first.returncode == 0, first.tail()
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert sorted(train_log(first.output)) == [1, 2]
+    second = torchrun(1, *args, "--load", str(save))
+    assert second.returncode == 0, second.tail()
+    assert "successfully loaded checkpoint" in second.output, second.tail()
+    ref, stopped, resumed = (train_log(r.output) for r in (reference, first, second))
+    assert sorted(resumed) == [3, 4], second.tail()
+    print(f"resume: first {first.seconds:.1f} s, second {second.seconds:.1f} s")
+    for it in (3, 4):
+        assert resumed[it]["consumed samples"] == ref[it]["consumed samples"]
+        assert resumed[it]["learning rate"] == pytest.approx(ref[it]["learning rate"], rel=1e-6)
+        assert resumed[it]["grad norm"] == ref[it]["grad norm"]  # printed with 3 decimals
+    for key in ("kd loss", "budget loss"):
+        want = per_iteration(ref, key)
+        assert per_iteration(stopped, key) == pytest.approx({1: want[1], 2: want[2]}, rel=1e-5)
+        got = per_iteration(resumed, key)
+        for it in (3, 4):
+            print(f"iteration {it} {key}: resumed {got[it]!r}, uninterrupted {want[it]!r}")
+            assert got[it] == pytest.approx(want[it], rel=1e-5), (it, key)
+    # the checkpoints both runs wrote at iteration 4 hold identical tensors: weights, router,
+    # expert biases, Adam moments (not the RNG states: this model draws nothing from them)
+    _, ref_save = runs.layout("one-rank")
+    a = checkpoint_tensors(ref_save / f"iter_{ITERS:07d}", workdir / "a.pt")
+    b = checkpoint_tensors(save / f"iter_{ITERS:07d}", workdir / "b.pt")
+    assert set(a) == set(b) and len(a) > 100
+    differ = [k for k in a if not k.startswith("/rng_state") and not torch.equal(a[k], b[k])]
+    assert differ == []
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    "nproc,flags,needle",
+    [
+        (2, ["--pipeline-model-parallel-size", "2"], "needs --pipeline-model-parallel-size 1"),
+        (
+            1,
+            ["--elastic-budgets", "1.0", "0.01"],
+            "--elastic-budgets: elastic.budgets: budget 0.01",
+        ),
+    ],
+    ids=["pp2", "unreachable-budget"],
+)
+def test_bad_input_fails_before_the_model_is_built_naming_the_flag(base_args, nproc, flags, needle):
+    run = torchrun(nproc, *base_args, "--train-iters", "2", *flags, timeout=300)
+    print(f"{flags[0]}: {run.seconds:.1f} s")
+    assert run.returncode != 0
+    errors = [line for line in run.output.splitlines() if "pretrain_elastic.py: error:" in line]
+    assert errors and all(needle in line for line in errors), run.tail()
+    assert len(errors) == nproc  # every rank stops on its own, none waits in a collective
+    assert "number of parameters" not in run.output  # Megatron never built the model
+
+
+@pytest.mark.compat
+def test_cpu_training_patches_are_recorded_idempotent_and_off_with_cuda():
+    code = """
+        import json, torch
+        import megatron.training.training as training
+        from elastic_plugin.compat import applied_patches
+        from elastic_plugin.compat.megatron_training import (
+            LABELS, enable_cpu_megatron_training, training_patches)
+        from elastic_plugin.info import collect_info
+        patches = enable_cpu_megatron_training()
+        again = enable_cpu_megatron_training()
+        info = collect_info()
+        print(json.dumps({
+            "same": again == patches == applied_patches(), "labels": list(LABELS),
+            "ours": training_patches(), "total": len(patches),
+            "wrapped": hasattr(training.initialize_megatron, "__wrapped__"),
+            "info_total": info["cpu_patches"], "info_ours": info["megatron_training_patches"],
+        }))
+    """
+    out = _python(code)
+    assert out["same"] and out["ours"] == out["labels"] and len(out["labels"]) == 8
+    assert out["total"] > 10 + len(out["labels"]) and out["wrapped"]
+    assert out["info_total"] == out["total"] and out["info_ours"] == out["labels"]
+    with_cuda = """
+        import json, torch
+        import megatron.training.training as training
+        orig = training.initialize_megatron
+        torch.cuda.is_available = lambda: True
+        from elastic_plugin.compat import applied_patches
+        from elastic_plugin.compat.megatron_training import enable_cpu_megatron_training
+        print(json.dumps({"patches": enable_cpu_megatron_training(), "all": applied_patches(),
+                          "same": training.initialize_megatron is orig}))
+    """
+    assert _python(with_cuda) == {"patches": [], "all": [], "same": True}
+
+
+def _python(code: str) -> dict:
+    import json
+    import textwrap
+
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=ENV,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
