@@ -262,6 +262,7 @@ def elastic_setup(args: argparse.Namespace):
             )
     if ecfg.mode == "sliced" and not ecfg.router.hard:
         raise ConfigError("--elastic-soft-masks needs --elastic-mode masked")
+    _check_eval_covers_budgets(args, len(resolved.budgets))
     if ecfg.teacher != "frozen":
         raise ConfigError(
             "examples/pretrain_elastic.py trains with a frozen teacher "
@@ -275,6 +276,23 @@ def elastic_setup(args: argparse.Namespace):
             f"--elastic-teacher-ckpt {teacher_dir}: another architecture than --elastic-ckpt"
         )
     return cfg, ecfg, resolved
+
+
+def _check_eval_covers_budgets(args: argparse.Namespace, budgets: int) -> None:
+    """``forward_step`` evaluates one budget per micro-batch, in turn: an evaluation with fewer
+    micro-batches than budgets would log ``lm loss <budget> nan`` for the ones it never reached."""
+    eval_iters = getattr(args, "eval_iters", None)
+    if not eval_iters or not getattr(args, "global_batch_size", None):
+        return
+    dp = getattr(args, "data_parallel_size", None) or 1
+    per_iteration = max(1, args.global_batch_size // (args.micro_batch_size * dp))
+    if eval_iters * per_iteration < budgets:
+        need = -(-budgets // per_iteration)
+        raise ConfigError(
+            f"--eval-iters {eval_iters} evaluates {eval_iters * per_iteration} micro-batches "
+            f"({per_iteration} per iteration), one budget each; {budgets} budgets need "
+            f"--eval-iters >= {need}"
+        )
 
 
 def _build(

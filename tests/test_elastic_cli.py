@@ -601,6 +601,29 @@ def test_pretrain_script_imports_without_side_effects_and_prints_arch_flags(fake
     assert flags[i + 1] == "M*E-M*E-" and flags[flags.index("--num-experts") + 1] == "8"
 
 
+def test_pretrain_script_refuses_an_evaluation_that_misses_budgets():
+    """One budget per evaluation micro-batch: fewer micro-batches than budgets would log NaN
+    for the budgets never reached; the flag is named, with the smallest that works."""
+    import argparse
+
+    from elastic_plugin.models.config import ConfigError
+
+    sys.path.insert(0, str(PRETRAIN.parent))
+    try:
+        import pretrain_elastic as pe
+    finally:
+        sys.path.remove(str(PRETRAIN.parent))
+
+    def args(eval_iters: int, dp: int) -> argparse.Namespace:
+        return argparse.Namespace(
+            eval_iters=eval_iters, global_batch_size=4, micro_batch_size=2, data_parallel_size=dp
+        )
+
+    pe._check_eval_covers_budgets(args(2, 1), 3)  # 2 iterations x 2 micro-batches >= 3 budgets
+    with pytest.raises(ConfigError, match=r"--eval-iters 2 evaluates 2 micro-batches .* >= 3"):
+        pe._check_eval_covers_budgets(args(2, 2), 3)  # DP=2: one micro-batch per iteration
+
+
 def pretrain_case(workdir: str) -> dict:
     """Rank-pool case (1 rank): Megatron-LM's parser with our flags, then model_provider and
     forward_step on the tiny model, against the teacher as an independent reference."""
