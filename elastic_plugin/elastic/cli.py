@@ -383,14 +383,7 @@ def _check_resume(
             f"--resume: {ckpt} was written with layout {saved_layout}; resume with the "
             f"same layout flags (optimizer state is not resharded)"
         )
-    saved_dtype = meta.get("params_dtype", "float32")
-    dtype = Runtime.of(cfg.training).dtype_name
-    if saved_dtype != dtype:
-        raise ConfigError(
-            f"--resume: {ckpt} was trained in {saved_dtype} (its optimizer state "
-            f"{'has FP32 main weights' if saved_dtype == 'bfloat16' else 'has no FP32 main weights'}); "
-            f"resume {'with' if saved_dtype == 'bfloat16' else 'without'} --bf16"
-        )
+    Runtime.of(cfg.training).check_resumable(meta, f"--resume: {ckpt}")
     saved_elastic = (meta.get("config") or {}).get("elastic")
     if saved_elastic != ecfg.to_dict():
         changed = sorted(

@@ -153,8 +153,8 @@ def build_elastic_chunks(
 ) -> tuple[list[torch.nn.Module], ElasticState, Any]:
     """Load a (reordered) checkpoint for ``layout``, make it elastic, wrap it in Megatron DDP.
 
-    ``runtime``: precision and recomputation (default FP32, none); the router stays FP32 in a
-    BF16 model. ``initialize_layout(layout)`` must have been called. Returns (chunks, state,
+    ``runtime``: precision and recomputation (default FP32, none); in a BF16 model the router's
+    weights are BF16 too (FP32 main copies in the optimizer) and its math runs in FP32. ``initialize_layout(layout)`` must have been called. Returns (chunks, state,
     meta)."""
     from elastic_plugin.checkpoint.io import build_from_checkpoint
     from elastic_plugin.parallel import wrap_ddp_chunk

@@ -121,17 +121,24 @@ class ElasticStep:
         self._record(local, index, probs)
         return index, probs
 
-    def full_probs(self, model) -> dict[str, torch.Tensor]:
-        """The full size of every axis as a constant one-hot choice (no router gradient)."""
-        device = next(model.parameters()).device
+    def choice_probs(self, sizes: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """A fixed choice (axis -> size, or one size per layer) as the constant one-hot rows
+        the router would give (no router gradient)."""
         resolved = self.state.resolved
-        return {
-            name: torch.nn.functional.one_hot(
-                torch.zeros(len(spec.layers) if resolved.per_layer(name) else 1, dtype=torch.long),
-                len(spec.candidates),
-            ).to(device=device, dtype=torch.float32)
-            for name, spec in resolved.axes.items()
-        }
+        probs = {}
+        for name, spec in resolved.axes.items():
+            value = sizes[name]
+            rows = len(spec.layers) if resolved.per_layer(name) else 1
+            values = value if isinstance(value, list) else [value] * rows
+            picks = torch.tensor([spec.candidates.index(v) for v in values])
+            probs[name] = torch.nn.functional.one_hot(picks, len(spec.candidates)).float()
+        return probs
+
+    def full_probs(self, model) -> dict[str, torch.Tensor]:
+        """The full size of every axis (budget 1.0, the parent) on the model's device."""
+        device = next(model.parameters()).device
+        full = self.choice_probs(self.state.resolved.full_choice())
+        return {name: p.to(device) for name, p in full.items()}
 
     def _record(self, local: int, index: int, probs: dict[str, torch.Tensor]) -> None:
         if self.trace is not None:
@@ -147,22 +154,10 @@ class ElasticStep:
     def freeze(self, table: dict[str, dict[str, Any]]) -> None:
         """Route every budget to its fixed choice from now on (``table``: budget label -> axis
         -> size, per layer when heterogeneous): no noise, no router gradient."""
-        resolved = self.state.resolved
-        frozen = {}
-        for index, budget in enumerate(resolved.budgets):
-            sizes = table[budget_label(budget)]
-            probs = {}
-            for name, spec in resolved.axes.items():
-                value = sizes[name]
-                picks = [
-                    spec.candidates.index(v)
-                    for v in (value if isinstance(value, list) else [value])
-                ]
-                probs[name] = torch.nn.functional.one_hot(
-                    torch.tensor(picks), len(spec.candidates)
-                ).to(torch.float32)
-            frozen[index] = probs
-        self.frozen = frozen
+        self.frozen = {
+            index: self.choice_probs(table[budget_label(budget)])
+            for index, budget in enumerate(self.state.resolved.budgets)
+        }
 
     # ------------------------------------------------------------------ teacher
     def _teacher_forward_step(self, data_iterator, model):

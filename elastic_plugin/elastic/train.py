@@ -36,7 +36,7 @@ from elastic_plugin.models.runtime import Runtime
 from elastic_plugin.parallel import Layout, build_optimizer, initialize_layout, is_rank0
 from elastic_plugin.training.heartbeat import Heartbeat
 from elastic_plugin.training.step import cosine_lr_scheduler, eval_step, share_from_last_stage
-from elastic_plugin.training.throughput import ThroughputMeter
+from elastic_plugin.training.throughput import ThroughputMeter, progress_postfix
 
 ELASTIC_CKPT = "elastic"
 
@@ -248,12 +248,7 @@ def train_elastic(
                 f"resume: {resumed} was written with layout {meta.get('layout')}; "
                 f"resume with the same layout (optimizer state is not resharded)"
             )
-        saved_dtype = meta.get("params_dtype", "float32")
-        if saved_dtype != Runtime.of(cfg.training).dtype_name:
-            raise ConfigError(
-                f"resume: {resumed} was trained in {saved_dtype}; resume in the same precision "
-                f"(training.bf16 / --bf16): its optimizer state is kept per precision"
-            )
+        Runtime.of(cfg.training).check_resumable(meta, f"resume: {resumed}")
         source, start_iter = resumed, int(meta["iteration"]) + 1
         consumed = int(meta["consumed_samples"])
     num_microbatches = sched.global_batch_size // (sched.micro_batch_size * dp)
@@ -292,7 +287,7 @@ def train_elastic(
         logit_scale=AnnealSchedule(*ecfg.router.logit_scale, anneal),
         num_microbatches=num_microbatches,
         teacher_chunks=teacher_chunks,
-        recompute=runtime.recompute_granularity == "full",
+        recompute=runtime.full_recompute,
     )
     router = router_of(chunks[0])
     elastic_src = (meta_src.get("elastic") or {}) if start_iter > 1 else {}
@@ -443,14 +438,9 @@ def train_elastic(
         if bar is not None:
             bar.update(1)
             if record.get("train_loss"):
-                rate = record["throughput"]
                 bar.set_postfix(
                     {k: f"{v:.3f}" for k, v in record["train_loss"].items()}
-                    | {
-                        "tok/s": f"{rate['tokens_per_s']:.0f}",
-                        "TFLOP/s/rank": f"{rate['tflops_per_rank']:.3g}",
-                        "mem": f"{rate['peak_memory_gib']:.2f}G",
-                    }
+                    | progress_postfix(record["throughput"])
                 )
         if sched.save_interval and iteration % sched.save_interval == 0 and iteration != last:
             heartbeat.beat(iteration, "checkpoint save")

@@ -71,6 +71,22 @@ class Runtime:
     def recomputes(self) -> bool:
         return self.recompute_granularity is not None
 
+    @property
+    def full_recompute(self) -> bool:
+        """Whole layers re-run in the backward pass (a 4th pass in the FLOP count)."""
+        return self.recompute_granularity == "full"
+
+    def check_resumable(self, meta: Mapping[str, Any], where: str) -> None:
+        """A save continues only in its own precision: its optimizer state has FP32 main
+        weights after a BF16 run and none after an FP32 one. ``where`` starts the message."""
+        saved = meta.get("params_dtype", "float32")
+        if saved != self.dtype_name:
+            raise ConfigError(
+                f"{where} was trained in {saved} (its optimizer state "
+                f"{'has' if saved == 'bfloat16' else 'has no'} FP32 main weights); resume "
+                f"{'with' if saved == 'bfloat16' else 'without'} --bf16 (training.bf16)"
+            )
+
     def check(
         self, model: ModelConfig, pp: int = 1, names: Mapping[str, str] | None = None
     ) -> Runtime:

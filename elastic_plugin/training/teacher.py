@@ -34,7 +34,7 @@ from elastic_plugin.training.step import (
     share_from_last_stage,
     train_step,
 )
-from elastic_plugin.training.throughput import ThroughputMeter
+from elastic_plugin.training.throughput import ThroughputMeter, progress_postfix
 
 
 @dataclass
@@ -142,7 +142,7 @@ def train_teacher(
         model_cfg,
         t.seq_length,
         t.global_batch_size // dp,
-        recompute=runtime.recompute_granularity == "full",
+        recompute=runtime.full_recompute,
     ).total
     for iteration in range(1, t.train_iters + 1):
         meter.start()
@@ -189,15 +189,7 @@ def train_teacher(
             bar.set_postfix(
                 loss=f"{train_loss:.3f}" if train_loss is not None else "-",
                 val=f"{valid_loss:.3f}" if valid_loss is not None else "-",
-                **(
-                    {
-                        "tok/s": f"{rate['tokens_per_s']:.0f}",
-                        "TFLOP/s/rank": f"{rate['tflops_per_rank']:.3g}",
-                        "mem": f"{rate['peak_memory_gib']:.2f}G",
-                    }
-                    if rate
-                    else {}
-                ),
+                **progress_postfix(rate),
             )
     if bar is not None:
         bar.close()

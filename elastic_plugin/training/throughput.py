@@ -68,3 +68,14 @@ class ThroughputMeter:
         }
         self.seconds, self.tokens, self.flops = 0.0, 0, 0.0
         return out
+
+
+def progress_postfix(rate: dict[str, Any] | None) -> dict[str, str]:
+    """The progress line's short form of a ``ThroughputMeter.report`` (empty before one)."""
+    if not rate:
+        return {}
+    return {
+        "tok/s": f"{rate['tokens_per_s']:.0f}",
+        "TFLOP/s/rank": f"{rate['tflops_per_rank']:.3g}",
+        "mem": f"{rate['peak_memory_gib']:.2f}G",
+    }
