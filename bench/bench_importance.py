@@ -42,7 +42,8 @@ def _setup():
 
 def _checkpoint() -> Path | None:
     path = Path(os.environ.get("ELASTIC_PLUGIN_BENCH_CKPT", "demo_out/checkpoints/teacher"))
-    return path if (path / "elastic_meta.json").is_file() else None
+    has_history = (path / "latest_checkpointed_iteration.txt").is_file()
+    return path if has_history or (path / "elastic_meta.json").is_file() else None
 
 
 def _data(meta, cfg, split: str, samples: int):

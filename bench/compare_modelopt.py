@@ -130,7 +130,7 @@ def _load_checkpoint_fn() -> tuple[Callable, Callable]:
     except ImportError:  # older layout
         from elastic_plugin.training.teacher import load_checkpoint
 
-        def read_checkpoint_meta(ckpt_dir):
+        def read_checkpoint_meta(ckpt_dir):  # checkpoints from before history (iter_*) existed
             return json.loads((Path(ckpt_dir) / "elastic_meta.json").read_text())
 
     return load_checkpoint, read_checkpoint_meta

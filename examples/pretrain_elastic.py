@@ -44,7 +44,6 @@ if str(_REPO) not in sys.path:  # run from a checkout without `pip install -e .`
 from elastic_plugin.elastic.args import add_elastic_args, elastic_config_from_args  # noqa: E402
 from elastic_plugin.models.config import ConfigError, ModelConfig  # noqa: E402
 
-CHECKPOINT_META = "elastic_meta.json"
 PP_ERROR = (
     "examples/pretrain_elastic.py needs --pipeline-model-parallel-size 1: megatron.training."
     "pretrain runs one schedule per iteration, so the teacher's logits are computed inline "
@@ -194,8 +193,7 @@ def check_arch_args(args: argparse.Namespace, model: ModelConfig, ckpt: str) -> 
 
 def _checkpoint_config(path: str | None, flag: str):
     """(ExperimentConfig, meta) of a plugin checkpoint, with an error naming ``flag``."""
-    import json
-
+    from elastic_plugin.checkpoint.meta import read_checkpoint_meta
     from elastic_plugin.models.config import config_from_dict
 
     if not path:
@@ -203,12 +201,7 @@ def _checkpoint_config(path: str | None, flag: str):
             f"{flag} DIR is required (the importance-reordered checkpoint written "
             f"by `elastic-plugin reorder`)"
         )
-    meta_path = Path(path) / CHECKPOINT_META
-    if not meta_path.is_file():
-        raise ConfigError(
-            f"{flag} {path}: not a checkpoint written by elastic-plugin (no {CHECKPOINT_META})"
-        )
-    meta = json.loads(meta_path.read_text())
+    meta = read_checkpoint_meta(path, flag)  # a stage directory stands for its newest save
     return config_from_dict(meta["config"], source=f"{flag} {path}"), meta
 
 

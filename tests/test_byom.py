@@ -116,11 +116,11 @@ def test_imported_model_runs_every_stage(tmp_path):
     hf = write_hf_model(tmp_path / "hf", NANO_CONFIG)
     teacher = tmp_path / "teacher"
     step("import", "import", "--hf", hf, "--out", teacher, "--no-progress")
-    meta = json.loads((teacher / "elastic_meta.json").read_text())
+    meta = json.loads((teacher / "iter_0000000" / "elastic_meta.json").read_text())
     tokenizer = Path(meta["tokenizer"])
     assert (
         meta["kind"] == "teacher"
-        and tokenizer == teacher.resolve() / "hf_tokenizer" / "tokenizer.json"
+        and tokenizer == teacher.resolve() / "iter_0000000" / "hf_tokenizer" / "tokenizer.json"
     )
 
     jsonl = write_jsonl(tmp_path / "corpus.jsonl", corpus(64))

@@ -92,3 +92,22 @@ def test_newest_verified_skips_damaged_saves_with_the_reason(tmp_path):
     assert [(p.name, why) for p, why in skipped] == list(damaged.items())
     damaged["iter_0000001"] = "file z is missing"
     assert newest_verified(stage, verify)[0] is None
+
+
+def test_megatron_lm_reads_the_pointer_and_finds_the_save(tmp_path, monkeypatch):
+    """The layout is Megatron-LM's own: its checkpointing module (shipped in our megatron-core
+    wheel) reads our pointer and names the same save directory that resolve_checkpoint does."""
+    import torch.distributed
+
+    from megatron.training import checkpointing as mlm
+
+    stage = tmp_path / "teacher"
+    for it in (3, 12):
+        _save(stage, it)
+    write_latest(stage, 12)
+    # read_metadata all-reduces on CUDA under a process group; this test reads as one process
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    iteration, release = mlm.read_metadata(mlm.get_checkpoint_tracker_filename(str(stage)))
+    assert (iteration, release) == (12, False)
+    found = mlm.get_checkpoint_name(str(stage), iteration, release, return_base_dir=True)
+    assert Path(found) == resolve_checkpoint(stage) == stage / "iter_0000012"

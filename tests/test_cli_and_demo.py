@@ -12,7 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from elastic_plugin.checkpoint.history import resolve_checkpoint
+from elastic_plugin.checkpoint.meta import read_checkpoint_meta
 from elastic_plugin.compat.rendezvous import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,10 +116,14 @@ def test_short_teacher_run_trains_plots_and_checkpoints(trained):
     assert len(losses) >= 3 and losses[-1] < 0.6 * losses[0], losses
     assert summary["valid_loss"] is not None and summary["valid_loss"] < 3.0
     assert (out / "teacher_loss.png").stat().st_size > 10_000
-    ckpt = out / "checkpoints" / "teacher"
-    meta = json.loads((ckpt / "elastic_meta.json").read_text())
+    ckpt = out / "checkpoints" / "teacher"  # Megatron-LM's layout: iter_NNNNNNN + the pointer
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "40"
+    meta = json.loads((ckpt / "iter_0000040" / "elastic_meta.json").read_text())
     assert meta["iteration"] == 40 and meta["kind"] == "teacher"
-    assert not (out / "checkpoints" / "teacher.tmp").exists()
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "iter_0000040",
+        "latest_checkpointed_iteration.txt",
+    ]
     assert (out / "data" / "train_text_document.bin").is_file()
 
 
@@ -183,7 +190,7 @@ def test_train_under_torchrun_with_tensor_parallel(tmp_path, trained):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout[proc.stdout.index("{") :])
-    meta = json.loads((out / "checkpoints" / "teacher" / "elastic_meta.json").read_text())
+    meta = read_checkpoint_meta(out / "checkpoints" / "teacher")
     assert meta["layout"]["tp"] == 2 and summary["iterations"] == 12
     assert summary["train_loss"] < 4.0
 
@@ -219,8 +226,11 @@ def test_importance_and_reorder_cli_keep_the_function(trained, tmp_path, rank_po
         str(reordered),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    meta = json.loads((reordered / "elastic_meta.json").read_text())
-    assert meta["reordered"] is True and (reordered / "permutations.pt").is_file()
+    saved = resolve_checkpoint(reordered)  # at the teacher's iteration, permutations inside
+    meta = json.loads((saved / "elastic_meta.json").read_text())
+    assert saved.name == f"iter_{meta['iteration']:07d}" and meta["reordered"] is True
+    assert "permutations.pt" in meta["files"]  # digested with the weights
+    assert torch.load(saved / "permutations.pt", weights_only=False).embedding is not None
     data = dict(data_dir=str(out / "data"))
     pool = rank_pools.get(1)
     (teacher,) = pool.run(

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from elastic_plugin.checkpoint.history import resolve_checkpoint
+
 pytestmark = [pytest.mark.elastic, pytest.mark.extract]
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
@@ -46,6 +48,7 @@ def _plain_model(out: Path, layout):
     from elastic_plugin.models.config import config_from_dict
     from elastic_plugin.parallel import build_model_chunks, initialize_layout
 
+    out = resolve_checkpoint(out)  # the stage's newest save (Megatron-LM's latest pointer)
     meta = json.loads((out / "elastic_meta.json").read_text())
     cfg = config_from_dict(meta["config"])
     initialize_layout(layout)

@@ -150,10 +150,12 @@ def test_imported_teacher_gives_transformers_logits(hf_dir, imported):
     assert meta["imported_from"]["hf"] == str(path.resolve())
     assert meta["layout"]["tp"] == 1 and meta["config"]["model"]["vocab_size"] == 256
     tokenizer = Path(meta["tokenizer"])
-    assert tokenizer == imported.resolve() / "hf_tokenizer" / "tokenizer.json"
+    assert tokenizer == imported.resolve() / "iter_0000000" / "hf_tokenizer" / "tokenizer.json"
+    assert "hf_tokenizer/tokenizer.json" in meta["files"]  # digested with the weights
     assert tokenizer.read_bytes() == (path / "tokenizer.json").read_bytes()
     assert (tokenizer.parent / "generation_config.json").is_file()
-    assert not imported.with_name(imported.name + ".import").exists()
+    assert not imported.with_name(imported.name + ".tmp").exists()
+    assert (imported / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
     assert not imported.with_name(imported.name + ".tmp").exists()
 
 

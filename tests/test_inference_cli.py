@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from elastic_plugin.checkpoint.history import resolve_checkpoint
+
 pytestmark = [
     pytest.mark.inference,
     pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
@@ -79,7 +81,7 @@ def generate_case(workdir: str) -> dict:
     work = Path(workdir)
     ckpt = train_checkpoint(CONFIG, work)  # budgets 1, 0.77 (per-layer), 0.4 (homogeneous)
     tok_path = _tokenizer(work / "tokenizer.json")
-    meta_path = ckpt / "elastic_meta.json"
+    meta_path = resolve_checkpoint(ckpt) / "elastic_meta.json"
     meta = json.loads(meta_path.read_text())
     meta["tokenizer"] = tok_path
     meta_path.write_text(json.dumps(meta))

@@ -13,6 +13,7 @@ weights or a traceback from deep inside ``torch.load``.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ __all__ = [
     "publish_directory",
     "record_digests",
     "save_checkpoint",
+    "save_new_stage",
     "verify_checkpoint",
 ]
 
@@ -65,11 +67,14 @@ def save_checkpoint(
     optimizer=None,
     iteration: int | None = None,
     keep_last: int = 0,
+    extra_files: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write a Megatron dist checkpoint atomically: into ``<dir>.tmp``, then rename.
 
     With ``optimizer`` its state is saved too (key ``optimizer``), for resuming in the same
     layout: its moments of strided axes stay in memory order, which only that layout reads.
+    ``extra_files(directory)`` (rank 0) adds files that belong to the checkpoint (a tokenizer,
+    permutations) before the digests are taken, so they are published and verified with it.
     With ``iteration``, ``out_dir`` is a stage directory with history (``checkpoint.history``):
     the save goes to ``out_dir/iter_NNNNNNN``, is verified, then the stage's
     ``latest_checkpointed_iteration.txt`` points at it, and only then are saves beyond the
@@ -88,6 +93,8 @@ def save_checkpoint(
         if optimizer is not None:
             state = {**state, "optimizer": optimizer.sharded_state_dict(state)}
         dist_checkpointing.save(state, str(tmp))
+    if extra_files is not None and is_rank0():
+        extra_files(tmp)
     fault_point("save.written")
     barrier()
     digests = record_digests(tmp)
@@ -104,6 +111,29 @@ def save_checkpoint(
             prune_history(out_dir, keep_last)
         barrier()
     return final
+
+
+def save_new_stage(
+    chunks,
+    out_dir: str | Path,
+    meta: dict[str, Any],
+    iteration: int,
+    extra_files: Callable[[Path], None] | None = None,
+) -> Path:
+    """A stage directory that did not exist (or was empty), published whole: its first save
+    (``iter_NNNNNNN`` and the latest pointer) is written into ``<out_dir>.tmp`` and that is
+    renamed to ``out_dir``, so an interrupted run leaves only the ``.tmp``. For the one-shot
+    stages (import, reorder into a new directory, extract). Returns the save's directory."""
+    final = Path(out_dir)
+    staging = final.with_name(final.name + ".tmp")
+    if is_rank0():
+        shutil.rmtree(staging, ignore_errors=True)
+    barrier()
+    save_checkpoint(chunks, staging, meta, iteration=iteration, extra_files=extra_files)
+    if is_rank0():
+        publish_directory(staging, final)
+    barrier()
+    return iteration_dir(final, iteration)
 
 
 def fresh_temporary(final: str | Path) -> Path:

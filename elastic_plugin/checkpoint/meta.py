@@ -49,7 +49,7 @@ def read_checkpoint_meta(
     ``require_weights``: also insist on Megatron's dist-checkpoint index (an interrupted save
     leaves only ``<dir>.tmp``); commands that read metadata only can skip it. A stage
     directory with history (``checkpoint.history``) stands for its newest save."""
-    from elastic_plugin.checkpoint.history import resolve_checkpoint
+    from elastic_plugin.checkpoint.history import LATEST_FILE, resolve_checkpoint
 
     path = Path(ckpt)
     if not path.is_dir():
@@ -62,7 +62,8 @@ def read_checkpoint_meta(
         ) from None
     if not (path / CHECKPOINT_META).is_file():
         nested = path.joinpath(*ELASTIC_SUBDIR)
-        hint = f" (did you mean {flag} {nested}?)" if (nested / CHECKPOINT_META).is_file() else ""
+        has_nested = (nested / CHECKPOINT_META).is_file() or (nested / LATEST_FILE).is_file()
+        hint = f" (did you mean {flag} {nested}?)" if has_nested else ""
         raise ConfigError(f"{flag} {path}: not a complete checkpoint (no {CHECKPOINT_META}){hint}")
     if require_weights and not (path / DIST_METADATA).is_file():
         raise ConfigError(

@@ -65,7 +65,7 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "--tokenizer",
         default=None,
         metavar="TOKENIZER_JSON",
-        help="--input: the model's tokenizer.json (an import's CKPT/hf_tokenizer/tokenizer.json)",
+        help="--input: the model's tokenizer.json (an import's CKPT/iter_0000000/hf_tokenizer/tokenizer.json)",
     )
     p.add_argument(
         "--valid-fraction",

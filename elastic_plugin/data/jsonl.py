@@ -1,8 +1,8 @@
 """``prepare-data --input``: a user's JSONL text as Megatron indexed datasets, tokenized with a
-Hub ``tokenizer.json`` (an imported model's ``CKPT/hf_tokenizer/tokenizer.json``).
+Hub ``tokenizer.json`` (an imported model's ``CKPT/iter_0000000/hf_tokenizer/tokenizer.json``).
 
     elastic-plugin prepare-data --input corpus.jsonl --text-key text \\
-        --tokenizer teacher/hf_tokenizer/tokenizer.json --out data
+        --tokenizer teacher/iter_0000000/hf_tokenizer/tokenizer.json --out data
 
 writes ``data/train_text_document.{bin,idx}``, ``data/valid_text_document.{bin,idx}`` and
 ``data/meta.json``; each document is the text followed by the tokenizer's EOS (Megatron's

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from elastic_plugin.checkpoint.history import DEFAULT_KEEP_LAST
 from elastic_plugin.models.config import ConfigError
 
 
@@ -25,7 +26,7 @@ class ElasticSchedule:
     eval_interval: int = 100
     eval_iters: int = 4
     save_interval: int = 0  # 0: only at the end
-    keep_last: int = 2  # saves kept in checkpoints/elastic/iter_*; 0: keep all
+    keep_last: int = DEFAULT_KEEP_LAST  # saves kept in checkpoints/elastic/iter_*; 0: keep all
     seed: int = 1234
 
     def check(self) -> None:

@@ -3,7 +3,7 @@ or, on the user's own data, held-out language-model loss per budget and precisio
 
     elastic-plugin evaluate --ckpt demo_out/checkpoints/elastic --exports demo_out/exports --out demo_out
     elastic-plugin evaluate --ckpt run/checkpoints/elastic --exports run/exports --out run/eval \
-        --data-path data/valid_text_document --tokenizer teacher/hf_tokenizer/tokenizer.json
+        --data-path data/valid_text_document --tokenizer teacher/iter_0000000/hf_tokenizer/tokenizer.json
 
 The demo form writes ``report.json``, ``report.md``, ``accuracy_vs_params.png``,
 ``loss_per_budget.png`` and ``accuracy_vs_latency.png`` into --out; the ``--data-path`` form

@@ -291,7 +291,7 @@ def _write_megatron(
     choice: dict[str, int],
     provenance: dict[str, Any],
 ) -> dict[str, Any]:
-    from elastic_plugin.checkpoint.io import save_checkpoint
+    from elastic_plugin.checkpoint.io import save_new_stage
     from elastic_plugin.checkpoint.layout import STRIDED_ATTR
     from elastic_plugin.nested.slicing import nested_state_dict
     from elastic_plugin.parallel import Layout, build_model_chunks
@@ -312,7 +312,9 @@ def _write_megatron(
         "layout": dataclasses.asdict(Layout()),
         **provenance,
     }
-    saved = save_checkpoint([plain], plan.out, out_meta)
+    saved = save_new_stage(  # a stage directory, at the iteration it was extracted from
+        [plain], plan.out, out_meta, iteration=int(source_meta.get("iteration", 0))
+    )
     return {"out": str(saved.resolve()), "bytes": _dir_bytes(saved)}
 
 

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from elastic_plugin.checkpoint.history import IMPORT_ITERATION, iteration_dir
 from elastic_plugin.models.config import ConfigError, ExperimentConfig, ModelConfig
 from elastic_plugin.models.hf_config import (
     HF_CONFIG_FILE,
@@ -426,30 +427,33 @@ def _import_meta(plan: ImportPlan, tokenizer: Path | None) -> dict[str, Any]:
             },
             "notes": src.notes,
         },
-        "iteration": 0,
+        "iteration": IMPORT_ITERATION,
         "layout": dataclasses.asdict(Layout()),
         "config": config,
         "tokenizer": str(tokenizer) if tokenizer else None,
     }
 
 
-def _publish(ckpt: Path, source: Path, final: Path) -> None:
-    """Copy the tokenizer files into the saved checkpoint, then move it to ``final``."""
-    tokenizer_files = [source / n for n in TOKENIZER_FILES if (source / n).is_file()]
-    if tokenizer_files:
+def _tokenizer_writer(source: Path) -> Callable[[Path], None] | None:
+    """What copies the source's tokenizer files into the checkpoint (before its digests are
+    taken, so they are verified with the weights), or None when the source has none."""
+    files = [source / n for n in TOKENIZER_FILES if (source / n).is_file()]
+    if not files:
+        return None
+
+    def write(ckpt: Path) -> None:
         (ckpt / TOKENIZER_DIR).mkdir()
-        for file in tokenizer_files:
+        for file in files:
             shutil.copyfile(file, ckpt / TOKENIZER_DIR / file.name)
-    if final.exists():
-        final.rmdir()  # checked empty by plan_import
-    ckpt.rename(final)
+
+    return write
 
 
 def run_import(plan: ImportPlan, progress: bool = True) -> dict[str, Any]:
     """Build the model at TP=PP=EP=1, stream the checked shards into it, save the teacher."""
     import torch
 
-    from elastic_plugin.checkpoint.io import save_checkpoint
+    from elastic_plugin.checkpoint.io import save_new_stage
     from elastic_plugin.cli_args import start_ranks
     from elastic_plugin.parallel import Layout, build_model_chunks
 
@@ -457,7 +461,8 @@ def run_import(plan: ImportPlan, progress: bool = True) -> dict[str, Any]:
     src = plan.source
     final = plan.out.resolve()
     has_tokenizer = (src.path / "tokenizer.json").is_file()
-    tokenizer = final / TOKENIZER_DIR / "tokenizer.json" if has_tokenizer else None
+    saved = iteration_dir(final, IMPORT_ITERATION)  # where the checkpoint lands
+    tokenizer = saved / TOKENIZER_DIR / "tokenizer.json" if has_tokenizer else None
     start_ranks(Layout(), one_process="import runs as one process")
     dtype = torch.bfloat16 if plan.dtype == "bf16" else torch.float32
     chunks, _ = build_model_chunks(
@@ -467,12 +472,13 @@ def run_import(plan: ImportPlan, progress: bool = True) -> dict[str, Any]:
     state = model.state_dict(keep_vars=True)
     _check_model_state(state, src)
     copied = _copy_weights(state, src, progress)
-    staging = final.with_name(final.name + ".import")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    ckpt = save_checkpoint([model], staging / "ckpt", _import_meta(plan, tokenizer))
-    _publish(ckpt, src.path, final)
-    shutil.rmtree(staging, ignore_errors=True)
+    save_new_stage(  # final was checked empty by plan_import
+        [model],
+        final,
+        _import_meta(plan, tokenizer),
+        iteration=IMPORT_ITERATION,
+        extra_files=_tokenizer_writer(src.path),
+    )
     params = sum(p.numel() for p in model.parameters())
     return {
         "out": str(final),

@@ -4,8 +4,9 @@
     elastic-plugin import --megatron ./megatron_run/checkpoints --out my_teacher
     elastic-plugin importance --ckpt nano_teacher ...   # then reorder, elastic-train
 
-The output is a ``kind: teacher`` checkpoint (Megatron dist checkpoint + ``elastic_meta.json``,
-the tokenizer files under ``hf_tokenizer/``), read by every later stage like one ``train`` wrote.
+The output is a ``kind: teacher`` stage directory in Megatron-LM's layout: ``iter_0000000/`` (Megatron
+dist checkpoint + ``elastic_meta.json``, the tokenizer files under ``hf_tokenizer/``) and
+``latest_checkpointed_iteration.txt``, read by every later stage like one ``train`` wrote.
 Bad input (config.json fields our model cannot compute, missing / truncated shards, tensors that
 contradict config.json, a non-empty ``--out``) exits 2 before Megatron is imported or a weight
 is read.

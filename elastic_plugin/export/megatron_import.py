@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from elastic_plugin.checkpoint.history import IMPORT_ITERATION
 from elastic_plugin.models.config import ConfigError, ExperimentConfig, ModelConfig
 
 __all__ = [
@@ -469,7 +469,7 @@ def _import_meta(plan: MegatronImportPlan) -> dict[str, Any]:
             "dtype": plan.dtype,
             "notes": src.notes,
         },
-        "iteration": 0,
+        "iteration": IMPORT_ITERATION,
         "layout": dataclasses.asdict(Layout()),
         "config": ExperimentConfig(model=src.model).to_dict(),
         "tokenizer": None,
@@ -482,7 +482,7 @@ def run_megatron_import(
     """Build the model at TP=PP=EP=1, load the checkpoint into it, save the teacher."""
     import torch
 
-    from elastic_plugin.checkpoint.io import save_checkpoint
+    from elastic_plugin.checkpoint.io import save_new_stage
     from elastic_plugin.cli_args import start_ranks
     from elastic_plugin.parallel import Layout, build_model_chunks
 
@@ -499,14 +499,7 @@ def run_megatron_import(
     forms = _load_weights(model, src.iter_dir)
     if log is not None:
         log(f"loaded {sum(forms.values())} tensors from {src.iter_dir}")
-    staging = final.with_name(final.name + ".import")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    ckpt = save_checkpoint([model], staging / "ckpt", _import_meta(plan))
-    if final.exists():
-        final.rmdir()  # checked empty by plan_megatron_import
-    ckpt.rename(final)
-    shutil.rmtree(staging, ignore_errors=True)
+    save_new_stage([model], final, _import_meta(plan), iteration=IMPORT_ITERATION)  # checked empty
     return {
         "out": str(final),
         "kind": "teacher",

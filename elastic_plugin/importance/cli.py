@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from elastic_plugin.checkpoint.history import DEFAULT_KEEP_LAST, resolve_checkpoint
 from elastic_plugin.checkpoint.meta import read_checkpoint_meta
 from elastic_plugin.cli_args import (
     add_layout_args,
@@ -207,8 +208,15 @@ def run_reorder(args: argparse.Namespace) -> int:
         meta, cfg, layout = _start(args)
         if not Path(args.scores).is_file():
             raise ConfigError(f"--scores {args.scores}: no such file")
-        if Path(args.out).resolve() == Path(args.ckpt).resolve():
-            raise ConfigError("--out must differ from --ckpt (the original is kept)")
+        source = resolve_checkpoint(args.ckpt)  # a stage's newest save, or the path itself
+        stages = {Path(args.ckpt).resolve(), source.resolve()}
+        if source != Path(args.ckpt):
+            stages.add(source.parent.resolve())
+        if Path(args.out).resolve() in stages:
+            raise ConfigError(
+                f"--out {args.out} must differ from --ckpt {args.ckpt} and its stage directory "
+                "(the original is kept)"
+            )
         if meta.get("reordered"):
             raise ConfigError(f"--ckpt {args.ckpt} is already reordered")
     except (ConfigError, FileNotFoundError) as exc:
@@ -218,7 +226,11 @@ def run_reorder(args: argparse.Namespace) -> int:
 
     from elastic_plugin.checkpoint.io import build_from_checkpoint, save_checkpoint
     from elastic_plugin.importance import ImportanceScores
-    from elastic_plugin.importance.reorder import Permutations, apply_permutations
+    from elastic_plugin.importance.reorder import (
+        PERMUTATIONS_FILE,
+        Permutations,
+        apply_permutations,
+    )
 
     try:  # a damaged checkpoint (integrity check) is bad input, not a traceback
         chunks, cfg, meta = build_from_checkpoint(args.ckpt, layout)
@@ -232,13 +244,15 @@ def run_reorder(args: argparse.Namespace) -> int:
         args.mamba_source,
     )
     apply_permutations(chunks[0], perms)
-    save_checkpoint(
+    saved = save_checkpoint(  # the teacher's iteration: the same weights, reordered
         chunks,
         Path(args.out),
         {**meta, "kind": "reordered", "scores": str(args.scores), "source_ckpt": str(args.ckpt)},
+        iteration=int(meta.get("iteration", 0)),
+        keep_last=DEFAULT_KEEP_LAST,
+        extra_files=lambda ckpt: perms.save(ckpt / PERMUTATIONS_FILE),
     )
     if dist.get_rank() == 0:
-        perms.save(Path(args.out) / "permutations.pt")
-        print(f"reordered checkpoint -> {args.out}")
+        print(f"reordered checkpoint -> {saved}")
     dist.destroy_process_group()
     return 0

@@ -42,6 +42,9 @@ if TYPE_CHECKING:  # Megatron ships no types: these annotate what a function tak
     from megatron.core.transformer.attention import SelfAttention
 
 
+PERMUTATIONS_FILE = "permutations.pt"  # in a reordered checkpoint: how it was reordered
+
+
 @dataclass
 class Permutations:
     """New position i holds old unit ``perm[i]``; per-layer axes keyed by global layer number."""

@@ -58,18 +58,16 @@ def eval_loss_from_checkpoint(
     eval_iters: int = 2,
 ) -> float | None:
     """Load a teacher checkpoint under a layout and compute the validation loss."""
-    import json
-    from pathlib import Path
 
     from elastic_plugin.checkpoint.io import load_checkpoint
-    from elastic_plugin.checkpoint.meta import CHECKPOINT_META
+    from elastic_plugin.checkpoint.meta import read_checkpoint_meta
     from elastic_plugin.data.indexed import batch_iterator, build_gpt_datasets
     from elastic_plugin.data.prepare import PreparedData
     from elastic_plugin.models.config import config_from_dict
     from elastic_plugin.parallel import Layout, build_model_chunks, initialize_layout
     from elastic_plugin.training.step import eval_step, share_from_last_stage
 
-    meta = json.loads((Path(ckpt_dir) / CHECKPOINT_META).read_text())
+    meta = read_checkpoint_meta(ckpt_dir)
     cfg = config_from_dict(meta["config"])
     layout = Layout(tp, pp, ep, sequence_parallel)
     initialize_layout(layout)

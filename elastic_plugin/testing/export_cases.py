@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from elastic_plugin.checkpoint.meta import read_checkpoint_meta
+
 TOKENS = 24
 SMALL = {
     "embedding": 64,
@@ -81,7 +83,7 @@ def elastic_references(ckpt: Path, vocab: int) -> dict[str, torch.Tensor]:
     from elastic_plugin.models.config import config_from_dict
     from elastic_plugin.parallel import Layout, initialize_layout
 
-    meta = json.loads((ckpt / "elastic_meta.json").read_text())
+    meta = read_checkpoint_meta(ckpt)
     initialize_layout(Layout())
     model_cfg = config_from_dict(meta["config"]).model
     resolved = ElasticConfig.from_dict(meta["config"]["elastic"]).resolve(model_cfg)

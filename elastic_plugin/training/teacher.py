@@ -2,8 +2,9 @@
 
 A Megatron-Core training loop (``get_forward_backward_func``, Megatron's optimizer and LR
 schedule, dist checkpointing) over Megatron indexed datasets, under any TP/PP/EP/DP layout.
-It writes, into ``out_dir``: ``checkpoints/teacher/`` (a Megatron dist checkpoint plus
-``elastic_meta.json``), ``teacher_metrics.jsonl`` and ``teacher_loss.png``.
+It writes, into ``out_dir``: ``checkpoints/teacher/iter_NNNNNNN/`` (a Megatron dist checkpoint
+plus ``elastic_meta.json``, in Megatron-LM's layout with ``latest_checkpointed_iteration.txt``;
+``checkpoint.history``), ``teacher_metrics.jsonl`` and ``teacher_loss.png``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from elastic_plugin.checkpoint.history import DEFAULT_KEEP_LAST
 from elastic_plugin.checkpoint.io import save_checkpoint
 from elastic_plugin.models.config import ConfigError, ExperimentConfig
 from elastic_plugin.models.flops import training_flops
@@ -203,7 +205,13 @@ def train_teacher(
         "final_valid_loss": valid_loss,
         **(extra_meta or {}),
     }
-    ckpt = save_checkpoint(chunks, out_dir / "checkpoints" / "teacher", meta)
+    ckpt = save_checkpoint(
+        chunks,
+        out_dir / "checkpoints" / "teacher",
+        meta,
+        iteration=t.train_iters,
+        keep_last=DEFAULT_KEEP_LAST,
+    )
     plot = None
     if is_rank0():
         plot = plot_losses(
