@@ -35,6 +35,7 @@ venv: $(STAMPS)/venv
 install: $(STAMPS)/install
 
 demo: $(STAMPS)/install
+	rm -rf $(OUT)/checkpoints/teacher  # a rerun trains afresh (`train --resume` continues one)
 	$(VENV)/bin/elastic-plugin train --config $(CONFIG) --out $(OUT) $(if $(QUICK),--quick,)
 	$(VENV)/bin/elastic-plugin importance --ckpt $(OUT)/checkpoints/teacher --out $(OUT)/importance.pt \
 		--num-samples $(if $(QUICK),64,512) --micro-batch-size 16 --plot $(OUT)/importance.png

@@ -373,3 +373,86 @@ def test_importance_and_reorder_under_torchrun(trained, tmp_path, rank_pools):
         "elastic_plugin.testing.cases:eval_loss_from_checkpoint", ckpt_dir=str(reordered), **data
     )
     assert loss == pytest.approx(reference, rel=1e-5)
+
+
+def _teacher_config(tmp_path: Path) -> Path:
+    """The tiny model with a 6-iteration schedule logged every iteration (one loss per step)."""
+    import yaml
+
+    cfg = yaml.safe_load(TINY.read_text())
+    cfg["training"].update(
+        train_iters=6,
+        log_interval=1,
+        eval_interval=3,
+        eval_iters=1,
+        micro_batch_size=4,
+        global_batch_size=8,
+        lr_warmup_iters=2,
+    )
+    cfg["data"].update(num_train=2000, num_valid=64)
+    path = tmp_path / "teacher6.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _trace(out: Path) -> list[float]:
+    """Iteration, train and validation loss of every record, flattened (NaN where absent)."""
+    lines = (out / "teacher_metrics.jsonl").read_text().splitlines()
+    return [
+        float(value if value is not None else "nan")
+        for m in map(json.loads, lines)
+        for value in (m["iteration"], m.get("train_loss"), m.get("valid_loss"))
+    ]
+
+
+@pytest.mark.demo
+@pytest.mark.slow
+def test_train_saves_history_and_resumes_past_a_damaged_save(tmp_path):
+    """`train --save-interval/--stop-after/--resume`: an interrupted teacher run, whose newest
+    save is then damaged, continues from the save before it and ends exactly where an
+    uninterrupted run ends (same loss trace, bit-identical weights and optimizer state)."""
+    from elastic_plugin.testing.integrity_cases import flip_middle
+
+    config = _teacher_config(tmp_path)
+    base = ["train", "--config", str(config), "--no-progress"]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    proc = run_cli(*base, "--out", str(whole))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    proc = run_cli(*base, "--out", str(part), "--save-interval", "2", "--stop-after", "4")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "stopped_at" in json.loads(proc.stdout[proc.stdout.index("{") :])
+    stage = part / "checkpoints" / "teacher"
+    assert sorted(p.name for p in stage.glob("iter_*")) == ["iter_0000002", "iter_0000004"]
+    assert (stage / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    flip_middle(max((stage / "iter_0000004").glob("*.distcp"), key=lambda p: p.stat().st_size))
+
+    proc = run_cli(*base, "--out", str(part))  # a rerun never overwrites saved training
+    assert proc.returncode == 2 and "already holds a teacher checkpoint" in proc.stderr
+    assert "pass --resume" in proc.stderr
+    proc = run_cli(*base, "--out", str(part), "--resume", "--train-iters", "8")
+    assert proc.returncode == 2 and "training.train_iters=6 (now 8)" in proc.stderr
+
+    proc = run_cli(*base, "--out", str(part), "--resume", "--save-interval", "2")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resume: skipped iter_0000004:" in proc.stdout
+    assert "continuing from iter_0000002" in proc.stdout
+    assert _trace(part) == pytest.approx(_trace(whole), rel=1e-6, nan_ok=True)
+    assert _trace(part)[::3] == [1, 2, 3, 4, 5, 6]  # one trace, no repeated iterations
+    # --keep-last 2 (the default): the damaged save was rewritten, the oldest pruned
+    assert sorted(p.name for p in stage.glob("iter_*")) == ["iter_0000004", "iter_0000006"]
+    done, ref = (
+        json.loads(
+            (d / "checkpoints" / "teacher" / "iter_0000006" / "elastic_meta.json").read_text()
+        )
+        for d in (part, whole)
+    )
+    # every weight and optimizer byte as uninterrupted (DCP's .metadata also holds the paths)
+    data = sorted(name for name in ref["files"] if name != ".metadata")
+    assert data and [done["files"][n] for n in data] == [ref["files"][n] for n in data]
+    assert done["consumed_samples"] == 48
+
+    proc = run_cli(*base, "--out", str(part), "--resume")  # finished: nothing to train
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout[proc.stdout.index("{") :])
+    assert summary["already_trained"] is True and summary["iterations"] == 6

@@ -929,6 +929,7 @@ def test_pipeline_chains_the_stages_with_dependencies():
         stages.append(args)
     assert [a.command for a in stages] == ["train", "importance", "reorder"]
     assert stages[0].out == "/runs/r" and stages[1].ckpt == "/runs/r/checkpoints/teacher"
+    assert stages[0].resume and stages[0].save_interval == 100  # a resubmitted teacher continues
     assert stages[2].scores == stages[1].out and stages[2].out == "/runs/r/checkpoints/reordered"
     export = submissions[3][submissions[3].index("--export") + 1]
     env = dict(item.split("=", 1) for item in export.split(",")[1:])

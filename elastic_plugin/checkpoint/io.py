@@ -21,6 +21,8 @@ import torch.distributed as dist
 
 from elastic_plugin.checkpoint.history import (
     iteration_dir,
+    iteration_dirs,
+    newest_verified,
     prune_history,
     resolve_checkpoint,
     write_latest,
@@ -54,6 +56,7 @@ __all__ = [
     "load_optimizer",
     "publish_directory",
     "record_digests",
+    "resume_source",
     "save_checkpoint",
     "save_new_stage",
     "verify_checkpoint",
@@ -134,6 +137,27 @@ def save_new_stage(
         publish_directory(staging, final)
     barrier()
     return iteration_dir(final, iteration)
+
+
+def resume_source(stage: str | Path) -> Path | None:
+    """The save a ``--resume`` continues: the stage's newest save that verifies (damaged newer
+    ones are skipped and named on rank 0), a checkpoint written before history existed, or
+    None (nothing saved yet). Collective: every rank hashes a share of each save it tries."""
+    stage = Path(stage)
+    if iteration_dirs(stage):
+        chosen, skipped = newest_verified(stage, verify_checkpoint)
+        for path, why in skipped:
+            if is_rank0():
+                print(f"resume: skipped {path.name}: {why}", flush=True)
+        if chosen is None:
+            raise ConfigError(
+                f"resume: no save of {stage} verifies ({len(skipped)} tried); the last "
+                f"problem: {skipped[-1][1] if skipped else 'none'}"
+            )
+        if skipped and is_rank0():
+            print(f"resume: continuing from {chosen.name}", flush=True)
+        return chosen
+    return stage if (stage / CHECKPOINT_META).is_file() else None
 
 
 def fresh_temporary(final: str | Path) -> Path:

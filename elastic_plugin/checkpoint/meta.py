@@ -23,8 +23,11 @@ __all__ = [
     "DIST_METADATA",
     "EXPORT_META",
     "ELASTIC_SUBDIR",
+    "TEACHER_SUBDIR",
     "budget_label",
+    "has_saves",
     "match_budget",
+    "newest_readable_meta",
     "read_checkpoint_meta",
     "read_elastic_meta",
     "stored_choice",
@@ -38,7 +41,31 @@ CHECKPOINT_META = "elastic_meta.json"
 EXPORT_META = "export_meta.json"  # our HF exports: what they were cut from, their files' digests
 DIST_METADATA = "metadata.json"  # Megatron dist checkpoint's own index
 ELASTIC_SUBDIR = ("checkpoints", "elastic")
+TEACHER_SUBDIR = ("checkpoints", "teacher")  # `train`'s stage directory under --out
 _ELASTIC_HINT = "the output of elastic-plugin elastic-train (OUT/checkpoints/elastic)"
+
+
+def has_saves(stage: str | Path) -> bool:
+    """Whether a stage directory holds a save (``iter_*``) or is an old single-directory one."""
+    from elastic_plugin.checkpoint.history import iteration_dirs
+
+    return bool(iteration_dirs(stage)) or (Path(stage) / CHECKPOINT_META).is_file()
+
+
+def newest_readable_meta(stage: str | Path, flag: str = "--resume:") -> tuple[Path, dict[str, Any]]:
+    """The newest save of ``stage`` whose metadata reads, and that metadata: the run's settings,
+    to compare with a resuming command line before anything heavy (which save is resumed is
+    decided after hashing, in training). A ConfigError naming ``flag`` when none reads."""
+    from elastic_plugin.checkpoint.history import newest_verified
+
+    stage = Path(stage)
+    readable, skipped = newest_verified(stage, lambda path: read_checkpoint_meta(path, flag))
+    if readable is None and (stage / CHECKPOINT_META).is_file():
+        readable = stage  # a checkpoint written before history existed
+    if readable is None:
+        problems = "; ".join(why for _, why in skipped)
+        raise ConfigError(f"{flag} no save of {stage} has readable metadata: {problems}")
+    return readable, read_checkpoint_meta(readable, flag)
 
 
 def read_checkpoint_meta(

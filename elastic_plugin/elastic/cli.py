@@ -23,9 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic_plugin.checkpoint.history import iteration_dirs, newest_verified
 from elastic_plugin.checkpoint.lock import acquire_out_lock, add_force_unlock_arg
-from elastic_plugin.checkpoint.meta import CHECKPOINT_META, ELASTIC_SUBDIR, read_checkpoint_meta
+from elastic_plugin.checkpoint.meta import (
+    CHECKPOINT_META,
+    ELASTIC_SUBDIR,
+    has_saves,
+    newest_readable_meta,
+    read_checkpoint_meta,
+)
 from elastic_plugin.cli_args import (
     add_layout_args,
     add_runtime_args,
@@ -46,6 +51,11 @@ from elastic_plugin.models.config import (
 )
 from elastic_plugin.models.runtime import Runtime
 from elastic_plugin.parallel import Layout
+from elastic_plugin.training.recovery import (
+    check_resumable_state,
+    save_failed_message,
+    stuck_rank_message,
+)
 
 PROG = "elastic-plugin elastic-train"
 QUICK_ITERS = 30
@@ -365,7 +375,7 @@ def _check_resume(
 ) -> dict[str, Any] | None:
     """A resumable run must match the saved one; returns the saved meta when already finished."""
     ckpt = out.joinpath(*ELASTIC_SUBDIR)
-    if not iteration_dirs(ckpt) and not (ckpt / CHECKPOINT_META).is_file():
+    if not has_saves(ckpt):
         if ckpt.exists() and not args.resume:
             raise ConfigError(
                 f"--out {out}: {ckpt} exists but is incomplete; remove it or pass --resume"
@@ -376,14 +386,8 @@ def _check_resume(
             f"--out {out} already holds an elastic checkpoint ({ckpt}); pass --resume "
             f"to continue it, or choose another --out"
         )
-    meta = _newest_readable_meta(ckpt)
-    saved_layout = meta.get("layout") or {}
-    if saved_layout != dataclasses.asdict(layout):
-        raise ConfigError(
-            f"--resume: {ckpt} was written with layout {saved_layout}; resume with the "
-            f"same layout flags (optimizer state is not resharded)"
-        )
-    Runtime.of(cfg.training).check_resumable(meta, f"--resume: {ckpt}")
+    _, meta = newest_readable_meta(ckpt)
+    check_resumable_state(meta, Runtime.of(cfg.training), layout, f"--resume: {ckpt}")
     saved_elastic = (meta.get("config") or {}).get("elastic")
     if saved_elastic != ecfg.to_dict():
         changed = sorted(
@@ -409,18 +413,6 @@ def _check_resume(
     if int(meta.get("iteration", 0)) >= sched["train_iters"]:
         return meta
     return None
-
-
-def _newest_readable_meta(stage: Path) -> dict[str, Any]:
-    """The metadata of the newest save whose metadata reads (the run's settings, to compare
-    with the command line; which save is resumed is decided after hashing, in training)."""
-    readable, skipped = newest_verified(stage, lambda path: _checkpoint_meta(path, "--resume:"))
-    if readable is None and (stage / CHECKPOINT_META).is_file():
-        readable = stage  # a checkpoint written before history existed
-    if readable is None:
-        problems = "; ".join(why for _, why in skipped)
-        raise ConfigError(f"--resume: no save of {stage} has readable metadata: {problems}")
-    return _checkpoint_meta(readable, "--resume:")
 
 
 def _checked_inputs(args: argparse.Namespace) -> ElasticInputs:
@@ -578,24 +570,6 @@ def run_elastic_train(args: argparse.Namespace) -> int:
         return _train(inputs, args)
 
 
-def _save_failed(out: Path, exc: OSError) -> str:
-    """What a failed write leaves: the last complete save (history publishes a save only
-    after it is fully written, so the earlier ones are intact) and how to continue."""
-    from elastic_plugin.checkpoint.history import LATEST_FILE
-
-    stage = out.joinpath(*ELASTIC_SUBDIR)
-    latest = stage / LATEST_FILE
-    last = (
-        f"the last complete save is iteration {latest.read_text().strip()} in {stage}"
-        if latest.is_file()
-        else "no save was completed"
-    )
-    return (
-        f"{PROG}: error: writing under --out {out} failed ({exc}); {last}; free the space "
-        f"and rerun with --resume"
-    )
-
-
 def _train(inputs: ElasticInputs, args: argparse.Namespace) -> int:
     """The heavy part: process group, data, model, training (every rank)."""
     start_ranks(timeout_minutes=args.distributed_timeout_minutes)
@@ -643,17 +617,14 @@ def _train(inputs: ElasticInputs, args: argparse.Namespace) -> int:
         dist.destroy_process_group()
         return report_bad_input(PROG, exc)
     except OSError as exc:  # a full disk or a lost filesystem while saving
-        print(_save_failed(inputs.out, exc), file=sys.stderr, flush=True)
+        stage = inputs.out.joinpath(*ELASTIC_SUBDIR)
+        print(save_failed_message(PROG, inputs.out, stage, exc), file=sys.stderr, flush=True)
         return 1
     except RuntimeError as exc:  # a peer never joined a collective: name the stuck rank
-        from elastic_plugin.parallel import collective_timeout_s
-        from elastic_plugin.training.heartbeat import Heartbeat, is_collective_timeout
-
-        if not is_collective_timeout(exc):
+        report = stuck_rank_message(PROG, inputs.out, exc)
+        if report is None:
             raise
-        heartbeat = Heartbeat(inputs.out, dist.get_rank(), dist.get_world_size())
-        report = heartbeat.stuck_report(collective_timeout_s())
-        print(f"{PROG}: error: {report}", file=sys.stderr, flush=True)
+        print(report, file=sys.stderr, flush=True)
         return 1
     if dist.get_rank() == 0:
         print(json.dumps(summary(run, sched.train_iters), indent=2))

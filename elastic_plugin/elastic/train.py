@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_plugin.checkpoint.meta import CHECKPOINT_META, budget_label
+from elastic_plugin.checkpoint.meta import budget_label
 from elastic_plugin.compat.faults import fault_point
 from elastic_plugin.elastic.config import ElasticConfig, ResolvedElastic
 from elastic_plugin.elastic.cost import ElasticCost
@@ -35,6 +35,7 @@ from elastic_plugin.models.config import ConfigError
 from elastic_plugin.models.runtime import Runtime
 from elastic_plugin.parallel import Layout, build_optimizer, initialize_layout, is_rank0
 from elastic_plugin.training.heartbeat import Heartbeat
+from elastic_plugin.training.recovery import check_resumable_state, restart_metrics
 from elastic_plugin.training.step import cosine_lr_scheduler, eval_step, share_from_last_stage
 from elastic_plugin.training.throughput import ThroughputMeter, progress_postfix
 
@@ -145,48 +146,6 @@ def _save(chunks, optimizer, scheduler, stage: Path, meta: dict[str, Any], keep_
     )
 
 
-def _restart_metrics(path: Path, start_iter: int) -> None:
-    """Keep the records of iterations before ``start_iter``: a run killed after its last save
-    (or resumed from an older save because a newer one was damaged) logged iterations that it
-    trains again now, and the file must read as one uninterrupted trace."""
-    import json
-
-    if start_iter == 1 or not path.is_file():
-        path.write_text("")
-        return
-    kept = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and int(json.loads(line).get("iteration", 0)) < start_iter
-    ]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept))
-    tmp.replace(path)
-
-
-def resume_source(stage: Path) -> Path | None:
-    """The save to resume from: the newest that verifies (damaged newer ones are skipped and
-    named on rank 0), a checkpoint written before history existed, or None (nothing saved).
-    Collective: every rank hashes a share of each save it tries."""
-    from elastic_plugin.checkpoint.history import iteration_dirs, newest_verified
-    from elastic_plugin.checkpoint.io import verify_checkpoint
-
-    if iteration_dirs(stage):
-        chosen, skipped = newest_verified(stage, verify_checkpoint)
-        for path, why in skipped:
-            if is_rank0():
-                print(f"resume: skipped {path.name}: {why}", flush=True)
-        if chosen is None:
-            raise ConfigError(
-                f"resume: no save of {stage} verifies ({len(skipped)} tried); the last "
-                f"problem: {skipped[-1][1] if skipped else 'none'}"
-            )
-        if skipped and is_rank0():
-            print(f"resume: continuing from {chosen.name}", flush=True)
-        return chosen
-    return stage if (stage / CHECKPOINT_META).is_file() else None
-
-
 def train_elastic(
     cfg,
     ecfg: ElasticConfig,
@@ -211,7 +170,7 @@ def train_elastic(
     ``extra_meta`` goes into the checkpoint's metadata (e.g. ``data`` and ``tokenizer``, which
     extraction and export read to evaluate the nested models).
     """
-    from elastic_plugin.checkpoint.io import build_from_checkpoint, load_optimizer
+    from elastic_plugin.checkpoint.io import build_from_checkpoint, load_optimizer, resume_source
     from elastic_plugin.checkpoint.meta import read_checkpoint_meta
     from elastic_plugin.elastic.metrics import ElasticMetrics
 
@@ -243,12 +202,7 @@ def train_elastic(
     resumed = resume_source(ckpt_dir) if resume else None
     if resumed is not None:
         meta = read_checkpoint_meta(resumed)
-        if meta.get("layout") != asdict(layout):
-            raise ConfigError(
-                f"resume: {resumed} was written with layout {meta.get('layout')}; "
-                f"resume with the same layout (optimizer state is not resharded)"
-            )
-        Runtime.of(cfg.training).check_resumable(meta, f"resume: {resumed}")
+        check_resumable_state(meta, Runtime.of(cfg.training), layout, f"resume: {resumed}")
         source, start_iter = resumed, int(meta["iteration"]) + 1
         consumed = int(meta["consumed_samples"])
     num_microbatches = sched.global_batch_size // (sched.micro_batch_size * dp)
@@ -322,7 +276,7 @@ def train_elastic(
     )
     if is_rank0():
         out_dir.mkdir(parents=True, exist_ok=True)
-        _restart_metrics(out_dir / "elastic_metrics.jsonl", start_iter)
+        restart_metrics(out_dir / "elastic_metrics.jsonl", start_iter)
     train_iterator = make_train_iterator(consumed)
     nb = len(resolved.budgets)
     window = torch.zeros(nb, 4, dtype=torch.float64)  # kd_sum, tokens, budget_loss_sum, count

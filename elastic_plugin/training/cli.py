@@ -14,7 +14,9 @@ import os
 import sys
 from pathlib import Path
 
+from elastic_plugin.checkpoint.history import DEFAULT_KEEP_LAST, resolve_checkpoint
 from elastic_plugin.checkpoint.lock import acquire_out_lock, add_force_unlock_arg
+from elastic_plugin.checkpoint.meta import TEACHER_SUBDIR, has_saves, newest_readable_meta
 from elastic_plugin.cli_args import (
     add_layout_args,
     add_runtime_args,
@@ -25,6 +27,13 @@ from elastic_plugin.cli_args import (
 )
 from elastic_plugin.cli_errors import EXIT_BAD_INPUT, report_bad_input
 from elastic_plugin.models.config import ConfigError, load_config
+from elastic_plugin.training.recovery import (
+    check_resumable_training,
+    save_failed_message,
+    stuck_rank_message,
+)
+
+PROG = "elastic-plugin train"
 
 
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
@@ -53,6 +62,35 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         help="a short run (fewer iterations and examples) to check the pipeline",
     )
     parser.add_argument("--no-progress", action="store_true")
+    saves = parser.add_argument_group("checkpoints (Megatron-LM's layout: iter_NNNNNNN + pointer)")
+    saves.add_argument(
+        "--save-interval",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also save every N iterations (default 0: only at the end), for --resume",
+    )
+    saves.add_argument(
+        "--keep-last",
+        type=int,
+        default=DEFAULT_KEEP_LAST,
+        metavar="N",
+        help=f"keep the newest N saves in OUT/checkpoints/teacher/iter_* (default "
+        f"{DEFAULT_KEEP_LAST}; 0: all); older ones are removed only after a new save verified",
+    )
+    saves.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest save of OUT/checkpoints/teacher that verifies (else "
+        "start; damaged newer saves are skipped, and named); safe on every (re)submission",
+    )
+    saves.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        metavar="N",
+        help="train at most N iterations in this job, save and exit; rerun with --resume",
+    )
     add_force_unlock_arg(parser)
     add_layout_args(parser)
     add_runtime_args(parser)
@@ -90,27 +128,66 @@ def _checked_inputs(args: argparse.Namespace):
     )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layout.check_world(world)
+    for flag, value, least in (
+        ("--save-interval", args.save_interval, 0),
+        ("--keep-last", args.keep_last, 0),
+        ("--stop-after", args.stop_after, 1),
+    ):
+        if value is not None and value < least:
+            raise ConfigError(f"{flag}={value} must be >= {least}")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a directory")
-    return cfg, layout, out
+    finished = _check_existing_saves(args, cfg, layout, out)
+    return cfg, layout, out, finished
+
+
+def _check_existing_saves(args: argparse.Namespace, cfg, layout, out: Path) -> dict | None:
+    """A teacher stage that already has saves is continued (--resume, as the same run) or
+    refused, never overwritten; returns the newest save's metadata when it is finished."""
+    stage = out.joinpath(*TEACHER_SUBDIR)
+    if not has_saves(stage):
+        return None
+    if not args.resume:
+        raise ConfigError(
+            f"--out {out} already holds a teacher checkpoint ({stage}); pass --resume to "
+            f"continue it, or choose another --out"
+        )
+    readable, meta = newest_readable_meta(stage)
+    check_resumable_training(meta, cfg, layout, f"--resume: {readable}")
+    return meta if int(meta.get("iteration", 0)) >= cfg.training.train_iters else None
 
 
 def run_train(args: argparse.Namespace) -> int:
     try:
-        cfg, layout, out = _checked_inputs(args)
+        cfg, layout, out, finished = _checked_inputs(args)
+        if finished is not None:
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(json.dumps(_summary(finished, out), indent=2))
+            return 0
         lock = acquire_out_lock(out, force=args.force_unlock)  # one writer per --out
     except ConfigError as exc:
-        return report_bad_input("elastic-plugin train", exc)
+        return report_bad_input(PROG, exc)
     with lock:
         return _train(args, cfg, layout, out)
+
+
+def _summary(meta: dict, out: Path) -> dict:
+    """What a finished run reports when rerun with --resume: its newest save."""
+    return {
+        "checkpoint": str(resolve_checkpoint(out.joinpath(*TEACHER_SUBDIR))),
+        "iterations": meta.get("iteration"),
+        "train_loss": meta.get("final_train_loss"),
+        "valid_loss": meta.get("final_valid_loss"),
+        "already_trained": True,
+    }
 
 
 def _train(args: argparse.Namespace, cfg, layout, out: Path) -> int:
     """The heavy part, holding --out's lock: process group, data, model, training."""
     start_ranks(timeout_minutes=args.distributed_timeout_minutes)
     from elastic_plugin.training.data_feed import build_data_feed
-    from elastic_plugin.training.teacher import train_teacher
+    from elastic_plugin.training.teacher import SavePolicy, train_teacher
 
     feed = build_data_feed(
         cfg,
@@ -123,21 +200,37 @@ def _train(args: argparse.Namespace, cfg, layout, out: Path) -> int:
     )
     if feed.vocab_size > cfg.model.vocab_size:
         print(
-            f"elastic-plugin train: error: the tokenizer has {feed.vocab_size} tokens but "
+            f"{PROG}: error: the tokenizer has {feed.vocab_size} tokens but "
             f"model.vocab_size={cfg.model.vocab_size}",
             file=sys.stderr,
         )
         return EXIT_BAD_INPUT
-    run = train_teacher(
-        cfg,
-        layout,
-        out,
-        feed.train_iterator(),
-        feed.valid_iterator,
-        progress=not args.no_progress,
-        extra_meta={"tokenizer": feed.tokenizer_path, "data": feed.describe()},
-    )
     import torch.distributed as dist
+
+    try:
+        run = train_teacher(
+            cfg,
+            layout,
+            out,
+            feed.train_iterator,
+            feed.valid_iterator,
+            progress=not args.no_progress,
+            extra_meta={"tokenizer": feed.tokenizer_path, "data": feed.describe()},
+            saves=SavePolicy(args.save_interval, args.keep_last, args.resume, args.stop_after),
+        )
+    except ConfigError as exc:  # found after start-up (a damaged save); every rank alike
+        dist.destroy_process_group()
+        return report_bad_input(PROG, exc)
+    except OSError as exc:  # a full disk or a lost filesystem while saving
+        stage = out.joinpath(*TEACHER_SUBDIR)
+        print(save_failed_message(PROG, out, stage, exc), file=sys.stderr, flush=True)
+        return 1
+    except RuntimeError as exc:  # a peer never joined a collective: name the stuck rank
+        report = stuck_rank_message(PROG, out, exc)
+        if report is None:
+            raise
+        print(report, file=sys.stderr, flush=True)
+        return 1
 
     if dist.get_rank() == 0:
         print(
@@ -149,6 +242,14 @@ def _train(args: argparse.Namespace, cfg, layout, out: Path) -> int:
                     "valid_loss": run.final_valid_loss,
                     "plot": run.plot_path,
                     "seconds": round(run.seconds, 1),
+                    **(
+                        {
+                            "stopped_at": f"{run.iterations}/{cfg.training.train_iters}: rerun "
+                            "with --resume to continue"
+                        }
+                        if run.iterations < cfg.training.train_iters
+                        else {}
+                    ),
                 },
                 indent=2,
             )

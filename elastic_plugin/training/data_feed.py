@@ -23,10 +23,17 @@ class DataFeed:
     vocab_size: int
     source: dict[str, Any]
 
-    def train_iterator(self) -> Iterator[dict] | None:
+    def train_iterator(self, consumed_samples: int = 0) -> Iterator[dict] | None:
+        """This DP rank's micro-batches from global sample ``consumed_samples`` on (a resumed
+        run continues where the save left off)."""
         from elastic_plugin.data.indexed import batch_iterator
 
-        return batch_iterator(self.train_dataset, self.micro_batch_size, seed=self.seed)
+        return batch_iterator(
+            self.train_dataset,
+            self.micro_batch_size,
+            seed=self.seed,
+            consumed_samples=consumed_samples,
+        )
 
     def valid_iterator(self) -> Iterator[dict] | None:
         """A fresh pass over the validation split (same batches every evaluation)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,14 @@ from typing import Any
 import torch.distributed as dist
 
 from elastic_plugin.checkpoint.history import DEFAULT_KEEP_LAST
-from elastic_plugin.checkpoint.io import save_checkpoint
+from elastic_plugin.checkpoint.io import (
+    load_checkpoint,
+    load_optimizer,
+    resume_source,
+    save_checkpoint,
+)
+from elastic_plugin.checkpoint.meta import TEACHER_SUBDIR, read_checkpoint_meta
+from elastic_plugin.compat.faults import fault_point
 from elastic_plugin.models.config import ConfigError, ExperimentConfig
 from elastic_plugin.models.flops import training_flops
 from elastic_plugin.models.runtime import Runtime
@@ -29,6 +37,12 @@ from elastic_plugin.parallel import (
     build_optimizer,
     initialize_layout,
     is_rank0,
+)
+from elastic_plugin.training.heartbeat import Heartbeat
+from elastic_plugin.training.recovery import (
+    check_resumable_training,
+    read_metrics,
+    restart_metrics,
 )
 from elastic_plugin.training.step import (
     cosine_lr_scheduler,
@@ -86,23 +100,38 @@ def plot_losses(history: list[dict[str, Any]], path: Path, title: str) -> Path |
     return path
 
 
+@dataclass(frozen=True)
+class SavePolicy:
+    """When the teacher run saves and what it keeps (Megatron-LM's ``--save-interval``)."""
+
+    save_interval: int = 0  # 0: only at the end
+    keep_last: int = DEFAULT_KEEP_LAST  # saves kept in checkpoints/teacher/iter_*; 0: all
+    resume: bool = False  # continue from the newest save that verifies
+    stop_after: int | None = None  # end (with a save) after this many iterations
+
+
 def train_teacher(
     cfg: ExperimentConfig,
     layout: Layout,
     out_dir: str | Path,
-    train_iterator,
+    make_train_iterator: Callable[[int], Iterator[dict] | None],
     valid_dataset_factory,
     vocab_size: int | None = None,
     progress: bool = True,
     extra_meta: dict[str, Any] | None = None,
+    saves: SavePolicy = SavePolicy(),
 ) -> TeacherRun:
     """Train ``cfg.model`` for ``cfg.training.train_iters`` steps and checkpoint it.
 
-    ``train_iterator``: Megatron-format micro-batches for this DP rank (None on middle PP
-    stages); ``valid_dataset_factory()``: a fresh validation iterator (or None).
+    ``make_train_iterator(consumed_samples)``: Megatron-format micro-batches for this DP rank
+    from that sample on (None on middle PP stages); ``valid_dataset_factory()``: a fresh
+    validation iterator (or None). Saves (with the optimizer and LR-schedule state) go to the
+    stage's history; with ``saves.resume`` the run continues the newest save that verifies and
+    its loss trace is the one an uninterrupted run writes.
     """
     t = cfg.training
     out_dir = Path(out_dir)
+    stage = out_dir.joinpath(*TEACHER_SUBDIR)
     model_cfg = cfg.model if vocab_size is None else replace(cfg.model, vocab_size=vocab_size)
     world = dist.get_world_size() if dist.is_initialized() else 1
     dp = world // (layout.tp * layout.pp)
@@ -113,6 +142,13 @@ def train_teacher(
         )
     num_microbatches = t.global_batch_size // (t.micro_batch_size * dp)
     runtime = Runtime.of(t)
+    resumed = resume_source(stage) if saves.resume else None
+    start_iter, consumed, resumed_meta = 1, 0, {}
+    if resumed is not None:
+        resumed_meta = read_checkpoint_meta(resumed)
+        check_resumable_training(resumed_meta, cfg, layout, f"resume: {resumed}")
+        start_iter = int(resumed_meta["iteration"]) + 1
+        consumed = int(resumed_meta.get("consumed_samples", 0))
     initialize_layout(layout, seed=t.seed)
     chunks, _ = build_model_chunks(
         model_cfg, layout, runtime.params_dtype, **runtime.transformer_overrides()
@@ -126,18 +162,36 @@ def train_teacher(
         distributed_optimizer=layout.distributed_optimizer,
     )
     scheduler = _lr_scheduler(optimizer, cfg)
+    if resumed is not None:
+        load_checkpoint(chunks, resumed)
+        load_optimizer(chunks, optimizer, resumed)
+        scheduler.load_state_dict(resumed_meta["scheduler"])
     metrics_path = out_dir / "teacher_metrics.jsonl"
     history: list[dict[str, Any]] = []
     if is_rank0():
         out_dir.mkdir(parents=True, exist_ok=True)
-        metrics_path.write_text("")
+        restart_metrics(metrics_path, start_iter)
+        history = read_metrics(metrics_path)  # the resumed run's earlier records: one plot
+    train_iterator = make_train_iterator(consumed)
+    last = (
+        t.train_iters
+        if saves.stop_after is None
+        else min(t.train_iters, start_iter - 1 + saves.stop_after)
+    )
     bar = None
     if progress and is_rank0():
         from tqdm import tqdm
 
-        bar = tqdm(total=t.train_iters, desc="teacher", unit="it", dynamic_ncols=True)
+        bar = tqdm(
+            total=t.train_iters,
+            initial=start_iter - 1,
+            desc="teacher",
+            unit="it",
+            dynamic_ncols=True,
+        )
     start = time.time()
-    train_loss = valid_loss = None
+    train_loss = resumed_meta.get("final_train_loss")
+    valid_loss = resumed_meta.get("final_valid_loss")
     window: list[float] = []
     meter = ThroughputMeter(world=world, data_parallel=dp)
     replica_flops = training_flops(
@@ -146,12 +200,42 @@ def train_teacher(
         t.global_batch_size // dp,
         recompute=runtime.full_recompute,
     ).total
-    for iteration in range(1, t.train_iters + 1):
+    heartbeat = Heartbeat(out_dir, dist.get_rank() if dist.is_initialized() else 0, world)
+    iteration = start_iter - 1
+    heartbeat.beat(iteration, "start")
+
+    def save() -> Path:
+        heartbeat.beat(iteration, "checkpoint save")
+        meta = {
+            "kind": "teacher",
+            "iteration": iteration,
+            "consumed_samples": consumed,
+            "layout": asdict(layout),
+            "params_dtype": runtime.dtype_name,
+            "config": cfg.to_dict() | {"model": asdict(model_cfg)},
+            "final_train_loss": train_loss,
+            "final_valid_loss": valid_loss,
+            "scheduler": scheduler.state_dict(),
+            **(extra_meta or {}),
+        }
+        return save_checkpoint(
+            chunks,
+            stage,
+            meta,
+            optimizer=optimizer,
+            iteration=iteration,
+            keep_last=saves.keep_last,
+        )
+
+    for iteration in range(start_iter, last + 1):
+        fault_point("train.step")
+        heartbeat.beat(iteration, "train")
         meter.start()
         result = train_step(
             chunks, optimizer, train_iterator, num_microbatches, t.seq_length, t.micro_batch_size
         )
         scheduler.step(increment=1)
+        consumed += t.global_batch_size
         meter.stop(t.global_batch_size * t.seq_length, replica_flops)
         loss = share_from_last_stage(result["loss"])
         if loss is not None and not math.isfinite(loss):
@@ -160,7 +244,7 @@ def train_teacher(
             )
         window.append(loss if loss is not None else float("nan"))
         record: dict[str, Any] = {}
-        if iteration % t.log_interval == 0 or iteration == t.train_iters:
+        if iteration % t.log_interval == 0 or iteration == last:
             train_loss = sum(window) / len(window)
             window.clear()
             record = {
@@ -174,6 +258,7 @@ def train_teacher(
         if valid_dataset_factory is not None and (
             iteration % t.eval_interval == 0 or iteration == t.train_iters
         ):
+            heartbeat.beat(iteration, "evaluation")
             valid_loss = share_from_last_stage(
                 eval_step(
                     chunks, valid_dataset_factory(), t.eval_iters, t.seq_length, t.micro_batch_size
@@ -193,25 +278,13 @@ def train_teacher(
                 val=f"{valid_loss:.3f}" if valid_loss is not None else "-",
                 **progress_postfix(rate),
             )
+        if saves.save_interval and iteration % saves.save_interval == 0 and iteration != last:
+            save()
+        heartbeat.beat(iteration, "done")
     if bar is not None:
         bar.close()
-    meta = {
-        "kind": "teacher",
-        "iteration": t.train_iters,
-        "layout": asdict(layout),
-        "params_dtype": runtime.dtype_name,
-        "config": cfg.to_dict() | {"model": asdict(model_cfg)},
-        "final_train_loss": train_loss,
-        "final_valid_loss": valid_loss,
-        **(extra_meta or {}),
-    }
-    ckpt = save_checkpoint(
-        chunks,
-        out_dir / "checkpoints" / "teacher",
-        meta,
-        iteration=t.train_iters,
-        keep_last=DEFAULT_KEEP_LAST,
-    )
+    ckpt = save()
+    heartbeat.beat(iteration, "done")
     plot = None
     if is_rank0():
         plot = plot_losses(
@@ -222,7 +295,7 @@ def train_teacher(
         )
     return TeacherRun(
         str(ckpt),
-        t.train_iters,
+        iteration,
         train_loss,
         valid_loss,
         str(metrics_path),

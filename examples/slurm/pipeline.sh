@@ -22,6 +22,7 @@ RUN=${RUN:?set RUN to a shared output folder}
 CONFIG=${CONFIG:-examples/configs/tiny_elastic.yaml}
 HERE=${HERE:-examples/slurm}               # where run_stage.sbatch / train_elastic.sbatch are
 TEACHER_NODES=${TEACHER_NODES:-1}
+TEACHER_SAVE_INTERVAL=${TEACHER_SAVE_INTERVAL:-100}  # teacher saves a resubmitted job resumes from
 ELASTIC_NODES=${ELASTIC_NODES:-1}
 CALIB_SAMPLES=${CALIB_SAMPLES:-1024}       # importance calibration samples (per DP rank)
 CALIB_MICRO_BATCH=${CALIB_MICRO_BATCH:-8}
@@ -49,14 +50,15 @@ submit() {
 
 data_args=()
 if [[ -n "$HF" ]]; then
-    TOKENIZER=${TOKENIZER:-$RUN/checkpoints/teacher/hf_tokenizer/tokenizer.json}
+    TOKENIZER=${TOKENIZER:-$RUN/checkpoints/teacher/iter_0000000/hf_tokenizer/tokenizer.json}
     [[ -n "$DATA_PATH" ]] || { echo "HF=$HF needs DATA_PATH (prepare-data --input)" >&2; exit 2; }
     # one process, no torchrun (import runs at TP=PP=EP=1; later stages load any layout)
     teacher=$(submit elastic-import 1 "" --wrap "$(printf '%q ' "${PYTHON:-python}" -m \
         elastic_plugin.cli import --hf "$HF" --out "$RUN/checkpoints/teacher" --no-progress)")
 else
     teacher=$(submit elastic-teacher "$TEACHER_NODES" "" "$HERE/run_stage.sbatch" \
-        train --config "$CONFIG" --out "$RUN" --no-progress)
+        train --config "$CONFIG" --out "$RUN" --no-progress --resume \
+        --save-interval "$TEACHER_SAVE_INTERVAL")
 fi
 if [[ -n "$DATA_PATH" ]]; then
     [[ -n "$TOKENIZER" ]] || { echo "DATA_PATH needs TOKENIZER (its tokenizer.json)" >&2; exit 2; }
