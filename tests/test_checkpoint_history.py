@@ -98,7 +98,6 @@ def test_megatron_lm_reads_the_pointer_and_finds_the_save(tmp_path, monkeypatch)
     """The layout is Megatron-LM's own: its checkpointing module (shipped in our megatron-core
     wheel) reads our pointer and names the same save directory that resolve_checkpoint does."""
     import torch.distributed
-
     from megatron.training import checkpointing as mlm
 
     stage = tmp_path / "teacher"
