@@ -23,6 +23,7 @@ def _register_all(subparsers: argparse._SubParsersAction) -> None:
     from elastic_plugin.inference import cli as generate_cli
     from elastic_plugin.models import cli as models_cli
     from elastic_plugin.nested import cli as inspect_cli
+    from elastic_plugin.planning import cli as plan_cli
     from elastic_plugin.training import cli as training_cli
 
     # data-flow order; export's module registers `extract` and `export`
@@ -34,6 +35,7 @@ def _register_all(subparsers: argparse._SubParsersAction) -> None:
         import_cli,
         importance_cli,
         elastic_cli,
+        plan_cli,
         inspect_cli,
         export_cli,
         evaluate_cli,

@@ -1,0 +1,111 @@
+"""Activation bytes one rank keeps per in-flight micro-batch: what autograd saves for the backward
+pass in each decoder layer, plus the embedding and the output layer / distillation loss.
+
+Per token, in elements of the model dtype unless noted; ``t`` = TP, ``sp`` = TP with sequence
+parallelism (the residual stream is split over the sequence) else 1; widths are the budget's
+nested ones (sliced mode computes only them). GPU kernels are assumed: SDPA / flash attention
+(it saves Q, K, V, its output and a log-sum-exp, never the score matrix) and mamba_ssm's fused
+chunked scan (its inputs, output and the chunk-end states). Per layer:
+
+* every layer: the pre-norm's input and output, ``2 h / sp``;
+* attention: Q, K, V ``(a + 2 g) d / t``, the attention output and linear_proj's input
+  (a transposed copy) ``2 a d / t``, the log-sum-exp ``a / t`` (FP32);
+* dense MLP: fc1's output ``r / t`` (``r`` = 2 f when gated), the activation's output ``f / t``,
+  and the gate's product ``f / t`` when gated;
+* MoE: router logits and scores ``2 E`` (FP32); each token's ``k`` routed copies: the permuted
+  input ``k h`` (the dispatch buffer, all-gathered over TP), the expert MLP as above with
+  ``k`` rows per token, the expert output kept for the weighted combine ``k h / t``;
+  the shared expert as a dense MLP;
+* Mamba: in_proj's output ``(2 D + 2 G N + H) / t``, the conv input copy and its output
+  ``2 (D + 2 G N) / t``, the scan output and the gated norm's output ``2 D / t``, the scan's
+  chunk-end states ``D N / Q / t`` and ``dt`` / decays ``2 H / t`` (FP32).
+
+The first stage adds the embedding output ``h / sp``; the last stage the output layer's input
+``h / sp`` and the loss' saved ``p_s - p_t`` (``V / t``, FP32), plus a transient of five FP32
+``[tokens, V / t]`` tensors while the loss' forward runs. Recomputation: ``full`` keeps each
+recomputed chunk's input (``h / sp``) and re-creates one chunk's activations at a time;
+``selective`` recomputes core attention, which SDPA does not store anyway: no change.
+"""
+
+from __future__ import annotations
+
+from elastic_plugin.models.config import ModelConfig
+from elastic_plugin.models.runtime import Runtime
+
+__all__ = ["layer_activation_elements", "stage_activation_bytes"]
+
+FP32 = 4
+
+
+def layer_activation_elements(
+    model: ModelConfig, kind: str, tp: int, sp: int, dtype_bytes: int
+) -> float:
+    """Elements (in units of the model dtype) saved per token by one layer of ``kind``."""
+    h = model.hidden_size
+    fp32 = FP32 / dtype_bytes  # an FP32 value in model-dtype elements
+    out = 2 * h / sp
+    if kind == "attention":
+        a, g, d = model.num_attention_heads, model.query_groups, model.head_dim
+        out += (a + 2 * g) * d / tp + 2 * a * d / tp + a / tp * fp32
+    elif kind == "mlp":
+        out += _mlp(model, model.ffn_hidden_size) / tp
+    elif kind == "moe":
+        k, e = model.moe_router_topk, model.num_moe_experts
+        out += 2 * e * fp32 + k * h + k * _mlp(model, model.moe_ffn_hidden_size) / tp + k * h / tp
+        if model.moe_shared_expert_intermediate_size:
+            out += _mlp(model, model.moe_shared_expert_intermediate_size) / tp
+    elif kind == "mamba":
+        d, nh = model.mamba_d_inner, model.mamba_num_heads
+        bc = 2 * model.mamba_num_groups * model.mamba_state_dim
+        states = d * model.mamba_state_dim / model.mamba_chunk_size
+        out += (2 * d + bc + nh + 2 * (d + bc) + 2 * d) / tp + (states + 2 * nh) / tp * fp32
+    else:
+        raise ValueError(f"layer kind {kind!r}; allowed: mamba, attention, mlp, moe")
+    return out
+
+
+def _mlp(model: ModelConfig, ffn: int) -> float:
+    rows = ffn * (2 if model.gated_mlp else 1)
+    return rows + ffn + (ffn if model.gated_mlp else 0)
+
+
+def stage_activation_bytes(
+    model: ModelConfig,
+    kinds: list[str],
+    first: bool,
+    last: bool,
+    tokens: int,
+    tp: int,
+    sequence_parallel: bool,
+    runtime: Runtime,
+) -> dict[str, float]:
+    """Bytes of one micro-batch on one rank of a stage with layers ``kinds``: ``stored`` (kept
+    until its backward), ``transient`` (the largest short-lived extra: one recomputed chunk,
+    the loss' forward) for ``tokens = micro_batch_size x seq_length``."""
+    dtype_bytes = 2 if runtime.bf16 else 4
+    sp = tp if sequence_parallel and tp > 1 else 1
+    h = model.hidden_size
+    per_layer = [
+        layer_activation_elements(model, kind, tp, sp, dtype_bytes) * tokens * dtype_bytes
+        for kind in kinds
+    ]
+    stored = sum(per_layer)
+    transient = 0.0
+    if runtime.full_recompute and per_layer:
+        n = runtime.recompute_num_layers or 1
+        inputs = h / sp * tokens * dtype_bytes
+        if runtime.recompute_method == "block":
+            recomputed = per_layer[:n]
+            stored = sum(per_layer[n:]) + len(recomputed) * inputs
+            transient = max(recomputed, default=0.0)
+        else:
+            chunks = [per_layer[i : i + n] for i in range(0, len(per_layer), n)]
+            stored = len(chunks) * inputs
+            transient = max(sum(c) for c in chunks)
+    if first:
+        stored += h / sp * tokens * dtype_bytes
+    if last:
+        vocab = model.vocab_size / tp
+        stored += h / sp * tokens * dtype_bytes + vocab * tokens * FP32
+        transient = max(transient, 5 * vocab * tokens * FP32)
+    return {"stored": stored, "transient": transient}

@@ -1,0 +1,218 @@
+"""``elastic-plugin plan``: which layouts fit a model on N GPUs, and what they would cost.
+
+Every flag is checked (naming the flag and what is allowed, exit 2) before any layout is
+evaluated; the evaluation itself is arithmetic (no model is built, no GPU is needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import yaml
+
+from elastic_plugin.cli_args import add_runtime_args, runtime_from_args
+from elastic_plugin.cli_errors import EXIT_BAD_INPUT, report_bad_input
+from elastic_plugin.elastic.config import TEACHERS, ElasticConfig
+from elastic_plugin.models.config import ConfigError, ModelConfig, TrainingConfig, load_config
+from elastic_plugin.models.runtime import Runtime
+from elastic_plugin.planning.devices import BUILTIN_DEVICES, load_device
+from elastic_plugin.planning.plan import CurriculumStage, PlanInputs
+
+PROG = "elastic-plugin plan"
+
+
+def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="rank the TP/PP/EP/DP layouts that fit a model on N GPUs (estimates)",
+        description="Enumerate every layout elastic-train accepts, with memory per rank, "
+        "FLOPs and communication per budget and an estimated step time; a stated model, "
+        "not a measurement.",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", metavar="FILE", help="model YAML (its elastic: section too)")
+    source.add_argument("--hf", metavar="DIR", help="a Hugging Face NemotronH directory")
+    parser.add_argument("--gpus", type=int, required=True, metavar="N")
+    parser.add_argument(
+        "--gpu",
+        default="h100",
+        metavar="|".join(BUILTIN_DEVICES) + "|FILE.yaml",
+        help="the device table entry, or a YAML file with the same fields (default h100)",
+    )
+    parser.add_argument("--seq-length", type=int, default=None, metavar="L")
+    parser.add_argument("--micro-batch-size", type=int, default=None, metavar="M")
+    parser.add_argument("--global-batch-size", type=int, default=None, metavar="G")
+    add_runtime_args(parser)
+    parser.add_argument(
+        "--distributed-optimizer",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="only layouts with (or, --no-distributed-optimizer, without) it; default both",
+    )
+    parser.add_argument("--elastic-budgets", type=float, nargs="+", default=None, metavar="B")
+    parser.add_argument("--teacher", default=None, metavar="|".join(TEACHERS))
+    parser.add_argument("--efficiency", type=float, default=0.4, metavar="X",
+                        help="fraction of the dense peak the GEMMs reach (default 0.4)")  # fmt: skip
+    parser.add_argument("--comm-efficiency", type=float, default=0.7, metavar="X",
+                        help="fraction of link bandwidth collectives reach (default 0.7)")  # fmt: skip
+    parser.add_argument("--reserve-gb", type=float, default=4.0, metavar="GB",
+                        help="per GPU: CUDA context, NCCL buffers, fragmentation (default 4)")  # fmt: skip
+    parser.add_argument(
+        "--stage",
+        action="append",
+        default=None,
+        metavar="TOKENS:SEQ[:P1/P2/...]",
+        help="a curriculum stage (repeat the flag), e.g. 1.1e11:8192 5e10:49152:0.5/0.3/0.2",
+    )
+    parser.add_argument(
+        "--separate-tokens",
+        type=float,
+        default=None,
+        metavar="N",
+        help="tokens to train each budget separately on (default: the curriculum's)",
+    )
+    parser.add_argument("--top", type=int, default=10, metavar="K")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG")
+    parser.set_defaults(func=run_plan)
+
+
+def _positive(flag: str, value: float | None, integer: bool = True) -> None:
+    if value is None:
+        return
+    if not (value > 0 and math.isfinite(value)):
+        what = "a positive integer" if integer else "a number > 0"
+        raise ConfigError(f"{flag}={value!r}; allowed: {what}")
+
+
+def _fraction(flag: str, value: float) -> None:
+    if not 0 < value <= 1:
+        raise ConfigError(f"{flag}={value!r}; allowed: a number in (0, 1]")
+
+
+def _stage(text: str, budgets: int) -> CurriculumStage:
+    parts = text.split(":")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        tokens, seq = float(parts[0]), int(parts[1])
+        probs = tuple(float(p) for p in parts[2].split("/")) if len(parts) == 3 else None
+    except ValueError:
+        raise ConfigError(
+            f"--stage {text!r}; allowed: TOKENS:SEQ[:P1/P2/...], e.g. 1e11:8192:0.5/0.3/0.2"
+        ) from None
+    if not tokens > 0 or seq <= 0:
+        raise ConfigError(f"--stage {text!r}: tokens and sequence length must be > 0")
+    if probs is not None and (
+        len(probs) != budgets or any(p < 0 for p in probs) or abs(sum(probs) - 1) > 1e-6
+    ):
+        raise ConfigError(
+            f"--stage {text!r}: {len(probs)} probabilities; allowed: {budgets} "
+            f"non-negative numbers (one per budget) summing to 1"
+        )
+    return CurriculumStage(tokens, seq, probs)
+
+
+def _model(args: argparse.Namespace) -> tuple[ModelConfig, TrainingConfig, dict, str]:
+    if args.config is not None:
+        cfg = load_config(args.config)
+        return cfg.model, cfg.training, dict(cfg.elastic), str(args.config)
+    from elastic_plugin.models.hf_config import HF_CONFIG_FILE, model_config_from_hf, read_hf_config
+
+    path = Path(args.hf)
+    if path.is_file():
+        raw, source = read_hf_config(path.parent, path.name), str(path)
+    else:
+        raw, source = read_hf_config(path), str(path / HF_CONFIG_FILE)
+    return model_config_from_hf(raw, source), TrainingConfig(), {}, source
+
+
+def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
+    """Every flag checked and combined with the config; raises ConfigError naming the flag."""
+    _positive("--gpus", args.gpus)
+    for flag in ("seq_length", "micro_batch_size", "global_batch_size", "top"):
+        _positive("--" + flag.replace("_", "-"), getattr(args, flag))
+    _fraction("--efficiency", args.efficiency)
+    _fraction("--comm-efficiency", args.comm_efficiency)
+    if not args.reserve_gb >= 0:
+        raise ConfigError(f"--reserve-gb={args.reserve_gb!r}; allowed: a number >= 0")
+    _positive("--separate-tokens", args.separate_tokens, integer=False)
+    if args.teacher is not None and args.teacher not in TEACHERS:
+        raise ConfigError(f"--teacher {args.teacher!r}; allowed: {', '.join(TEACHERS)}")
+    if args.plot is not None and not Path(args.plot).parent.resolve().is_dir():
+        raise ConfigError(f"--plot {args.plot}: the directory does not exist")
+    device = load_device(args.gpu)
+    model, training, elastic_raw, source = _model(args)
+    training = runtime_from_args(args, training, model)
+    seq = args.seq_length or training.seq_length
+    mbs = args.micro_batch_size or training.micro_batch_size
+    gbs = args.global_batch_size or training.global_batch_size
+    if gbs % mbs:
+        raise ConfigError(
+            f"--global-batch-size={gbs} is not a multiple of --micro-batch-size={mbs}"
+        )
+    origins: dict[str, str] = {}
+    if args.elastic_budgets is not None:
+        elastic_raw["budgets"] = list(args.elastic_budgets)
+        origins["budgets"] = "--elastic-budgets"
+    if args.teacher is not None:
+        elastic_raw["teacher"] = args.teacher
+        origins["teacher"] = "--teacher"
+    where = str(args.config) if args.config else "<dict>"
+    elastic = ElasticConfig.from_dict(elastic_raw, source=where, origins=origins)
+    elastic.resolve(model)  # the budgets are reachable with TP = EP = 1
+    stages = tuple(_stage(text, len(elastic.budgets)) for text in args.stage or ())
+    return PlanInputs(
+        model=model,
+        source=source,
+        gpus=args.gpus,
+        device=device,
+        seq_length=seq,
+        micro_batch_size=mbs,
+        global_batch_size=gbs,
+        runtime=Runtime.of(training),
+        elastic=elastic,
+        distributed_optimizer=args.distributed_optimizer,
+        efficiency=args.efficiency,
+        comm_efficiency=args.comm_efficiency,
+        reserve_gb=args.reserve_gb,
+        curriculum=stages,
+        separate_tokens=args.separate_tokens,
+    )
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Print the ranked plan (or JSON); nothing fits -> exit 2 naming the smallest shortfall."""
+    try:
+        inputs = inputs_from_args(args)
+    except (ConfigError, yaml.YAMLError, OSError) as exc:
+        return report_bad_input(PROG, exc)
+    from elastic_plugin.planning.plan import make_plan
+    from elastic_plugin.planning.report import plan_json, plot_plan, render_table
+
+    plans, rejected = make_plan(inputs)
+    if not plans:
+        reasons = "; ".join(f"{n} x {r}" for r, n in sorted(rejected.items(), key=lambda i: -i[1]))
+        return report_bad_input(
+            PROG, ConfigError(f"no valid layout of {inputs.gpus} GPUs for this model: {reasons}")
+        )
+    if args.plot:
+        plot_plan(inputs, plans, args.top, Path(args.plot))
+    if args.json:
+        print(json.dumps(plan_json(inputs, plans, args.top, rejected), indent=1))
+    else:
+        print(render_table(inputs, plans, args.top))
+    if not plans[0].fits:
+        best = plans[0]
+        print(
+            f"{PROG}: error: no layout fits {inputs.device.name}: the closest, "
+            f"{best.layout.name}, needs {best.memory.total / 1e9:.2f} GB per rank of "
+            f"{best.capacity / 1e9:.2f} GB usable (short by {-best.headroom / 1e9:.2f} GB)",
+            flush=True,
+            file=__import__("sys").stderr,
+        )
+        return EXIT_BAD_INPUT
+    return 0

@@ -1,0 +1,161 @@
+"""Bytes each rank passes to ``torch.distributed`` per training step, per process group and kind:
+what an elastic step (teacher forward, student forward + backward, gradient reduction) under
+Megatron-Core 0.19.2 issues, as counted at the calls on a real run (``tests/test_planning.py``).
+
+Sizes are message sizes (nccl-tests' convention): an all-reduce or p2p send its tensor, an
+all-gather its gathered output, a reduce-scatter or all-to-all its input. Per micro-batch, with
+``T = micro_batch x seq`` tokens, ``h`` the hidden size of the pass (the teacher's full one, the
+student's nested one), ``a`` the model dtype's bytes, ``k`` top-k, ``t`` TP, ``sp = t`` with
+sequence parallelism else 1:
+
+* **TP**, without SP: one all-reduce of ``T h a`` per layer and the embedding in every forward,
+  one per layer and the output layer in the backward. With SP, per layer in the forward an
+  all-gather and a reduce-scatter of ``T h a`` (the embedding: a reduce-scatter, at the full
+  width even for a nested student; the output layer: an all-gather); in the backward two
+  all-gathers (the output gradient, and the saved sequence shard re-gathered for the weight
+  gradient) and a reduce-scatter per layer, an all-gather for the embedding, and for the output
+  layer (whose output gradient is not sequence-parallel) one all-gather and a reduce-scatter. MoE layers under TP: the routed tokens are all-gathered
+  (``k T h a``) with their FP32 probabilities (``4 k T``) and reduce-scattered after the experts,
+  both reversed in the backward; the shared expert as a dense layer. The distillation loss
+  all-reduces ``5 x 4 T`` bytes (max, then three sums, FP32). Once per step with SP: the
+  gradients of the sequence-parallel parameters (norms, MoE routers; FP32) are all-reduced.
+* **EP** all-to-all per MoE layer and pass: the dispatch ``k (T / sp) h a`` plus the
+  probabilities ``4 k T / sp``, and the combine ``k (T / sp) h a`` (per rank it varies with the
+  routing; the sum over the EP group is exact); three passes (teacher, student, backward). The
+  token counts per expert are all-gathered over TP x EP in each forward (``8 E t e``).
+* **PP**: every stage but the last sends ``T / sp x H x a`` forward per micro-batch in the
+  teacher and the student pass (buffers keep the full hidden size ``H``); every stage but the
+  first sends the gradient back. Once per step the budget router's FP32 gradients are summed
+  over the stages.
+* **DP** once per step: an all-reduce of the FP32 gradient buffer, or with the distributed
+  optimizer a reduce-scatter of it and an all-gather of the updated weights (padded buffers,
+  ``memory.padded_elements``); expert gradients over the expert-data-parallel group (DP / EP).
+  The MoE routers' token counts (expert bias, FP32) are all-reduced over TP x DP.
+
+Left out: scalar reductions (loss reports, the gradient norm: a few bytes) and the budget
+router's mask gradients under TP at budgets below 1.0 (one all-reduce of a mask per layer and
+axis: < 0.5% of the TP bytes on the tiny model).
+"""
+
+from __future__ import annotations
+
+from elastic_plugin.models.config import ModelConfig
+from elastic_plugin.planning.memory import padded_elements
+from elastic_plugin.planning.params import StageParams, stage_layer_types
+
+__all__ = ["step_comm_bytes"]
+
+Comm = dict[str, dict[str, float]]
+
+
+def _add(out: Comm, group: str, kind: str, nbytes: float) -> None:
+    if nbytes:
+        out.setdefault(group, {}).setdefault(kind, 0.0)
+        out[group][kind] += nbytes
+
+
+def _tp_pass(
+    out: Comm, model: ModelConfig, kinds: list[str], h: int, tokens: int, a: int, tp: int,
+    sp: bool, first: bool, last: bool, backward: bool,
+) -> None:  # fmt: skip
+    """TP bytes of one pass (forward, or the backward of a training pass) of one stage."""
+    dense = tokens * h * a
+    k = model.moe_router_topk
+    for kind in kinds:
+        blocks = 1
+        if kind == "moe":
+            blocks = 1 if model.moe_shared_expert_intermediate_size else 0
+            _add(out, "tp", "all_gather", k * dense)  # routed tokens (bwd: the combine's grad)
+            _add(out, "tp", "reduce_scatter", k * dense)
+            _add(out, "tp", "reduce_scatter" if backward else "all_gather", 4 * k * tokens)
+        if sp:
+            _add(out, "tp", "all_gather", (2 if backward else 1) * blocks * dense)
+            _add(out, "tp", "reduce_scatter", blocks * dense)
+        else:
+            _add(out, "tp", "all_reduce", blocks * dense)
+    if first:  # the vocab-parallel embedding: full width (a nested width is cut after it)
+        full = tokens * model.hidden_size * a
+        if sp:
+            _add(out, "tp", "all_gather" if backward else "reduce_scatter", full)
+        elif not backward:
+            _add(out, "tp", "all_reduce", full)
+    if last:  # the output layer (its output gradient is not sequence-parallel)
+        if sp:
+            _add(out, "tp", "all_gather", dense)
+            if backward:
+                _add(out, "tp", "reduce_scatter", dense)
+        elif backward:
+            _add(out, "tp", "all_reduce", dense)
+
+
+def _ep_pass(out: Comm, model: ModelConfig, moe: int, h: int, tokens: int, a: int) -> None:
+    """EP bytes of one pass over ``moe`` MoE layers (``tokens``: this rank's sequence shard)."""
+    k = model.moe_router_topk
+    _add(out, "ep", "all_to_all", moe * (2 * k * tokens * h * a + 4 * k * tokens))
+
+
+def step_comm_bytes(
+    model: ModelConfig,
+    nested: ModelConfig,
+    stage: int,
+    stages: list[StageParams],
+    tp: int,
+    pp: int,
+    ep: int,
+    dp: int,
+    sequence_parallel: bool,
+    distributed_optimizer: bool,
+    bf16: bool,
+    micro_batch_size: int,
+    seq_length: int,
+    num_microbatches: int,
+    teacher: bool = True,
+) -> Comm:
+    """Bytes per group and kind that one rank of pipeline stage ``stage`` passes in one step
+    (``num_microbatches`` micro-batches, all of the budget whose widths ``nested`` has; the
+    teacher runs ``model``; ``teacher=False``: no teacher pass, as when ``model`` trains alone)."""
+    out: Comm = {}
+    a = 2 if bf16 else 4
+    tokens = micro_batch_size * seq_length
+    sp = tp > 1 and sequence_parallel
+    kinds = stage_layer_types(model, pp)[stage]
+    first, last = stage == 0, stage == pp - 1
+    m = num_microbatches
+    moe = kinds.count("moe")
+    passes: list[tuple[int, bool]] = [(model.hidden_size, False)] if teacher else []
+    passes += [(nested.hidden_size, False), (nested.hidden_size, True)]
+    for h, backward in passes:
+        for _ in range(m):
+            if tp > 1:
+                _tp_pass(out, model, kinds, h, tokens, a, tp, sp, first, last, backward)
+            if ep > 1:
+                _ep_pass(out, model, moe, h, tokens // (tp if sp else 1), a)
+            if tp * ep > 1 and not backward:  # the tokens per expert, over TP x EP
+                _add(out, "tp_ep", "all_gather", moe * 8 * model.num_moe_experts * tp * ep)
+    if tp > 1 and last:
+        _add(out, "tp", "all_reduce", m * 5 * 4 * tokens)  # the distillation loss
+    if pp > 1:
+        p2p = tokens // (tp if sp else 1) * model.hidden_size * a
+        # teacher + student forward, student backward
+        sends = (0 if last else 1 + int(teacher)) + (0 if first else 1)
+        _add(out, "pp", "p2p", m * sends * p2p)
+        _add(out, "pp", "all_reduce", 4 * stages[stage].router)
+    params = stages[stage]
+    h = model.hidden_size
+    if sp:  # gradients of the sequence-parallel parameters: norms and MoE routers
+        norms = len(kinds) + (1 if last else 0)
+        routers = moe * model.num_moe_experts * h
+        _add(out, "tp", "all_reduce", 4 * (norms * h + routers))
+    edp = dp // ep
+    if model.moe_router_enable_expert_bias and tp * dp > 1:
+        _add(out, "tp_dp", "all_reduce", 4 * model.num_moe_experts * moe)
+    for group, numels, size in (("dp", params.dense, dp), ("edp", params.expert, edp)):
+        if size < 2 or not numels:
+            continue
+        if distributed_optimizer:
+            padded = padded_elements(numels, size)
+            _add(out, group, "reduce_scatter", 4 * padded)
+            _add(out, group, "all_gather", a * padded)
+        else:
+            _add(out, group, "all_reduce", 4 * sum(numels))
+    return out

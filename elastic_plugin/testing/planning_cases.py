@@ -1,0 +1,255 @@
+"""Rank-pool cases that measure what ``elastic-plugin plan`` predicts (tests/test_planning.py):
+the bytes Megatron allocates for weights, gradients and optimizer state on each rank, the bytes
+each elastic training step passes through ``torch.distributed`` per process group, and the
+activation bytes one micro-batch keeps.
+
+Communication is counted at the calls: every collective and point-to-point function of
+``torch.distributed`` (and the aliases Megatron binds at import, e.g. ``dist_all_gather_func``)
+is wrapped, the outermost call only (our CPU adaptations implement some collectives with
+others). Sizes: all-reduce, broadcast, send: the tensor; all-gather: the gathered output;
+reduce-scatter, all-to-all: the input (the message size of nccl-tests). Groups of one rank
+are not counted (nothing moves).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_plugin.testing.elastic_cases import _experiment, _setup, write_init_checkpoint
+
+__all__ = ["count_comm", "measure_step"]
+
+_STATE = threading.local()
+
+
+def _nbytes(t: Any) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return 0
+
+
+# function name -> (argument index of the counted tensor, keyword name)
+_SIZED: dict[str, tuple[str, int, str]] = {
+    "all_reduce": ("all_reduce", 0, "tensor"),
+    "broadcast": ("broadcast", 0, "tensor"),
+    "all_gather": ("all_gather", 0, "tensor_list"),
+    "all_gather_into_tensor": ("all_gather", 0, "output_tensor"),
+    "_all_gather_base": ("all_gather", 0, "output_tensor"),
+    "reduce_scatter": ("reduce_scatter", 1, "input_list"),
+    "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),
+    "_reduce_scatter_base": ("reduce_scatter", 1, "input"),
+    "all_to_all_single": ("all_to_all", 1, "input"),
+    "all_to_all": ("all_to_all", 1, "input_tensor_list"),
+    "send": ("p2p", 0, "tensor"),
+    "isend": ("p2p", 0, "tensor"),
+}
+
+
+def _group_names() -> tuple[dict[int, str], dict[tuple[int, ...], str]]:
+    """Megatron's groups by identity -> a name, and by ranks (the first name wins) for groups
+    made elsewhere with the same ranks."""
+    from megatron.core import parallel_state as ps
+
+    named = (
+        ("tp", ps.get_tensor_model_parallel_group),
+        ("pp", ps.get_pipeline_model_parallel_group),
+        ("dp", ps.get_data_parallel_group),
+        ("ep", ps.get_expert_model_parallel_group),
+        ("edp", ps.get_expert_data_parallel_group),
+        ("tp_ep", ps.get_expert_tensor_and_model_parallel_group),
+        ("tp_dp", lambda: ps.get_tensor_and_data_parallel_group(with_context_parallel=True)),
+        ("tp_dp", ps.get_tensor_and_data_parallel_group),
+        ("mp", ps.get_model_parallel_group),
+    )
+    by_id: dict[int, str] = {}
+    by_ranks: dict[tuple[int, ...], str] = {}
+    for name, get in named:
+        group = get()
+        by_id.setdefault(id(group), name)
+        by_ranks.setdefault(tuple(dist.get_process_group_ranks(group)), name)
+    by_ranks.setdefault(tuple(range(dist.get_world_size())), "world")
+    return by_id, by_ranks
+
+
+def _wrap(fn: Callable, name: str, log: list) -> Callable:
+    kind, index, key = _SIZED[name]
+
+    @functools.wraps(fn)
+    def counted(*args, **kwargs):
+        depth = getattr(_STATE, "depth", 0)
+        if depth == 0:
+            tensor = args[index] if len(args) > index else kwargs.get(key)
+            group = kwargs.get("group")
+            if group is None:
+                positions = {"send": 2, "isend": 2, "broadcast": 2, "all_to_all_single": 4}
+                pos = positions.get(name, 2 if kind != "all_reduce" else 2)
+                group = args[pos] if len(args) > pos and not isinstance(args[pos], int) else None
+            if name == "all_reduce" and len(args) > 2:
+                group = args[2]
+            log.append((kind, group, _nbytes(tensor)))
+        _STATE.depth = depth + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _STATE.depth = depth
+
+    return counted
+
+
+def _wrap_batch(fn: Callable, log: list) -> Callable:
+    @functools.wraps(fn)
+    def counted(p2p_op_list):
+        depth = getattr(_STATE, "depth", 0)
+        if depth == 0:
+            for op in p2p_op_list:
+                if "send" in op.op.__name__:
+                    log.append(("p2p", op.group, _nbytes(op.tensor)))
+        _STATE.depth = depth + 1
+        try:
+            return fn(p2p_op_list)
+        finally:
+            _STATE.depth = depth
+
+    return counted
+
+
+@contextmanager
+def count_comm(calls: list | None = None) -> Iterator[dict[str, dict[str, int]]]:
+    """Count bytes per group name and kind while the block runs; yields the totals, filled on
+    exit: ``{"tp": {"all_reduce": bytes, ...}, ...}``; ``calls`` gets every call's
+    ``(group, kind, bytes)`` in order."""
+    log: list[tuple[str, Any, int]] = []
+    originals = {name: getattr(dist, name) for name in _SIZED if hasattr(dist, name)}
+    originals.pop("isend", None)  # P2POp checks isend / irecv by identity: counted in batches
+    patched: list[tuple[Any, str, Any]] = []
+    replacement = {id(fn): _wrap(fn, name, log) for name, fn in originals.items()}
+    batch = dist.batch_isend_irecv
+    replacement[id(batch)] = _wrap_batch(batch, log)
+    by_id = {**{id(fn): fn for fn in originals.values()}, id(batch): batch}
+    modules = [dist] + [m for n, m in list(sys.modules.items()) if n.startswith("megatron.")
+                        and m is not None]  # fmt: skip
+    for module in modules:
+        for attr, value in list(vars(module).items()):
+            if id(value) in by_id and value is by_id[id(value)]:
+                patched.append((module, attr, value))
+                setattr(module, attr, replacement[id(value)])
+    totals: dict[str, dict[str, int]] = {}
+    try:
+        yield totals
+    finally:
+        for module, attr, value in patched:
+            setattr(module, attr, value)
+        by_id, by_ranks = _group_names()
+        world = tuple(range(dist.get_world_size()))
+        for kind, group, nbytes in log:
+            ranks = world if group is None else tuple(dist.get_process_group_ranks(group))
+            if len(ranks) < 2:
+                continue
+            name = by_id.get(id(group)) or by_ranks.get(ranks, f"ranks{list(ranks)}")
+            totals.setdefault(name, {}).setdefault(kind, 0)
+            totals[name][kind] += nbytes
+            if calls is not None:
+                calls.append((name, kind, nbytes))
+
+
+def _state_bytes(chunks: list[Any], optimizer: Any) -> dict[str, int]:
+    """Weights (parameters), DDP gradient buffers and Adam state (+ FP32 main copies) of this
+    rank as allocated."""
+    ddp = chunks[0]
+    model = ddp.module
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", []))
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
+    param_buffers = sum(
+        b.param_data.numel() * b.param_data.element_size()
+        for b in buffers
+        if getattr(b, "param_data", None) is not None
+    )
+    state = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        mains = []
+        for attr in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups"):
+            for group in getattr(opt, attr, None) or []:
+                mains += list(group)
+        state += sum(m.numel() * m.element_size() for m in mains)
+        for values in opt.optimizer.state.values():
+            state += sum(
+                t.numel() * t.element_size()
+                for k, t in values.items()
+                if k in ("exp_avg", "exp_avg_sq")
+            )
+    return {
+        "weights": param_buffers if param_buffers else weights,
+        "param_numel": sum(p.numel() for p in model.parameters()),
+        "grads": grads,
+        "optimizer": state,
+    }
+
+
+def measure_step(
+    config_path: str,
+    workdir: str,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    sequence_parallel: bool = False,
+    distributed_optimizer: bool = False,
+    bf16: bool = False,
+    budget: float = 1.0,
+    num_microbatches: int = 2,
+    pattern: str | None = None,
+    calls: bool = False,
+) -> dict[str, Any]:
+    """One elastic training step under a layout, every micro-batch at ``budget``: the state
+    bytes of this rank after the optimizer has run, and the bytes counted per group during the
+    step (teacher pass, student forward/backward, gradient reduction, optimizer)."""
+    from megatron.core import parallel_state as ps
+
+    from elastic_plugin.elastic.sampling import BudgetSampler, Stage
+    from elastic_plugin.parallel import Layout
+    from elastic_plugin.testing.elastic_cases import MICRO_BATCH, SEQ_LEN, _iteration_batches
+
+    work = Path(workdir)
+    if not (work / "init" / "elastic_meta.json").is_file():  # collective: every rank
+        write_init_checkpoint(_experiment(config_path, pattern), work / "init")
+    layout = Layout(tp, pp, ep, sequence_parallel, distributed_optimizer)
+    cfg, chunks, optimizer, step = _setup(
+        config_path, work, layout, pattern, "sliced", False, 1234,
+        runtime={"bf16": True} if bf16 else None,
+    )  # fmt: skip
+    budgets = step.sampler.budgets
+    probs = tuple(1.0 if b == budget else 0.0 for b in budgets)
+    step.sampler = BudgetSampler(budgets, [Stage(iters=1, budget_probs=probs)], 5, 1)
+    step.num_microbatches = num_microbatches
+    step.iteration = 1
+    batches = _iteration_batches(cfg.model.vocab_size, 1)[:num_microbatches]
+    optimizer.zero_grad()
+    log: list | None = [] if calls else None
+    with count_comm(log) as comm:
+        step.train_step(chunks, optimizer, iter(batches), SEQ_LEN, batches[0]["tokens"].shape[0])
+    resolved = step.state.resolved
+    choice = None
+    for _, _, _, picks in step.trace or []:
+        choice = {n: resolved.axes[n].candidates[picks[n][0]] for n in resolved.axes}
+    return {
+        "rank": dist.get_rank(),
+        "stage": ps.get_pipeline_model_parallel_rank(),
+        "state": _state_bytes(chunks, optimizer),
+        "comm": comm,
+        "calls": log,
+        "choice": choice,
+        "micro_batch": batches[0]["tokens"].shape[0],
+        "seq_length": SEQ_LEN,
+        "full_micro_batch": MICRO_BATCH,
+    }
