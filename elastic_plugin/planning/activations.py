@@ -7,18 +7,25 @@ nested ones (sliced mode computes only them). GPU kernels are assumed: SDPA / fl
 (it saves Q, K, V, its output and a log-sum-exp, never the score matrix) and mamba_ssm's fused
 chunked scan (its inputs, output and the chunk-end states). Per layer:
 
-* every layer: the pre-norm's input and output, ``2 h / sp``;
-* attention: Q, K, V ``(a + 2 g) d / t``, the attention output and linear_proj's input
-  (a transposed copy) ``2 a d / t``, the log-sum-exp ``a / t`` (FP32);
-* dense MLP: fc1's output ``r / t`` (``r`` = 2 f when gated), the activation's output ``f / t``,
-  and the gate's product ``f / t`` when gated;
-* MoE: router logits and scores ``2 E`` (FP32); each token's ``k`` routed copies: the permuted
-  input ``k h`` (the dispatch buffer, all-gathered over TP), the expert MLP as above with
-  ``k`` rows per token, the expert output kept for the weighted combine ``k h / t``;
-  the shared expert as a dense MLP;
+* every layer: the pre-norm's input, its normalised input and its output, ``3 h / sp``
+  (``LocalRMSNorm`` keeps all three; the FP32 reciprocal RMS per token is left out);
+* attention: the fused QKV output ``(a + 2 g) d / t`` (Q, K and V are views of it), SDPA's
+  query copy and output ``2 a d / t`` (linear_proj reads the output as a view), its
+  log-sum-exp ``a / t`` (FP32);
+* dense MLP and the shared expert: fc1's output ``r / t`` (``r`` = 2 f when gated), the
+  activation's output ``f / t``, and the gate's product ``f / t`` when gated;
+* MoE: router logits and scores ``2 E`` (FP32); each token's ``k`` routed copies: the
+  permuted input ``k h`` (the dispatch buffer, all-gathered over TP), and per copy the expert
+  MLP as above plus its probability-weighted activation ``f / t`` (the probabilities are applied
+  before fc2);
 * Mamba: in_proj's output ``(2 D + 2 G N + H) / t``, the conv input copy and its output
   ``2 (D + 2 G N) / t``, the scan output and the gated norm's output ``2 D / t``, the scan's
-  chunk-end states ``D N / Q / t`` and ``dt`` / decays ``2 H / t`` (FP32).
+  chunk-end states ``D N / Q / t`` and ``dt`` / decays ``2 H / t`` (FP32). This is what
+  mamba_ssm's fused kernels keep; the pure-PyTorch scan used on CPUs keeps ~2.7x more
+  (measured on the tiny model), so it is not validated there.
+
+Measured on the tiny model (CPU, FP32, saved-tensor hooks, weights excluded): attention, dense
+MLP and MoE layers keep what the first three items say to within 2%.
 
 The first stage adds the embedding output ``h / sp``; the last stage the output layer's input
 ``h / sp`` and the loss' saved ``p_s - p_t`` (``V / t``, FP32), plus a transient of five FP32
@@ -43,7 +50,7 @@ def layer_activation_elements(
     """Elements (in units of the model dtype) saved per token by one layer of ``kind``."""
     h = model.hidden_size
     fp32 = FP32 / dtype_bytes  # an FP32 value in model-dtype elements
-    out = 2 * h / sp
+    out = 3 * h / sp
     if kind == "attention":
         a, g, d = model.num_attention_heads, model.query_groups, model.head_dim
         out += (a + 2 * g) * d / tp + 2 * a * d / tp + a / tp * fp32
@@ -51,7 +58,8 @@ def layer_activation_elements(
         out += _mlp(model, model.ffn_hidden_size) / tp
     elif kind == "moe":
         k, e = model.moe_router_topk, model.num_moe_experts
-        out += 2 * e * fp32 + k * h + k * _mlp(model, model.moe_ffn_hidden_size) / tp + k * h / tp
+        routed = _mlp(model, model.moe_ffn_hidden_size) + model.moe_ffn_hidden_size
+        out += 2 * e * fp32 + k * h + k * routed / tp
         if model.moe_shared_expert_intermediate_size:
             out += _mlp(model, model.moe_shared_expert_intermediate_size) / tp
     elif kind == "mamba":

@@ -45,7 +45,7 @@ class StageParams:
     """Element counts of one rank's tensors on one pipeline stage."""
 
     dense: list[int] = field(default_factory=list)  # reduced over DP (incl. the budget router)
-    expert: list[int] = field(default_factory=list)  # routed experts: reduced over DP / EP
+    expert: list[int] = field(default_factory=list)  # routed experts under EP > 1: DP / EP
     router: int = 0  # the elastic budget router's share of ``dense``
 
     @property
@@ -135,7 +135,12 @@ def stage_params(
         for kind in kinds:
             dense, expert = _layer(model, kind, tp, ep)
             stage.dense += dense
-            stage.expert += expert
+            # Megatron's DDP keeps experts apart (reduced over DP / EP) only under EP > 1
+            # (expert TP = TP here): with EP = 1 they share the dense buffer
+            if ep > 1:
+                stage.expert += expert
+            else:
+                stage.dense += expert
         if index == pp - 1:
             stage.dense.append(h)  # final norm
             if model.untie_embeddings_and_output_weights or pp > 1:

@@ -8,7 +8,8 @@ Communication is counted at the calls: every collective and point-to-point funct
 is wrapped, the outermost call only (our CPU adaptations implement some collectives with
 others). Sizes: all-reduce, broadcast, send: the tensor; all-gather: the gathered output;
 reduce-scatter, all-to-all: the input (the message size of nccl-tests). Groups of one rank
-are not counted (nothing moves).
+are not counted (nothing moves), nor scalars of at most ``SCALAR_BYTES`` (loss reports, the
+gradient norm), which the plan leaves out.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import torch.distributed as dist
 
 from elastic_plugin.testing.elastic_cases import _experiment, _setup, write_init_checkpoint
 
-__all__ = ["count_comm", "measure_step"]
+__all__ = ["SCALAR_BYTES", "activation_peak", "count_comm", "measure_step"]
+
+SCALAR_BYTES = 8
 
 _STATE = threading.local()
 
@@ -154,7 +157,7 @@ def count_comm(calls: list | None = None) -> Iterator[dict[str, dict[str, int]]]
         world = tuple(range(dist.get_world_size()))
         for kind, group, nbytes in log:
             ranks = world if group is None else tuple(dist.get_process_group_ranks(group))
-            if len(ranks) < 2:
+            if len(ranks) < 2 or nbytes <= SCALAR_BYTES:
                 continue
             name = by_id.get(id(group)) or by_ranks.get(ranks, f"ranks{list(ranks)}")
             totals.setdefault(name, {}).setdefault(kind, 0)
@@ -239,17 +242,51 @@ def measure_step(
     with count_comm(log) as comm:
         step.train_step(chunks, optimizer, iter(batches), SEQ_LEN, batches[0]["tokens"].shape[0])
     resolved = step.state.resolved
-    choice = None
-    for _, _, _, picks in step.trace or []:
-        choice = {n: resolved.axes[n].candidates[picks[n][0]] for n in resolved.axes}
+    choices = [
+        {n: resolved.axes[n].candidates[picks[n][0]] for n in resolved.axes}
+        for _, _, _, picks in step.trace or []
+    ]  # one per routed micro-batch (budget 1.0 is never routed)
     return {
         "rank": dist.get_rank(),
         "stage": ps.get_pipeline_model_parallel_rank(),
         "state": _state_bytes(chunks, optimizer),
         "comm": comm,
         "calls": log,
-        "choice": choice,
+        "choice": choices[-1] if choices else None,
+        "choices": choices,
         "micro_batch": batches[0]["tokens"].shape[0],
         "seq_length": SEQ_LEN,
         "full_micro_batch": MICRO_BATCH,
     }
+
+
+def activation_peak(
+    config_path: str,
+    workdir: str,
+    pattern: str | None,
+    seq_len: int,
+    micro_batch: int,
+    budget: float = 1.0,
+) -> dict[str, Any]:
+    """Peak bytes one student forward + backward allocates (one micro-batch at ``budget``,
+    sliced, FP32, the teacher's logits computed before and not counted), what autograd saved
+    per layer, and the router's choice; one rank (``testing.memory``)."""
+    from elastic_plugin.testing.memory import (
+        clear_megatron_buffer,
+        elastic_iteration,
+        peak_bytes,
+        saved_activations,
+    )
+
+    it = elastic_iteration(config_path, workdir, None, pattern, seq_len, micro_batch, 1, budget)
+    it.teacher_pass()
+    clear_megatron_buffer()
+    with saved_activations(it.chunks[0].module) as layers:
+        peak, _ = peak_bytes(
+            lambda: it.run(step_optimizer=False, teacher=False), torch.device("cpu")
+        )
+    resolved = it.step.state.resolved
+    choice = None
+    for _, _, _, picks in it.step.trace or []:
+        choice = {n: resolved.axes[n].candidates[picks[n][0]] for n in resolved.axes}
+    return {"peak": peak, "saved": layers["saved"], "input": layers["input"], "choice": choice}
