@@ -32,7 +32,7 @@ from elastic_plugin.planning.budgets import stage_flops
 from elastic_plugin.planning.comm import step_comm_bytes
 from elastic_plugin.planning.devices import load_device
 from elastic_plugin.planning.layouts import PlanLayout, check_layout
-from elastic_plugin.planning.memory import state_bytes
+from elastic_plugin.planning.memory import state_bytes, teacher_logit_bytes
 from elastic_plugin.planning.params import elastic_router_tensors, stage_params
 from elastic_plugin.planning.plan import PlanInputs, evaluate_layout
 
@@ -233,6 +233,11 @@ def _predicted(kw: dict, r: dict, world: int = 2):
     stage = r["stage"]
     bf16, dist_opt = kw.get("bf16", False), kw.get("distributed_optimizer", False)
     state = state_bytes(stages[stage], dp, ep, bf16, dist_opt)
+    state["teacher_weights"] = stages[stage].model * (2 if bf16 else 4)  # rank_memory's
+    tokens = r["micro_batch"] * r["seq_length"]
+    num_mb = kw.get("num_microbatches", 2)
+    last = stage == pp - 1
+    state["teacher_logits"] = teacher_logit_bytes(model, tokens, tp, num_mb, bf16) if last else 0
     nested = model_for_choice(model, r["choice"]) if r["choice"] else model
     comm = step_comm_bytes(
         model, nested, stage, stages, tp, pp, ep, dp, kw.get("sequence_parallel", False),
@@ -257,6 +262,8 @@ def test_state_and_communication_bytes_equal_a_real_step(rank_pools, tmp_path):
             assert got["param_numel"] == params.total, (kw, r["rank"])
             assert got["weights"] == state["weights"], (kw, got, state)
             assert got["grads"] == state["grads"], (kw, got, state)
+            assert got["teacher_weights"] == state["teacher_weights"], (kw, got, state)
+            assert got["teacher_logits"] == state["teacher_logits"], (kw, got, state)
             if kw.get("distributed_optimizer"):  # a rank's shard of the padded buffer
                 assert state["optimizer"] - 12 * 64 * len(params.dense) <= got["optimizer"]
                 assert got["optimizer"] <= state["optimizer"], (got, state)

@@ -37,7 +37,14 @@ from elastic_plugin.models.runtime import Runtime
 from elastic_plugin.planning.activations import stage_activation_bytes
 from elastic_plugin.planning.params import StageParams, stage_layer_types
 
-__all__ = ["RankMemory", "in_flight", "padded_elements", "rank_memory", "state_bytes"]
+__all__ = [
+    "RankMemory",
+    "in_flight",
+    "padded_elements",
+    "rank_memory",
+    "state_bytes",
+    "teacher_logit_bytes",
+]
 
 GRAD_BYTES = 4  # grad_reduce_in_fp32: FP32 main gradients whatever the model dtype
 
@@ -69,6 +76,14 @@ def state_bytes(
         "grads": (dense + expert) * GRAD_BYTES,
         "optimizer": (dense / dp + expert / edp) * opt,
     }
+
+
+def teacher_logit_bytes(
+    model: ModelConfig, tokens: int, tp: int, num_microbatches: int, bf16: bool
+) -> float:
+    """What the teacher pass leaves on the last stage for the student pass: every micro-batch's
+    vocab-parallel logits, ``[tokens, V / t]`` in the model dtype."""
+    return num_microbatches * tokens * model.vocab_size / tp * (2 if bf16 else 4)
 
 
 def in_flight(stage: int, pp: int, num_microbatches: int) -> int:
@@ -134,7 +149,9 @@ def rank_memory(
             nested, kinds[index], index == 0, last, tokens, tp, sequence_parallel, runtime
         )
         count = in_flight(index, pp, num_microbatches)
-        logits = num_microbatches * tokens * model.vocab_size / tp * dtype_bytes if last else 0.0
+        logits = (
+            teacher_logit_bytes(model, tokens, tp, num_microbatches, runtime.bf16) if last else 0.0
+        )
         memory = RankMemory(
             stage=index,
             teacher_weights=stage.model * dtype_bytes if frozen_teacher else 0.0,

@@ -239,8 +239,19 @@ def measure_step(
     batches = _iteration_batches(cfg.model.vocab_size, 1)[:num_microbatches]
     optimizer.zero_grad()
     log: list | None = [] if calls else None
+    logits: list[int] = []
+    teacher_pass = step.teacher_pass
+
+    def recorded_teacher_pass(*args, **kwargs):  # the logits the student pass will read
+        teacher_pass(*args, **kwargs)
+        logits.append(sum(t.numel() * t.element_size() for t in step._teacher_logits))
+
+    step.teacher_pass = recorded_teacher_pass
     with count_comm(log) as comm:
         step.train_step(chunks, optimizer, iter(batches), SEQ_LEN, batches[0]["tokens"].shape[0])
+    teacher = sum(
+        p.numel() * p.element_size() for chunk in step.teacher_chunks for p in chunk.parameters()
+    )
     resolved = step.state.resolved
     choices = [
         {n: resolved.axes[n].candidates[picks[n][0]] for n in resolved.axes}
@@ -249,7 +260,11 @@ def measure_step(
     return {
         "rank": dist.get_rank(),
         "stage": ps.get_pipeline_model_parallel_rank(),
-        "state": _state_bytes(chunks, optimizer),
+        "state": {
+            **_state_bytes(chunks, optimizer),
+            "teacher_weights": teacher,
+            "teacher_logits": logits[0],
+        },
         "comm": comm,
         "calls": log,
         "choice": choices[-1] if choices else None,
