@@ -319,3 +319,38 @@ def test_activations_within_20_percent_of_the_measured_peak(rank_pools, tmp_path
             assert 0.8 <= ratio <= 1.2, ratio
         else:
             assert ratio < 1.0  # the CPU scan keeps more than the fused kernels
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_pipeline_in_flight_activations(rank_pools, tmp_path):
+    """PP2 (3 layers of '*E-*E-' per stage), 4 x 256 tokens per micro-batch: with 4
+    micro-batches the first stage holds two at once under 1F1B, the last one; each stage's
+    student-pass peak within 20% of in-flight x stored + transient."""
+    from elastic_plugin.planning.memory import in_flight
+    from elastic_plugin.planning.params import stage_layer_types
+    from elastic_plugin.testing.elastic_cases import tiny_model
+
+    pattern = "*E-*E-"
+    model = tiny_model(TINY, pattern)
+    kinds = stage_layer_types(model, 2)
+    peaks: dict[tuple[int, int], int] = {}
+    for m in (1, 4):
+        for r in rank_pools.get(2).run(
+            f"{CASES}:pipeline_activation_peak", config_path=TINY, workdir=str(tmp_path),
+            pattern=pattern, seq_len=256, micro_batch=4, num_microbatches=m,
+        ):  # fmt: skip
+            stage = r["stage"]
+            act = stage_activation_bytes(
+                model, kinds[stage], stage == 0, stage == 1, 1024, 1, False, Runtime()
+            )
+            count = in_flight(stage, 2, m)
+            predicted = count * act["stored"] + act["transient"]
+            ratio = predicted / r["peak"]
+            print(f"PP2 stage {stage}, {m} micro-batches ({count} in flight): predicted "
+                  f"{predicted / 2**20:.2f} MiB, measured {r['peak'] / 2**20:.2f} MiB, "
+                  f"ratio {ratio:.3f}")  # fmt: skip
+            assert 0.8 <= ratio <= 1.2, (stage, m, ratio)
+            peaks[stage, m] = r["peak"]
+    assert 1.6 <= peaks[0, 4] / peaks[0, 1] <= 2.2  # two micro-batches in flight on stage 0
+    assert peaks[1, 4] / peaks[1, 1] <= 1.2  # one on the last stage

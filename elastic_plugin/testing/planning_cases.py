@@ -305,3 +305,44 @@ def activation_peak(
     for _, _, _, picks in it.step.trace or []:
         choice = {n: resolved.axes[n].candidates[picks[n][0]] for n in resolved.axes}
     return {"peak": peak, "saved": layers["saved"], "input": layers["input"], "choice": choice}
+
+
+def pipeline_activation_peak(
+    config_path: str,
+    workdir: str,
+    pattern: str,
+    seq_len: int,
+    micro_batch: int,
+    num_microbatches: int,
+) -> dict[str, Any]:
+    """PP = 2 (2 ranks): the peak bytes each stage allocates in the student pass of one elastic
+    step of ``num_microbatches`` micro-batches at budget 1.0 (FP32; the teacher pass runs before
+    and is not counted), to compare with the 1F1B schedule's in-flight micro-batches."""
+    from megatron.core import parallel_state as ps
+
+    from elastic_plugin.elastic.sampling import BudgetSampler, Stage
+    from elastic_plugin.parallel import Layout
+    from elastic_plugin.testing.memory import clear_megatron_buffer, peak_bytes, synthetic_batches
+
+    work = Path(workdir)
+    if not (work / "init" / "elastic_meta.json").is_file():
+        write_init_checkpoint(_experiment(config_path, pattern), work / "init")
+    cfg, chunks, optimizer, step = _setup(
+        config_path, work, Layout(pp=2), pattern, "sliced", False, 1234
+    )
+    budgets = step.sampler.budgets
+    step.sampler = BudgetSampler(budgets, [Stage(iters=1, budget_probs=(1.0, 0.0, 0.0))], 5, 1)
+    step.num_microbatches = num_microbatches
+    step.iteration = 1
+    batches = synthetic_batches(cfg.model.vocab_size, micro_batch, seq_len, num_microbatches)
+    step.teacher_pass(chunks, batches, seq_len, micro_batch)
+    logits = step._teacher_logits
+    step.teacher_pass = lambda *a, **k: setattr(step, "_teacher_logits", logits)
+    clear_megatron_buffer()
+    peak, _ = peak_bytes(
+        lambda: step.train_step(
+            chunks, optimizer, iter(batches), seq_len, micro_batch, step_optimizer=False
+        ),
+        torch.device("cpu"),
+    )
+    return {"stage": ps.get_pipeline_model_parallel_rank(), "peak": peak}
