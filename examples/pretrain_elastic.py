@@ -23,14 +23,17 @@ Limits (use ``elastic-plugin elastic-train`` for these): ``pretrain`` runs one f
 schedule per iteration, so the frozen teacher's logits are computed inline, micro-batch by
 micro-batch, which needs the whole model on one pipeline stage: **pipeline_model_parallel_size
 must be 1** (``elastic-plugin elastic-train`` runs a separate teacher pass through Megatron's
-schedules and supports PP > 1). Megatron-LM's ``--save`` writes the in-memory (strided) order of a
-reordered model, so resume with ``--load`` in the same TP/EP layout; ``elastic-train`` writes
-layout-independent checkpoints. The script imports nothing heavy at import time.
+schedules and supports PP > 1). Megatron-LM's ``--save`` directories are layout-independent
+(``elastic_plugin.elastic.megatron_lm``: canonical order on disk, ``elastic_meta.json`` in each
+``iter_NNNNNNN``), so ``elastic-plugin inspect / extract / export / generate`` read them and
+``--load`` reads them in any TP/EP layout (another layout's optimizer state needs
+``--no-load-optim``). The script imports nothing heavy at import time.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -215,6 +218,9 @@ class ElasticSession:
     teacher: Any  # torch.nn.Module, frozen, outside the optimizer and the checkpoint
     resolved: Any  # ResolvedElastic
     train_iters: int
+    cfg: Any  # ExperimentConfig of --elastic-ckpt
+    ecfg: Any  # ElasticConfig (the checkpoint's elastic: section, then the --elastic-* flags)
+    source_meta: dict  # --elastic-ckpt's metadata (its data and tokenizer, for our tools)
     _iteration: int = -1
     _local: int = 0
     _eval_local: int = 0
@@ -231,8 +237,11 @@ def session() -> ElasticSession:
 
 def elastic_setup(args: argparse.Namespace):
     """Checks that need only the arguments: (ExperimentConfig, ElasticConfig, resolved)."""
+    from elastic_plugin.elastic.megatron_lm import check_checkpoint_args
+
     if (args.pipeline_model_parallel_size or 1) > 1:
         raise ConfigError(PP_ERROR)
+    check_checkpoint_args(args)
     if getattr(args, "virtual_pipeline_model_parallel_size", None):
         raise ConfigError(PP_ERROR)
     cfg, meta = _checkpoint_config(args.elastic_ckpt, "--elastic-ckpt")
@@ -268,7 +277,7 @@ def elastic_setup(args: argparse.Namespace):
         raise ConfigError(
             f"--elastic-teacher-ckpt {teacher_dir}: another architecture than --elastic-ckpt"
         )
-    return cfg, ecfg, resolved
+    return cfg, ecfg, resolved, meta
 
 
 def _check_eval_covers_budgets(args: argparse.Namespace, budgets: int) -> None:
@@ -338,7 +347,7 @@ def model_provider(
     from elastic_plugin.elastic.step import ElasticStep
 
     args = get_args()
-    cfg, ecfg, resolved = elastic_setup(args)
+    cfg, ecfg, resolved, source_meta = elastic_setup(args)
     model = _build(cfg.model, args, pre_process, post_process, vp_stage, pg_collection)
     load_checkpoint([model], args.elastic_ckpt)
     state = attach_elastic(
@@ -370,8 +379,39 @@ def model_provider(
         num_microbatches=1,  # forward_step sets Megatron's current number
         teacher_chunks=[teacher],
     )
-    _SESSION = ElasticSession(step, teacher, resolved, total)
+    _SESSION = ElasticSession(step, teacher, resolved, total, cfg, ecfg, source_meta)
     return model
+
+
+def checkpoint_meta_for_save(iteration: int, chunks: list) -> dict[str, Any]:
+    """What Megatron-LM's ``--save`` directories carry for our tools (``elastic.megatron_lm``):
+    the elastic checkpoint metadata ``elastic-train`` writes, from the router's choices now."""
+    from megatron.training import get_args
+
+    from elastic_plugin.elastic.train import checkpoint_meta, choice_table
+    from elastic_plugin.parallel import Layout
+
+    args, run = get_args(), session()
+    layout = Layout(
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.expert_model_parallel_size,
+        bool(args.sequence_parallel),
+        bool(args.use_distributed_optimizer),
+    )
+    training = dataclasses.replace(run.cfg.training, bf16=bool(getattr(args, "bf16", False)))
+    meta = checkpoint_meta(
+        dataclasses.replace(run.cfg, training=training),
+        run.ecfg,
+        layout,
+        run.resolved,
+        choice_table(step_router(chunks[0]), run.resolved),
+        iteration,
+        int(getattr(args, "consumed_train_samples", 0) or 0),
+        None,
+    )
+    source = {k: run.source_meta.get(k) for k in ("data", "tokenizer") if k in run.source_meta}
+    return {**meta, **source, "megatron_lm": {"ckpt_format": args.ckpt_format}}
 
 
 # ------------------------------------------------------------------------------ data
@@ -586,39 +626,41 @@ def main() -> None:
     from megatron.training import pretrain
 
     from elastic_plugin.compat.megatron_training import enable_cpu_megatron_training
+    from elastic_plugin.elastic.megatron_lm import install_checkpoint_hooks
 
     enable_cpu_megatron_training()  # CPU + gloo (--distributed-backend gloo); no-op with CUDA
+    install_checkpoint_hooks(checkpoint_meta_for_save)  # --save/--load in our layout
     if hasattr(megatron_training, "get_megatron_optimizer_config"):
         megatron_training.get_megatron_optimizer_config = with_router_param_group(
             megatron_training.get_megatron_optimizer_config, _router_lr_mult
         )
     train_valid_test_datasets_provider.is_distributed = True
-    if next(iter(inspect.signature(pretrain).parameters)) == "cfg_container":
-        # Megatron-LM with config containers (megatron-core >= 0.17's megatron.training)
-        from megatron.training.argument_utils import pretrain_cfg_container_from_args
-        from megatron.training.arguments import parse_and_validate_args
+    try:
+        if next(iter(inspect.signature(pretrain).parameters)) == "cfg_container":
+            # Megatron-LM with config containers (megatron-core >= 0.17's megatron.training)
+            from megatron.training.argument_utils import pretrain_cfg_container_from_args
+            from megatron.training.arguments import parse_and_validate_args
 
-        args = parse_and_validate_args(extra_args_provider=add_pretrain_elastic_args)
-        try:
+            args = parse_and_validate_args(extra_args_provider=add_pretrain_elastic_args)
             elastic_setup(args)  # fail before Megatron builds anything
-        except ConfigError as exc:
-            print(f"pretrain_elastic.py: error: {exc}", file=sys.stderr, flush=True)
-            sys.exit(2)
-        pretrain(
-            pretrain_cfg_container_from_args(args),
-            train_valid_test_datasets_provider,
-            ModelType.encoder_or_decoder,
-            forward_step,
-            model_provider=model_provider,
-        )
-    else:
-        pretrain(
-            train_valid_test_datasets_provider,
-            model_provider,
-            ModelType.encoder_or_decoder,
-            forward_step,
-            extra_args_provider=add_pretrain_elastic_args,
-        )
+            pretrain(
+                pretrain_cfg_container_from_args(args),
+                train_valid_test_datasets_provider,
+                ModelType.encoder_or_decoder,
+                forward_step,
+                model_provider=model_provider,
+            )
+        else:
+            pretrain(
+                train_valid_test_datasets_provider,
+                model_provider,
+                ModelType.encoder_or_decoder,
+                forward_step,
+                extra_args_provider=add_pretrain_elastic_args,
+            )
+    except ConfigError as exc:  # bad flags, or a --load that cannot continue (every rank)
+        print(f"pretrain_elastic.py: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -255,7 +255,7 @@ def train_elastic(
         return frozen_table or choice_table(router, resolved)
 
     def meta_now() -> dict[str, Any]:
-        return _meta(
+        return checkpoint_meta(
             cfg,
             ecfg,
             layout,
@@ -445,7 +445,7 @@ def _freeze_table(
     return constrained_table(router, resolved, cost), None
 
 
-def _meta(
+def checkpoint_meta(
     cfg,
     ecfg: ElasticConfig,
     layout: Layout,
@@ -457,6 +457,9 @@ def _meta(
     frozen: bool = False,
     freeze_search: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """An elastic checkpoint's ``elastic_meta.json`` (without the digests): what ``inspect``,
+    ``extract``, ``export`` and a resume read. Also written into Megatron-LM's ``--save``
+    directories by ``elastic.megatron_lm``."""
     from elastic_plugin.elastic.cost import ElasticCost
 
     cost = ElasticCost(cfg.model, resolved)
