@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -354,3 +357,88 @@ def test_pipeline_in_flight_activations(rank_pools, tmp_path):
             peaks[stage, m] = r["peak"]
     assert 1.6 <= peaks[0, 4] / peaks[0, 1] <= 2.2  # two micro-batches in flight on stage 0
     assert peaks[1, 4] / peaks[1, 1] <= 1.2  # one on the last stage
+
+
+# ----------------------------------------------------------------------------- the sweep
+def _plan_json(path: Path, *extra: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic_plugin.cli", "plan", "--config", TINY, "--gpus", "2",
+         "--json", "--top", "50", *extra],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    path.write_text(proc.stdout)
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.models
+def test_sweep_dry_run_prints_the_job_array_and_each_layouts_command(tmp_path):
+    plan = _plan_json(tmp_path / "plan.json", "--global-batch-size", "32")
+    env = {**os.environ, "DRY_RUN": "1", "PLAN": str(tmp_path / "plan.json"), "CKPT": "CK",
+           "SWEEP_DIR": str(tmp_path / "sweep"), "TOP": "3", "GPUS_PER_NODE": "2",
+           "PYTHON": sys.executable}  # fmt: skip
+    script = str(ROOT / "examples" / "slurm" / "sweep.sh")
+    expected = [e["layout"] for e in plan["layouts"]
+                if e["fits"] and e["layout"]["sequence_parallel"] == (e["layout"]["tp"] > 1)][:3]  # fmt: skip
+    for local in ("0", "1"):
+        proc = subprocess.run(["bash", script], env={**env, "LOCAL": local}, capture_output=True,
+                              text=True, cwd=ROOT, timeout=120)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.strip().splitlines()
+        if local == "0":
+            submit = lines.pop(0).split()
+            assert submit[:5] == ["sbatch", "--array", f"0-{len(expected) - 1}", "--nodes", "1"]
+        assert len(lines) == len(expected)
+        for line, lay in zip(lines, expected):
+            words = line.split()
+            assert "elastic-train" in words and words[words.index("--ckpt") + 1] == "CK"
+            for flag, key in (("--tensor-model-parallel-size", "tp"),
+                              ("--pipeline-model-parallel-size", "pp"),
+                              ("--expert-model-parallel-size", "ep")):  # fmt: skip
+                assert words[words.index(flag) + 1] == str(lay[key])
+            assert ("--use-distributed-optimizer" in words) == lay["distributed_optimizer"]
+            assert words[words.index("--log-interval") + 1] == "1"
+            assert words[words.index("--global-batch-size") + 1] == "32"
+    assert not (tmp_path / "sweep").exists()  # a dry run writes nothing
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_scaling_report_joins_measured_runs_with_the_plan(rank_pools, tmp_path, capsys):
+    """Two layouts of 2 gloo ranks trained 3 iterations each as a sweep would (metrics every
+    iteration, sweep.json with the plan's entry); scaling-report joins them."""
+    plan = _plan_json(tmp_path / "plan.json", "--seq-length", "32", "--micro-batch-size", "2",
+                      "--global-batch-size", "8")  # fmt: skip
+    sweep = tmp_path / "sweep"
+    runs = {"00_tp2_sp": {"tp": 2, "sequence_parallel": True}, "01_pp2": {"pp": 2}}
+    for name, kw in runs.items():
+        layout = {"tp": 1, "pp": 1, "ep": 1, "sequence_parallel": False,
+                  "distributed_optimizer": False, **kw}  # fmt: skip
+        (entry,) = [e for e in plan["layouts"]
+                    if all(e["layout"][k] == v for k, v in layout.items())]  # fmt: skip
+        rank_pools.get(2).run(f"{CASES}:profile_layout", config_path=TINY,
+                              workdir=str(tmp_path), out=str(sweep / name), **kw)  # fmt: skip
+        planned = {k: entry[k] for k in ("memory", "tokens_per_s", "step_seconds")}
+        (sweep / name / "sweep.json").write_text(
+            json.dumps({"layout": entry["layout"], "gpus": 2, "planned": planned})
+        )
+    code = main(["scaling-report", str(sweep), "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert sorted(r["name"] for r in rows) == sorted(runs)
+    for r in rows:
+        assert r["iterations"] == 2  # 3 logged, the first dropped as warm-up
+        assert r["tokens_per_s"] > 0 and r["peak_memory_gib"] > 0 and r["gpus"] == 2
+        assert r["memory_ratio"] == pytest.approx(r["peak_memory_gib"] / r["planned_memory_gib"])
+        with capsys.disabled():
+            print(
+                f"\n{r['layout']}: measured {r['tokens_per_s']:.0f} tokens/s, "
+                f"{r['peak_memory_gib']:.3f} GiB peak (CPU resident set); planned for an H100 "
+                f"{r['planned_tokens_per_s']:.0f} tokens/s, {r['planned_memory_gib']:.3f} GiB"
+            )
+    for name in ("scaling_report.md", "scaling_report.json", "scaling_throughput.png",
+                 "scaling_memory.png"):  # fmt: skip
+        assert (sweep / name).stat().st_size > 0
+    # bad input names the path
+    assert main(["scaling-report", str(tmp_path / "nothing")]) == 2
+    assert "no such directory" in capsys.readouterr().err

@@ -78,6 +78,45 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG")
     parser.set_defaults(func=run_plan)
+    register_scaling_report(subparsers)
+
+
+def register_scaling_report(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "scaling-report",
+        help="join a layout sweep's runs: throughput and memory, measured vs planned",
+        description="Reads every elastic_metrics.jsonl below DIR (and the sweep.json "
+        "examples/slurm/sweep.sh writes beside it); writes DIR/scaling_report.{md,json} and plots.",
+    )
+    parser.add_argument("dir", metavar="DIR")
+    parser.add_argument("--warmup", type=int, default=1, metavar="N",
+                        help="logged iterations to drop from each run (default 1)")  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.set_defaults(func=run_scaling_report)
+
+
+def run_scaling_report(args: argparse.Namespace) -> int:
+    """Table + JSON + plots of a sweep directory; bad input -> exit 2 naming the path."""
+    from elastic_plugin.planning.scaling import collect_runs, render_report, scaling_plots
+
+    prog = "elastic-plugin scaling-report"
+    try:
+        if args.warmup < 0:
+            raise ConfigError(f"--warmup={args.warmup}; allowed: an integer >= 0")
+        runs = collect_runs(Path(args.dir), args.warmup)
+    except (ConfigError, OSError) as exc:
+        return report_bad_input(prog, exc)
+    root = Path(args.dir)
+    table = render_report(runs)
+    rows = [r.to_dict() for r in runs]
+    for name, text in (("scaling_report.md", table + "\n"),
+                       ("scaling_report.json", json.dumps(rows, indent=1))):  # fmt: skip
+        tmp = root / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(root / name)
+    scaling_plots(runs, root)
+    print(json.dumps(rows, indent=1) if args.json else table)
+    return 0
 
 
 def _positive(flag: str, value: float | None, integer: bool = True) -> None:

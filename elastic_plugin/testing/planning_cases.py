@@ -346,3 +346,40 @@ def pipeline_activation_peak(
         torch.device("cpu"),
     )
     return {"stage": ps.get_pipeline_model_parallel_rank(), "peak": peak}
+
+
+def profile_layout(
+    config_path: str,
+    workdir: str,
+    out: str,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    sequence_parallel: bool = False,
+    distributed_optimizer: bool = False,
+    iters: int = 3,
+    micro_batch: int = 2,
+    global_batch: int = 8,
+) -> None:
+    """``train_elastic`` of the tiny model under a layout for ``iters`` iterations on synthetic
+    tokens (``SEQ_LEN`` long), logging every iteration to ``out/elastic_metrics.jsonl`` (what a
+    sweep run writes); ``workdir`` holds (or gets) the shared ``init`` checkpoint."""
+    from elastic_plugin.elastic.train import train_elastic
+    from elastic_plugin.parallel import Layout
+    from elastic_plugin.testing.elastic_cases import (
+        _elastic_config,
+        _synthetic_iterator,
+        tiny_schedule,
+    )
+
+    work = Path(workdir)
+    cfg = _experiment(config_path, None)
+    if not (work / "init" / "elastic_meta.json").is_file():
+        write_init_checkpoint(cfg, work / "init")
+    layout = Layout(tp, pp, ep, sequence_parallel, distributed_optimizer)
+    sched = tiny_schedule(iters, 1e-3, global_batch=global_batch, micro_batch=micro_batch)
+    train_elastic(
+        cfg, _elastic_config(cfg.model, "sliced", False), layout, work / "init", Path(out),
+        lambda c: _synthetic_iterator(cfg.model.vocab_size, micro_batch, c), None, sched,
+        progress=False,
+    )  # fmt: skip
