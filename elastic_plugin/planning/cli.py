@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from elastic_plugin.cli_args import add_runtime_args, runtime_from_args
-from elastic_plugin.cli_errors import EXIT_BAD_INPUT, report_bad_input
+from elastic_plugin.cli_errors import report_bad_input
 from elastic_plugin.elastic.config import TEACHERS, ElasticConfig
 from elastic_plugin.models.config import ConfigError, ModelConfig, TrainingConfig, load_config
 from elastic_plugin.models.runtime import Runtime
@@ -246,12 +246,12 @@ def run_plan(args: argparse.Namespace) -> int:
         print(render_table(inputs, plans, args.top))
     if not plans[0].fits:
         best = plans[0]
-        print(
-            f"{PROG}: error: no layout fits {inputs.device.name}: the closest, "
-            f"{best.layout.name}, needs {best.memory.total / 1e9:.2f} GB per rank of "
-            f"{best.capacity / 1e9:.2f} GB usable (short by {-best.headroom / 1e9:.2f} GB)",
-            flush=True,
-            file=__import__("sys").stderr,
+        return report_bad_input(
+            PROG,
+            ConfigError(
+                f"no layout fits {inputs.device.name}: the closest, {best.layout.name}, needs "
+                f"{best.memory.total / 1e9:.2f} GB per rank of {best.capacity / 1e9:.2f} GB "
+                f"usable (short by {-best.headroom / 1e9:.2f} GB)"
+            ),
         )
-        return EXIT_BAD_INPUT
     return 0

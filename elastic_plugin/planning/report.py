@@ -126,6 +126,8 @@ def plot_plan(inputs: PlanInputs, plans: list[LayoutPlan], top: int, path: Path)
     ax.set_title(f"plan: {inputs.gpus} x {inputs.device.name}, seq {inputs.seq_length} (estimates)")
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    tmp = path.with_name(f".{path.name}.tmp.png")  # written whole, then renamed
+    fig.savefig(tmp, dpi=100)
     plt.close(fig)
+    tmp.replace(path)
     return path
