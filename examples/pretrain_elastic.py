@@ -221,6 +221,7 @@ class ElasticSession:
     cfg: Any  # ExperimentConfig of --elastic-ckpt
     ecfg: Any  # ElasticConfig (the checkpoint's elastic: section, then the --elastic-* flags)
     source_meta: dict  # --elastic-ckpt's metadata (its data and tokenizer, for our tools)
+    log: Any = None  # ElasticLog: per-budget losses, choices, throughput (elastic.megatron_lm_log)
     _iteration: int = -1
     _local: int = 0
     _eval_local: int = 0
@@ -380,7 +381,27 @@ def model_provider(
         teacher_chunks=[teacher],
     )
     _SESSION = ElasticSession(step, teacher, resolved, total, cfg, ecfg, source_meta)
+    _SESSION.log = _elastic_log(model, step, resolved)
     return model
+
+
+def _elastic_log(model, step, resolved):
+    """The ``elastic |`` log line's accumulator (``elastic.megatron_lm_log``)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from elastic_plugin.elastic.megatron_lm_log import ElasticLog
+    from elastic_plugin.elastic.train import choice_table
+
+    return ElasticLog(
+        list(resolved.budgets),
+        {name: spec.full for name, spec in resolved.axes.items()},
+        lambda: choice_table(step_router(model), resolved),
+        step.take_flops,
+        world=dist.get_world_size(),
+        data_parallel=ps.get_data_parallel_world_size(),
+        group=ps.get_data_parallel_group(),
+    )
 
 
 def checkpoint_meta_for_save(iteration: int, chunks: list) -> dict[str, Any]:
@@ -499,13 +520,15 @@ def _position_ids(batch: dict) -> Any:
 
 
 def _train_loss(step, index: int, probs, batch: dict, output_tensor):
-    """``ElasticStep._loss`` (KD + budget loss) reported the way Megatron's loop logs losses."""
+    """``ElasticStep._loss`` (KD + budget loss) reported the way Megatron's loop logs losses
+    (all budgets together; per budget in the ``elastic |`` line, ``session().log``)."""
     import torch
 
     try:
         total, num_tokens, report = step._loss(0, index, probs, batch, output_tensor)
     finally:
         step._teacher_logits = []
+    session().log.add(report["elastic"])
     kd_sum, tokens, b_loss = (report["elastic"][i].to(total.device) for i in range(3))
     return (
         total,
@@ -565,16 +588,20 @@ def forward_step(data_iterator, model):
     iteration = int(getattr(get_args(), "curr_iteration", 0) or 0) + 1
     if iteration != run._iteration:
         run._iteration, run._local = iteration, 0
+        run.log.iteration_started()
     step.iteration = iteration
     step.num_microbatches = get_num_microbatches()
     local = run._local
     run._local += 1
     batch = truncate_batch(batch, step.sampler.seq_length(iteration))
+    step._shape = tuple(batch["tokens"].shape[::-1])  # (sequence length, micro-batch size)
     with torch.no_grad():
         step._teacher_logits = [
             run.teacher(batch["tokens"], _position_ids(batch), batch.get("attention_mask"))
         ]
     index, probs = step.route(inner, local)
+    active = step.state.is_active
+    step.flops += step.choice_flops(probs if active else None) + step.choice_flops(None, False)
     output = model(batch["tokens"], _position_ids(batch), batch.get("attention_mask"))
     return output, partial(_train_loss, step, index, probs, batch)
 
@@ -627,9 +654,11 @@ def main() -> None:
 
     from elastic_plugin.compat.megatron_training import enable_cpu_megatron_training
     from elastic_plugin.elastic.megatron_lm import install_checkpoint_hooks
+    from elastic_plugin.elastic.megatron_lm_log import install_log_hook
 
     enable_cpu_megatron_training()  # CPU + gloo (--distributed-backend gloo); no-op with CUDA
     install_checkpoint_hooks(checkpoint_meta_for_save)  # --save/--load in our layout
+    install_log_hook(lambda: _SESSION.log if _SESSION is not None else None)
     if hasattr(megatron_training, "get_megatron_optimizer_config"):
         megatron_training.get_megatron_optimizer_config = with_router_param_group(
             megatron_training.get_megatron_optimizer_config, _router_lr_mult

@@ -187,6 +187,14 @@ def model_tensors(path: Path, scratch: Path) -> dict[str, torch.Tensor]:
     }
 
 
+_ELASTIC = re.compile(r"^ elastic \| iteration\s+(\d+) \|(.*)$", re.M)
+
+
+def elastic_log(output: str) -> dict[int, dict[str, float]]:
+    """Iteration -> the numbers of its ``elastic |`` line (budgets not drawn are absent)."""
+    return {int(m.group(1)): _fields(m.group(2)) for m in _ELASTIC.finditer(output)}
+
+
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     """Two layouts' weights after the same training: equal up to reduction order. Adam turns
     that order's noise in near-zero gradients into steps of up to the learning rate, so a few
@@ -300,6 +308,17 @@ def test_pretrain_elastic_trains_and_checkpoints_in_every_layout(runs, layout):
         assert all(math.isfinite(v) and 0 < v < 10 for v in losses.values()), losses
     assert (save / f"iter_{ITERS:07d}").is_dir()
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+    # the elastic line after Megatron's: per-budget losses, choices, throughput, memory
+    elastic = elastic_log(run.output)
+    assert sorted(elastic) == list(range(1, ITERS + 1)), run.tail()
+    print(next(line for line in run.output.splitlines() if line.startswith(" elastic |")))
+    kd_all = per_iteration(log, "kd loss")  # Megatron's: every budget drawn, token-weighted
+    for it, fields in elastic.items():
+        drawn = [fields[f"kd loss {b}"] for b in BUDGETS if f"kd loss {b}" in fields]
+        assert drawn and min(drawn) - 1e-6 <= kd_all[it] <= max(drawn) + 1e-6, (it, drawn)
+        assert fields["tokens/s"] > 0 and fields["TFLOP/s/rank"] > 0
+        assert 0.05 < fields["peak memory/rank (GiB)"] < 64
+    assert all(f"choice {b}:" in run.output for b in BUDGETS)
     if layout in SAME_LOSSES:
         other, _ = runs.layout(SAME_LOSSES[layout])
         assert other.returncode == 0, other.tail()
@@ -500,3 +519,42 @@ def _python(code: str) -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+class _Writer:
+    """Megatron's TensorBoard writer, as far as the elastic log uses it."""
+
+    def __init__(self) -> None:
+        self.scalars: dict[str, tuple[float, int]] = {}
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.scalars[tag] = (value, step)
+
+
+@pytest.mark.elastic
+def test_elastic_log_reports_each_budget_its_choice_throughput_and_memory():
+    """The accumulator behind the ``elastic |`` line, one process: per-budget means over the
+    interval, a budget not drawn shown as ``-`` (not 0/0), choices as size / full size."""
+    from elastic_plugin.elastic.megatron_lm_log import ElasticLog
+
+    table = {"1": {"ffn": 256, "experts": 8}, "0.5": {"ffn": 128, "experts": [4, 2]}}
+    log = ElasticLog([1.0, 0.5, 0.25], {"ffn": 256, "experts": 8}, lambda: table, lambda: 2e9)
+    writer = _Writer()
+    log.iteration_started()
+    for kd_sum, tokens, b_loss, index in ((3.0, 10, 0.0, 0), (1.0, 10, 0.2, 1), (2.0, 10, 0.4, 1)):
+        log.add(torch.tensor([kd_sum, tokens, b_loss, 0.0, index]))
+    assert log.end_iteration(1, 64, log_interval=2) is None  # not a log iteration
+    log.iteration_started()
+    line = log.end_iteration(2, 64, log_interval=2, writer=writer)
+    fields = _fields(line.split("| iteration", 1)[1])
+    assert fields["kd loss 1"] == pytest.approx(0.3) and fields["kd loss 0.5"] == pytest.approx(
+        0.15
+    )
+    assert fields["budget loss 0.5"] == pytest.approx(0.3)
+    assert "kd loss 0.25: -" in line and "choice 0.5: ffn=128 experts=3(mean)" in line
+    assert fields["tokens/s"] > 0 and fields["peak memory/rank (GiB)"] > 0
+    assert writer.scalars["elastic/kd loss 0.5"] == (pytest.approx(0.15), 2)
+    assert writer.scalars["elastic/choice 0.5/experts"][0] == pytest.approx(3 / 8)
+    assert "elastic/kd loss 0.25" not in writer.scalars
+    assert {"elastic/tokens per second", "elastic/peak memory per rank GiB"} <= set(writer.scalars)
+    assert log.window.abs().sum() == 0  # the interval was reset

@@ -21,6 +21,17 @@ import torch.distributed as dist
 GIB = 2**30
 
 
+def all_reduce_host(values: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """All-reduce a small host (CPU) tensor of figures: through the GPU where the group's
+    backend is NCCL (which reduces device tensors only), in place otherwise."""
+    if dist.get_backend(group) == "nccl":
+        on_device = values.to(torch.cuda.current_device())
+        dist.all_reduce(on_device, op=op, group=group)
+        return on_device.cpu()
+    dist.all_reduce(values, op=op, group=group)
+    return values
+
+
 def peak_memory_bytes() -> int:
     """This process' peak memory: CUDA's allocated peak, else the peak resident set size."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -58,7 +69,7 @@ class ThroughputMeter:
         seconds = max(self.seconds, 1e-9)
         peak = torch.tensor([float(peak_memory_bytes())], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            peak = all_reduce_host(peak, op=dist.ReduceOp.MAX)
         out = {
             "tokens_per_s": self.tokens / seconds,
             "tflops_per_rank": self.flops / seconds / self.world / 1e12,
