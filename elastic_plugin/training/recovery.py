@@ -63,20 +63,16 @@ def check_resumable_training(
     (``check_resumable_state``), model and schedule. The error names what differs."""
     check_resumable_state(meta, Runtime.of(cfg.training), layout, where)
     saved = meta.get("config") or {}
-    model_now = dataclasses.asdict(cfg.model)
-    model_diff = [k for k, v in (saved.get("model") or {}).items() if model_now.get(k) != v]
-    if model_diff:
-        raise ConfigError(
-            f"{where} is another model (model.{', model.'.join(sorted(model_diff))} differ); "
-            f"resume with the --config it was trained with"
-        )
-    data_now = dataclasses.asdict(cfg.data)
-    data_diff = [k for k, v in (saved.get("data") or {}).items() if data_now.get(k) != v]
-    if data_diff:
-        raise ConfigError(
-            f"{where} was trained on other data (data.{', data.'.join(sorted(data_diff))} "
-            f"differ; --quick changes data.num_train); resume with the same data"
-        )
+    for section, current, why in (
+        ("model", cfg.model, "is another model"),
+        ("data", cfg.data, "was trained on other data (--quick changes data.num_train)"),
+    ):
+        differ = _differing(saved.get(section) or {}, dataclasses.asdict(current))
+        if differ:
+            raise ConfigError(
+                f"{where} {why}: {section}.{f', {section}.'.join(differ)} differ; resume with "
+                f"the --config (and flags) it was trained with"
+            )
     training_now = dataclasses.asdict(cfg.training)
     saved_training = saved.get("training") or {}
     changed = [
@@ -89,6 +85,11 @@ def check_resumable_training(
             f"{where} was trained with {was} (now {now}); resume with the same schedule "
             f"(--config, --train-iters)"
         )
+
+
+def _differing(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """The keys a save recorded whose value differs now, sorted."""
+    return sorted(k for k, v in saved.items() if now.get(k) != v)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
