@@ -383,3 +383,21 @@ def profile_layout(
         lambda c: _synthetic_iterator(cfg.model.vocab_size, micro_batch, c), None, sched,
         progress=False,
     )  # fmt: skip
+
+
+def allreduce_bus_bandwidth(nbytes: int = 8 << 20, reps: int = 5) -> float:
+    """Bytes/s on the wire per rank of an all-reduce of ``nbytes`` over the world (the median of
+    ``reps``; ring bus factor ``2 (n - 1) / n``, as the plan's ``timing.bus_factor``)."""
+    import statistics
+    import time
+
+    n = dist.get_world_size()
+    tensor = torch.ones(nbytes // 4)
+    dist.all_reduce(tensor)  # warm-up
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        times.append(time.perf_counter() - start)
+    return nbytes * 2 * (n - 1) / n / statistics.median(times)
