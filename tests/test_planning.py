@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from elastic_plugin.cli import main
+from elastic_plugin.cli import build_parser, main
 from elastic_plugin.elastic.config import ElasticConfig
 from elastic_plugin.models.axes import model_for_choice
 from elastic_plugin.models.config import load_config
@@ -409,6 +409,8 @@ def test_sweep_dry_run_prints_the_job_array_and_each_layouts_command(tmp_path):
             assert ("--use-distributed-optimizer" in words) == lay["distributed_optimizer"]
             assert words[words.index("--log-interval") + 1] == "1"
             assert words[words.index("--global-batch-size") + 1] == "32"
+            args = build_parser().parse_args(words[words.index("elastic_plugin.cli") + 1 :])
+            assert args.command == "elastic-train" and args.log_interval == 1
     assert not (tmp_path / "sweep").exists()  # a dry run writes nothing
 
 
