@@ -14,9 +14,11 @@ sequence parallelism else 1:
   width even for a nested student; the output layer: an all-gather); in the backward two
   all-gathers (the output gradient, and the saved sequence shard re-gathered for the weight
   gradient) and a reduce-scatter per layer, an all-gather for the embedding, and for the output
-  layer (whose output gradient is not sequence-parallel) one all-gather and a reduce-scatter. MoE layers under TP: the routed tokens are all-gathered
-  (``k T h a``) with their FP32 probabilities (``4 k T``) and reduce-scattered after the experts,
-  both reversed in the backward; the shared expert as a dense layer. The distillation loss
+  layer (whose output gradient is not sequence-parallel) one all-gather and a reduce-scatter.
+  MoE layers under TP: the routed tokens are all-gathered (``k T h a``) with their FP32
+  probabilities (``4 k T``), and the experts' probability-weighted output reduce-scattered in
+  FP32 (``4 k T h``), all reversed in the backward (with EP the gathered token count per rank
+  follows the routing; the sum over the ranks is exact); the shared expert as a dense layer. The distillation loss
   all-reduces ``5 x 4 T`` bytes (max, then three sums, FP32). Once per step with SP: the
   gradients of the sequence-parallel parameters (norms, MoE routers; FP32) are all-reduced.
 * **EP** all-to-all per MoE layer and pass: the dispatch ``k (T / sp) h a`` plus the
@@ -30,6 +32,8 @@ sequence parallelism else 1:
 * **DP** once per step: an all-reduce of the FP32 gradient buffer, or with the distributed
   optimizer a reduce-scatter of it and an all-gather of the updated weights (padded buffers,
   ``memory.padded_elements``); expert gradients over the expert-data-parallel group (DP / EP).
+  With EP > 1 Megatron chains two distributed optimizers (dense, experts) and each one's step
+  all-gathers all of the chunk's buffers: the weights are all-gathered twice per step.
   The MoE routers' token counts (expert bias, FP32) are all-reduced over TP x DP.
 
 Left out: scalar reductions (loss reports, the gradient norm: a few bytes) and the budget
@@ -65,8 +69,11 @@ def _tp_pass(
         blocks = 1
         if kind == "moe":
             blocks = 1 if model.moe_shared_expert_intermediate_size else 0
-            _add(out, "tp", "all_gather", k * dense)  # routed tokens (bwd: the combine's grad)
-            _add(out, "tp", "reduce_scatter", k * dense)
+            # routed tokens gathered in the model dtype; the experts' output, weighted by the
+            # FP32 probabilities, reduce-scattered in FP32 (the backward reverses both)
+            routed, weighted = k * dense, k * tokens * h * 4
+            _add(out, "tp", "all_gather", weighted if backward else routed)
+            _add(out, "tp", "reduce_scatter", routed if backward else weighted)
             _add(out, "tp", "reduce_scatter" if backward else "all_gather", 4 * k * tokens)
         if sp:
             _add(out, "tp", "all_gather", (2 if backward else 1) * blocks * dense)
@@ -149,13 +156,16 @@ def step_comm_bytes(
     edp = dp // ep
     if model.moe_router_enable_expert_bias and tp * dp > 1:
         _add(out, "tp_dp", "all_reduce", 4 * model.num_moe_experts * moe)
+    # with expert buffers Megatron chains two distributed optimizers, and each one's step
+    # all-gathers every buffer of the model chunk: the weights are gathered twice
+    gathers = 2 if params.expert else 1
     for group, numels, size in (("dp", params.dense, dp), ("edp", params.expert, edp)):
         if size < 2 or not numels:
             continue
         if distributed_optimizer:
             padded = padded_elements(numels, size)
             _add(out, group, "reduce_scatter", 4 * padded)
-            _add(out, group, "all_gather", a * padded)
+            _add(out, group, "all_gather", gathers * a * padded)
         else:
             _add(out, group, "all_reduce", 4 * sum(numels))
     return out
