@@ -160,7 +160,7 @@ def _time(
     return best
 
 
-_RUNS: dict[tuple[int, int, int, int], list[BudgetRun]] = {}
+_RUNS: dict[tuple[int, int, int, int], tuple[PlanInputs, list[BudgetRun]]] = {}
 
 
 def evaluate_layout(
@@ -173,11 +173,14 @@ def evaluate_layout(
     stages = stage_params(model, tp, pp, ep, _router(resolved))
     num_mb = inputs.global_batch_size // (inputs.micro_batch_size * dp)
     key = (id(inputs), tp, ep, seq_length)  # the runs depend on TP / EP only through resolve
-    if key not in _RUNS:
-        _RUNS[key] = budget_runs(
+    cached = _RUNS.get(key)
+    if cached is None or cached[0] is not inputs:  # the entry keeps its inputs alive: no reused id
+        runs = budget_runs(
             model, resolved, seq_length, inputs.micro_batch_size, inputs.runtime.full_recompute
         )
-    runs = _RUNS[key]
+        _RUNS[key] = (inputs, runs)
+    else:
+        runs = cached[1]
     out = []
     for run in runs:
         memory = rank_memory(

@@ -127,7 +127,7 @@ def collect_runs(root: Path, warmup: int = 1) -> list[RunResult]:
 
 
 def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+    return "-" if value is None else f"{value:.3g}"
 
 
 def render_report(runs: list[RunResult]) -> str:
