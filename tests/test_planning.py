@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -407,7 +408,7 @@ def test_sweep_dry_run_prints_the_job_array_and_each_layouts_command(tmp_path):
             assert submit[:5] == ["sbatch", "--array", f"0-{len(expected) - 1}", "--nodes", "1"]
         assert len(lines) == len(expected)
         for line, lay in zip(lines, expected):
-            words = line.split()
+            words = shlex.split(line)
             assert "elastic-train" in words and words[words.index("--ckpt") + 1] == "CK"
             for flag, key in (("--tensor-model-parallel-size", "tp"),
                               ("--pipeline-model-parallel-size", "pp"),
@@ -418,6 +419,9 @@ def test_sweep_dry_run_prints_the_job_array_and_each_layouts_command(tmp_path):
             assert words[words.index("--global-batch-size") + 1] == "32"
             args = build_parser().parse_args(words[words.index("elastic_plugin.cli") + 1 :])
             assert args.command == "elastic-train" and args.log_interval == 1
+            # one curriculum stage of ITERS (10) iterations per budget
+            assert args.elastic_curriculum == "10:1/0/0,10:0/1/0,10:0/0/1"
+            assert args.train_iters == 30
     assert not (tmp_path / "sweep").exists()  # a dry run writes nothing
 
 
@@ -435,9 +439,12 @@ def test_scaling_report_joins_measured_runs_with_the_plan(rank_pools, tmp_path, 
                   "distributed_optimizer": False, **kw}  # fmt: skip
         (entry,) = [e for e in plan["layouts"]
                     if all(e["layout"][k] == v for k, v in layout.items())]  # fmt: skip
-        rank_pools.get(2).run(f"{CASES}:profile_layout", config_path=TINY,
-                              workdir=str(tmp_path), out=str(sweep / name), **kw)  # fmt: skip
+        rank_pools.get(2).run(f"{CASES}:profile_layout", config_path=TINY, iters=2,
+                              per_budget=True, workdir=str(tmp_path), out=str(sweep / name),
+                              **kw)  # fmt: skip
         planned = {k: entry[k] for k in ("memory", "tokens_per_s", "step_seconds")}
+        planned["budgets"] = [{"budget": b["budget"], "tokens_per_s": b["tokens_per_s"]}
+                              for b in entry["budgets"]]  # fmt: skip
         (sweep / name / "sweep.json").write_text(
             json.dumps({"layout": entry["layout"], "gpus": 2, "planned": planned})
         )
@@ -446,7 +453,14 @@ def test_scaling_report_joins_measured_runs_with_the_plan(rank_pools, tmp_path, 
     assert code == 0
     assert sorted(r["name"] for r in rows) == sorted(runs)
     for r in rows:
-        assert r["iterations"] == 2  # 3 logged, the first dropped as warm-up
+        assert r["iterations"] == 5  # 2 per budget logged, the first dropped as warm-up
+        # every iteration trained one budget: per budget medians, the plan's figure beside them
+        assert {k: b["iterations"] for k, b in r["budgets"].items()} == {
+            "1": 1,
+            "0.77": 2,
+            "0.4": 2,
+        }
+        assert all(b["planned_tokens_per_s"] > 0 for b in r["budgets"].values())
         assert r["tokens_per_s"] > 0 and r["peak_memory_gib"] > 0 and r["gpus"] == 2
         assert r["memory_ratio"] == pytest.approx(r["peak_memory_gib"] / r["planned_memory_gib"])
         with capsys.disabled():

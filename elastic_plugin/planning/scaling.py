@@ -6,15 +6,17 @@ with ``sweep.json`` (the layout, the number of GPUs, and the plan's entry for th
 ``elastic_metrics.jsonl`` elastic-train writes (with ``--log-interval 1``: per iteration the
 step's tokens/s, model TFLOP/s per rank, the largest rank's peak memory and the step seconds).
 The first ``warmup`` logged iterations are dropped (allocation, compilation); the rest give
-medians (time) and the maximum (memory). Planned figures are the plan's estimates: the ratios
-measured / planned say how far the stated model is from this machine.
+medians (time) and the maximum (memory). An iteration that trained a single budget (the sweep's
+curriculum gives each budget its own stage: ``ITERS:1/0/0,ITERS:0/1/0,...``) also counts
+toward that budget's own medians (``budgets``). Planned figures are the plan's estimates: the
+ratios measured / planned say how far the stated model is from this machine.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,8 @@ class RunResult:
     peak_memory_gib: float
     planned_tokens_per_s: float | None = None
     planned_memory_gib: float | None = None
+    # budget label -> {"iterations", "tokens_per_s", "step_seconds", "planned_tokens_per_s"}
+    budgets: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def throughput_ratio(self) -> float | None:
@@ -72,7 +76,8 @@ def _read_json(path: Path) -> dict[str, Any]:
     return value
 
 
-def _throughput(path: Path) -> list[dict[str, float]]:
+def _throughput(path: Path) -> list[tuple[dict[str, float], list[str]]]:
+    """Each logged iteration's throughput and the budgets it trained (``train_loss`` keys)."""
     out = []
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -83,8 +88,37 @@ def _throughput(path: Path) -> list[dict[str, float]]:
             raise ConfigError(f"{path}:{number}: not JSON ({exc})") from None
         rate = record.get("throughput") if isinstance(record, dict) else None
         if isinstance(rate, dict) and rate.get("seconds"):
-            out.append(rate)
+            out.append((rate, sorted(record.get("train_loss") or {})))
     return out
+
+
+def _per_budget(
+    records: list[tuple[dict[str, float], list[str]]], planned: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """Medians over the iterations that trained one budget only, with the plan's figure."""
+    plan = {float(b["budget"]): b for b in planned.get("budgets") or [] if "budget" in b}
+    groups: dict[str, list[dict[str, float]]] = {}
+    for rate, budgets in records:
+        if len(budgets) == 1:
+            groups.setdefault(budgets[0], []).append(rate)
+    out = {}
+    for label, rates in groups.items():
+        entry = plan.get(float(label)) if _is_number(label) else None
+        out[label] = {
+            "iterations": len(rates),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rates),
+            "step_seconds": statistics.median(r["seconds"] for r in rates),
+            "planned_tokens_per_s": None if not entry else entry.get("tokens_per_s"),
+        }
+    return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def collect_runs(root: Path, warmup: int = 1) -> list[RunResult]:
@@ -100,7 +134,8 @@ def collect_runs(root: Path, warmup: int = 1) -> list[RunResult]:
         )
     runs = []
     for run in dirs:
-        rates = _throughput(run / METRICS_FILE)[warmup:]
+        records = _throughput(run / METRICS_FILE)[warmup:]
+        rates = [rate for rate, _ in records]
         if not rates:
             raise ConfigError(
                 f"{run / METRICS_FILE}: no throughput record after the first {warmup} "
@@ -121,6 +156,7 @@ def collect_runs(root: Path, warmup: int = 1) -> list[RunResult]:
                 peak_memory_gib=max(r["peak_memory_gib"] for r in rates),
                 planned_tokens_per_s=planned.get("tokens_per_s"),
                 planned_memory_gib=None if memory is None else memory / GIB,
+                budgets=_per_budget(records, planned),
             )
         )
     return runs
@@ -143,6 +179,13 @@ def render_report(runs: list[RunResult]) -> str:
             f"| {r.tflops_per_rank:.3g} | {r.step_seconds:.3f} | {r.peak_memory_gib:.3f} "
             f"| {_ratio(r.throughput_ratio)} | {_ratio(r.memory_ratio)} |"
         )
+        for label, b in sorted(r.budgets.items(), key=lambda item: item[0], reverse=True):
+            planned = b["planned_tokens_per_s"]
+            ratio = None if not planned else b["tokens_per_s"] / planned
+            lines.append(
+                f"| {r.name} budget {label} | {r.gpus or '?'} | {r.layout} | {b['iterations']} "
+                f"| {b['tokens_per_s']:.0f} | | {b['step_seconds']:.3f} | | {_ratio(ratio)} | |"
+            )
     return "\n".join(lines)
 
 

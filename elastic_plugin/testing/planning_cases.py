@@ -360,10 +360,15 @@ def profile_layout(
     iters: int = 3,
     micro_batch: int = 2,
     global_batch: int = 8,
+    per_budget: bool = False,
 ) -> None:
     """``train_elastic`` of the tiny model under a layout for ``iters`` iterations on synthetic
     tokens (``SEQ_LEN`` long), logging every iteration to ``out/elastic_metrics.jsonl`` (what a
-    sweep run writes); ``workdir`` holds (or gets) the shared ``init`` checkpoint."""
+    sweep run writes); ``per_budget``: ``iters`` per budget, one curriculum stage each (as
+    ``sweep.sh`` runs them). ``workdir`` holds (or gets) the shared ``init`` checkpoint."""
+    import dataclasses
+
+    from elastic_plugin.elastic.config import parse_curriculum
     from elastic_plugin.elastic.train import train_elastic
     from elastic_plugin.parallel import Layout
     from elastic_plugin.testing.elastic_cases import (
@@ -377,9 +382,17 @@ def profile_layout(
     if not (work / "init" / "elastic_meta.json").is_file():
         write_init_checkpoint(cfg, work / "init")
     layout = Layout(tp, pp, ep, sequence_parallel, distributed_optimizer)
+    ecfg = _elastic_config(cfg.model, "sliced", False)
+    if per_budget:
+        n = len(ecfg.budgets)
+        stages = ",".join(
+            f"{iters}:" + "/".join("1" if i == j else "0" for j in range(n)) for i in range(n)
+        )
+        ecfg = dataclasses.replace(ecfg, curriculum=parse_curriculum(stages))
+        iters *= n
     sched = tiny_schedule(iters, 1e-3, global_batch=global_batch, micro_batch=micro_batch)
     train_elastic(
-        cfg, _elastic_config(cfg.model, "sliced", False), layout, work / "init", Path(out),
+        cfg, ecfg, layout, work / "init", Path(out),
         lambda c: _synthetic_iterator(cfg.model.vocab_size, micro_batch, c), None, sched,
         progress=False,
     )  # fmt: skip

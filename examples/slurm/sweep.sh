@@ -1,8 +1,10 @@
 #!/bin/bash
 # A layout sweep: the top-K layouts of an `elastic-plugin plan --json` (all for the same number
-# of GPUs), each trained for ITERS iterations by elastic-train with --log-interval 1, so that
-# every run's elastic_metrics.jsonl holds per-iteration tokens/s, TFLOP/s per rank and peak
-# memory; `elastic-plugin scaling-report SWEEP_DIR` then joins them, measured next to planned.
+# of GPUs), each trained by elastic-train with --log-interval 1 for ITERS iterations per budget:
+# a curriculum of one stage per budget (ITERS:1/0/0,ITERS:0/1/0,...), so every logged iteration
+# of the run's elastic_metrics.jsonl (tokens/s, TFLOP/s per rank, peak memory, step seconds)
+# belongs to one budget; `elastic-plugin scaling-report SWEEP_DIR` then joins the runs, per
+# layout and per budget, measured next to planned. PER_BUDGET=0: the config's own curriculum.
 #
 #   elastic-plugin plan --config MODEL.yaml --gpus 16 --seq-length 4096 ... --json > plan.json
 #   PLAN=plan.json CKPT=/lustre/run1/checkpoints/reordered SWEEP_DIR=/lustre/sweep TOP=4 \
@@ -22,7 +24,8 @@ PLAN=${PLAN:?set PLAN to the output of elastic-plugin plan --json}
 CKPT=${CKPT:?set CKPT to the importance-reordered checkpoint}
 SWEEP_DIR=${SWEEP_DIR:-sweep}
 TOP=${TOP:-4}                      # how many of the plan's (fitting) layouts
-ITERS=${ITERS:-20}                 # iterations per layout (the first is dropped as warm-up)
+ITERS=${ITERS:-10}                 # iterations per budget (the run's first is a warm-up)
+PER_BUDGET=${PER_BUDGET:-1}        # 1: one curriculum stage per budget
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 LOCAL=${LOCAL:-0}                  # 1: run here with torchrun instead of submitting
 DRY_RUN=${DRY_RUN:-0}
@@ -30,7 +33,7 @@ PYTHON=${PYTHON:-python}
 TORCHRUN=${TORCHRUN:-torchrun}
 EXTRA_ARGS=${EXTRA_ARGS:-}         # appended to every elastic-train command
 
-# NN_name tp pp ep distributed_optimizer gpus micro global seq, one line per layout; writes
+# NN_name tp pp ep distributed_optimizer gpus micro global seq budgets, one line per layout; writes
 # SWEEP_DIR/NN_name/sweep.json unless DRY_RUN
 LAYOUTS=$("$PYTHON" - "$PLAN" "$SWEEP_DIR" "$TOP" "$DRY_RUN" <<'PY'
 import json, sys
@@ -47,20 +50,35 @@ for i, entry in enumerate(chosen):
     if not dry:
         (sweep / name).mkdir(parents=True, exist_ok=True)
         planned = {k: entry[k] for k in ("memory", "tokens_per_s", "step_seconds")}
+        planned["budgets"] = [{"budget": b["budget"], "tokens_per_s": b["tokens_per_s"]}
+                              for b in entry["budgets"]]
         (sweep / name / "sweep.json").write_text(json.dumps(
             {"layout": lay, "gpus": plan["gpus"], "planned": planned, "plan": plan_path}, indent=1))
     print(name, lay["tp"], lay["pp"], lay["ep"], int(lay["distributed_optimizer"]), plan["gpus"],
-          plan["micro_batch_size"], plan["global_batch_size"], plan["seq_length"])
+          plan["micro_batch_size"], plan["global_batch_size"], plan["seq_length"],
+          len(entry["budgets"]))
 PY
 )
 COUNT=$(wc -l <<< "$LAYOUTS")
-read -r _ _ _ _ _ GPUS _ _ _ <<< "$(head -n 1 <<< "$LAYOUTS")"
+read -r _ _ _ _ _ GPUS _ _ _ BUDGETS <<< "$(head -n 1 <<< "$LAYOUTS")"
+PROFILE_ARGS=(--log-interval 1)
+TRAIN_ITERS=$ITERS
+if [[ "$PER_BUDGET" == 1 ]]; then  # "ITERS:1/0/0,ITERS:0/1/0,ITERS:0/0/1"
+    STAGES=()
+    for ((i = 0; i < BUDGETS; i++)); do
+        probs=()
+        for ((j = 0; j < BUDGETS; j++)); do probs+=("$([[ $i == "$j" ]] && echo 1 || echo 0)"); done
+        STAGES+=("$ITERS:$(IFS=/; echo "${probs[*]}")")
+    done
+    PROFILE_ARGS+=(--elastic-curriculum "$(IFS=,; echo "${STAGES[*]}")")
+    TRAIN_ITERS=$((ITERS * BUDGETS))
+fi
 
 run_env() {  # the environment train_elastic.sbatch reads, for one layouts line
     local name tp pp ep dopt gpus mbs gbs seq
-    read -r name tp pp ep dopt gpus mbs gbs seq <<< "$1"
+    read -r name tp pp ep dopt gpus mbs gbs seq _ <<< "$1"
     echo "OUT=$SWEEP_DIR/$name TP=$tp PP=$pp EP=$ep DISTRIBUTED_OPTIMIZER=$dopt" \
-         "TRAIN_ITERS=$ITERS MICRO_BATCH_SIZE=$mbs GLOBAL_BATCH_SIZE=$gbs SEQ_LENGTH=$seq"
+         "TRAIN_ITERS=$TRAIN_ITERS MICRO_BATCH_SIZE=$mbs GLOBAL_BATCH_SIZE=$gbs SEQ_LENGTH=$seq"
 }
 
 if [[ "$LOCAL" == 1 ]]; then
@@ -68,7 +86,7 @@ if [[ "$LOCAL" == 1 ]]; then
         # train_elastic.sbatch's own command line (its DRY_RUN), run here instead of by srun
         cmd=$(env $(run_env "$line") CKPT="$CKPT" DRY_RUN=1 SLURM_NNODES=1 \
               GPUS_PER_NODE="$GPUS" TORCHRUN="$TORCHRUN" EXTRA_ARGS="$EXTRA_ARGS" \
-              bash "$HERE/train_elastic.sbatch" --log-interval 1)
+              bash "$HERE/train_elastic.sbatch" "${PROFILE_ARGS[@]}")
         if [[ "$DRY_RUN" == 1 ]]; then
             echo "$cmd"
         else
@@ -88,15 +106,15 @@ SUBMIT=(sbatch --array "0-$((COUNT - 1))" --nodes "$((GPUS / GPUS_PER_NODE))"
         "$HERE/sweep.sh")
 if [[ -n "${SLURM_ARRAY_TASK_ID:-}" ]]; then  # inside the array: run this task's layout
     line=$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" <<< "$LAYOUTS")
-    exec env $(run_env "$line") EXTRA_ARGS="$EXTRA_ARGS --log-interval 1" \
-        bash "$HERE/train_elastic.sbatch"
+    exec env $(run_env "$line") EXTRA_ARGS="$EXTRA_ARGS" \
+        bash "$HERE/train_elastic.sbatch" "${PROFILE_ARGS[@]}"
 fi
 if [[ "$DRY_RUN" == 1 ]]; then
     printf '%q ' "${SUBMIT[@]}"
     echo
     while read -r line; do  # what each task will run
         env $(run_env "$line") CKPT="$CKPT" DRY_RUN=1 SLURM_NNODES="$((GPUS / GPUS_PER_NODE))" \
-            EXTRA_ARGS="$EXTRA_ARGS --log-interval 1" bash "$HERE/train_elastic.sbatch"
+            EXTRA_ARGS="$EXTRA_ARGS" bash "$HERE/train_elastic.sbatch" "${PROFILE_ARGS[@]}"
     done <<< "$LAYOUTS"
     exit 0
 fi
