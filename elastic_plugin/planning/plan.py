@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic_plugin.elastic.config import ElasticConfig, ResolvedElastic
+from elastic_plugin.models.axes import model_for_choice
 from elastic_plugin.models.config import ModelConfig
+from elastic_plugin.models.flops import training_flops
 from elastic_plugin.models.runtime import Runtime
 from elastic_plugin.planning.budgets import BudgetRun, budget_runs, stage_flops
 from elastic_plugin.planning.comm import step_comm_bytes
@@ -206,12 +208,15 @@ def _mix(budgets: list[BudgetPlan], probs: tuple[float, ...] | None) -> float:
 
 
 def _separate(inputs: PlanInputs, layout: PlanLayout, run: BudgetRun, tokens: float) -> float:
-    """Seconds to train ``run``'s nested model alone on ``tokens`` (no teacher, same layout)."""
-    nested = run.nested
-    stages = stage_params(nested, layout.tp, layout.pp, layout.ep)
+    """Seconds to train ``run``'s nested model as a plain model of its own (whatever the
+    elastic mode; its router over its own experts) on ``tokens``: no teacher, same layout."""
+    plain = model_for_choice(inputs.model, run.choice)
+    stages = stage_params(plain, layout.tp, layout.pp, layout.ep)
     num_mb = inputs.global_batch_size // (inputs.micro_batch_size * layout.dp)
-    student = stage_flops(inputs.model, run.train_flops, layout.pp)
-    time, _ = _time(inputs, layout, stages, nested, nested, student, [0] * layout.pp,
+    flops = training_flops(plain, inputs.seq_length, inputs.micro_batch_size,
+                           recompute=inputs.runtime.full_recompute)  # fmt: skip
+    student = stage_flops(plain, flops, layout.pp)
+    time, _ = _time(inputs, layout, stages, plain, plain, student, [0] * layout.pp,
                     inputs.seq_length, num_mb, with_teacher=False)  # fmt: skip
     steps = tokens / (inputs.global_batch_size * inputs.seq_length)
     return steps * time.seconds
