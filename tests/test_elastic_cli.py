@@ -426,6 +426,42 @@ def pipeline(tmp_path_factory):
 
 @pytest.mark.multirank
 @pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_elastic_train_profile_writes_each_ranks_steps_and_no_checkpoint(pipeline, tmp_path):
+    """``--profile N`` (what a layout sweep runs), at TP2: N iterations, one record per iteration
+    on every rank (its step time, budgets, tokens, TFLOP/s, peak memory), no evaluation and no
+    checkpoint; a contradictory command line is refused before anything runs."""
+    out = tmp_path / "profiled"
+    base = ["elastic-train", "--ckpt", str(pipeline["ckpt"]), "--config", str(pipeline["config"]),
+            "--out", str(out), "--train-iters", "6", "--no-progress"]  # fmt: skip
+    for bad, needle in ((["--profile", "0"], "--profile=0 must be > 0"),
+                        (["--profile", "2", "--stop-after", "1"], "drop --stop-after")):  # fmt: skip
+        proc = run_cli(*base, *bad)
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr[-2000:]
+    proc = torchrun(*base, "--profile", "3", "--log-interval", "1",
+                    "--tensor-model-parallel-size", "2", "--sequence-parallel")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json_out(proc)
+    assert summary["checkpoint"] is None and summary["iterations"] == 3 and summary["profile"]
+    assert "stopped_at" not in summary and not (out / "checkpoints").exists()
+    assert summary["teacher_valid_loss"] is None  # no evaluation
+    from elastic_plugin.training.profile import read_profiles
+
+    ranks = read_profiles(out)
+    assert sorted(ranks) == [0, 1]
+    for rank, rows in ranks.items():
+        assert [r["iteration"] for r in rows] == [1, 2, 3] and all(r["rank"] == rank for r in rows)
+        for row in rows:
+            assert sum(row["budgets"].values()) >= 1
+            assert set(row["budgets"]) <= {"1", "0.77", "0.4"}
+            assert row["step_seconds"] > 0 and row["tflops_per_rank"] > 0
+            assert row["tokens"] > 0 and row["peak_memory_gib"] > 0
+    # the TP ranks of one replica run the same budgets on the same global batch
+    for a, b in zip(ranks[0], ranks[1]):
+        assert (a["budgets"], a["tokens"]) == (b["budgets"], b["tokens"])
+
+
 def test_elastic_train_under_torchrun_tp2_sp_checkpoints_plots_and_resumes(pipeline, tmp_path):
     out = tmp_path / "elastic"
     args = [

@@ -421,7 +421,7 @@ def test_sweep_dry_run_prints_the_job_array_and_each_layouts_command(tmp_path):
             assert args.command == "elastic-train" and args.log_interval == 1
             # one curriculum stage of ITERS (10) iterations per budget
             assert args.elastic_curriculum == "10:1/0/0,10:0/1/0,10:0/0/1"
-            assert args.train_iters == 30
+            assert args.train_iters == 30 and args.profile == 30  # profiled, no checkpoint
     assert not (tmp_path / "sweep").exists()  # a dry run writes nothing
 
 
@@ -467,6 +467,11 @@ def test_scaling_report_joins_measured_runs_with_the_plan(rank_pools, tmp_path, 
             }
             assert all(b["planned_tokens_per_s"] > 0 for b in r["budgets"].values())
         assert r["tokens_per_s"] > 0 and r["peak_memory_gib"] > 0 and r["gpus"] == 2
+        # --profile: each rank's own figures, and no checkpoint left behind
+        assert sorted(r["ranks"]) == ["0", "1"] and not (sweep / r["name"] / "checkpoints").exists()
+        for rank in r["ranks"].values():
+            assert rank["step_seconds"] > 0 and rank["tflops_per_rank"] > 0
+            assert 0 < rank["peak_memory_gib"] <= r["peak_memory_gib"] + 1e-9
         assert r["memory_ratio"] == pytest.approx(r["peak_memory_gib"] / r["planned_memory_gib"])
         with capsys.disabled():
             print(

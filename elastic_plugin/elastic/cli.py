@@ -157,6 +157,15 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "rerun with --resume to continue (time-limited jobs)",
     )
     parser.add_argument(
+        "--profile",
+        type=int,
+        default=None,
+        metavar="N",
+        help="scaling measurement: train N iterations, write each rank's step time, tokens/s, "
+        "TFLOP/s, peak memory and budgets per iteration to OUT/profile/rank_NNNNN.jsonl; no "
+        "evaluation, no checkpoint (examples/slurm/sweep.sh, scaling-report)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help=f"a short run ({QUICK_ITERS} iterations, evaluation at the end)",
@@ -251,10 +260,13 @@ def _positive_flags(args: argparse.Namespace) -> None:
         "--micro-batch-size",
         "--global-batch-size",
         "--stop-after",
+        "--profile",
     ):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and value <= 0:
             raise ConfigError(f"{flag}={value} must be > 0")
+    if args.profile is not None and args.stop_after is not None:
+        raise ConfigError("--profile N trains N iterations itself; drop --stop-after")
     for flag in ("--save-interval", "--keep-last", "--lr-warmup-iters", "--lr", "--min-lr"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and not value >= 0:
@@ -538,7 +550,7 @@ def summary(run, train_iters: int) -> dict[str, Any]:
         (h["train_loss"] for h in reversed(run.history) if h.get("train_loss")), {}
     )
     out = {
-        "checkpoint": run.checkpoint_dir,
+        "checkpoint": run.checkpoint_dir or None,
         "iterations": run.iterations,
         "train_loss": last_train,
         "valid_loss": run.final_valid,
@@ -548,7 +560,9 @@ def summary(run, train_iters: int) -> dict[str, Any]:
         "plots": run.plots,
         "seconds": round(run.seconds, 1),
     }
-    if run.iterations < train_iters:
+    if not run.checkpoint_dir:  # --profile: measured, nothing saved
+        out["profile"] = f"{run.iterations} iterations, per rank in OUT/profile/rank_*.jsonl"
+    elif run.iterations < train_iters:
         out["stopped_at"] = f"{run.iterations}/{train_iters}: rerun with --resume to continue"
     return out
 
@@ -611,6 +625,7 @@ def _train(inputs: ElasticInputs, args: argparse.Namespace) -> int:
             resume=args.resume,
             progress=progress,
             stop_after=args.stop_after,
+            profile=args.profile,
             extra_meta={"data": feed.describe(), "tokenizer": feed.tokenizer_path},
         )
     except ConfigError as exc:  # found after start-up; every rank finds it alike

@@ -35,6 +35,7 @@ from elastic_plugin.models.config import ConfigError
 from elastic_plugin.models.runtime import Runtime
 from elastic_plugin.parallel import Layout, build_optimizer, initialize_layout, is_rank0
 from elastic_plugin.training.heartbeat import Heartbeat
+from elastic_plugin.training.profile import StepProfile
 from elastic_plugin.training.recovery import check_resumable_state, restart_metrics
 from elastic_plugin.training.step import cosine_lr_scheduler, eval_step, share_from_last_stage
 from elastic_plugin.training.throughput import ThroughputMeter, progress_postfix
@@ -160,6 +161,7 @@ def train_elastic(
     progress: bool = True,
     stop_after: int | None = None,
     extra_meta: dict[str, Any] | None = None,
+    profile: int | None = None,
 ) -> ElasticRun:
     """Train all budgets of ``ecfg`` from ``student_ckpt`` (importance-reordered).
 
@@ -168,7 +170,9 @@ def train_elastic(
     same function); ignored when ``ecfg.teacher == "self"``. ``stop_after``: end (with a
     checkpoint) after that many iterations, as an interrupted job would; resume continues.
     ``extra_meta`` goes into the checkpoint's metadata (e.g. ``data`` and ``tokenizer``, which
-    extraction and export read to evaluate the nested models).
+    extraction and export read to evaluate the nested models). ``profile``: train that many
+    iterations for a scaling measurement (``training.profile``: one record per iteration and
+    rank), with no evaluation and no checkpoint.
     """
     from elastic_plugin.checkpoint.io import build_from_checkpoint, load_optimizer, resume_source
     from elastic_plugin.checkpoint.meta import read_checkpoint_meta
@@ -281,7 +285,7 @@ def train_elastic(
     nb = len(resolved.budgets)
     window = torch.zeros(nb, 4, dtype=torch.float64)  # kd_sum, tokens, budget_loss_sum, count
     teacher_valid = None
-    if valid_factory is not None:
+    if valid_factory is not None and profile is None:
         eval_chunks = teacher_chunks or chunks
         state.clear()
         teacher_valid = share_from_last_stage(
@@ -307,10 +311,14 @@ def train_elastic(
     history: list[dict[str, Any]] = []
     valid: dict[str, float | None] = {}
     start = time.time()
+    run_for = profile if profile is not None else stop_after
     last = (
-        sched.train_iters
-        if stop_after is None
-        else min(sched.train_iters, start_iter - 1 + stop_after)
+        sched.train_iters if run_for is None else min(sched.train_iters, start_iter - 1 + run_for)
+    )
+    profiler = (
+        StepProfile(out_dir, dist.get_rank() if dist.is_initialized() else 0, world, dp)
+        if profile is not None
+        else None
     )
     iteration = start_iter - 1
     freeze_after = ecfg.router.freeze_after
@@ -338,15 +346,22 @@ def train_elastic(
             )
             step.freeze(frozen_table)
         meter.start()
+        began = time.perf_counter()
         result = step.train_step(
             chunks, optimizer, train_iterator, sched.seq_length, sched.micro_batch_size
         )
         scheduler.step(increment=1)
         consumed += sched.global_batch_size
-        meter.stop(
-            sched.global_batch_size * (step.sampler.seq_length(iteration) or sched.seq_length),
-            step.take_flops(),
-        )
+        tokens = sched.global_batch_size * (step.sampler.seq_length(iteration) or sched.seq_length)
+        flops = step.take_flops()
+        meter.stop(tokens, flops)
+        if profiler is not None:
+            drawn = [
+                budget_label(resolved.budgets[step.budget_index(i)])
+                for i in range(num_microbatches)
+            ]
+            budgets = {label: drawn.count(label) for label in sorted(set(drawn))}
+            profiler.record(iteration, budgets, time.perf_counter() - began, tokens, flops)
         for index, agg in (result["loss"] or {}).items():
             window[index] += torch.tensor(
                 [agg["kd_sum"], agg["tokens"], agg["budget_loss_sum"], agg["count"]],
@@ -380,7 +395,7 @@ def train_elastic(
                 "elapsed_s": round(time.time() - start, 2),
                 "throughput": meter.report(),
             }
-        if valid_factory is not None and (
+        if (valid_factory is not None and profiler is None) and (
             iteration % sched.eval_interval == 0 or iteration == sched.train_iters
         ):
             heartbeat.beat(iteration, "evaluation")
@@ -396,15 +411,18 @@ def train_elastic(
                     {k: f"{v:.3f}" for k, v in record["train_loss"].items()}
                     | progress_postfix(record["throughput"])
                 )
-        if sched.save_interval and iteration % sched.save_interval == 0 and iteration != last:
+        saves = sched.save_interval and profiler is None
+        if saves and iteration % sched.save_interval == 0 and iteration != last:
             heartbeat.beat(iteration, "checkpoint save")
             _save(chunks, optimizer, scheduler, ckpt_dir, meta_now(), sched.keep_last)
         heartbeat.beat(iteration, "done")
     if bar is not None:
         bar.close()
     table = current_table()
-    heartbeat.beat(iteration, "checkpoint save")
-    saved = _save(chunks, optimizer, scheduler, ckpt_dir, meta_now(), sched.keep_last)
+    saved = None
+    if profiler is None:  # a profile measures; it leaves no checkpoint
+        heartbeat.beat(iteration, "checkpoint save")
+        saved = _save(chunks, optimizer, scheduler, ckpt_dir, meta_now(), sched.keep_last)
     plots = [str(p) for p in metrics.plot()] if is_rank0() else []
     counts = {
         metric: ElasticCost(model_cfg, resolved, metric=f"{metric}_params")
@@ -415,7 +433,7 @@ def train_elastic(
         for label, sizes in table.items()
     }
     return ElasticRun(
-        str(saved),
+        str(saved) if saved is not None else "",
         iteration,
         history,
         {k: v for k, v in valid.items() if v is not None},

@@ -8,7 +8,9 @@ step's tokens/s, model TFLOP/s per rank, the largest rank's peak memory and the 
 The first ``warmup`` logged iterations are dropped (allocation, compilation); the rest give
 medians (time) and the maximum (memory). An iteration that trained a single budget (the sweep's
 curriculum gives each budget its own stage: ``ITERS:1/0/0,ITERS:0/1/0,...``) also counts
-toward that budget's own medians (``budgets``). Planned figures are the plan's estimates: the
+toward that budget's own medians (``budgets``). A run profiled with ``elastic-train --profile``
+also has each rank's own records (``OUT/profile``): per-rank medians and peak memory
+(``ranks``). Planned figures are the plan's estimates: the
 ratios measured / planned say how far the stated model is from this machine.
 """
 
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_plugin.models.config import ConfigError
+from elastic_plugin.training.profile import read_profiles
 
 __all__ = ["RunResult", "collect_runs", "render_report", "scaling_plots"]
 
@@ -45,6 +48,8 @@ class RunResult:
     planned_memory_gib: float | None = None
     # budget label -> {"iterations", "tokens_per_s", "step_seconds", "planned_tokens_per_s"}
     budgets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # rank -> its own medians and peak memory, from elastic-train --profile (training.profile)
+    ranks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def throughput_ratio(self) -> float | None:
@@ -113,6 +118,23 @@ def _per_budget(
     return out
 
 
+def _per_rank(run: Path, warmup: int) -> dict[str, dict[str, Any]]:
+    """Each rank's medians over its profiled iterations (the first ``warmup`` dropped) and its
+    largest peak memory: the slow or memory-bound rank of a layout."""
+    out = {}
+    for rank, rows in sorted(read_profiles(run).items()):
+        kept = rows[warmup:] or rows
+        out[str(rank)] = {
+            "host": kept[0].get("host"),
+            "iterations": len(kept),
+            "step_seconds": statistics.median(r["step_seconds"] for r in kept),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in kept),
+            "tflops_per_rank": statistics.median(r["tflops_per_rank"] for r in kept),
+            "peak_memory_gib": max(r["peak_memory_gib"] for r in kept),
+        }
+    return out
+
+
 def _is_number(text: str) -> bool:
     try:
         float(text)
@@ -157,6 +179,7 @@ def collect_runs(root: Path, warmup: int = 1) -> list[RunResult]:
                 planned_tokens_per_s=planned.get("tokens_per_s"),
                 planned_memory_gib=None if memory is None else memory / GIB,
                 budgets=_per_budget(records, planned),
+                ranks=_per_rank(run, warmup),
             )
         )
     return runs
@@ -185,6 +208,14 @@ def render_report(runs: list[RunResult]) -> str:
             lines.append(
                 f"| {r.name} budget {label} | {r.gpus or '?'} | {r.layout} | {b['iterations']} "
                 f"| {b['tokens_per_s']:.0f} | | {b['step_seconds']:.3f} | | {_ratio(ratio)} | |"
+            )
+        if r.ranks:  # elastic-train --profile: the slowest rank and the fullest one
+            slow = max(r.ranks, key=lambda k: r.ranks[k]["step_seconds"])
+            full = max(r.ranks, key=lambda k: r.ranks[k]["peak_memory_gib"])
+            lines.append(
+                f"| {r.name} per rank ({len(r.ranks)}) | {r.gpus or '?'} | {r.layout} | "
+                f"| slowest rank {slow} | | {r.ranks[slow]['step_seconds']:.3f} "
+                f"| rank {full}: {r.ranks[full]['peak_memory_gib']:.3f} | | |"
             )
     return "\n".join(lines)
 

@@ -362,9 +362,9 @@ def profile_layout(
     global_batch: int = 8,
     per_budget: bool = False,
 ) -> None:
-    """``train_elastic`` of the tiny model under a layout for ``iters`` iterations on synthetic
-    tokens (``SEQ_LEN`` long), logging every iteration to ``out/elastic_metrics.jsonl`` (what a
-    sweep run writes); ``per_budget``: ``iters`` per budget, one curriculum stage each (as
+    """``train_elastic --profile`` of the tiny model under a layout for ``iters`` iterations on
+    synthetic tokens (``SEQ_LEN`` long), logging every iteration to ``out/elastic_metrics.jsonl``
+    and each rank's records to ``out/profile`` (what a sweep run writes, with no checkpoint); ``per_budget``: ``iters`` per budget, one curriculum stage each (as
     ``sweep.sh`` runs them). ``workdir`` holds (or gets) the shared ``init`` checkpoint."""
     import dataclasses
 
@@ -394,7 +394,7 @@ def profile_layout(
     train_elastic(
         cfg, ecfg, layout, work / "init", Path(out),
         lambda c: _synthetic_iterator(cfg.model.vocab_size, micro_batch, c), None, sched,
-        progress=False,
+        progress=False, profile=iters,
     )  # fmt: skip
 
 

@@ -1,10 +1,12 @@
 #!/bin/bash
 # A layout sweep: the top-K layouts of an `elastic-plugin plan --json` (all for the same number
-# of GPUs), each trained by elastic-train with --log-interval 1 for ITERS iterations per budget:
-# a curriculum of one stage per budget (ITERS:1/0/0,ITERS:0/1/0,...), so every logged iteration
-# of the run's elastic_metrics.jsonl (tokens/s, TFLOP/s per rank, peak memory, step seconds)
-# belongs to one budget; `elastic-plugin scaling-report SWEEP_DIR` then joins the runs, per
-# layout and per budget, measured next to planned. PER_BUDGET=0: the config's own curriculum.
+# of GPUs), each profiled by elastic-train --profile (no evaluation, no checkpoint) with
+# --log-interval 1 for ITERS iterations per budget: a curriculum of one stage per budget
+# (ITERS:1/0/0,ITERS:0/1/0,...), so every iteration belongs to one budget. Each rank writes its
+# own step time, tokens/s, TFLOP/s and peak memory per iteration to OUT/profile/rank_NNNNN.jsonl
+# (the run's elastic_metrics.jsonl has the world's figures); `elastic-plugin scaling-report
+# SWEEP_DIR` then joins the runs, per layout, per budget and per rank, measured next to planned.
+# PER_BUDGET=0: the config's own curriculum.
 #
 #   elastic-plugin plan --config MODEL.yaml --gpus 16 --seq-length 4096 ... --json > plan.json
 #   PLAN=plan.json CKPT=/lustre/run1/checkpoints/reordered SWEEP_DIR=/lustre/sweep TOP=4 \
@@ -73,6 +75,7 @@ if [[ "$PER_BUDGET" == 1 ]]; then  # "ITERS:1/0/0,ITERS:0/1/0,ITERS:0/0/1"
     PROFILE_ARGS+=(--elastic-curriculum "$(IFS=,; echo "${STAGES[*]}")")
     TRAIN_ITERS=$((ITERS * BUDGETS))
 fi
+PROFILE_ARGS+=(--profile "$TRAIN_ITERS")
 
 run_env() {  # the environment train_elastic.sbatch reads, for one layouts line
     local name tp pp ep dopt gpus mbs gbs seq
