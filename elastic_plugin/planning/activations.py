@@ -21,8 +21,12 @@ chunked scan (its inputs, output and the chunk-end states). Per layer:
 * Mamba: in_proj's output ``(2 D + 2 G N + H) / t``, the conv input copy and its output
   ``2 (D + 2 G N) / t``, the scan output and the gated norm's output ``2 D / t``, the scan's
   chunk-end states ``D N / Q / t`` and ``dt`` / decays ``2 H / t`` (FP32). This is what
-  mamba_ssm's fused kernels keep; the pure-PyTorch scan used on CPUs keeps ~2.7x more
-  (measured on the tiny model), so it is not validated there.
+  mamba_ssm's fused kernels keep (``mamba_scan="fused"``). The pure-PyTorch chunked scan
+  (``compat.mamba_ops.ssd_chunk_scan``, used wherever mamba_ssm is absent: ``"torch"``) also
+  keeps, per token and in the compute dtype: the intra-chunk decay matrix and its product with
+  ``C B^T`` (``2 H Q / t``), ``C B^T`` itself (``G Q / t``), ``dt x``, its decayed copy and the
+  entering states' output (``3 D / t``), two more decay vectors (``2 H / t``) and the states
+  twice more (before and after they are passed between chunks, ``2 D N / Q / t``).
 
 Measured on the tiny model (CPU, FP32, saved-tensor hooks, weights excluded): attention, dense
 MLP and MoE layers keep what the first three items say to within 2%.
@@ -43,15 +47,19 @@ from __future__ import annotations
 from elastic_plugin.models.config import ModelConfig
 from elastic_plugin.models.runtime import Runtime
 
-__all__ = ["layer_activation_elements", "stage_activation_bytes"]
+__all__ = ["MAMBA_SCANS", "layer_activation_elements", "stage_activation_bytes"]
 
 FP32 = 4
 
 
+MAMBA_SCANS = ("fused", "torch")
+
+
 def layer_activation_elements(
-    model: ModelConfig, kind: str, tp: int, sp: int, dtype_bytes: int
+    model: ModelConfig, kind: str, tp: int, sp: int, dtype_bytes: int, mamba_scan: str = "fused"
 ) -> float:
-    """Elements (in units of the model dtype) saved per token by one layer of ``kind``."""
+    """Elements (in units of the model dtype) saved per token by one layer of ``kind``;
+    ``mamba_scan``: which Mamba scan runs (``MAMBA_SCANS``)."""
     h = model.hidden_size
     fp32 = FP32 / dtype_bytes  # an FP32 value in model-dtype elements
     out = 3 * h / sp
@@ -71,6 +79,11 @@ def layer_activation_elements(
         bc = 2 * model.mamba_num_groups * model.mamba_state_dim
         states = d * model.mamba_state_dim / model.mamba_chunk_size
         out += (2 * d + bc + nh + 2 * (d + bc) + 2 * d) / tp + (states + 2 * nh) / tp * fp32
+        if mamba_scan == "torch":
+            q, g = model.mamba_chunk_size, model.mamba_num_groups
+            out += (2 * nh * q + g * q + 3 * d + 2 * nh + 2 * states) / tp
+        elif mamba_scan != "fused":
+            raise ValueError(f"mamba_scan {mamba_scan!r}; allowed: {', '.join(MAMBA_SCANS)}")
     else:
         raise ValueError(f"layer kind {kind!r}; allowed: mamba, attention, mlp, moe")
     return out
@@ -90,6 +103,7 @@ def stage_activation_bytes(
     tp: int,
     sequence_parallel: bool,
     runtime: Runtime,
+    mamba_scan: str = "fused",
 ) -> dict[str, float]:
     """Bytes of one micro-batch on one rank of a stage with layers ``kinds``: ``stored`` (kept
     until its backward), ``transient`` (the largest short-lived extra: one recomputed chunk,
@@ -98,7 +112,9 @@ def stage_activation_bytes(
     sp = tp if sequence_parallel and tp > 1 else 1
     h = model.hidden_size
     per_layer = [
-        layer_activation_elements(model, kind, tp, sp, dtype_bytes) * tokens * dtype_bytes
+        layer_activation_elements(model, kind, tp, sp, dtype_bytes, mamba_scan)
+        * tokens
+        * dtype_bytes
         for kind in kinds
     ]
     stored = sum(per_layer)

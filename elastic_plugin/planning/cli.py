@@ -18,6 +18,7 @@ from elastic_plugin.cli_errors import report_bad_input
 from elastic_plugin.elastic.config import TEACHERS, ElasticConfig
 from elastic_plugin.models.config import ConfigError, ModelConfig, TrainingConfig, load_config
 from elastic_plugin.models.runtime import Runtime
+from elastic_plugin.planning.activations import MAMBA_SCANS
 from elastic_plugin.planning.devices import BUILTIN_DEVICES, load_device
 from elastic_plugin.planning.plan import CurriculumStage, PlanInputs
 
@@ -54,6 +55,10 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--elastic-budgets", type=float, nargs="+", default=None, metavar="B")
     parser.add_argument("--teacher", default=None, metavar="|".join(TEACHERS))
+    parser.add_argument("--mamba-scan", default="fused", choices=MAMBA_SCANS,
+                        help="the Mamba scan the run uses: mamba_ssm's fused kernels (default) or "
+                        "the plugin's pure-PyTorch scan, which keeps more activations (without "
+                        "mamba_ssm, e.g. on CPUs)")  # fmt: skip
     parser.add_argument("--efficiency", type=float, default=0.4, metavar="X",
                         help="fraction of the dense peak the GEMMs reach (default 0.4)")  # fmt: skip
     parser.add_argument("--comm-efficiency", type=float, default=0.7, metavar="X",
@@ -220,6 +225,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         reserve_gb=args.reserve_gb,
         curriculum=stages,
         separate_tokens=args.separate_tokens,
+        mamba_scan=args.mamba_scan,
     )
 
 

@@ -135,6 +135,7 @@ def rank_memory(
     seq_length: int,
     num_microbatches: int,
     frozen_teacher: bool,
+    mamba_scan: str = "fused",
 ) -> RankMemory:
     """Memory of the busiest rank. ``model``: the full model (weights); ``nested``: the plain
     config of the widths a micro-batch runs (activations; the full model in masked mode)."""
@@ -146,7 +147,15 @@ def rank_memory(
         state = state_bytes(stage, dp, ep, runtime.bf16, distributed_optimizer)
         last = index == pp - 1
         act = stage_activation_bytes(
-            nested, kinds[index], index == 0, last, tokens, tp, sequence_parallel, runtime
+            nested,
+            kinds[index],
+            index == 0,
+            last,
+            tokens,
+            tp,
+            sequence_parallel,
+            runtime,
+            mamba_scan,
         )
         count = in_flight(index, pp, num_microbatches)
         logits = (

@@ -54,6 +54,7 @@ class PlanInputs:
     reserve_gb: float = 4.0
     curriculum: tuple[CurriculumStage, ...] = ()
     separate_tokens: float | None = None
+    mamba_scan: str = "fused"  # activations.MAMBA_SCANS: mamba_ssm's kernels, or our torch scan
 
     @property
     def frozen_teacher(self) -> bool:
@@ -188,7 +189,7 @@ def evaluate_layout(
         memory = rank_memory(
             model, run.nested, stages, tp, pp, ep, dp, layout.sequence_parallel,
             layout.distributed_optimizer, inputs.runtime, inputs.micro_batch_size, seq_length,
-            num_mb, inputs.frozen_teacher,
+            num_mb, inputs.frozen_teacher, inputs.mamba_scan,
         )  # fmt: skip
         student = stage_flops(model, run.train_flops, pp)
         teacher = stage_flops(model, run.teacher_flops, pp)
