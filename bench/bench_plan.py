@@ -37,6 +37,8 @@ LAYOUTS: tuple[tuple[int, dict[str, Any]], ...] = (
     (2, {}),
     (2, {"tp": 2, "sequence_parallel": True}),
     (2, {"pp": 2}),
+    (4, {"tp": 2, "ep": 2, "sequence_parallel": True}),
+    (8, {"tp": 2, "ep": 2, "sequence_parallel": True}),
 )
 MICRO_BATCH, GLOBAL_BATCH, SEQ = 2, 8, 32  # per rank; SEQ is elastic_cases.SEQ_LEN
 
