@@ -504,12 +504,6 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 
 
 # ------------------------------------------------------------------------------ forward step
-def _unwrap(model):
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module
-    return model
-
-
 def _position_ids(batch: dict) -> Any:
     import torch
 
@@ -563,12 +557,13 @@ def forward_step(data_iterator, model):
     import torch
     from megatron.training import get_args
 
+    from elastic_plugin.elastic.megatron_lm import unwrap_chunk
     from elastic_plugin.elastic.step import truncate_batch
     from elastic_plugin.elastic.train import choice_table
 
     run = session()
     step = run.step
-    inner = _unwrap(model)
+    inner = unwrap_chunk(model)
     batch = get_batch(data_iterator)
     if not inner.training:
         table = choice_table(step_router(inner), run.resolved)

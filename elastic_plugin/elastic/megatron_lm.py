@@ -165,19 +165,21 @@ def _wrap_load(orig: Callable) -> Callable:
         if source is not None and (source / CHECKPOINT_META).is_file():
             meta = read_checkpoint_meta(source, f"--{load_arg.replace('_', '-')}")
             verify_checkpoint(source, meta)  # before Megatron reads a byte
+            loads_optimizer = _loads_optimizer(args, optimizer, source)
             saved = {k: int((meta.get("layout") or {}).get(k, 1)) for k in ("tp", "ep")}
-            if _loads_optimizer(args, optimizer, source) and saved != _current_layout(args):
+            now = _current_layout(args)
+            if loads_optimizer and saved != now:
                 raise ConfigError(
                     f"--{load_arg} {source} was written at TP{saved['tp']} EP{saved['ep']}, this "
-                    f"run is TP{_current_layout(args)['tp']} EP{_current_layout(args)['ep']}: its "
-                    f"optimizer state follows that layout's memory order; add --no-load-optim "
-                    f"(and --no-load-rng) to load the weights alone"
+                    f"run is TP{now['tp']} EP{now['ep']}: its optimizer state follows that "
+                    f"layout's memory order; add --no-load-optim (and --no-load-rng) to load "
+                    f"the weights alone"
                 )
         result = orig(ddp_model, optimizer, opt_param_scheduler, load_arg, *rest, **kw)
         if meta is not None and meta.get("reordered"):
             for chunk in ddp_model:
                 mark_loaded_reordered(unwrap_chunk(chunk))
-            if not _loads_optimizer(args, optimizer, source) and optimizer is not None:
+            if not loads_optimizer and optimizer is not None:
                 reload = getattr(optimizer, "reload_model_params", None)
                 if reload is not None:
                     reload()  # the main weights were copied before the weights were strided
