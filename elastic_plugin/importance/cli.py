@@ -21,6 +21,7 @@ from elastic_plugin.cli_args import (
 )
 from elastic_plugin.cli_errors import report_bad_input
 from elastic_plugin.importance.hooks import AXES
+from elastic_plugin.importance.methods import parse_methods
 from elastic_plugin.models.config import ConfigError, ParallelConfig
 
 
@@ -90,6 +91,14 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         choices=["out_proj_input", "x_proj"],
         help="Mamba statistic: out_proj's input (default; prunes better here) or the "
         "x-projection (the published definition)",
+    )
+    reo.add_argument(
+        "--method",
+        nargs="+",
+        default=None,
+        metavar="AXIS=STAT",
+        help="the statistic that ranks an axis, e.g. embedding=norm_abs experts=reap (the "
+        "published ones); choices in README 'Importance statistics'; default: the measured best",
     )
     add_layout_args(reo)
     reo.set_defaults(func=run_reorder)
@@ -219,7 +228,8 @@ def run_reorder(args: argparse.Namespace) -> int:
             )
         if meta.get("reordered"):
             raise ConfigError(f"--ckpt {args.ckpt} is already reordered")
-    except (ConfigError, FileNotFoundError) as exc:
+        methods = parse_methods(args.method)
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
         return report_bad_input("elastic-plugin reorder", exc)
     start_ranks(layout, seed=cfg.training.seed)
     import torch.distributed as dist
@@ -242,6 +252,7 @@ def run_reorder(args: argparse.Namespace) -> int:
         cfg.model.mamba_num_groups,
         args.mamba_top_channels,
         args.mamba_source,
+        methods,
     )
     apply_permutations(chunks[0], perms)
     saved = save_checkpoint(  # the teacher's iteration: the same weights, reordered

@@ -13,6 +13,12 @@ them into global scores. What each hook measures (DESIGN.md, "Importance"):
 - MoE experts (REAP): ``sum_tokens g_j(x) ||f_j(x)||_2`` and the routed-token count. Megatron
   scales the activation by the router weight before ``fc2`` (no bias here), so a local expert's
   output row *is* ``g_j(x) f_j(x)``; under expert-TP the partial output is summed over TP first.
+
+Alternative statistics, kept in ``sums`` under ``VARIANT_KEYS`` (selectable per axis by
+``importance.methods``; the ablation benchmark compares them): the same activations reduced by
+``sum x^2`` instead of ``sum |x|`` (``*_sq``), the residual stream each norm reads
+(``embedding_in``: ``sum x^2`` of the norm's input), and for heads the ``sum ||W_o[:, h] y_h||_2``
+of what a head writes into the residual stream (``*_out``).
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ if TYPE_CHECKING:  # Megatron ships no types: these annotate what a method takes
 
 AXES = ("embedding", "ffn", "attention_heads", "mamba", "experts")
 MAMBA_SOURCES = {"x_proj": "mamba", "out_proj_input": "mamba_out"}
+# alternative statistics: replicated over TP like the embedding / sharded over TP like their axis
+EMBEDDING_VARIANTS = ("embedding_sq", "embedding_in")
+SHARDED_VARIANTS = ("ffn_sq", "shared_ffn_sq", "attention_heads_out", "mamba_heads_out")
+VARIANT_KEYS = EMBEDDING_VARIANTS + SHARDED_VARIANTS
 
 
 @dataclass
@@ -122,9 +132,11 @@ class ImportanceHooks:
             return
         self.axes_present.add("embedding")
 
-        def hook(_m, _inp, out):
-            out = out[0] if isinstance(out, tuple) else out
-            self.stats.add("embedding", 0, _flat_tokens(out).abs().sum(0))
+        def hook(_m, inp, out):
+            out = _flat_tokens(out[0] if isinstance(out, tuple) else out)
+            self.stats.add("embedding", 0, out.abs().sum(0))
+            self.stats.add("embedding_sq", 0, out.double().pow(2).sum(0))
+            self.stats.add("embedding_in", 0, _flat_tokens(inp[0]).double().pow(2).sum(0))
 
         self._hook(norm, hook)
 
@@ -132,7 +144,9 @@ class ImportanceHooks:
         self.axes_present.add(axis)
 
         def hook(_m, args):
-            self.stats.add(axis, layer, _flat_tokens(args[0]).abs().sum(0))
+            x = _flat_tokens(args[0])
+            self.stats.add(axis, layer, x.abs().sum(0))
+            self.stats.add(f"{axis}_sq", layer, x.double().pow(2).sum(0))
 
         self._hook(fc2, hook, pre=True)
 
@@ -141,9 +155,10 @@ class ImportanceHooks:
         heads = attention.num_attention_heads_per_partition
         head_dim = attention.hidden_size_per_attention_head
 
-        def hook(_m, args):
+        def hook(m, args):
             x = _flat_tokens(args[0]).reshape(-1, heads, head_dim)
             self.stats.add("attention_heads", layer, x.norm(dim=-1).sum(0))
+            self.stats.add("attention_heads_out", layer, _head_outputs(x, m.weight))
 
         self._hook(attention.linear_proj, hook, pre=True)
 
@@ -159,9 +174,10 @@ class ImportanceHooks:
 
         self._hook(mixer.in_proj, hook)
 
-        def out_hook(_m, args):
+        def out_hook(m, args):
             y = _flat_tokens(args[0]).reshape(-1, heads, head_dim)
             self.stats.add("mamba_out", layer, y.double().pow(2).sum(0))
+            self.stats.add("mamba_heads_out", layer, _head_outputs(y, m.weight))
 
         self._hook(mixer.out_proj, out_hook, pre=True)
 
@@ -201,6 +217,17 @@ class ImportanceHooks:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _head_outputs(x: torch.Tensor, proj_weight: torch.Tensor) -> torch.Tensor:
+    """``sum_tokens ||W[:, h] x_h||_2`` per head: what each head writes into the residual stream.
+
+    ``x``: [tokens, heads, head_dim]; ``proj_weight``: this rank's [hidden, heads * head_dim]
+    columns of a row-parallel projection (so the heads are local under TP)."""
+    heads, head_dim = x.shape[1], x.shape[2]
+    w = proj_weight.detach().to(x.dtype).view(-1, heads, head_dim)  # [hidden, heads, head_dim]
+    written = torch.einsum("thd,ohd->tho", x.detach(), w)  # [tokens, heads, hidden]
+    return written.double().norm(dim=-1).sum(0)
 
 
 def _is_identity(module: torch.nn.Module) -> bool:

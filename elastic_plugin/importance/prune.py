@@ -47,11 +47,20 @@ def importance_orders(
     query_groups: int,
     mamba_groups: int,
     mamba_source: str = "out_proj_input",
+    statistic: str | None = None,
 ) -> dict[int, torch.Tensor]:
-    """Most important first, per layer (key 0 for the embedding); heads within groups."""
+    """Most important first, per layer (key 0 for the embedding); heads within groups.
+
+    ``statistic``: one of ``methods.STATISTICS[axis]`` (default: ``methods.DEFAULTS``)."""
     from elastic_plugin.importance.reorder import Permutations
 
-    perms = Permutations.from_scores(scores, query_groups, mamba_groups, mamba_source=mamba_source)
+    perms = Permutations.from_scores(
+        scores,
+        query_groups,
+        mamba_groups,
+        mamba_source=mamba_source,
+        methods={axis: statistic} if statistic else None,
+    )
     if axis == "embedding":
         return {} if perms.embedding is None else {0: perms.embedding}  # no scores: like other axes
     return dict(getattr(perms, axis))

@@ -65,29 +65,46 @@ class Permutations:
         mamba_groups: int,
         mamba_top_channels: int | None = None,
         mamba_source: str = "out_proj_input",
+        methods: dict[str, str] | None = None,
     ) -> Permutations:
         """Descending order per axis; heads ordered within their (query / Mamba) group.
 
-        ``mamba_source``: "out_proj_input" (default) or "x_proj" (the published x-projection
-        statistic). On the demo teacher, pruning Mamba heads/channels to 50% by the x-projection
-        order was no better than random (valid loss 2.91 vs 2.92), by out_proj's input 2.40 —
-        better than random and weight magnitude (2.82); see bench/bench_importance.py."""
+        ``methods``: axis -> statistic (``importance.methods.STATISTICS``) for the axes named;
+        the others use ``methods.DEFAULTS``. ``mamba_source`` ("out_proj_input", the default, or
+        "x_proj", the published x-projection statistic) picks the Mamba statistic when
+        ``methods`` does not. On the demo teacher, pruning Mamba heads/channels to 50% by the
+        x-projection order was no better than random (valid loss 2.91 vs 2.92), by out_proj's
+        input 2.40 -- better than random and weight magnitude (2.82); see
+        bench/bench_importance_ablation.py."""
+        from elastic_plugin.importance.methods import DEFAULTS, axis_scores
+
+        chosen = {**DEFAULTS, "mamba_heads": mamba_source, "mamba_channels": mamba_source}
+        chosen.update(methods or {})
 
         def order(x: torch.Tensor) -> torch.Tensor:
             return torch.argsort(x, descending=True, stable=True)
 
-        perms = cls(embedding=order(scores.embedding) if scores.embedding is not None else None)
-        perms.ffn = {k: order(v) for k, v in scores.ffn.items()}
-        perms.shared_ffn = {k: order(v) for k, v in scores.shared_ffn.items()}
-        perms.experts = {k: order(v) for k, v in scores.experts.items()}
+        def ranked(axis: str) -> dict[int, torch.Tensor]:
+            return {k: order(v) for k, v in axis_scores(scores, axis, chosen[axis]).items()}
+
+        embedding = ranked("embedding") if scores.embedding is not None else {}
+        perms = cls(embedding=embedding.get(0))
+        perms.ffn = ranked("ffn")
+        perms.shared_ffn = ranked("shared_ffn")
+        perms.experts = ranked("experts")
         perms.attention_heads = {
-            k: within_groups(v, query_groups) for k, v in scores.attention_heads.items()
+            k: within_groups(v, query_groups)
+            for k, v in axis_scores(scores, "attention_heads", chosen["attention_heads"]).items()
         }
-        for layer in scores.mamba:
-            perms.mamba_channels[layer] = order(scores.mamba_channel_scores(layer, mamba_source))
-            perms.mamba_heads[layer] = within_groups(
-                scores.mamba_head_scores(layer, mamba_top_channels, mamba_source), mamba_groups
-            )
+        perms.mamba_channels = ranked("mamba_channels")
+        head_stat = chosen["mamba_heads"]
+        if mamba_top_channels is not None and head_stat in ("x_proj", "out_proj_input"):
+            heads = {
+                k: scores.mamba_head_scores(k, mamba_top_channels, head_stat) for k in scores.mamba
+            }
+        else:
+            heads = axis_scores(scores, "mamba_heads", head_stat)
+        perms.mamba_heads = {k: within_groups(v, mamba_groups) for k, v in heads.items()}
         return perms
 
     def save(self, path: str | Path) -> None:

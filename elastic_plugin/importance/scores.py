@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_plugin.importance.hooks import LocalStats
+from elastic_plugin.importance.hooks import EMBEDDING_VARIANTS, SHARDED_VARIANTS, LocalStats
 
 SHARDED_OVER_TP = ("ffn", "shared_ffn", "attention_heads", "mamba", "mamba_out")
 FORMAT_VERSION = 1
@@ -36,6 +36,9 @@ class ImportanceScores:
     experts: dict[int, torch.Tensor] = field(default_factory=dict)  # REAP
     expert_tokens: dict[int, torch.Tensor] = field(default_factory=dict)
     depth: dict[int, float] = field(default_factory=dict)  # normalized logit MSE (optional)
+    # alternative statistics (hooks.VARIANT_KEYS -> layer -> scores; the embedding's at key 0),
+    # reduced like their axis; files written before they existed load with none
+    variants: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
     tokens: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -85,6 +88,7 @@ class ImportanceScores:
             "experts": self.experts,
             "expert_tokens": self.expert_tokens,
             "depth": self.depth,
+            "variants": self.variants,
             "tokens": self.tokens,
             "meta": self.meta,
         }
@@ -140,16 +144,19 @@ def reduce_local_stats(
     edp = ps.get_expert_data_parallel_group() if initialized else None
 
     scores = ImportanceScores(meta=dict(meta or {}))
-    embedding = stats.sums.get("embedding", {}).get(
-        0, torch.zeros(hidden_size, dtype=torch.float64)
-    )
-    embedding = _sum_over(embedding, dp)
-    if sequence_parallel:
-        embedding = _sum_over(embedding, tp)
-    scores.embedding = _sum_over(embedding, pp)
+
+    def residual_stream(key: str) -> torch.Tensor:
+        value = stats.sums.get(key, {}).get(0, torch.zeros(hidden_size, dtype=torch.float64))
+        value = _sum_over(value, dp)
+        if sequence_parallel:
+            value = _sum_over(value, tp)
+        return _sum_over(value, pp)
+
+    scores.embedding = residual_stream("embedding")
+    scores.variants = {key: {0: residual_stream(key)} for key in EMBEDDING_VARIANTS}
 
     local: dict[str, dict[int, torch.Tensor]] = {}
-    for axis in SHARDED_OVER_TP:
+    for axis in SHARDED_OVER_TP + SHARDED_VARIANTS:
         local[axis] = {
             layer: _concat_over(_sum_over(value, dp), tp)
             for layer, value in sorted(stats.sums.get(axis, {}).items())
@@ -167,7 +174,10 @@ def reduce_local_stats(
         dist.all_gather_object(gathered, local, group=pp)
     for part in gathered:
         for axis, layers in part.items():
-            getattr(scores, axis).update(layers)
+            if axis in SHARDED_VARIANTS:
+                scores.variants.setdefault(axis, {}).update(layers)
+            else:
+                getattr(scores, axis).update(layers)
     scores.tokens = int(tokens.item())
     return scores
 

@@ -316,3 +316,160 @@ def prune_masks(config_path: str, workdir: str) -> dict[str, Any]:
     masked, _ = mlp(x)
     report["ffn_mask_vs_slice"] = float((masked - sliced).abs().max())
     return report
+
+
+def _residual_norms(model: HybridModel) -> list[torch.nn.Module]:
+    """Every norm that reads the residual stream (not the Mamba mixer's gated norm)."""
+    names = ("norm", "input_layernorm", "pre_mlp_layernorm", "final_norm")
+    return [
+        module
+        for name, module in model.named_modules()
+        if name.rsplit(".", 1)[-1] in names
+        and "mixer" not in name
+        and isinstance(getattr(module, "weight", None), torch.Tensor)
+    ]
+
+
+@torch.no_grad()
+def variant_statistics(config_path: str, workdir: str) -> dict[str, Any]:
+    """The alternative statistics against formulas computed here: inputs and outputs captured by
+    this function's own hooks, per-head contributions by running the real output projection
+    on inputs with every other head zeroed."""
+    from megatron.core.ssm.mamba_layer import MambaLayer
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    work = Path(workdir)
+    model_cfg = tiny_model(config_path)
+    initialize_layout(Layout())
+    (model,), _ = build_model_chunks(model_cfg, Layout(), wrap_ddp=False)
+    load_dist(model, work / "init")
+    seen: dict[str, list] = {"norm_in": [], "norm_out": []}
+    handles = []
+
+    def keep(key: str, module: torch.nn.Module, pre: bool = True) -> None:
+        seen[key] = []
+
+        def grab(_m, args, out=None):
+            seen[key].append((args[0] if pre else out).detach().clone())
+
+        handles.append(
+            module.register_forward_pre_hook(grab) if pre else module.register_forward_hook(grab)
+        )
+
+    def grab_norm(_m, args, out) -> None:  # a hook returning a value would replace the output
+        seen["norm_in"].append(args[0].detach().clone())
+        seen["norm_out"].append(out.detach().clone())
+
+    handles += [norm.register_forward_hook(grab_norm) for norm in _residual_norms(model)]
+    projections: dict[str, torch.nn.Module] = {}
+    for layer in model.decoder.layers:
+        n = int(layer.layer_number)
+        if isinstance(layer, MambaLayer):
+            keep(f"mamba_heads_out/{n}", layer.mixer.out_proj)
+            projections[f"mamba_heads_out/{n}"] = layer.mixer.out_proj
+            continue
+        if hasattr(layer.self_attention, "linear_proj"):
+            keep(f"attention_heads_out/{n}", layer.self_attention.linear_proj)
+            projections[f"attention_heads_out/{n}"] = layer.self_attention.linear_proj
+        mlp = getattr(layer, "mlp", None)
+        if isinstance(mlp, MoELayer):
+            keep(f"shared_ffn_sq/{n}", mlp.shared_experts.linear_fc2)
+        elif mlp is not None and hasattr(mlp, "linear_fc2"):
+            keep(f"ffn_sq/{n}", mlp.linear_fc2)
+    scores = collect_importance(
+        [model],
+        iter(reference_batches(model_cfg)),
+        NUM_SAMPLES,
+        SEQ_LEN,
+        REF_MICRO_BATCH,
+        progress=False,
+    )
+    for handle in handles:
+        handle.remove()
+
+    def sq(xs: list[torch.Tensor]) -> torch.Tensor:
+        return sum(x.double().reshape(-1, x.shape[-1]).pow(2).sum(0) for x in xs)
+
+    direct: dict[str, torch.Tensor] = {
+        "embedding_in/0": sq(seen["norm_in"]),
+        "embedding_sq/0": sq(seen["norm_out"]),
+    }
+    for key, xs in seen.items():
+        if key.startswith(("ffn_sq", "shared_ffn_sq")):
+            direct[key] = sq(xs)
+        elif key in projections:
+            proj = projections[key]
+            head_dim = model_cfg.kv_channels if key.startswith("attention") else None
+            head_dim = head_dim or model_cfg.mamba_head_dim
+            width = xs[0].shape[-1]
+            total = torch.zeros(width // head_dim, dtype=torch.float64)
+            for x in xs:
+                for h in range(width // head_dim):
+                    only = torch.zeros_like(x)
+                    only[..., h * head_dim : (h + 1) * head_dim] = x[
+                        ..., h * head_dim : (h + 1) * head_dim
+                    ]
+                    out, _ = proj(only)
+                    total[h] += out.double().reshape(-1, out.shape[-1]).norm(dim=-1).sum()
+            direct[key] = total
+    diffs = {}
+    for key, value in direct.items():
+        name, layer = key.split("/")
+        got = scores.variants[name][int(layer)]
+        diffs[key] = float((got - value).abs().max() / value.abs().max().clamp(min=1e-30))
+    return {"rel_diff": diffs, "variants": sorted(scores.variants)}
+
+
+def ablation_smoke(config_path: str, workdir: str) -> dict[str, Any]:
+    """The ablation on a tiny model: every order of one axis zero-shot and recovered; pruned
+    units stay pruned through recovery; the weights are restored afterwards."""
+    from elastic_plugin.importance.ablation import AblationSettings, recover, run_axis
+    from elastic_plugin.importance.prune import importance_orders, mask_prune
+    from elastic_plugin.training.step import eval_step
+
+    work = Path(workdir)
+    model_cfg = tiny_model(config_path)
+    initialize_layout(Layout())
+    (model,), _ = build_model_chunks(model_cfg, Layout(), wrap_ddp=False)
+    load_dist(model, work / "init")
+    batches = reference_batches(model_cfg)
+    scores = collect_importance(
+        [model], iter(batches), NUM_SAMPLES, SEQ_LEN, REF_MICRO_BATCH, progress=False
+    )
+    before = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+
+    def evaluate(m) -> float:
+        return float(eval_step([m], iter(batches), len(batches), SEQ_LEN, REF_MICRO_BATCH))
+
+    settings = AblationSettings(seeds=2, recovery_steps=2, recovery_lr=1e-2)
+    results = {}
+    for axis in ("ffn", "experts"):
+        res = run_axis(
+            model,
+            scores,
+            axis,
+            model_cfg.query_groups,
+            model_cfg.mamba_num_groups,
+            evaluate,
+            batches,
+            settings,
+        )
+        assert res is not None
+        results[axis] = res.summary()
+    restored = all(torch.equal(v, before[k]) for k, v in model.state_dict().items() if k in before)
+    # recovery by hand on one order: the dropped FFN neurons' weights stay zero, others move
+    order = importance_orders(scores, "ffn", model_cfg.query_groups, model_cfg.mamba_num_groups)
+    mask_prune(model, "ffn", order, 0.5)
+    layer = next(iter(order))
+    fc1 = next(lyr for lyr in model.decoder.layers if int(lyr.layer_number) == layer).mlp.linear_fc1
+    dropped = order[layer][order[layer].numel() // 2 :]
+    kept_before = fc1.weight[order[layer][: order[layer].numel() // 2]].clone()
+    recover(model, batches, before, lr=1e-2)
+    return {
+        "results": results,
+        "restored": restored,
+        "dropped_still_zero": bool((fc1.weight[dropped] == 0).all()),
+        "kept_moved": float(
+            (fc1.weight[order[layer][: order[layer].numel() // 2]] - kept_before).abs().max()
+        ),
+    }

@@ -1,0 +1,113 @@
+"""Which statistic ranks each width axis: ``--method axis=stat`` and the measured defaults.
+
+Every statistic is read from an ``ImportanceScores`` file (activations collected once, reduced
+the same way under any layout), so choosing another one needs no second calibration pass.
+``PUBLISHED`` keeps the paper's statistic for each axis selectable; ``DEFAULTS`` is the one that
+pruned best in ``bench/bench_importance_ablation.py`` (README, "Importance statistics").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from elastic_plugin.importance.scores import ImportanceScores
+
+Layers = dict[int, torch.Tensor]
+
+
+def _variant(key: str) -> Callable[[ImportanceScores], Layers]:
+    def read(scores: ImportanceScores) -> Layers:
+        if key not in scores.variants:
+            raise ValueError(
+                f"the scores file has no {key!r} statistic (written before it existed); "
+                "collect the scores again with `elastic-plugin importance`"
+            )
+        return dict(scores.variants[key])
+
+    return read
+
+
+def _embedding(scores: ImportanceScores) -> Layers:
+    return {} if scores.embedding is None else {0: scores.embedding}
+
+
+def _mamba(source: str, per: str) -> Callable[[ImportanceScores], Layers]:
+    def read(scores: ImportanceScores) -> Layers:
+        if per == "heads":
+            return {k: scores.mamba_head_scores(k, source=source) for k in scores.mamba}
+        return {k: scores.mamba_channel_scores(k, source) for k in scores.mamba}
+
+    return read
+
+
+def _experts_sum(scores: ImportanceScores) -> Layers:
+    """REAP's numerator: summed over the tokens routed to an expert (mean x frequency)."""
+    return {k: v * scores.expert_tokens[k] for k, v in scores.experts.items()}
+
+
+# axis -> statistic -> scores per layer (higher = more important)
+STATISTICS: dict[str, dict[str, Callable[[ImportanceScores], Layers]]] = {
+    "embedding": {
+        "norm_abs": _embedding,  # sum |norm(x)| over every norm (published)
+        "norm_l2": _variant("embedding_sq"),  # sum norm(x)^2
+        "residual_l2": _variant("embedding_in"),  # sum x^2 of the residual stream norms read
+    },
+    "ffn": {"abs": lambda s: dict(s.ffn), "l2": _variant("ffn_sq")},
+    "shared_ffn": {"abs": lambda s: dict(s.shared_ffn), "l2": _variant("shared_ffn_sq")},
+    "attention_heads": {
+        "head_l2": lambda s: dict(s.attention_heads),  # sum ||y_h|| (published)
+        "output_l2": _variant("attention_heads_out"),  # sum ||W_o[:, h] y_h||
+    },
+    "mamba_heads": {
+        "x_proj": _mamba("x_proj", "heads"),  # published
+        "out_proj_input": _mamba("out_proj_input", "heads"),
+        "output_l2": _variant("mamba_heads_out"),
+    },
+    "mamba_channels": {
+        "x_proj": _mamba("x_proj", "channels"),  # published
+        "out_proj_input": _mamba("out_proj_input", "channels"),
+    },
+    "experts": {
+        "reap": lambda s: dict(s.experts),  # published: mean over routed tokens of g ||f||
+        "reap_sum": _experts_sum,
+        "frequency": lambda s: dict(s.expert_tokens),  # routed-token count
+    },
+}
+PUBLISHED = {
+    "embedding": "norm_abs",
+    "ffn": "abs",
+    "shared_ffn": "abs",
+    "attention_heads": "head_l2",
+    "mamba_heads": "x_proj",
+    "mamba_channels": "x_proj",
+    "experts": "reap",
+}
+DEFAULTS = dict(PUBLISHED, mamba_heads="out_proj_input", mamba_channels="out_proj_input")
+
+
+def parse_methods(items: Iterable[str] | None) -> dict[str, str]:
+    """``["embedding=residual_l2", ...]`` -> ``{"embedding": "residual_l2"}``; clear errors."""
+    methods: dict[str, str] = {}
+    for item in items or ():
+        axis, sep, stat = item.partition("=")
+        if not sep or axis not in STATISTICS:
+            raise ValueError(
+                f"--method {item!r}: expected AXIS=STATISTIC with AXIS one of "
+                f"{', '.join(STATISTICS)}"
+            )
+        if stat not in STATISTICS[axis]:
+            raise ValueError(
+                f"--method {item!r}: {axis} statistics are {', '.join(STATISTICS[axis])}"
+            )
+        methods[axis] = stat
+    return methods
+
+
+def axis_scores(scores: ImportanceScores, axis: str, statistic: str) -> Layers:
+    """Scores per layer for one axis under one statistic (key 0 for the embedding)."""
+    if axis not in STATISTICS or statistic not in STATISTICS[axis]:
+        allowed = ", ".join(f"{a}={s}" for a in STATISTICS for s in STATISTICS[a])
+        raise ValueError(f"{axis}={statistic} is not a statistic; allowed: {allowed}")
+    return STATISTICS[axis][statistic](scores)
