@@ -610,7 +610,8 @@ def test_pretrain_script_imports_without_side_effects_and_prints_arch_flags(fake
     from elastic_plugin.models.config import config_from_dict
 
     code = (
-        "import sys; sys.path.insert(0, 'examples'); import pretrain_elastic as p; "
+        "import sys; sys.path.insert(0, 'examples'); import pretrain_elastic; "
+        "from elastic_plugin.elastic import megatron_lm_pretrain as p; "
         "print('megatron' in sys.modules, 'torch' in sys.modules, p._SESSION)"
     )
     proc = subprocess.run(
@@ -627,12 +628,9 @@ def test_pretrain_script_imports_without_side_effects_and_prints_arch_flags(fake
     )
     assert proc.returncode == 0, proc.stderr
     flags = shlex.split(proc.stdout)
-    sys.path.insert(0, str(PRETRAIN.parent))
-    try:
-        import pretrain_elastic
-    finally:
-        sys.path.remove(str(PRETRAIN.parent))
-    assert flags == pretrain_elastic.render_arch_flags(config_from_dict(fake["config"]).model)
+    from elastic_plugin.elastic.megatron_lm_args import render_arch_flags
+
+    assert flags == render_arch_flags(config_from_dict(fake["config"]).model)
     i = flags.index("--hybrid-layer-pattern")
     assert flags[i + 1] == "M*E-M*E-" and flags[flags.index("--num-experts") + 1] == "8"
 
@@ -642,22 +640,17 @@ def test_pretrain_script_refuses_an_evaluation_that_misses_budgets():
     for the budgets never reached; the flag is named, with the smallest that works."""
     import argparse
 
+    from elastic_plugin.elastic import megatron_lm_args as pe
     from elastic_plugin.models.config import ConfigError
-
-    sys.path.insert(0, str(PRETRAIN.parent))
-    try:
-        import pretrain_elastic as pe
-    finally:
-        sys.path.remove(str(PRETRAIN.parent))
 
     def args(eval_iters: int, dp: int) -> argparse.Namespace:
         return argparse.Namespace(
             eval_iters=eval_iters, global_batch_size=4, micro_batch_size=2, data_parallel_size=dp
         )
 
-    pe._check_eval_covers_budgets(args(2, 1), 3)  # 2 iterations x 2 micro-batches >= 3 budgets
+    pe.check_eval_covers_budgets(args(2, 1), 3)  # 2 iterations x 2 micro-batches >= 3 budgets
     with pytest.raises(ConfigError, match=r"--eval-iters 2 evaluates 2 micro-batches .* >= 3"):
-        pe._check_eval_covers_budgets(args(2, 2), 3)  # DP=2: one micro-batch per iteration
+        pe.check_eval_covers_budgets(args(2, 2), 3)  # DP=2: one micro-batch per iteration
 
 
 def pretrain_case(workdir: str) -> dict:
@@ -673,14 +666,17 @@ def pretrain_case(workdir: str) -> dict:
     from megatron.training.arguments import add_megatron_arguments, parse_args
     from megatron.training.global_vars import set_args
 
+    from elastic_plugin.elastic import megatron_lm_args as pe
+    from elastic_plugin.elastic import megatron_lm_pretrain as elastic
     from elastic_plugin.elastic.args import elastic_config_from_args
     from elastic_plugin.elastic.losses import vocab_parallel_kl
+    from elastic_plugin.elastic.model import router_of
     from elastic_plugin.models.config import ConfigError, load_config
     from elastic_plugin.parallel import Layout, initialize_layout
     from elastic_plugin.testing.elastic_cases import write_init_checkpoint
 
     sys.path.insert(0, str(PRETRAIN.parent))
-    import pretrain_elastic as pe
+    import pretrain_elastic  # the example's model provider and get_batch, wrapped as a user's
 
     result: dict = {}
     megatron = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
@@ -756,8 +752,9 @@ def pretrain_case(workdir: str) -> dict:
     initialize_layout(Layout(), seed=1234)
     init_num_microbatches_calculator(0, None, 2, 2, 1)
     try:
-        model = pe.model_provider(True, True)
-        run = pe.session()
+        model = elastic.wrap_model_provider(pretrain_elastic.model_provider)(True, True)
+        forward_step = elastic.elastic_forward_step(pretrain_elastic.get_batch)
+        run = elastic.session()
         student_ids = {id(p) for p in model.parameters()}
         result["teacher_frozen_and_apart"] = all(
             not p.requires_grad and id(p) not in student_ids for p in run.teacher.parameters()
@@ -778,7 +775,7 @@ def pretrain_case(workdir: str) -> dict:
             full = model(batch["tokens"], pos, None)
         result["teacher_vs_full_student"] = float((teacher_logits - full).abs().max())
 
-        output, loss_fn = pe.forward_step(iter([batch]), model)
+        output, loss_fn = forward_step(iter([batch]), model)
         loss, num_tokens, report = loss_fn(output)
         with torch.no_grad():  # the same routed student again, against the teacher's logits
             again = model(batch["tokens"], pos, None)
@@ -787,7 +784,7 @@ def pretrain_case(workdir: str) -> dict:
         result["kd"], result["kd_ref"] = float(report["kd loss"][0]), kd_ref
         result["report_keys"] = sorted(report)
         loss.backward()
-        router = pe.step_router(model)
+        router = router_of(model)
         result["router_grad"] = sum(
             float(p.grad.abs().sum()) for p in router.parameters() if p.grad is not None
         )
@@ -799,7 +796,7 @@ def pretrain_case(workdir: str) -> dict:
         table = choice_table(router, run.resolved)
         evals = []
         for _ in range(3):
-            output, loss_fn = pe.forward_step(iter([batch]), model)
+            output, loss_fn = forward_step(iter([batch]), model)
             evals.append({k: v.tolist() for k, v in loss_fn(output)[2].items()})
         result["evals"] = evals
         with torch.no_grad():
@@ -809,7 +806,7 @@ def pretrain_case(workdir: str) -> dict:
         result["full_is_chosen"] = table["1"] == run.resolved.full_choice()
         result["teacher_ce"] = teacher_ce
     finally:
-        pe._SESSION = None
+        elastic.reset_session()
         destroy_num_microbatches_calculator()
         sys.path.remove(str(PRETRAIN.parent))
     return result
@@ -846,11 +843,8 @@ def test_router_gets_its_own_learning_rate_in_megatron_lm():
 
     from megatron.core.optimizer import ParamKey
 
-    sys.path.insert(0, str(PRETRAIN.parent))
-    try:
-        import pretrain_elastic as pe
-    finally:
-        sys.path.remove(str(PRETRAIN.parent))
+    from elastic_plugin.elastic import megatron_lm_pretrain as pe
+
     base = lambda args: ("optimizer-config", {"standard": {"wd_mult": 0.0}})  # noqa: E731
     wrapped = pe.with_router_param_group(base, lambda args: 50.0)
     config, overrides = wrapped(argparse.Namespace(lr=2e-4, min_lr=2e-5))
