@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from elastic_plugin.inference.cache import InferenceCache
+from elastic_plugin.inference.fast_decode import decode_plan
 from elastic_plugin.inference.sampling import Sampler
-from elastic_plugin.inference.steps import check_model, extend, extend_ragged
+from elastic_plugin.inference.steps import check_model, eval_mode, extend, extend_ragged
 from elastic_plugin.models.config import ConfigError
 
 __all__ = ["GenerationResult", "STOP_REASONS", "check_generation_input", "generate", "stop_reason"]
@@ -150,6 +151,7 @@ def generate(
     max_length: int | None = None,
     override: Callable[[int, list[int]], int | None] | None = None,
     finished: Callable[[int, list[int]], bool] | None = None,
+    fast: bool = True,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after each prompt with KV / conv / SSM caches.
 
@@ -162,6 +164,9 @@ def generate(
     one (e.g. a forced ``</think>`` when thinking reaches a cap); the cache just continues.
     ``finished(row, generated_so_far)`` returning True stops that row (reason ``"policy"``,
     e.g. an answer-length cap counted from ``</think>``).
+    ``fast`` runs the decode steps with :class:`~elastic_plugin.inference.fast_decode.DecodePlan`
+    (only the routed experts, few kernels per layer); False runs them through ``extend``, the
+    reference path (same tokens to rounding; tests/test_budget_control_fast.py).
     Raises ``ConfigError`` for bad input before any compute.
     """
     inner = check_model(model)
@@ -185,6 +190,7 @@ def generate(
     tokens: list[list[int]] = [[] for _ in range(batch)]
     reasons: list[str | None] = [None] * batch
     active = list(range(batch))
+    plan = decode_plan(inner) if fast else None
     begin = time.perf_counter()
     while True:
         keep = []
@@ -205,7 +211,12 @@ def generate(
             break
         active = [active[k] for k in keep]
         feed = next_tokens[keep][:, None]
-        logits = extend(inner, cache, feed, rows=active, last_only=True)[:, -1]
+        if plan is None:
+            logits = extend(inner, cache, feed, rows=active, last_only=True)[:, -1]
+        else:
+            rows = None if len(active) == batch else torch.tensor(active, device=device)
+            with eval_mode(inner):
+                logits = plan(cache, feed[:, 0], rows)
         next_tokens = sampler(logits, generator)
     decode_s = time.perf_counter() - begin
     return GenerationResult(prompts, tokens, [str(r) for r in reasons], prefill_s, decode_s)

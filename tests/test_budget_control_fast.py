@@ -1,0 +1,151 @@
+"""The fast decode step (``inference.fast_decode.DecodePlan``) against the reference step
+(``steps.extend`` with one token, which tests/test_inference_generate.py checks against
+Megatron's own full forward), on real Megatron-Core modules: the tiny hybrid model (Mamba-2,
+GQA attention, MoE with a shared expert, MLP), its nested model, and variants (RoPE, SwiGLU with
+softmax routing); logits, caches and generated tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elastic_plugin.testing.inference_cases import random_prompts, tiny_inference_model
+
+pytestmark = [
+    pytest.mark.inference,
+    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
+]
+
+TOL = 2e-5
+SMALL = {
+    "embedding": 64,
+    "ffn": 128,
+    "shared_ffn": 64,
+    "attention_heads": 2,
+    "mamba_heads": 4,
+    "mamba_head_dim": 8,
+    "experts": 4,
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_inference_model(seed=1)
+
+
+def _steps_agree(model, batch: int, steps: int = 5, seed: int = 0) -> None:
+    """Ragged prompts prefilled into two caches; then decode steps through the reference path
+    and the plan, alternating all rows and a subset: logits and every cache tensor agree."""
+    from elastic_plugin.inference import InferenceCache, extend, extend_ragged
+    from elastic_plugin.inference.fast_decode import decode_plan
+
+    vocab = int(model.vocab_size)
+    prompts = random_prompts([3 + (i * 5) % 11 for i in range(batch)], vocab, seed=seed)
+    ref_cache = InferenceCache.allocate(model, batch, 32)
+    fast_cache = InferenceCache.allocate(model, batch, 32)
+    for cache in (ref_cache, fast_cache):
+        extend_ragged(model, cache, prompts, list(range(batch)))
+    plan = decode_plan(model)
+    assert plan.reference_layers == []  # every layer of these models runs the fast path
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        rows = None if step % 2 == 0 or batch == 1 else torch.arange(batch - 1, -1, -2)
+        tokens = torch.randint(0, vocab, (batch if rows is None else rows.numel(),), generator=gen)
+        expected = extend(model, ref_cache, tokens[:, None], rows=rows, last_only=True)[:, -1]
+        with torch.no_grad():
+            got = plan(fast_cache, tokens, rows)
+        torch.testing.assert_close(got, expected, atol=TOL, rtol=TOL)
+    assert torch.equal(fast_cache.lengths, ref_cache.lengths)
+    for table in ("keys", "values", "conv", "ssm"):
+        for index, tensor in getattr(ref_cache, table).items():
+            torch.testing.assert_close(
+                getattr(fast_cache, table)[index], tensor, atol=TOL, rtol=TOL
+            )
+
+
+@pytest.mark.parametrize("batch", [1, 3, 9])  # 1: the token's experts; 3, 9: grouped experts
+def test_fast_step_equals_reference_step(tiny, batch):
+    model, _ = tiny
+    _steps_agree(model, batch, seed=batch)
+
+
+def test_fast_step_on_the_nested_model_and_generation(tiny):
+    """The nested model (fewer experts, narrower everything) too; greedy generation gives the
+    same tokens by either path, at batch 1 and for a ragged batch."""
+    from elastic_plugin.inference import generate
+    from elastic_plugin.nested.model import nested_model
+
+    model, cfg = tiny
+    small, _ = nested_model(model, cfg, SMALL)
+    _steps_agree(small, 4, seed=7)
+    for prompts in (
+        random_prompts([9], cfg.vocab_size, seed=2),
+        random_prompts([4, 13, 1, 8, 6], cfg.vocab_size, seed=3),
+    ):
+        for m in (model, small):
+            fast = generate(m, prompts, 12)
+            assert fast.tokens == generate(m, prompts, 12, fast=False).tokens
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(position_embedding_type="rope"),
+        dict(
+            activation="swiglu",
+            moe_router_score_function="softmax",
+            moe_router_enable_expert_bias=False,
+        ),
+    ],
+    ids=["rope", "swiglu-softmax"],
+)
+def test_fast_step_variants(overrides):
+    model, _ = tiny_inference_model(seed=5, **overrides)
+    _steps_agree(model, 1, seed=1)
+    _steps_agree(model, 6, seed=2)
+
+
+def test_plan_is_rebuilt_when_weights_change(tiny):
+    """The plan keeps stacked copies of the expert weights: writing a parameter in place makes
+    the next ``decode_plan`` a new plan that sees the new weights."""
+    from elastic_plugin.inference.fast_decode import decode_plan
+
+    model, _ = tiny
+    plan = decode_plan(model)
+    assert decode_plan(model) is plan
+    expert = model.decoder.layers[2].mlp.experts.local_experts[0].linear_fc1.weight
+    with torch.no_grad():
+        expert.mul_(1.0)
+    rebuilt = decode_plan(model)
+    assert rebuilt is not plan
+    _steps_agree(model, 3, steps=2, seed=11)
+
+
+def test_uncovered_layer_runs_the_reference_step(tiny, monkeypatch):
+    """A layer the plan cannot reproduce (here: every MoE layer, as if its config used a
+    capacity factor) runs through the reference step, and the results still agree."""
+    from elastic_plugin.inference import fast_decode
+
+    model, _ = tiny
+    monkeypatch.setattr(fast_decode, "_moe", lambda moe: None)
+    plan = fast_decode.DecodePlan(model)
+    assert plan.reference_layers == [2, 6]
+    from elastic_plugin.inference import InferenceCache, extend
+
+    prompts = torch.tensor(random_prompts([5, 5], int(model.vocab_size), seed=4))
+    ref, fast = (InferenceCache.allocate(model, 2, 16) for _ in range(2))
+    extend(model, ref, prompts)
+    extend(model, fast, prompts)
+    tokens = prompts[:, 0]
+    expected = extend(model, ref, tokens[:, None], last_only=True)[:, -1]
+    with torch.no_grad():
+        got = plan(fast, tokens, None)
+    torch.testing.assert_close(got, expected, atol=TOL, rtol=TOL)
