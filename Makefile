@@ -14,10 +14,11 @@ ELASTIC_CONFIG ?= examples/configs/tiny_elastic.yaml
 PYTEST_ARGS ?=
 STAMPS := $(VENV)/.stamps
 
-.PHONY: demo test test-fast lint bench venv install clean help
+.PHONY: demo compare test test-fast lint bench venv install clean help
 
 help:
 	@echo "make demo [QUICK=1] [OUT=dir]  - tiny teacher -> importance -> reorder -> elastic training of 3 budgets -> exports -> report"
+	@echo "make compare [QUICK=1] [OUT=dir] - after make demo: the elastic run vs pruning/distilling/training each size"
 	@echo "make test                      - run the checks (make lint), then the test suite"
 	@echo "make lint                      - ruff (lint + format check), import contracts, mypy"
 	@echo "make bench                     - run the benchmarks (ratios, side by side)"
@@ -44,12 +45,21 @@ demo: $(STAMPS)/install
 	rm -rf $(OUT)/checkpoints/elastic  # trained from this run's teacher: a rerun starts it afresh
 	$(VENV)/bin/elastic-plugin elastic-train --ckpt $(OUT)/checkpoints/reordered --config $(ELASTIC_CONFIG) \
 		--out $(OUT) $(if $(QUICK),--quick,--train-iters 1500)
+	rm -rf $(OUT)/compare  # the short comparison: the smallest model distilled alone (report.md)
+	$(VENV)/bin/elastic-plugin compare --ckpt $(OUT)/checkpoints/elastic --out $(OUT)/compare \
+		--budgets smallest --routes elastic,prune_distil,zero_shot --token-budgets equal_cost \
+		--seeds 1 --num-problems $(if $(QUICK),16,64)
 	rm -rf $(OUT)/exports  # derived from the elastic checkpoint: rebuilt on every run
 	$(VENV)/bin/elastic-plugin export --ckpt $(OUT)/checkpoints/elastic --out $(OUT)/exports \
 		--eval-sequences $(if $(QUICK),16,64) --nested --calib-samples $(if $(QUICK),16,64) \
 		--nvfp4-unaligned high-precision
 	$(VENV)/bin/elastic-plugin evaluate --ckpt $(OUT)/checkpoints/elastic --exports $(OUT)/exports --out $(OUT) \
 		$(if $(QUICK),--num-problems 32 --latency-problems 4,)
+
+# does the method pay? every route for every size (README, "make compare"; after make demo)
+compare: $(STAMPS)/install
+	$(VENV)/bin/elastic-plugin compare --ckpt $(OUT)/checkpoints/elastic --out $(OUT)/compare \
+		$(if $(QUICK),--seeds 1 --scale 0.1 --num-problems 32,)
 
 # the habits that keep the layout (CONTRIBUTING.md, "Checks"): lint, format, import direction, types
 lint: $(STAMPS)/install

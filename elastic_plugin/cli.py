@@ -14,6 +14,7 @@ import sys
 def _register_all(subparsers: argparse._SubParsersAction) -> None:
     from elastic_plugin import info, serve_check
     from elastic_plugin.checkpoint import cli as verify_cli
+    from elastic_plugin.comparison import cli as compare_cli
     from elastic_plugin.data import cli as data_cli
     from elastic_plugin.elastic import cli as elastic_cli
     from elastic_plugin.evaluation import cli as evaluate_cli
@@ -39,6 +40,7 @@ def _register_all(subparsers: argparse._SubParsersAction) -> None:
         inspect_cli,
         export_cli,
         evaluate_cli,
+        compare_cli,
         generate_cli,
         serve_check,
         verify_cli,

@@ -34,6 +34,7 @@ PRECISIONS = ("bf16", "fp8", "nvfp4")
 CAP_FRACTIONS = (0.25, 0.5, 0.75)  # standard budget control: caps as fractions of the full
 #                                     model's mean thinking length
 TARGETS = {"speedup": 1.5, "accuracy_drop_points": 2.0, "retention": 0.9}
+COMPARE_JSON = Path("compare") / "compare.json"  # `elastic-plugin compare --out OUT/compare`
 
 
 def _valid_losses(ckpt: Path) -> dict[str, float]:
@@ -192,6 +193,7 @@ def evaluate_demo(
         ckpt, meta, budgets, problems, per_model, control, export_rows, _valid_losses(ckpt)
     )
     report["plots"] = [str(p) for p in draw_report_plots(report, ckpt, out)]
+    report["comparison"] = _comparison(out / COMPARE_JSON, ckpt)
     report["seconds"] = round(time.time() - started, 1)
     (out / REPORT_JSON).write_text(json.dumps(report, indent=2) + "\n")
     (out / REPORT_MD).write_text(markdown(report))
@@ -243,6 +245,17 @@ def _assemble(
         "budget_control": [_strip(c) for c in control],
         "targets": _targets(rows, control),
     }
+
+
+def _comparison(path: Path, ckpt: Path) -> dict[str, Any] | None:
+    """The short form of `compare`'s report (its ``headline``) when it measured this checkpoint:
+    the smallest nested model against the same architecture distilled alone."""
+    if not path.is_file():
+        return None
+    head = json.loads(path.read_text()).get("headline")
+    if not head or Path(head.get("checkpoint") or "").resolve() != ckpt.resolve():
+        return None
+    return head
 
 
 def _strip(result: dict[str, Any]) -> dict[str, Any]:
@@ -370,5 +383,7 @@ def markdown(report: dict[str, Any]) -> str:
             if k != "met"
         )
         lines.append(f"- {name}: {body}{verdict}")
+    if report.get("comparison"):
+        lines += ["", "## Does the method pay?", "", *report["comparison"]["markdown"]]
     lines += ["", *[f"![{Path(p).stem}]({Path(p).name})" for p in report.get("plots", [])], ""]
     return "\n".join(lines)

@@ -1,0 +1,324 @@
+"""``compare.json`` / ``compare.md`` / ``compare_accuracy_vs_params.png``: every route per size
+(mean and spread over seeds), the cost of obtaining all sizes by each route, and, stated
+plainly, where the elastic run loses.
+
+Route keys: ``elastic``, ``zero_shot``, and ``<route>/<token budget>`` for the separately
+trained ones (``prune_distil/equal_cost``, ``scratch/equal_tokens``, ...)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["COMPARE_JSON", "COMPARE_MD", "COMPARE_PLOT", "assemble", "headline", "markdown"]
+
+COMPARE_JSON = "compare.json"
+COMPARE_MD = "compare.md"
+COMPARE_PLOT = "compare_accuracy_vs_params.png"
+TOKEN_BUDGET_WORDS = {
+    "equal_cost": "the elastic run's tokens split over its {n} sizes below 1.0",
+    "equal_tokens": "the elastic run's tokens for each size",
+}
+
+
+def route_key(record: dict[str, Any]) -> str:
+    budget = record.get("token_budget")
+    return record["route"] if budget is None else f"{record['route']}/{budget}"
+
+
+def _spread(values: Sequence[float]) -> dict[str, Any]:
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+        "values": list(values),
+    }
+
+
+def _aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One route at one size over its seeds."""
+    first = records[0]
+    return {
+        "route": first["route"],
+        "token_budget": first.get("token_budget"),
+        "seeds": [r.get("seed") for r in records],
+        "tokens": first.get("tokens", 0),
+        "iters": first.get("iters", 0),
+        "seconds": statistics.fmean(r.get("seconds", 0.0) for r in records),
+        "valid_loss": _spread([r["valid_loss"] for r in records]),
+        "accuracy": _spread([r["accuracy"] for r in records]),
+    }
+
+
+def _losses(size: dict[str, Any]) -> list[str]:
+    """Plain sentences: every route that beats the elastic model of this size, and by how much
+    (on the mean over seeds; the spread says whether it is more than seed noise)."""
+    routes = size["routes"]
+    elastic = routes.get("elastic")
+    if elastic is None:
+        return []
+    out = []
+    e_acc, e_loss = elastic["accuracy"]["mean"], elastic["valid_loss"]["mean"]
+    for key, r in routes.items():
+        if key == "elastic":
+            continue
+        acc, loss = r["accuracy"], r["valid_loss"]
+        beats = []
+        if acc["mean"] > e_acc:
+            beats.append(
+                f"accuracy {100 * acc['mean']:.1f}% vs {100 * e_acc:.1f}% "
+                f"(+{100 * (acc['mean'] - e_acc):.1f} points, seed spread ±{100 * acc['std']:.1f})"
+            )
+        if loss["mean"] < e_loss:
+            beats.append(
+                f"validation loss {loss['mean']:.4f} vs {e_loss:.4f} "
+                f"(seed spread ±{loss['std']:.4f})"
+            )
+        if beats:
+            out.append(
+                f"budget {size['budget']}: {key} beats the elastic model on " + "; ".join(beats)
+            )
+    return out
+
+
+def assemble(
+    records: list[dict[str, Any]],
+    sizes: dict[str, dict[str, Any]],
+    elastic_run: dict[str, Any],
+    settings: dict[str, Any],
+) -> dict[str, Any]:
+    """The report dict. ``records``: one per model made (route, label, seed, tokens, seconds,
+    valid_loss, accuracy, params); ``sizes``: label -> {choice, cost_fraction}."""
+    rows = []
+    for label, info in sizes.items():
+        mine = [r for r in records if r["label"] == label]
+        keys = list(dict.fromkeys(route_key(r) for r in mine))
+        routes = {k: _aggregate([r for r in mine if route_key(r) == k]) for k in keys}
+        if "elastic" in routes:
+            routes["elastic"] |= {
+                "tokens": elastic_run["tokens"],
+                "seconds": elastic_run.get("seconds"),
+                "note": "the one elastic run made every size; its tokens and time are shared",
+            }
+        rows.append(
+            {
+                "budget": label,
+                "params": mine[0]["params"] if mine else None,
+                "choice": info["choice"],
+                "routes": routes,
+            }
+        )
+    for row in rows:
+        row["elastic_loses"] = _losses(row)
+    report = {
+        "settings": settings,
+        "elastic_run": elastic_run,
+        "sizes": rows,
+        "cost": _costs(records, elastic_run, len(sizes)),
+        "elastic_loses": [s for row in rows for s in row["elastic_loses"]],
+    }
+    report["headline"] = headline(report)
+    return report
+
+
+def headline(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The short form the demo's report.md carries: the smallest compared size, its elastic
+    model against the same architecture distilled alone (equal tokens per model when measured,
+    else equal total cost) and the zero-shot floor, as a few markdown lines."""
+    if not report["sizes"]:
+        return None
+    row = min(report["sizes"], key=lambda r: float(r["budget"]))
+    routes = row["routes"]
+    alone_key = next(
+        (k for k in ("prune_distil/equal_tokens", "prune_distil/equal_cost") if k in routes), None
+    )
+    if "elastic" not in routes or alone_key is None:
+        return None
+    e, a = routes["elastic"], routes[alone_key]
+    d_acc = 100 * (e["accuracy"]["mean"] - a["accuracy"]["mean"])
+    d_loss = e["valid_loss"]["mean"] - a["valid_loss"]["mean"]
+    paid = d_acc >= 0 and d_loss <= 0
+    lines = [
+        f"Budget {row['budget']}: the elastic model (one run of {e['tokens']:,} tokens for every "
+        f"size) vs the same architecture pruned from the teacher and distilled alone "
+        f"({alone_key.split('/')[1].replace('_', ' ')}: {a['tokens']:,} tokens, seeds "
+        f"{a['seeds']}):",
+        "",
+        "| model | valid loss | accuracy |",
+        "|---|---|---|",
+        f"| elastic | {_pm(e['valid_loss'], 1, 4)} | {_pm(e['accuracy'], 100, 1)}% |",
+        f"| distilled alone | {_pm(a['valid_loss'], 1, 4)} | {_pm(a['accuracy'], 100, 1)}% |",
+    ]
+    if "zero_shot" in routes:
+        z = routes["zero_shot"]
+        lines.append(
+            f"| zero-shot prune (floor) | {_pm(z['valid_loss'], 1, 4)} | "
+            f"{_pm(z['accuracy'], 100, 1)}% |"
+        )
+    verdict = (
+        "the method paid: the elastic model is at least as good"
+        if paid
+        else "the elastic model loses here"
+    )
+    lines += [
+        "",
+        f"Elastic minus alone: {d_acc:+.1f} accuracy points, {d_loss:+.4f} validation loss: "
+        f"**{verdict}**.",
+    ]
+    if report["settings"]["scale"] != 1.0:
+        lines.append(f"(Distilled alone at {report['settings']['scale']:g}x its token budget.)")
+    return {
+        "budget": row["budget"],
+        "route": alone_key,
+        "elastic": {"valid_loss": e["valid_loss"]["mean"], "accuracy": e["accuracy"]["mean"]},
+        "alone": {
+            "valid_loss": a["valid_loss"]["mean"],
+            "accuracy": a["accuracy"]["mean"],
+            "tokens": a["tokens"],
+        },
+        "paid": paid,
+        "checkpoint": report["settings"].get("elastic_checkpoint"),
+        "markdown": lines,
+    }
+
+
+def _costs(records: list[dict[str, Any]], elastic_run: dict[str, Any], num_sizes: int):
+    """Tokens and training time to obtain every compared size by each route (one seed), and
+    the ratio to the elastic run (> 1: the route costs more)."""
+    out: dict[str, dict[str, Any]] = {
+        "elastic": {
+            "tokens": elastic_run["tokens"],
+            "seconds": elastic_run.get("seconds"),
+            "token_ratio": 1.0,
+            "time_ratio": 1.0 if elastic_run.get("seconds") else None,
+        }
+    }
+    trained = [r for r in records if r.get("token_budget") is not None]
+    for key in dict.fromkeys(route_key(r) for r in trained):
+        mine = [r for r in trained if route_key(r) == key]
+        per_size: dict[str, list[dict[str, Any]]] = {}
+        for r in mine:
+            per_size.setdefault(r["label"], []).append(r)
+        tokens = sum(rs[0]["tokens"] for rs in per_size.values())
+        seconds = sum(statistics.fmean(r["seconds"] for r in rs) for rs in per_size.values())
+        e_s = elastic_run.get("seconds")
+        out[key] = {
+            "tokens": tokens,
+            "seconds": seconds,
+            "sizes": len(per_size),
+            "token_ratio": tokens / elastic_run["tokens"],
+            "time_ratio": seconds / e_s if e_s else None,
+        }
+    out["zero_shot"] = {"tokens": 0, "seconds": 0.0, "token_ratio": 0.0, "time_ratio": 0.0}
+    return out
+
+
+def _pm(spread: dict[str, Any], scale: float, digits: int) -> str:
+    mean = f"{scale * spread['mean']:.{digits}f}"
+    if len(spread["values"]) < 2:
+        return mean
+    return f"{mean} ± {scale * spread['std']:.{digits}f}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    s, e = report["settings"], report["elastic_run"]
+    lines = [
+        "# Does the method pay? One elastic run vs. making each size separately",
+        "",
+        f"Task `{s['task']}`: {s['problems']} held-out problems (accuracy) and "
+        f"{s['eval_sequences']} validation sequences of {s['seq_length']} tokens (loss), the "
+        f"same for every model. Elastic run: {e['iterations']} iterations, {e['tokens']:,} "
+        f"tokens, {e['seconds'] or 0:.0f} s. Separate routes: the importance-ordered teacher "
+        f"cut to each budget's architecture, then distilled from the teacher alone "
+        f"(`elastic-train` with that one architecture), or the same architecture trained "
+        f"from scratch (`train`), for "
+        + " or ".join(
+            f"`{b}` = {t:,} tokens per size ({TOKEN_BUDGET_WORDS[b].format(n=s['num_sizes'])})"
+            for b, t in s["token_budgets"].items()
+        )
+        + f"; seeds {s['seeds']} (mean ± standard deviation).",
+    ]
+    if s["scale"] != 1.0:
+        lines += [
+            "",
+            f"**Reduced run: separate routes trained at {s['scale']:g}x the token budgets "
+            "above** (the elastic run is the full one); the separate routes would do better "
+            "at full scale.",
+        ]
+    lines += [
+        "",
+        "## Per size",
+        "",
+        "| budget | params (total / active) | route | valid loss | accuracy | tokens | "
+        "train time (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in report["sizes"]:
+        p = row["params"] or {"total": 0, "active": 0}
+        for key, r in row["routes"].items():
+            seconds = r.get("seconds")
+            lines.append(
+                f"| {row['budget']} | {p['total']:,} / {p['active']:,} | {key} | "
+                f"{_pm(r['valid_loss'], 1, 4)} | {_pm(r['accuracy'], 100, 1)}% | "
+                f"{r['tokens']:,} | {'-' if seconds is None else f'{seconds:.0f}'} |"
+            )
+    lines += [
+        "",
+        f"## Cost of obtaining all {s['num_sizes']} sizes (one seed)",
+        "",
+        "| route | tokens | train time (s) | tokens / elastic | time / elastic |",
+        "|---|---|---|---|---|",
+    ]
+    for key, c in report["cost"].items():
+        time_ratio = c.get("time_ratio")
+        lines.append(
+            f"| {key} | {c['tokens']:,} | {c['seconds'] or 0:.0f} | {c['token_ratio']:.2f}x | "
+            f"{'-' if time_ratio is None else f'{time_ratio:.2f}x'} |"
+        )
+    lines += ["", "## Where the elastic run loses", ""]
+    lines += [f"- {line}" for line in report["elastic_loses"]] or [
+        "- nowhere: no separate route beats the elastic model of any size on mean accuracy "
+        "or validation loss"
+    ]
+    lines += ["", *[f"![{Path(p).stem}]({Path(p).name})" for p in report.get("plots", [])], ""]
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> Path:
+    """Accuracy vs active parameters, one line per route (error bars: seed spread)."""
+    from elastic_plugin.evaluation.plots import finish_figure, pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    keys = list(dict.fromkeys(k for row in report["sizes"] for k in row["routes"]))
+    for key in keys:
+        points = sorted(
+            (
+                row["params"]["active"],
+                100 * row["routes"][key]["accuracy"]["mean"],
+                100 * row["routes"][key]["accuracy"]["std"],
+            )
+            for row in report["sizes"]
+            if key in row["routes"] and row["params"]
+        )
+        ax.errorbar(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            yerr=[p[2] for p in points],
+            marker="o" if key == "elastic" else ".",
+            linewidth=2.5 if key == "elastic" else 1.2,
+            capsize=3,
+            label=key,
+        )
+    return finish_figure(
+        fig,
+        ax,
+        path,
+        "active parameters",
+        "accuracy (%)",
+        f"Elastic vs separate routes on {report['settings']['task']}",
+        legend_size=8,
+    )
