@@ -299,3 +299,31 @@ def test_report_states_where_the_elastic_run_loses_and_the_cost_ratios(tmp_path)
     md = markdown(report)
     assert "0.6200 ± 0.0200" in md and "47.0 ± 3.0%" in md and line in md
     assert plot(report, tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_demo_report_carries_the_short_comparison_of_its_own_checkpoint(tmp_path):
+    """evaluate's report.md gets "Does the method pay?" from OUT/compare/compare.json's headline
+    when that comparison measured the same elastic checkpoint, and nothing otherwise."""
+    from elastic_plugin.evaluation.report import COMPARE_JSON, _comparison, markdown
+
+    ckpt = tmp_path / "checkpoints" / "elastic"
+    ckpt.mkdir(parents=True)
+    path = tmp_path / COMPARE_JSON
+    assert _comparison(path, ckpt) is None  # no comparison run
+    path.parent.mkdir()
+    head = {"checkpoint": str(ckpt), "markdown": ["| elastic | 0.5 | 40.0% |"], "paid": True}
+    path.write_text(json.dumps({"headline": head}))
+    assert _comparison(path, tmp_path / "checkpoints" / ".." / "checkpoints" / "elastic") == head
+    assert _comparison(path, tmp_path / "other") is None  # another run's comparison
+    report = {
+        "task": "products",
+        "problems": 1,
+        "teacher_valid_loss": 0.5,
+        "budgets": [],
+        "budget_control": [],
+        "targets": {},
+        "comparison": head,
+    }
+    md = markdown(report)
+    assert "## Does the method pay?\n\n| elastic | 0.5 | 40.0% |" in md
+    assert "Does the method pay" not in markdown(report | {"comparison": None})
