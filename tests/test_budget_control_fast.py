@@ -149,3 +149,46 @@ def test_uncovered_layer_runs_the_reference_step(tiny, monkeypatch):
     with torch.no_grad():
         got = plan(fast, tokens, None)
     torch.testing.assert_close(got, expected, atol=TOL, rtol=TOL)
+
+
+def test_padded_ragged_prefill_equals_level_by_level(tiny):
+    """The switch's re-prefill in one padded forward == rows advancing level by level (the
+    previous path, itself checked against the full forward): logits, lengths, the states the
+    next tokens see, and the decode steps after it."""
+    from elastic_plugin.inference import InferenceCache, extend, extend_ragged
+    from elastic_plugin.nested.model import nested_model
+
+    model, cfg = tiny
+    small, _ = nested_model(model, cfg, SMALL)
+    for m in (model, small):
+        sequences = random_prompts([7, 1, 19, 3, 12, 19], cfg.vocab_size, seed=9)
+        rows = [4, 0, 2, 5, 1, 3]
+        caches = [InferenceCache.allocate(m, 6, 40) for _ in range(2)]
+        for cache in caches:  # rows already hold 2 tokens each
+            extend(m, cache, torch.tensor(random_prompts([2] * 6, cfg.vocab_size, seed=1)))
+        padded = extend_ragged(m, caches[0], sequences, rows)
+        level = extend_ragged(m, caches[1], sequences, rows, padded=False)
+        torch.testing.assert_close(padded, level, atol=TOL, rtol=TOL)
+        assert torch.equal(caches[0].lengths, caches[1].lengths)
+        for table in ("conv", "ssm"):
+            for index, tensor in getattr(caches[1], table).items():
+                torch.testing.assert_close(
+                    getattr(caches[0], table)[index], tensor, atol=TOL, rtol=TOL
+                )
+        for index, tensor in caches[1].keys.items():  # K/V up to each row's length
+            for row, n in enumerate(caches[1].lengths.tolist()):
+                torch.testing.assert_close(caches[0].keys[index][row, :n], tensor[row, :n])
+        tokens = torch.tensor([[5]] * 6)
+        after = [extend(m, c, tokens, last_only=True) for c in caches]
+        torch.testing.assert_close(after[0], after[1], atol=TOL, rtol=TOL)
+
+
+def test_padded_extend_refuses_bad_counts(tiny):
+    from elastic_plugin.inference import InferenceCache, extend
+    from elastic_plugin.models.config import ConfigError
+
+    model, _ = tiny
+    cache = InferenceCache.allocate(model, 2, 8)
+    with pytest.raises(ConfigError, match=r"real_tokens=\[0, 3\]: one count in \[1, 3\]"):
+        extend(model, cache, torch.zeros(2, 3, dtype=torch.long), real_tokens=[0, 3])
+    assert cache.lengths.tolist() == [0, 0]  # nothing was fed

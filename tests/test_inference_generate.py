@@ -121,10 +121,12 @@ def test_cached_logits_equal_full_forward(tiny, position_embedding):
         assert not torch.equal(state[1], before[index][1])
 
 
-def test_ragged_prefill_equals_full_forward(tiny):
-    """extend_ragged: rows of different lengths advance together up to each distinct length;
-    every row's last logits equal the full forward's, rows end exactly at their own length, and
-    it takes one forward per distinct length (not per row). A second ragged extend continues."""
+@pytest.mark.parametrize("padded", [True, False])
+def test_ragged_prefill_equals_full_forward(tiny, padded):
+    """extend_ragged: rows of different lengths in one padded forward (``padded``), or
+    advancing together up to each distinct length (one forward per distinct length, not per
+    row); every row's last logits equal the full forward's and rows end exactly at their own
+    length. A second ragged extend continues."""
     from elastic_plugin.inference import InferenceCache, extend_ragged, steps
 
     model, cfg = tiny
@@ -147,17 +149,25 @@ def test_ragged_prefill_equals_full_forward(tiny):
             cache,
             [tokens[i, :n].tolist() for i, n in enumerate(lengths)],
             rows=[0, 1, 2, 3, 4],
+            padded=padded,
         )
     finally:
         steps.extend = original
-    assert len(calls) == len(set(lengths)) == 4
-    assert calls[0] == [0, 1, 2, 3, 4] and calls[-1] == [4]
+    if padded:
+        assert calls == [[0, 1, 2, 3, 4]]
+    else:
+        assert len(calls) == len(set(lengths)) == 4
+        assert calls[0] == [0, 1, 2, 3, 4] and calls[-1] == [4]
     expected = torch.stack([full[i, n - 1] for i, n in enumerate(lengths)])
     assert (last - expected).abs().max().item() <= TOL
     assert cache.lengths.tolist() == lengths + [0]
     # level rows continue with a second ragged feed
     more = extend_ragged(
-        model, cache, [tokens[0, 7:9].tolist(), tokens[3, 7:20].tolist()], rows=[0, 3]
+        model,
+        cache,
+        [tokens[0, 7:9].tolist(), tokens[3, 7:20].tolist()],
+        rows=[0, 3],
+        padded=padded,
     )
     assert (more - torch.stack([full[0, 8], full[3, 19]])).abs().max().item() <= TOL
     with pytest.raises(ConfigError, match=r"rows \[0, 2\] hold different numbers of tokens"):

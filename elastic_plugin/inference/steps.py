@@ -169,9 +169,18 @@ def _positionwise(layer, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _mamba(
-    layer, index: int, cache: InferenceCache, hidden: torch.Tensor, rows: torch.Tensor
+    layer,
+    index: int,
+    cache: InferenceCache,
+    hidden: torch.Tensor,
+    rows: torch.Tensor,
+    real: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A Mamba layer on the new tokens [s, b, h], continuing each row's conv and SSM state."""
+    """A Mamba layer on the new tokens [s, b, h], continuing each row's conv and SSM state.
+
+    ``real`` [b]: how many of the ``s`` tokens of each row are real; the rest is right padding,
+    which leaves the states as the last real token left them (its ``dt`` is 0: no decay, no
+    input; the conv state is cut at the last real input)."""
     from elastic_plugin.compat.mamba_ops import (
         causal_conv1d_fn,
         causal_conv1d_update_ref,
@@ -220,14 +229,23 @@ def _mamba(
         )
         y = y.reshape(1, b, d_inner)
     else:  # a chunk: conv + SSD scan from the cached states
+        initial = conv_state[rows]
+        inputs = xbc.transpose(1, 2)  # [b, channels, s]
         xbc, conv_final = causal_conv1d_fn(
-            xbc.transpose(1, 2),
+            inputs,
             conv_w,
             conv_b,
-            initial_states=conv_state[rows],
+            initial_states=initial,
             return_final_states=True,
             activation=mixer.activation,
         )
+        if real is not None:  # the last width - 1 inputs up to each row's last real token
+            width = conv_state.shape[-1]
+            history = torch.cat([initial.to(inputs.dtype), inputs], dim=-1)
+            take = real[:, None, None] + torch.arange(width, device=real.device)[None, None, :]
+            conv_final = history.gather(2, take.expand(-1, history.shape[1], -1))
+            dt_real = torch.arange(s, device=real.device)[None, :] < real[:, None]  # [b, s]
+            dt = F.softplus(dt.float() + dt_bias, threshold=20.0) * dt_real[:, :, None]
         conv_state[rows] = conv_final.to(conv_state.dtype)
         x, B, C = torch.split(xbc.transpose(1, 2), [d_inner, bc, bc], dim=-1)
         y, ssm_final = mamba_chunk_scan_combined(
@@ -239,9 +257,9 @@ def _mamba(
             mixer.chunk_size,
             D=D,
             z=z.reshape(b, s, heads, head_dim),
-            dt_bias=dt_bias,
+            dt_bias=dt_bias if real is None else None,
             initial_states=ssm_state[rows],
-            dt_softplus=True,
+            dt_softplus=real is None,
             return_final_states=True,
             state_dtype=ssm_state.dtype,
         )
@@ -275,10 +293,16 @@ def extend(
     tokens: torch.Tensor,
     rows: Sequence[int] | torch.Tensor | None = None,
     last_only: bool = False,
+    real_tokens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Feed ``tokens`` [b, s] (the same ``s`` new tokens for each of ``rows``, all rows when
     None) after what each row already holds; returns the logits [b, s, vocab] (``[b, 1,
-    vocab]`` of the last token with ``last_only``) and advances the rows' lengths by ``s``."""
+    vocab]`` of the last token with ``last_only``) and advances the rows' lengths by ``s``.
+
+    ``real_tokens`` [b]: only the first ``real_tokens[i]`` tokens of row ``i`` are real, the
+    rest right padding: the row advances by its real count, its states are those after its
+    last real token, and ``last_only`` returns the logits of that token (the logits of padding
+    are meaningless). One forward then feeds sequences of different lengths."""
     inner = check_model(model)
     if tokens.dim() != 2 or tokens.shape[1] < 1:
         raise ConfigError(f"tokens must be [batch, seq >= 1], got {tuple(tokens.shape)}")
@@ -294,6 +318,15 @@ def extend(
             f"{int(index[start.argmax()])} has {int(start.max())} and {s} more "
             "do not fit"
         )
+    real = None
+    if real_tokens is not None:
+        real = torch.as_tensor(real_tokens, dtype=torch.long, device=device).reshape(-1)
+        if real.numel() != index.numel() or bool(((real < 1) | (real > s)).any()):
+            raise ConfigError(
+                f"real_tokens={real.tolist()}: one count in [1, {s}] per row ({index.numel()} rows)"
+            )
+        if bool((real == s).all()):
+            real = None  # nothing padded
     tokens = tokens.to(device)
     with eval_mode(inner):
         positions = start[:, None] + torch.arange(s, device=device)[None, :]
@@ -303,11 +336,14 @@ def extend(
             if kind == "attention":
                 hidden = _attention(layer, number, cache, hidden, index, start)
             elif kind == "mamba":
-                hidden = _mamba(layer, number, cache, hidden, index)
+                hidden = _mamba(layer, number, cache, hidden, index, real)
             else:
                 hidden = _positionwise(layer, hidden)
         if last_only:
-            hidden = hidden[-1:]
+            if real is None:
+                hidden = hidden[-1:]
+            else:  # each row's last real token
+                hidden = hidden[real - 1, torch.arange(index.numel(), device=device)][None]
         if inner.decoder.post_layer_norm:
             hidden = inner.decoder.final_norm(hidden)
         weight = (
@@ -317,7 +353,7 @@ def extend(
         )
         logits, _ = inner.output_layer(hidden, weight=weight, runtime_gather_output=True)
         logits = inner._scale_logits(logits)
-    cache.lengths[index] = start + s
+    cache.lengths[index] = start + (s if real is None else real)
     return logits.transpose(0, 1).contiguous()
 
 
@@ -326,15 +362,18 @@ def extend_ragged(
     cache: InferenceCache,
     sequences: Sequence[Sequence[int]],
     rows: Sequence[int],
+    padded: bool = True,
 ) -> torch.Tensor:
     """Feed ``sequences[i]`` (lengths may differ) after what row ``rows[i]`` holds; returns
     each row's logits after its last token ``[len(rows), vocab]``.
 
-    Why not one ``extend`` per row: that is one forward per sequence. Rows that hold the same
-    number of tokens advance together instead: sorted by length, every row feeds the segment
-    up to the next distinct length in one batched ``extend`` (rows that are done drop out), so
-    a batch costs one forward per distinct length. Padding is never fed (a Mamba state must end
-    exactly at each sequence's last token)."""
+    Why not one ``extend`` per row: that is one forward per sequence. ``padded`` (default):
+    one forward for the whole batch, the shorter sequences right-padded (``extend``'s
+    ``real_tokens``: padding leaves the attention cache beyond each row's length, where the
+    next tokens overwrite it, and passes the Mamba states through unchanged). This is what
+    makes budget control's switch to the answering model, which re-prefills prompt + thinking
+    of every row, one forward. ``padded=False``: rows advance together up to each distinct
+    length (one forward per distinct length; padding never fed)."""
     if len(sequences) != len(rows) or not rows:
         raise ConfigError(f"extend_ragged: {len(sequences)} sequences for {len(rows)} rows")
     device = cache.lengths.device
@@ -348,6 +387,13 @@ def extend_ragged(
     lengths = [len(s) for s in sequences]
     if min(lengths) < 1:
         raise ConfigError("extend_ragged: every sequence needs at least one token")
+    if padded:
+        width = max(lengths)
+        feed = torch.tensor(
+            [list(seq) + [0] * (width - len(seq)) for seq in sequences], device=device
+        )
+        logits = extend(model, cache, feed, rows=list(rows), last_only=True, real_tokens=lengths)
+        return logits[:, -1]
     last: dict[int, torch.Tensor] = {}  # sequence -> logits after its last token
     done = 0
     for end in sorted(set(lengths)):
