@@ -1,6 +1,7 @@
 """Importance: (1) collection cost vs a plain forward pass over the same data; (2) quality:
-zero-shot pruning of the trained demo teacher to 50% on each axis with our order vs random
-orders (mean of 3) vs weight magnitude, judged by validation loss (lower is better).
+zero-shot pruning of the trained demo teacher to 50% on each axis with our default and the
+published statistic vs random orders (mean of 3) vs weight magnitude, judged by validation loss
+(lower is better). ``bench_importance_ablation`` adds every statistic, 5 seeds and recovery.
 
 (2) needs a trained checkpoint: ``demo_out/checkpoints/teacher`` (``make demo``) or
 ``ELASTIC_PLUGIN_BENCH_CKPT=DIR``; without one only (1) runs, on a randomly initialized model.
@@ -9,26 +10,10 @@ orders (mean of 3) vs weight magnitude, judged by validation loss (lower is bett
 from __future__ import annotations
 
 import os
-import statistics
 from pathlib import Path
 
-import torch
-
-KEEP = 0.5
 EVAL_BATCHES = 8
 CALIBRATION_SAMPLES = 256
-# (axis, Mamba statistic): the published x-projection definition, and out_proj's input
-AXES = (
-    ("embedding", None),
-    ("ffn", None),
-    ("shared_ffn", None),
-    ("attention_heads", None),
-    ("mamba_heads", "x_proj"),
-    ("mamba_heads", "out_proj_input"),
-    ("mamba_channels", "x_proj"),
-    ("mamba_channels", "out_proj_input"),
-    ("experts", None),
-)
 
 
 def _setup():
@@ -113,12 +98,9 @@ def run(device: str | None = None) -> list[dict]:
     _setup()
     from elastic_plugin.checkpoint.io import build_from_checkpoint
     from elastic_plugin.importance import collect_importance
-    from elastic_plugin.importance.prune import (
-        importance_orders,
-        magnitude_orders,
-        mask_prune,
-        random_orders,
-    )
+    from elastic_plugin.importance.ablation import AblationSettings, run_axis
+    from elastic_plugin.importance.methods import DEFAULTS, PUBLISHED
+    from elastic_plugin.importance.prune import PRUNABLE
     from elastic_plugin.parallel import Layout
 
     ckpt = _checkpoint()
@@ -136,42 +118,33 @@ def run(device: str | None = None) -> list[dict]:
         cfg.training.micro_batch_size,
         progress=False,
     )
-    base = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
     unpruned = _eval(model, valid, cfg)
     m = cfg.model
-    for axis, source in AXES:
-        ours = importance_orders(
+    settings = AblationSettings(seeds=3, recovery_steps=0)
+    for axis in PRUNABLE:
+        res = run_axis(
+            model,
             scores,
             axis,
             m.query_groups,
             m.mamba_num_groups,
-            mamba_source=source or "out_proj_input",
+            lambda model_: _eval(model_, valid, cfg),
+            [],
+            settings,
         )
-        if not ours:
+        if res is None:
             continue
-        groups = (
-            {k: (m.query_groups if axis == "attention_heads" else m.mamba_num_groups) for k in ours}
-            if axis in ("attention_heads", "mamba_heads")
-            else None
-        )
-        variants = {"ours": ours, "magnitude": magnitude_orders(model, axis)}
-        variants.update({f"random{s}": random_orders(ours, s, groups) for s in range(3)})
-        losses = {}
-        for name, orders in variants.items():
-            model.load_state_dict(base, strict=False)
-            mask_prune(model, axis, orders, KEEP)
-            losses[name] = _eval(model, valid, cfg)
-        model.load_state_dict(base, strict=False)
-        random_mean = statistics.mean(losses[f"random{s}"] for s in range(3))
-        label = f"{axis} ({source})" if source else axis
+        losses = {k: v["zero_shot"]["mean"] for k, v in res.summary()["methods"].items()}
+        ours = losses[DEFAULTS[axis]]
         rows.append(
             {
-                "name": f"prune {label} to {KEEP:.0%} [valid loss]",
+                "name": f"prune {axis} to {settings.keep:.0%} [valid loss]",
                 "unpruned": round(unpruned, 4),
-                "ours": round(losses["ours"], 4),
-                "random_mean": round(random_mean, 4),
+                "default": round(ours, 4),
+                "published": round(losses[PUBLISHED[axis]], 4),
+                "random_mean": round(losses["random"], 4),
                 "magnitude": round(losses["magnitude"], 4),
-                "ours_best": losses["ours"] <= min(random_mean, losses["magnitude"]),
+                "default_best": ours <= min(losses["random"], losses["magnitude"]),
             }
         )
     return rows

@@ -35,6 +35,7 @@ def ablation(
     calibration: int = CALIBRATION_SAMPLES,
     eval_batches: int = 8,
     verbose: bool = True,
+    lr: float | None = None,
 ) -> dict:
     from bench_importance import _data, _eval, _setup
 
@@ -70,6 +71,8 @@ def ablation(
     scores_small = collect(calib[: max(1, len(calib) // 4)])
     unpruned = _eval(model, valid, cfg)
     settings = AblationSettings(seeds=seeds, recovery_steps=steps)
+    if lr is not None:
+        settings.recovery_lr = lr
     log = (lambda text: print(text, file=sys.stderr, flush=True)) if verbose else None
     results, calibration_rows = [], []
     for axis in axes:
@@ -110,6 +113,7 @@ def ablation(
         "keep": settings.keep,
         "seeds": seeds,
         "recovery_steps": steps,
+        "recovery_lr": settings.recovery_lr,
         "recovery_tokens": steps * mbs * seq,
         "calibration_samples": calibration,
         "calibration_small": len(calib[: max(1, len(calib) // 4)]) * mbs,
@@ -171,11 +175,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16, help="recovery LM steps (0: none)")
     parser.add_argument("--calibration", type=int, default=CALIBRATION_SAMPLES)
     parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=None, help="recovery AdamW learning rate")
     args = parser.parse_args()
     if args.seeds < 2 or args.steps < 0:
         parser.error("--seeds must be >= 2 (a spread needs two) and --steps >= 0")
     report = ablation(
-        args.ckpt, args.out, args.axes, args.seeds, args.steps, args.calibration, args.eval_batches
+        args.ckpt,
+        args.out,
+        args.axes,
+        args.seeds,
+        args.steps,
+        args.calibration,
+        args.eval_batches,
+        lr=args.lr,
     )
     print((args.out / "ablation.md").read_text())
     print(f"{report['seconds']} s -> {args.out}")

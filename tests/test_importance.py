@@ -53,6 +53,9 @@ def test_scores_and_rankings_independent_of_layout(reference, layout, rank_pools
     for report in reports:
         assert report["axes"] == ALL_AXES
         assert "mamba_out" in report["max_rel_diff"]
+        assert {"embedding_in", "attention_heads_out", "mamba_weight", "experts_weight"} <= set(
+            report["max_rel_diff"]
+        )
         for axis, diff in report["max_rel_diff"].items():
             assert diff < 1e-5, (axis, diff, layout)
         assert all(report["rankings_agree"].values()), report["rankings_agree"]
@@ -172,9 +175,12 @@ def test_alternative_statistics_match_formulas(reference, rank_pools):
     captured activations and the real projection modules."""
     workdir, _ = reference
     (r,) = rank_pools.get(1).run(f"{CASES}:variant_statistics", config_path=CONFIG, workdir=workdir)
+    weights = ["embedding_weight", "ffn_weight", "shared_ffn_weight", "attention_heads_weight"]
     assert r["variants"] == sorted(
         ["embedding_in", "embedding_sq", "ffn_sq", "shared_ffn_sq"]
         + ["attention_heads_out", "mamba_heads_out"]
+        + weights
+        + ["mamba_weight", "experts_weight"]
     )
     kinds = {key.split("/")[0] for key in r["rel_diff"]}
     assert kinds == set(r["variants"]), kinds
@@ -187,6 +193,7 @@ def test_ablation_compares_every_order_and_holds_the_pruning(reference, rank_poo
     (r,) = rank_pools.get(1).run(f"{CASES}:ablation_smoke", config_path=CONFIG, workdir=workdir)
     ffn = r["results"]["ffn"]["methods"]
     assert set(ffn) == {"abs", "l2", "magnitude", "random"}
+    assert r["results"]["ffn"]["overlap"]["abs"] == 1.0
     assert ffn["random"]["zero_shot"]["n"] == 2 and ffn["random"]["zero_shot"]["std"] > 0
     for entry in ffn.values():  # recovery trained: the loss moved from the zero-shot one
         assert entry["recovered"]["mean"] != entry["zero_shot"]["mean"]
@@ -208,7 +215,9 @@ def test_method_flag_parsing():
         "experts": "frequency",
     }
     assert all(PUBLISHED[a] in STATISTICS[a] and DEFAULTS[a] in STATISTICS[a] for a in STATISTICS)
-    with pytest.raises(ValueError, match="experts statistics are reap, reap_sum, frequency"):
+    with pytest.raises(
+        ValueError, match="experts statistics are reap, reap_sum, frequency, magnitude"
+    ):
         parse_methods(["experts=bogus"])
     with pytest.raises(ValueError, match="expected AXIS=STATISTIC"):
         parse_methods(["ffn"])

@@ -35,7 +35,7 @@ class AblationSettings:
     keep: float = 0.5
     seeds: int = 5
     recovery_steps: int = 16
-    recovery_lr: float = 1e-3
+    recovery_lr: float = 2e-4  # 1e-3 (fresh AdamW) raised the loss of the best orders
 
 
 @dataclass
@@ -43,10 +43,12 @@ class AxisResult:
     axis: str
     zero_shot: dict[str, float] = field(default_factory=dict)  # order name -> valid loss
     recovered: dict[str, float] = field(default_factory=dict)
+    # kept units each order shares with the published statistic's order (1 = same pruned model)
+    overlap: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         """Per method: zero-shot / recovered loss; random orders as mean and std over seeds."""
-        out: dict[str, Any] = {"axis": self.axis, "methods": {}}
+        out: dict[str, Any] = {"axis": self.axis, "methods": {}, "overlap": dict(self.overlap)}
         for phase, losses in (("zero_shot", self.zero_shot), ("recovered", self.recovered)):
             rand = [v for k, v in losses.items() if k.startswith("random")]
             for name, value in losses.items():
@@ -82,7 +84,8 @@ def axis_orders(
     if not orders:
         return {}
     reference = next(iter(orders.values()))
-    orders["magnitude"] = magnitude_orders(model, axis)
+    if "magnitude" not in orders:  # a scores file from before weights were recorded
+        orders["magnitude"] = magnitude_orders(model, axis)
     groups = None
     if axis in ("attention_heads", "mamba_heads"):
         g = query_groups if axis == "attention_heads" else mamba_groups
@@ -147,6 +150,10 @@ def run_axis(
         return None
     base = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
     result = AxisResult(axis)
+    published = orders.get(PUBLISHED[axis], next(iter(orders.values())))
+    result.overlap = {
+        n: round(kept_overlap(o, published, settings.keep), 3) for n, o in orders.items()
+    }
     try:
         for name, order in orders.items():
             model.load_state_dict(base, strict=False)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_plugin.importance.hooks import AXES, ImportanceHooks, LocalStats
+from elastic_plugin.importance.magnitude import weight_magnitudes
 from elastic_plugin.importance.scores import ImportanceScores, reduce_local_stats
 
 if TYPE_CHECKING:  # Megatron ships no types: this annotates the model inside a wrapper
@@ -126,6 +127,9 @@ def collect_importance(
         hooks.remove()
         for chunk in chunks:
             chunk.train()
+    for key, layers in weight_magnitudes(model).items():  # set, not added: resuming is exact
+        if layers:
+            stats.sums[key] = dict(layers)
     config = model.config
     scores = reduce_local_stats(
         stats,

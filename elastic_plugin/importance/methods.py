@@ -42,6 +42,14 @@ def _mamba(source: str, per: str) -> Callable[[ImportanceScores], Layers]:
     return read
 
 
+def _mamba_weight(per: str) -> Callable[[ImportanceScores], Layers]:
+    def read(scores: ImportanceScores) -> Layers:
+        layers = _variant("mamba_weight")(scores)
+        return {k: v.sum(1 if per == "heads" else 0) for k, v in layers.items()}
+
+    return read
+
+
 def _experts_sum(scores: ImportanceScores) -> Layers:
     """REAP's numerator: summed over the tokens routed to an expert (mean x frequency)."""
     return {k: v * scores.expert_tokens[k] for k, v in scores.experts.items()}
@@ -53,26 +61,39 @@ STATISTICS: dict[str, dict[str, Callable[[ImportanceScores], Layers]]] = {
         "norm_abs": _embedding,  # sum |norm(x)| over every norm (published)
         "norm_l2": _variant("embedding_sq"),  # sum norm(x)^2
         "residual_l2": _variant("embedding_in"),  # sum x^2 of the residual stream norms read
+        "magnitude": _variant("embedding_weight"),  # word-embedding column norm
     },
-    "ffn": {"abs": lambda s: dict(s.ffn), "l2": _variant("ffn_sq")},
-    "shared_ffn": {"abs": lambda s: dict(s.shared_ffn), "l2": _variant("shared_ffn_sq")},
+    "ffn": {
+        "abs": lambda s: dict(s.ffn),
+        "l2": _variant("ffn_sq"),
+        "magnitude": _variant("ffn_weight"),
+    },
+    "shared_ffn": {
+        "abs": lambda s: dict(s.shared_ffn),
+        "l2": _variant("shared_ffn_sq"),
+        "magnitude": _variant("shared_ffn_weight"),
+    },
     "attention_heads": {
         "head_l2": lambda s: dict(s.attention_heads),  # sum ||y_h|| (published)
         "output_l2": _variant("attention_heads_out"),  # sum ||W_o[:, h] y_h||
+        "magnitude": _variant("attention_heads_weight"),
     },
     "mamba_heads": {
         "x_proj": _mamba("x_proj", "heads"),  # published
         "out_proj_input": _mamba("out_proj_input", "heads"),
         "output_l2": _variant("mamba_heads_out"),
+        "magnitude": _mamba_weight("heads"),
     },
     "mamba_channels": {
         "x_proj": _mamba("x_proj", "channels"),  # published
         "out_proj_input": _mamba("out_proj_input", "channels"),
+        "magnitude": _mamba_weight("channels"),
     },
     "experts": {
         "reap": lambda s: dict(s.experts),  # published: mean over routed tokens of g ||f||
         "reap_sum": _experts_sum,
         "frequency": lambda s: dict(s.expert_tokens),  # routed-token count
+        "magnitude": _variant("experts_weight"),
     },
 }
 PUBLISHED = {

@@ -67,44 +67,35 @@ def importance_orders(
 
 
 def magnitude_orders(model, axis: str) -> dict[int, torch.Tensor]:
-    """Baseline: L2 norm of the weights that write each unit."""
+    """Baseline: the L2 norm of the weights that write each unit (single rank)."""
+    from elastic_plugin.importance.magnitude import weight_magnitudes
+
+    w = weight_magnitudes(model)
+    desc = lambda x: torch.argsort(x, descending=True, stable=True)  # noqa: E731
+    if axis == "mamba_heads":
+        return {
+            k: within_groups(v.sum(1), _mamba_groups(model)) for k, v in w["mamba_weight"].items()
+        }
+    if axis == "mamba_channels":
+        return {k: desc(v.sum(0)) for k, v in w["mamba_weight"].items()}
+    if axis == "attention_heads":
+        groups = _query_groups(model)
+        return {k: within_groups(v, groups) for k, v in w["attention_heads_weight"].items()}
+    return {k: desc(v) for k, v in w[f"{axis}_weight"].items()}
+
+
+def _mamba_groups(model) -> int:
     from megatron.core.ssm.mamba_layer import MambaLayer
 
-    inner = getattr(model, "module", model)
-    out: dict[int, torch.Tensor] = {}
-    desc = lambda x: torch.argsort(x, descending=True, stable=True)  # noqa: E731
-    if axis == "embedding":
-        return {0: desc(inner.embedding.word_embeddings.weight.norm(dim=0))}
-    for layer in _layers(model):
-        n = int(layer.layer_number)
-        if isinstance(layer, MambaLayer) and axis in ("mamba_heads", "mamba_channels"):
-            m = layer.mixer
-            x = m.in_proj.weight[m.d_inner_local_tp : 2 * m.d_inner_local_tp]
-            x = x.view(m.nheads_local_tp, m.headdim, -1).pow(2).sum(-1)
-            if axis == "mamba_channels":
-                out[n] = desc(x.sum(0))
-            else:
-                out[n] = within_groups(x.sum(1), m.ngroups_local_tp)
-        att = getattr(layer, "self_attention", None)
-        if axis == "attention_heads" and att is not None and hasattr(att, "linear_proj"):
-            d = att.hidden_size_per_attention_head
-            col = (
-                att.linear_proj.weight.view(att.linear_proj.weight.shape[0], -1, d)
-                .pow(2)
-                .sum((0, 2))
-            )
-            out[n] = within_groups(col, att.num_query_groups_per_partition)
-        mlp = getattr(layer, "mlp", None)
-        if mlp is None:
-            continue
-        if axis == "ffn" and hasattr(mlp, "linear_fc1") and not hasattr(mlp, "router"):
-            out[n] = desc(mlp.linear_fc1.weight.norm(dim=1))
-        if axis == "shared_ffn" and getattr(mlp, "shared_experts", None) is not None:
-            out[n] = desc(mlp.shared_experts.linear_fc1.weight.norm(dim=1))
-        if axis == "experts" and hasattr(mlp, "router"):
-            norms = torch.stack([e.linear_fc1.weight.norm() for e in mlp.experts.local_experts])
-            out[n] = desc(norms)
-    return out
+    return next(lyr.mixer.ngroups_local_tp for lyr in _layers(model) if isinstance(lyr, MambaLayer))
+
+
+def _query_groups(model) -> int:
+    return next(
+        lyr.self_attention.num_query_groups_per_partition
+        for lyr in _layers(model)
+        if hasattr(getattr(lyr, "self_attention", None), "linear_proj")
+    )
 
 
 def random_orders(

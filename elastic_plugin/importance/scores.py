@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_plugin.importance.hooks import EMBEDDING_VARIANTS, SHARDED_VARIANTS, LocalStats
+from elastic_plugin.importance.magnitude import WEIGHT_KEYS
 
 SHARDED_OVER_TP = ("ffn", "shared_ffn", "attention_heads", "mamba", "mamba_out")
 FORMAT_VERSION = 1
@@ -161,6 +162,17 @@ def reduce_local_stats(
             layer: _concat_over(_sum_over(value, dp), tp)
             for layer, value in sorted(stats.sums.get(axis, {}).items())
         }
+    # weights are the same on every DP rank: joined over the model-parallel groups only
+    for key in WEIGHT_KEYS:
+        layers = stats.sums.get(key, {})
+        if key == "embedding_weight":  # vocab rows sharded over TP; on the first PP stage only
+            value = layers.get(0, torch.zeros(hidden_size, dtype=torch.float64))
+            scores.variants[key] = {0: _sum_over(_sum_over(value, tp), pp)}
+        elif key == "experts_weight":
+            etp = ps.get_expert_tensor_parallel_group() if initialized else None
+            local[key] = {n: _concat_over(_sum_over(v, etp), ep) for n, v in sorted(layers.items())}
+        else:
+            local[key] = {n: _concat_over(v, tp) for n, v in sorted(layers.items())}
     for layer, value in sorted(stats.sums.get("experts", {}).items()):
         numerator = _concat_over(_sum_over(value, edp), ep)
         count = _concat_over(_sum_over(stats.expert_tokens[layer], edp), ep)
@@ -174,7 +186,7 @@ def reduce_local_stats(
         dist.all_gather_object(gathered, local, group=pp)
     for part in gathered:
         for axis, layers in part.items():
-            if axis in SHARDED_VARIANTS:
+            if axis in SHARDED_VARIANTS or axis in WEIGHT_KEYS:
                 scores.variants.setdefault(axis, {}).update(layers)
             else:
                 getattr(scores, axis).update(layers)

@@ -160,6 +160,14 @@ def layout_importance(
                 agree &= rankings_agree(a.sum(0), b.sum(0))
         report["max_rel_diff"][axis] = worst
         report["rankings_agree"][axis] = agree
+    for key, layers in reference.variants.items():  # the statistics --method can select
+        worst, agree = 0.0, True
+        for layer, b in layers.items():
+            a = scores.variants[key][layer]
+            worst = max(worst, float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)))
+            agree &= rankings_agree(a.reshape(-1), b.reshape(-1))
+        report["max_rel_diff"][key] = worst
+        report["rankings_agree"][key] = agree
     return report
 
 
@@ -412,12 +420,51 @@ def variant_statistics(config_path: str, workdir: str) -> dict[str, Any]:
                     out, _ = proj(only)
                     total[h] += out.double().reshape(-1, out.shape[-1]).norm(dim=-1).sum()
             direct[key] = total
+    direct.update(_weight_formulas(model, model_cfg))
     diffs = {}
     for key, value in direct.items():
         name, layer = key.split("/")
         got = scores.variants[name][int(layer)]
         diffs[key] = float((got - value).abs().max() / value.abs().max().clamp(min=1e-30))
     return {"rel_diff": diffs, "variants": sorted(scores.variants)}
+
+
+def _weight_formulas(model: HybridModel, cfg) -> dict[str, torch.Tensor]:
+    """Sums of squares of the weights that write each unit, slice by slice."""
+    from megatron.core.ssm.mamba_layer import MambaLayer
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    out = {"embedding_weight/0": model.embedding.word_embeddings.weight.double().pow(2).sum(0)}
+    for layer in model.decoder.layers:
+        n = int(layer.layer_number)
+        if isinstance(layer, MambaLayer):
+            w, p = layer.mixer.in_proj.weight.double(), cfg.mamba_head_dim
+            d_inner = cfg.mamba_num_heads * p
+            out[f"mamba_weight/{n}"] = torch.tensor(
+                [
+                    [float(w[d_inner + h * p + c].pow(2).sum()) for c in range(p)]
+                    for h in range(cfg.mamba_num_heads)
+                ],
+                dtype=torch.float64,
+            )
+            continue
+        if hasattr(layer.self_attention, "linear_proj"):
+            w, d = layer.self_attention.linear_proj.weight.double(), cfg.kv_channels
+            out[f"attention_heads_weight/{n}"] = torch.stack(
+                [w[:, h * d : (h + 1) * d].pow(2).sum() for h in range(cfg.num_attention_heads)]
+            )
+        mlp = getattr(layer, "mlp", None)
+        if isinstance(mlp, MoELayer):
+            out[f"experts_weight/{n}"] = torch.stack(
+                [e.linear_fc1.weight.double().pow(2).sum() for e in mlp.experts.local_experts]
+            )
+            fc1 = mlp.shared_experts.linear_fc1.weight.double()
+            out[f"shared_ffn_weight/{n}"] = torch.stack([row.pow(2).sum() for row in fc1])
+        elif mlp is not None and hasattr(mlp, "linear_fc1"):
+            out[f"ffn_weight/{n}"] = torch.stack(
+                [row.pow(2).sum() for row in mlp.linear_fc1.weight.double()]
+            )
+    return out
 
 
 def ablation_smoke(config_path: str, workdir: str) -> dict[str, Any]:
