@@ -379,6 +379,74 @@ def test_resume_from_megatron_checkpoint_matches_an_uninterrupted_run(runs, work
     assert differ == []
 
 
+def elastic_train_per_budget(out: Path) -> dict[str, dict[int, dict[str, float]]]:
+    """``elastic-train``'s per-budget KD and budget loss per iteration (elastic_metrics.jsonl)."""
+    import json
+
+    rows = [json.loads(line) for line in (out / "elastic_metrics.jsonl").read_text().splitlines()]
+    out_: dict[str, dict[int, dict[str, float]]] = {"kd loss": {}, "budget loss": {}}
+    for row in rows:
+        if "train_loss" in row:
+            out_["kd loss"][row["iteration"]] = row["train_loss"]
+            out_["budget loss"][row["iteration"]] = row["budget_loss"]
+    return out_
+
+
+def megatron_per_budget(output: str) -> dict[str, dict[int, dict[str, float]]]:
+    """The same from the ``elastic |`` lines of a ``--log-interval 1`` run."""
+    out: dict[str, dict[int, dict[str, float]]] = {"kd loss": {}, "budget loss": {}}
+    for it, fields in elastic_log(output).items():
+        for key in out:
+            out[key][it] = {b: fields[f"{key} {b}"] for b in BUDGETS if f"{key} {b}" in fields}
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_megatron_lm_loop_and_elastic_train_train_the_same_run(workdir, reordered):
+    """The two entry points on the same indexed data, seed, schedule and layout (one rank):
+    ``elastic-train --dataloader-type single`` and ``pretrain_elastic.py`` (Megatron-LM's
+    default loader) read the same batches, draw the same budgets and log the same per-budget
+    KD and budget losses every iteration."""
+    from elastic_plugin.data.prepare import prepare_dataset
+
+    data = prepare_dataset(workdir / "data", num_train=400, num_valid=40, seed=3, progress=False)
+    iters, common = 6, ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4"]
+    schedule = ["--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "2"]
+    schedule += ["--train-iters", str(iters), "--log-interval", "1", "--eval-interval", str(iters)]
+    schedule += ["--eval-iters", "2"]
+    out = workdir / "elastic-train"
+    ours = run_cli(
+        "elastic-train", "--ckpt", str(reordered), "--out", str(out), "--no-progress",
+        "--data-path", data.train_prefix, "--valid-data-path", data.valid_prefix,
+        "--tokenizer", str(data.tokenizer_path), "--dataloader-type", "single",
+        *common, *schedule, *ELASTIC_FLAGS,
+    )  # fmt: skip
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    arch = subprocess.run(
+        [sys.executable, str(PRETRAIN), "--print-arch-flags", "--elastic-ckpt", str(reordered)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=ENV,
+    )  # fmt: skip
+    megatron = torchrun(
+        1, *shlex.split(arch.stdout), "--elastic-ckpt", str(reordered), *ELASTIC_FLAGS,
+        "--train-data-path", data.train_prefix, "--valid-data-path", data.valid_prefix,
+        "--test-data-path", data.valid_prefix, "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "128", "--distributed-backend", "gloo", *common, *schedule,
+        # elastic-train's optimizer and schedule in Megatron-LM's flags
+        "--lr-decay-style", "cosine", "--weight-decay", "0.0", "--clip-grad", "1.0",
+        "--adam-beta2", "0.95", "--adam-eps", "1e-8", "--seed", "1234",
+        "--dataloader-type", "single",
+    )  # fmt: skip
+    assert megatron.returncode == 0, megatron.tail()
+    want, got = elastic_train_per_budget(out), megatron_per_budget(megatron.output)
+    assert sorted(got["kd loss"]) == list(range(1, iters + 1)), megatron.tail()
+    for key in ("kd loss", "budget loss"):
+        for it in range(1, iters + 1):
+            print(f"iteration {it} {key}: Megatron-LM {got[key][it]} elastic-train {want[key][it]}")
+            assert set(got[key][it]) == set(want[key][it]), (it, key)  # the same budgets drawn
+            assert got[key][it] == pytest.approx(want[key][it], rel=1e-4, abs=1e-7), (it, key)
+
+
 def readme_elastic_lines() -> str:
     """The README's "Inside your Megatron-LM pipeline" code block, as a user copies it."""
     text = (ROOT / "README.md").read_text()

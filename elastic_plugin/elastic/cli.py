@@ -42,7 +42,7 @@ from elastic_plugin.cli_args import (
 )
 from elastic_plugin.cli_errors import report_bad_input
 from elastic_plugin.elastic.args import add_elastic_args, elastic_config_from_args
-from elastic_plugin.elastic.schedule import ElasticSchedule
+from elastic_plugin.elastic.schedule import DATALOADER_TYPES, ElasticSchedule
 from elastic_plugin.models.config import (
     ConfigError,
     ExperimentConfig,
@@ -71,6 +71,7 @@ _SCHEDULE_FLAGS: tuple[tuple[str, str], ...] = (
     ("--eval-iters", "eval_iters"),
     ("--save-interval", "save_interval"),
     ("--keep-last", "keep_last"),
+    ("--dataloader-type", "dataloader_type"),
 )
 # --flag -> field whose default comes from the experiment config's training: section
 _TRAINING_FLAGS: tuple[tuple[str, str], ...] = (
@@ -127,6 +128,14 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     sched.add_argument("--eval-interval", type=int, default=None)
     sched.add_argument("--log-interval", type=int, default=None)
     sched.add_argument("--eval-iters", type=int, default=None)
+    sched.add_argument(
+        "--dataloader-type",
+        choices=DATALOADER_TYPES,
+        default=None,
+        help="shuffled (default): every epoch in a seeded random order; single: in the "
+        "dataset's order, as Megatron-LM's --dataloader-type single (the same batches as "
+        "examples/pretrain_elastic.py on the same data)",
+    )
     sched.add_argument(
         "--save-interval",
         type=int,
@@ -609,6 +618,7 @@ def _train(inputs: ElasticInputs, args: argparse.Namespace) -> int:
                 feed.train_dataset,
                 sched.micro_batch_size,
                 seed=sched.seed,
+                shuffle=sched.dataloader_type == "shuffled",
                 consumed_samples=consumed_samples,
             )
 

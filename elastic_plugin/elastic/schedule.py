@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from elastic_plugin.checkpoint.history import DEFAULT_KEEP_LAST
 from elastic_plugin.models.config import ConfigError
 
+DATALOADER_TYPES = ("shuffled", "single")
+
 
 @dataclass
 class ElasticSchedule:
@@ -28,6 +30,10 @@ class ElasticSchedule:
     save_interval: int = 0  # 0: only at the end
     keep_last: int = DEFAULT_KEEP_LAST  # saves kept in checkpoints/elastic/iter_*; 0: keep all
     seed: int = 1234
+    # "shuffled": each epoch in a seeded random order (our sampler); "single": in the dataset's
+    # order, as Megatron-LM's default ``--dataloader-type single`` reads (GPTDataset has already
+    # shuffled its samples), so a run here and one in Megatron-LM's loop see the same batches
+    dataloader_type: str = "shuffled"
 
     def check(self) -> None:
         for name in (
@@ -45,6 +51,11 @@ class ElasticSchedule:
         if not isinstance(self.keep_last, int) or self.keep_last < 0:
             raise ConfigError(
                 f"elastic training: keep_last={self.keep_last!r} must be an integer >= 0"
+            )
+        if self.dataloader_type not in DATALOADER_TYPES:
+            raise ConfigError(
+                f"elastic training: dataloader_type={self.dataloader_type!r} must be one of "
+                f"{', '.join(DATALOADER_TYPES)} (--dataloader-type)"
             )
         if not self.lr > 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(

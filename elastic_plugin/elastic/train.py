@@ -212,7 +212,9 @@ def train_elastic(
     num_microbatches = sched.global_batch_size // (sched.micro_batch_size * dp)
     runtime = Runtime.of(cfg.training)
     initialize_layout(layout, seed=sched.seed)
-    chunks, state, meta_src = build_elastic_chunks(source, layout, resolved, runtime=runtime)
+    chunks, state, meta_src = build_elastic_chunks(
+        source, layout, resolved, router_seed=sched.seed, runtime=runtime
+    )
     teacher_chunks = None
     if ecfg.teacher == "frozen":
         # forward only: the model dtype, no recomputation, no DDP (no gradient buffers), no
