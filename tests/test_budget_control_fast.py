@@ -192,3 +192,18 @@ def test_padded_extend_refuses_bad_counts(tiny):
     with pytest.raises(ConfigError, match=r"real_tokens=\[0, 3\]: one count in \[1, 3\]"):
         extend(model, cache, torch.zeros(2, 3, dtype=torch.long), real_tokens=[0, 3])
     assert cache.lengths.tolist() == [0, 0]  # nothing was fed
+
+
+def test_fast_prefill_equals_reference_prefill(tiny):
+    """``extend(fast=True)``: the MLP / MoE layers of a chunk (here a padded ragged batch) run as
+    the decode plan runs them; logits and states equal the reference layer modules'."""
+    from elastic_plugin.inference import InferenceCache, extend_ragged
+
+    model, cfg = tiny
+    sequences = random_prompts([12, 3, 25, 1, 9], cfg.vocab_size, seed=12)
+    caches = [InferenceCache.allocate(model, 5, 32) for _ in range(2)]
+    fast = extend_ragged(model, caches[0], sequences, list(range(5)), fast=True)
+    ref = extend_ragged(model, caches[1], sequences, list(range(5)))
+    torch.testing.assert_close(fast, ref, atol=TOL, rtol=TOL)
+    for index, tensor in caches[1].ssm.items():
+        torch.testing.assert_close(caches[0].ssm[index], tensor, atol=TOL, rtol=TOL)

@@ -165,8 +165,9 @@ def generate(
     ``finished(row, generated_so_far)`` returning True stops that row (reason ``"policy"``,
     e.g. an answer-length cap counted from ``</think>``).
     ``fast`` runs the decode steps with :class:`~elastic_plugin.inference.fast_decode.DecodePlan`
-    (only the routed experts, few kernels per layer); False runs them through ``extend``, the
-    reference path (same tokens to rounding; tests/test_budget_control_fast.py).
+    (only the routed experts, few kernels per layer) and the prefill's MLP / MoE layers the same
+    way; False runs everything through ``extend``'s layer modules, the reference path (same
+    tokens to rounding; tests/test_budget_control_fast.py).
     Raises ``ConfigError`` for bad input before any compute.
     """
     inner = check_model(model)
@@ -184,7 +185,9 @@ def generate(
     cache = InferenceCache.allocate(inner, batch, max_length - 1)
 
     begin = time.perf_counter()
-    next_tokens = sampler(extend_ragged(inner, cache, prompts, list(range(batch))), generator)
+    next_tokens = sampler(
+        extend_ragged(inner, cache, prompts, list(range(batch)), fast=fast), generator
+    )
     prefill_s = time.perf_counter() - begin
 
     tokens: list[list[int]] = [[] for _ in range(batch)]

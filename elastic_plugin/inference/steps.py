@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from elastic_plugin.inference.cache import InferenceCache, layer_kind
+from elastic_plugin.inference.fast_decode import decode_plan
 from elastic_plugin.models.config import ConfigError
 from elastic_plugin.models.layers import ELASTIC_STATE_ATTR
 
@@ -294,6 +295,7 @@ def extend(
     rows: Sequence[int] | torch.Tensor | None = None,
     last_only: bool = False,
     real_tokens: Sequence[int] | torch.Tensor | None = None,
+    fast: bool = False,
 ) -> torch.Tensor:
     """Feed ``tokens`` [b, s] (the same ``s`` new tokens for each of ``rows``, all rows when
     None) after what each row already holds; returns the logits [b, s, vocab] (``[b, 1,
@@ -302,7 +304,11 @@ def extend(
     ``real_tokens`` [b]: only the first ``real_tokens[i]`` tokens of row ``i`` are real, the
     rest right padding: the row advances by its real count, its states are those after its
     last real token, and ``last_only`` returns the logits of that token (the logits of padding
-    are meaningless). One forward then feeds sequences of different lengths."""
+    are meaningless). One forward then feeds sequences of different lengths.
+
+    ``fast``: MLP and MoE layers run as the fast decode step runs them
+    (:class:`~elastic_plugin.inference.fast_decode.DecodePlan`: plain linears, only the routed
+    experts) on all ``b * s`` tokens at once; the default is the layer modules themselves."""
     inner = check_model(model)
     if tokens.dim() != 2 or tokens.shape[1] < 1:
         raise ConfigError(f"tokens must be [batch, seq >= 1], got {tuple(tokens.shape)}")
@@ -328,6 +334,7 @@ def extend(
         if bool((real == s).all()):
             real = None  # nothing padded
     tokens = tokens.to(device)
+    plan = decode_plan(inner) if fast else None
     with eval_mode(inner):
         positions = start[:, None] + torch.arange(s, device=device)[None, :]
         hidden = inner.embedding(input_ids=tokens, position_ids=positions)  # [s, b, h]
@@ -337,6 +344,9 @@ def extend(
                 hidden = _attention(layer, number, cache, hidden, index, start)
             elif kind == "mamba":
                 hidden = _mamba(layer, number, cache, hidden, index, real)
+            elif plan is not None and number in plan.fast_layers:  # tokens are independent
+                flat = hidden.reshape(-1, hidden.shape[-1])
+                hidden = plan.steps[number](flat, cache, None, start).reshape(hidden.shape)
             else:
                 hidden = _positionwise(layer, hidden)
         if last_only:
@@ -363,6 +373,7 @@ def extend_ragged(
     sequences: Sequence[Sequence[int]],
     rows: Sequence[int],
     padded: bool = True,
+    fast: bool = False,
 ) -> torch.Tensor:
     """Feed ``sequences[i]`` (lengths may differ) after what row ``rows[i]`` holds; returns
     each row's logits after its last token ``[len(rows), vocab]``.
@@ -373,7 +384,7 @@ def extend_ragged(
     next tokens overwrite it, and passes the Mamba states through unchanged). This is what
     makes budget control's switch to the answering model, which re-prefills prompt + thinking
     of every row, one forward. ``padded=False``: rows advance together up to each distinct
-    length (one forward per distinct length; padding never fed)."""
+    length (one forward per distinct length; padding never fed). ``fast``: as ``extend``'s."""
     if len(sequences) != len(rows) or not rows:
         raise ConfigError(f"extend_ragged: {len(sequences)} sequences for {len(rows)} rows")
     device = cache.lengths.device
@@ -392,14 +403,18 @@ def extend_ragged(
         feed = torch.tensor(
             [list(seq) + [0] * (width - len(seq)) for seq in sequences], device=device
         )
-        logits = extend(model, cache, feed, rows=list(rows), last_only=True, real_tokens=lengths)
+        logits = extend(
+            model, cache, feed, rows=list(rows), last_only=True, real_tokens=lengths, fast=fast
+        )
         return logits[:, -1]
     last: dict[int, torch.Tensor] = {}  # sequence -> logits after its last token
     done = 0
     for end in sorted(set(lengths)):
         members = [i for i, n in enumerate(lengths) if n >= end]
         feed = torch.tensor([list(sequences[i][done:end]) for i in members], device=device)
-        logits = extend(model, cache, feed, rows=[rows[i] for i in members], last_only=True)
+        logits = extend(
+            model, cache, feed, rows=[rows[i] for i in members], last_only=True, fast=fast
+        )
         for position, i in enumerate(members):
             if lengths[i] == end:
                 last[i] = logits[position, -1]
