@@ -241,7 +241,7 @@ def test_report_states_where_the_elastic_run_loses_and_the_cost_ratios(tmp_path)
 
     params = {"total": 1000, "active": 800}
 
-    def rec(route, label, loss, acc, budget=None, seed=None, tokens=0, seconds=0.0):
+    def rec(route, label, loss, acc, budget=None, seed=None, tokens=0, seconds=0.0, tflop=3.0):
         return {
             "name": f"{route}_{label}_{budget}_{seed}",
             "route": route,
@@ -250,6 +250,7 @@ def test_report_states_where_the_elastic_run_loses_and_the_cost_ratios(tmp_path)
             "seed": seed,
             "tokens": tokens,
             "seconds": seconds,
+            "tflop": tflop if budget else None,
             "valid_loss": loss,
             "accuracy": acc,
             "params": params if label == "0.4" else {"total": 2000, "active": 1500},
@@ -283,13 +284,16 @@ def test_report_states_where_the_elastic_run_loses_and_the_cost_ratios(tmp_path)
         "token_budgets": {"equal_tokens": 1000},
         "elastic_checkpoint": "ckpt",
     }
-    report = assemble(records, sizes, {"iterations": 10, "tokens": 1000, "seconds": 15.0}, settings)
+    report = assemble(
+        records, sizes, {"iterations": 10, "tokens": 1000, "seconds": 15.0, "tflop": 4.0}, settings
+    )
     (line,) = report["elastic_loses"]  # 0.77 alone is worse; 0.4 alone is better
     assert line.startswith("budget 0.4: prune_distil/equal_tokens beats the elastic model")
     assert "accuracy 47.0% vs 40.0% (+7.0 points, seed spread ±3.0)" in line
     assert "validation loss 0.6200 vs 0.7000 (seed spread ±0.0200)" in line
     cost = report["cost"]["prune_distil/equal_tokens"]
     assert cost["tokens"] == 2000 and cost["token_ratio"] == 2.0 and cost["sizes"] == 2
+    assert cost["tflop"] == 6.0 and cost["flop_ratio"] == 1.5  # 2 sizes x 3 TFLOP vs 4
     assert cost["seconds"] == pytest.approx(12.0 + 20.0) and cost["time_ratio"] == pytest.approx(
         32.0 / 15.0
     )

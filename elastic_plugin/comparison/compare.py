@@ -150,7 +150,7 @@ def run_compare(inputs: CompareInputs, progress: bool = True) -> dict[str, Any]:
         markdown,
         plot,
     )
-    from elastic_plugin.comparison.runner import copy_data, last_elapsed, train_run
+    from elastic_plugin.comparison.runner import copy_data, run_totals, train_run
 
     started = time.time()
 
@@ -250,7 +250,7 @@ def run_compare(inputs: CompareInputs, progress: bool = True) -> dict[str, Any]:
     elastic_run = {
         "iterations": int(meta["iteration"]),
         "tokens": total,
-        "seconds": last_elapsed(run_dir(inputs.ckpt) / "elastic_metrics.jsonl"),
+        **(run_totals(run_dir(inputs.ckpt) / "elastic_metrics.jsonl") or {"seconds": None}),
         "budgets": sorted(inputs.budgets.values(), reverse=True),
     }
     sizes = {

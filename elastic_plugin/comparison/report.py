@@ -47,7 +47,8 @@ def _aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
         "seeds": [r.get("seed") for r in records],
         "tokens": first.get("tokens", 0),
         "iters": first.get("iters", 0),
-        "seconds": statistics.fmean(r.get("seconds", 0.0) for r in records),
+        "seconds": statistics.fmean(r.get("seconds") or 0.0 for r in records),
+        "tflop": statistics.fmean(r.get("tflop") or 0.0 for r in records),
         "valid_loss": _spread([r["valid_loss"] for r in records]),
         "accuracy": _spread([r["accuracy"] for r in records]),
     }
@@ -101,6 +102,7 @@ def assemble(
             routes["elastic"] |= {
                 "tokens": elastic_run["tokens"],
                 "seconds": elastic_run.get("seconds"),
+                "tflop": elastic_run.get("tflop"),
                 "note": "the one elastic run made every size; its tokens and time are shared",
             }
         rows.append(
@@ -185,35 +187,70 @@ def headline(report: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
+def _ratio(value: float | None, base: float | None) -> float | None:
+    return value / base if value is not None and base else None
+
+
 def _costs(records: list[dict[str, Any]], elastic_run: dict[str, Any], num_sizes: int):
-    """Tokens and training time to obtain every compared size by each route (one seed), and
-    the ratio to the elastic run (> 1: the route costs more)."""
+    """Tokens, training FLOPs and step time to obtain the compared sizes by each route (one
+    seed each), and their ratio to the one elastic run that made all ``num_sizes`` sizes
+    (> 1: the route costs more). FLOPs are the load-independent measure (the paper's cost
+    ratios are in GPU hours, i.e. FLOPs at a fixed utilisation); step time is as measured."""
+    e_tokens, e_tflop, e_s = (
+        elastic_run["tokens"],
+        elastic_run.get("tflop"),
+        elastic_run.get("seconds"),
+    )
     out: dict[str, dict[str, Any]] = {
         "elastic": {
-            "tokens": elastic_run["tokens"],
-            "seconds": elastic_run.get("seconds"),
+            "sizes": num_sizes,
+            "tokens": e_tokens,
+            "tflop": e_tflop,
+            "seconds": e_s,
             "token_ratio": 1.0,
-            "time_ratio": 1.0 if elastic_run.get("seconds") else None,
+            "flop_ratio": 1.0 if e_tflop else None,
+            "time_ratio": 1.0 if e_s else None,
         }
     }
     trained = [r for r in records if r.get("token_budget") is not None]
     for key in dict.fromkeys(route_key(r) for r in trained):
-        mine = [r for r in trained if route_key(r) == key]
         per_size: dict[str, list[dict[str, Any]]] = {}
-        for r in mine:
-            per_size.setdefault(r["label"], []).append(r)
+        for r in trained:
+            if route_key(r) == key:
+                per_size.setdefault(r["label"], []).append(r)
         tokens = sum(rs[0]["tokens"] for rs in per_size.values())
-        seconds = sum(statistics.fmean(r["seconds"] for r in rs) for rs in per_size.values())
-        e_s = elastic_run.get("seconds")
+        tflop = sum(statistics.fmean(r.get("tflop") or 0.0 for r in rs) for rs in per_size.values())
+        seconds = sum(
+            statistics.fmean(r.get("seconds") or 0.0 for r in rs) for rs in per_size.values()
+        )
         out[key] = {
-            "tokens": tokens,
-            "seconds": seconds,
             "sizes": len(per_size),
-            "token_ratio": tokens / elastic_run["tokens"],
-            "time_ratio": seconds / e_s if e_s else None,
+            "tokens": tokens,
+            "tflop": tflop,
+            "seconds": seconds,
+            "token_ratio": tokens / e_tokens,
+            "flop_ratio": _ratio(tflop, e_tflop),
+            "time_ratio": _ratio(seconds, e_s),
         }
-    out["zero_shot"] = {"tokens": 0, "seconds": 0.0, "token_ratio": 0.0, "time_ratio": 0.0}
+    if any(r["route"] == "zero_shot" for r in records):
+        out["zero_shot"] = {
+            "sizes": len({r["label"] for r in records}),
+            "tokens": 0,
+            "tflop": 0.0,
+            "seconds": 0.0,
+            "token_ratio": 0.0,
+            "flop_ratio": 0.0,
+            "time_ratio": 0.0,
+        }
     return out
+
+
+def _num(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def _pm(spread: dict[str, Any], scale: float, digits: int) -> str:
@@ -231,7 +268,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"Task `{s['task']}`: {s['problems']} held-out problems (accuracy) and "
         f"{s['eval_sequences']} validation sequences of {s['seq_length']} tokens (loss), the "
         f"same for every model. Elastic run: {e['iterations']} iterations, {e['tokens']:,} "
-        f"tokens, {e['seconds'] or 0:.0f} s. Separate routes: the importance-ordered teacher "
+        f"tokens, {_num(e.get('tflop'), 3)} TFLOP, {_num(e.get('seconds'), 0)} s of training "
+        f"steps. Separate routes: the importance-ordered teacher "
         f"cut to each budget's architecture, then distilled from the teacher alone "
         f"(`elastic-train` with that one architecture), or the same architecture trained "
         f"from scratch (`train`), for "
@@ -253,30 +291,35 @@ def markdown(report: dict[str, Any]) -> str:
         "## Per size",
         "",
         "| budget | params (total / active) | route | valid loss | accuracy | tokens | "
-        "train time (s) |",
-        "|---|---|---|---|---|---|---|",
+        "train TFLOP | train time (s) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in report["sizes"]:
         p = row["params"] or {"total": 0, "active": 0}
         for key, r in row["routes"].items():
-            seconds = r.get("seconds")
             lines.append(
                 f"| {row['budget']} | {p['total']:,} / {p['active']:,} | {key} | "
                 f"{_pm(r['valid_loss'], 1, 4)} | {_pm(r['accuracy'], 100, 1)}% | "
-                f"{r['tokens']:,} | {'-' if seconds is None else f'{seconds:.0f}'} |"
+                f"{r['tokens']:,} | {_num(r.get('tflop'), 3)} | {_num(r.get('seconds'), 0)} |"
             )
     lines += [
         "",
-        f"## Cost of obtaining all {s['num_sizes']} sizes (one seed)",
+        "## Cost of obtaining the sizes",
         "",
-        "| route | tokens | train time (s) | tokens / elastic | time / elastic |",
-        "|---|---|---|---|---|",
+        "The elastic run made every size at once; a separate route pays for each compared size "
+        "(one seed each). Time is the training steps' own time as measured (machine load "
+        "differs between runs); FLOPs (the plugin's model FLOP count, teacher forward passes "
+        "included) do not depend on it.",
+        "",
+        "| route | sizes | tokens | train TFLOP | train time (s) | tokens / elastic | "
+        "FLOPs / elastic | time / elastic |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for key, c in report["cost"].items():
-        time_ratio = c.get("time_ratio")
         lines.append(
-            f"| {key} | {c['tokens']:,} | {c['seconds'] or 0:.0f} | {c['token_ratio']:.2f}x | "
-            f"{'-' if time_ratio is None else f'{time_ratio:.2f}x'} |"
+            f"| {key} | {c['sizes']} | {c['tokens']:,} | {_num(c.get('tflop'), 3)} | "
+            f"{_num(c.get('seconds'), 0)} | {_x(c['token_ratio'])} | {_x(c.get('flop_ratio'))} | "
+            f"{_x(c.get('time_ratio'))} |"
         )
     lines += ["", "## Where the elastic run loses", ""]
     lines += [f"- {line}" for line in report["elastic_loses"]] or [

@@ -23,7 +23,7 @@ import yaml
 from elastic_plugin.comparison.configs import distil_config, scratch_config
 from elastic_plugin.comparison.plan import RunSpec
 
-__all__ = ["CompareData", "copy_data", "last_elapsed", "train_run"]
+__all__ = ["CompareData", "copy_data", "run_totals", "train_run"]
 
 RESULT_FILE = "result.json"
 DATA_FILES = ("tokenizer.json", "heldout.jsonl", "meta.json")
@@ -122,15 +122,21 @@ def _summary(stdout: str) -> dict[str, Any]:
     return json.loads(text)
 
 
-def last_elapsed(metrics: Path) -> float | None:
-    """A run's training-loop time: the last ``elapsed_s`` its metrics file logged (the same
-    measure for the elastic run, a distillation and a from-scratch run: no start-up, no save)."""
-    seconds = None
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            if line.strip():
-                seconds = json.loads(line).get("elapsed_s", seconds)
-    return seconds
+def run_totals(metrics: Path) -> dict[str, float] | None:
+    """A run's training cost from its metrics file: ``seconds`` (the steps' own time, summed
+    over the logged windows: no start-up, evaluation or save) and ``tflop`` (the model FLOPs
+    of those steps, ``models.flops``: teacher forward passes included for distillation). The
+    same measure for the elastic run, a distillation and a from-scratch run; FLOPs do not
+    depend on how loaded the machine was."""
+    if not metrics.is_file():
+        return None
+    seconds, tflop = 0.0, 0.0
+    for line in metrics.read_text().splitlines():
+        window = json.loads(line).get("throughput") if line.strip() else None
+        if window:
+            seconds += float(window.get("seconds") or 0.0)
+            tflop += float(window.get("model_tflops") or 0.0)
+    return {"seconds": seconds, "tflop": tflop}
 
 
 def train_run(
@@ -144,8 +150,8 @@ def train_run(
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Train ``spec``'s model (or read its earlier result): ``{checkpoint, seconds, ...}``.
-    ``seconds`` is the training loop's own time (:func:`last_elapsed`); ``wall_s`` includes
-    process start-up, data and model loading and the checkpoint save."""
+    ``seconds`` / ``tflop``: the training steps' time and FLOPs (:func:`run_totals`);
+    ``wall_s`` includes process start-up, data and model loading, evaluation and the save."""
     run_dir = runs_dir / spec.name
     done = run_dir / RESULT_FILE
     if done.is_file():  # made before with the same iterations (another --scale retrains)
@@ -167,12 +173,13 @@ def train_run(
         )
     summary = _summary(proc.stdout)
     stage = "elastic" if spec.route == "prune_distil" else "teacher"
-    loop_s = last_elapsed(run_dir / f"{stage}_metrics.jsonl")
+    totals = run_totals(run_dir / f"{stage}_metrics.jsonl") or {}
     result = {
         **asdict(spec),
         "name": spec.name,
         "checkpoint": str(run_dir / "checkpoints" / stage),
-        "seconds": loop_s if loop_s is not None else float(summary.get("seconds") or wall),
+        "seconds": totals.get("seconds", float(summary.get("seconds") or wall)),
+        "tflop": totals.get("tflop"),
         "wall_s": round(wall, 1),
         "train_valid_loss": summary.get("valid_loss"),
     }
