@@ -1,5 +1,8 @@
 """Where elastic budget control pays off: a nested model's decode cost, and think-small /
-answer-full vs the full model thinking, side by side, as the model widens and the batch grows.
+answer-full vs the full model thinking, side by side, as the model widens and the batch grows;
+the reference path (Megatron's layer modules, one forward per distinct length) and the fast
+path (``inference.fast_decode``: plain ops, routed experts only; one padded re-prefill) in the
+same run.
 
 For the tiny hybrid model at width multipliers ``WIDTHS`` (hidden, FFN, expert FFN, heads and
 Mamba heads all scaled) and batch sizes ``BATCHES``, with random weights (timings do not depend
@@ -7,18 +10,23 @@ on the values): the full model and its nested model at the demo's 0.4 choice (em
 FFN 1/2, shared FFN 1/2, attention heads 1/2, Mamba head dim 1/2, experts 1/2). Each row, with
 interleaved repetitions (medians):
 
-* ``step_ratio``: one decode step of the nested model / one of the full model (1.0 = no saving;
-  the active-parameter ratio is the ideal a memory- or compute-bound step would reach);
-* ``control_speedup``: the full model generating ``THINK + ANSWER`` tokens / budget control (the
-  nested model generates ``THINK`` tokens, the full model re-prefills prompt + thinking and
-  generates ``ANSWER``). ``THINK`` / ``ANSWER`` are the products demo's mean token counts;
-* ``ragged_speedup``: prefilling the batch's prompt + thinking (lengths spread like the demo's)
-  per row vs ``extend_ragged`` (rows advance together to each distinct length).
+* ``active_ratio``: nested / full active parameters (the ideal step ratio of a memory- or
+  compute-bound step);
+* ``step_ratio_ref`` / ``step_ratio_fast``: one decode step of the nested model / one of the
+  full model, by the reference and by the fast path (1.0 = no saving);
+* ``fast_step_speedup``: the full model's reference step / its fast step;
+* ``control_speedup_ref`` / ``control_speedup_fast``: the full model generating ``THINK +
+  ANSWER`` tokens / budget control (the nested model generates ``THINK`` tokens, the full model
+  re-prefills prompt + thinking and generates ``ANSWER``), each path against itself. ``THINK`` /
+  ``ANSWER`` are the products demo's mean token counts;
+* ``reprefill_speedup``: the switch's re-prefill of the batch's prompt + thinking (lengths
+  spread like the demo's) level by level with the layer modules / one padded fast forward.
 
-On a 2-core CPU the tiny model is dispatch-bound (``step_ratio`` near 1 at batch 1), which is
-why the demo's batch-1 latency target is out of reach there; the rows show how far width and
-batch move it. Run: ``python bench/bench_budget_control.py [--quick] [--reps N]`` or
-``python bench/run_all.py --only budget_control``.
+On a 2-core CPU a tiny model's batch-1 step is dispatch-bound, so its ``step_ratio`` stays
+well above ``active_ratio``; the fast path removes most of the per-layer overhead, so the
+ratio falls toward ``active_ratio`` as the width grows. Run: ``python
+bench/bench_budget_control.py [--quick] [--reps N]`` or ``python bench/run_all.py --only
+budget_control``.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -89,6 +98,7 @@ def _timed(fn) -> float:
 
 def run(quick: bool = False, reps: int | None = None, threads: int = 1) -> list[dict]:
     from elastic_plugin.inference import InferenceCache, extend, extend_ragged, generate
+    from elastic_plugin.inference.fast_decode import decode_plan
     from elastic_plugin.testing.inference_cases import random_prompts
 
     reps = reps or (2 if quick else 5)
@@ -106,42 +116,47 @@ def run(quick: bool = False, reps: int | None = None, threads: int = 1) -> list[
                     cfg.vocab_size,
                     seed=batch + 1,
                 )
+                first = torch.tensor(prompts)[:, 0]
 
-                def step(model):
+                def step(model, fast: bool):
                     cache = InferenceCache.allocate(model, batch, PROMPT + 2)
                     extend(model, cache, torch.tensor(prompts))
-                    return lambda: extend(
-                        model, cache, torch.tensor(prompts)[:, :1], last_only=True
+                    held = cache.lengths.clone()
+                    plan = decode_plan(model)
+
+                    def one() -> None:  # the same position every time: a fixed-size step
+                        cache.lengths.copy_(held)
+                        if fast:
+                            with torch.no_grad():
+                                plan(cache, first, None)
+                        else:
+                            extend(model, cache, first[:, None], last_only=True)
+
+                    return one
+
+                def reprefill(fast: bool):
+                    cache = InferenceCache.allocate(full, batch, PROMPT + THINK + 8)
+                    extend_ragged(full, cache, thought, list(range(batch)), padded=fast, fast=fast)
+
+                def control(fast: bool) -> None:
+                    think = generate(small, prompts, THINK, fast=fast)
+                    sequences = [p + t for p, t in zip(prompts, think.tokens)]
+                    generate(full, sequences, ANSWER, fast=fast)
+
+                fns = {}
+                for path, fast in (("ref", False), ("fast", True)):
+                    fns[f"full_step_{path}"] = step(full, fast)
+                    fns[f"small_step_{path}"] = step(small, fast)
+                    fns[f"full_thinks_{path}"] = partial(
+                        generate, full, prompts, THINK + ANSWER, fast=fast
                     )
-
-                def per_row():
-                    cache = InferenceCache.allocate(full, batch, PROMPT + THINK + 8)
-                    for i, seq in enumerate(thought):
-                        extend(full, cache, torch.tensor([seq]), rows=[i], last_only=True)
-
-                def ragged():
-                    cache = InferenceCache.allocate(full, batch, PROMPT + THINK + 8)
-                    extend_ragged(full, cache, thought, list(range(batch)))
-
-                def control():
-                    think = generate(small, prompts, THINK)
-                    generate(full, [p + t for p, t in zip(prompts, think.tokens)], ANSWER)
-
-                candidates = {
-                    "full_step": None,
-                    "small_step": None,
-                    "full_thinks": lambda: generate(full, prompts, THINK + ANSWER),
-                    "control": control,
-                    "per_row": per_row,
-                    "ragged": ragged,
-                }
-                times: dict[str, list[float]] = {k: [] for k in candidates}
+                    fns[f"control_{path}"] = partial(control, fast)
+                    fns[f"reprefill_{path}"] = partial(reprefill, fast)
+                times: dict[str, list[float]] = {k: [] for k in fns}
+                order = list(fns.items())
                 for rep in range(reps + 1):  # the first round warms up
-                    fs, ss = step(full), step(small)
-                    fns = dict(candidates, full_step=fs, small_step=ss)
-                    order = list(fns.items())
-                    order = order[rep % len(order) :] + order[: rep % len(order)]
-                    for name, fn in order:
+                    shift = rep % len(order)
+                    for name, fn in order[shift:] + order[:shift]:
                         elapsed = _timed(fn)
                         if rep:
                             times[name].append(elapsed)
@@ -150,10 +165,14 @@ def run(quick: bool = False, reps: int | None = None, threads: int = 1) -> list[
                     {
                         "name": f"budget_control/w{width}/b{batch}",
                         "active_ratio": active,
-                        "full_step_ms": 1e3 * med["full_step"],
-                        "step_ratio": med["small_step"] / med["full_step"],
-                        "control_speedup": med["full_thinks"] / med["control"],
-                        "ragged_speedup": med["per_row"] / med["ragged"],
+                        "full_step_ms_ref": 1e3 * med["full_step_ref"],
+                        "full_step_ms_fast": 1e3 * med["full_step_fast"],
+                        "fast_step_speedup": med["full_step_ref"] / med["full_step_fast"],
+                        "step_ratio_ref": med["small_step_ref"] / med["full_step_ref"],
+                        "step_ratio_fast": med["small_step_fast"] / med["full_step_fast"],
+                        "control_speedup_ref": med["full_thinks_ref"] / med["control_ref"],
+                        "control_speedup_fast": med["full_thinks_fast"] / med["control_fast"],
+                        "reprefill_speedup": med["reprefill_ref"] / med["reprefill_fast"],
                     }
                 )
         return rows

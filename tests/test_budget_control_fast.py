@@ -207,3 +207,41 @@ def test_fast_prefill_equals_reference_prefill(tiny):
     torch.testing.assert_close(fast, ref, atol=TOL, rtol=TOL)
     for index, tensor in caches[1].ssm.items():
         torch.testing.assert_close(caches[0].ssm[index], tensor, atol=TOL, rtol=TOL)
+
+
+def test_budget_control_same_tokens_either_path(tiny):
+    """``budget_control_generate`` / ``capped_thinking_generate``: the fast path (fast decode
+    step, one padded re-prefill) thinks and answers with the same tokens as the reference."""
+    from elastic_plugin.inference import budget_control_generate, capped_thinking_generate
+    from elastic_plugin.nested.model import nested_model
+
+    model, cfg = tiny
+    small, _ = nested_model(model, cfg, SMALL)
+    prompts = random_prompts([6, 2, 11], cfg.vocab_size, seed=21)
+    close = 7
+    runs = [
+        budget_control_generate(small, model, prompts, close, 9, 5, fast=fast)
+        for fast in (True, False)
+    ]
+    assert runs[0].thinking == runs[1].thinking and runs[0].answers == runs[1].answers
+    assert all(t[-1] == close for t in runs[0].thinking)
+    capped = [capped_thinking_generate(model, prompts, close, 4, 3, fast=f) for f in (True, False)]
+    assert capped[0].tokens == capped[1].tokens
+
+
+def test_bench_quickest_run(monkeypatch):
+    """``bench/bench_budget_control.py`` runs both paths side by side; its columns are ratios
+    of positive times. Behaviour, not speed."""
+    import math
+
+    import bench.bench_budget_control as bench
+
+    monkeypatch.setattr(bench, "WIDTHS", (1,))
+    monkeypatch.setattr(bench, "BATCHES", (2,))
+    (row,) = bench.run(quick=True, reps=1)
+    assert row["name"] == "budget_control/w1/b2"
+    assert 0.4 < row["active_ratio"] < 0.6
+    assert all(math.isfinite(row[k]) and row[k] > 0 for k in row if k != "name")
+    assert row["fast_step_speedup"] == pytest.approx(
+        row["full_step_ms_ref"] / row["full_step_ms_fast"]
+    )

@@ -2,7 +2,8 @@
 
 Thinking tokens are cheap with a small model; the answer benefits from the big one (DESIGN.md
 §6). The two models share weights but not caches (their widths differ), so the switch
-re-prefills prompt + thinking with the answering model. A sequence whose thinking reaches
+re-prefills prompt + thinking with the answering model (for a batch, one padded forward:
+``steps.extend_ragged``). A sequence whose thinking reaches
 ``max_think_tokens`` without closing gets ``</think>`` appended (budget forcing), so the
 answering model always starts right after a closed thinking block.
 """
@@ -55,12 +56,15 @@ def budget_control_generate(
     top_p: float | None = None,
     seed: int = 0,
     max_length: int | None = None,
+    fast: bool = True,
 ) -> BudgetControlResult:
     """Think with ``think_model`` until ``think_close`` (``</think>``'s id) or
     ``max_think_tokens``, then answer with ``answer_model`` for up to ``max_answer_tokens``
     (stopping at ``answer_stop_tokens``). Prompts usually end with ``<think>``. Sampling
     settings apply to both phases (the answer phase draws from ``seed + 1``). ``max_length``
-    bounds prompt + thinking + answer (default and limit: the smaller model context)."""
+    bounds prompt + thinking + answer (default and limit: the smaller model context).
+    ``fast``: ``generate``'s (the fast decode step and the one-forward re-prefill; False: the
+    reference path)."""
     think_inner, answer_inner = check_model(think_model), check_model(answer_model)
     vocab = int(think_inner.vocab_size)
     if int(answer_inner.vocab_size) != vocab:
@@ -86,7 +90,7 @@ def budget_control_generate(
             f"smaller max_sequence_length of the two models)"
         )
     sampling: dict[str, Any] = dict(
-        greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p
+        greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, fast=fast
     )
     # leave room for a forced </think> and at least one answer token
     think = generate(
@@ -129,6 +133,7 @@ def capped_thinking_generate(
     top_p: float | None = None,
     seed: int = 0,
     max_length: int | None = None,
+    fast: bool = True,
 ) -> GenerationResult:
     """Standard budget control, the baseline of the elastic kind: one model, and a sequence
     whose thinking reaches ``max_think_tokens`` without ``think_close`` gets ``think_close``
@@ -165,4 +170,5 @@ def capped_thinking_generate(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        fast=fast,
     )

@@ -165,9 +165,10 @@ def generate(
     ``finished(row, generated_so_far)`` returning True stops that row (reason ``"policy"``,
     e.g. an answer-length cap counted from ``</think>``).
     ``fast`` runs the decode steps with :class:`~elastic_plugin.inference.fast_decode.DecodePlan`
-    (only the routed experts, few kernels per layer) and the prefill's MLP / MoE layers the same
-    way; False runs everything through ``extend``'s layer modules, the reference path (same
-    tokens to rounding; tests/test_budget_control_fast.py).
+    (only the routed experts, few kernels per layer), the prefill's MLP / MoE layers the same
+    way, and prefills ragged prompts in one padded forward; False is the reference path
+    (``extend`` with the layer modules, one forward per distinct prompt length): the same
+    tokens to rounding (tests/test_budget_control_fast.py).
     Raises ``ConfigError`` for bad input before any compute.
     """
     inner = check_model(model)
@@ -186,7 +187,8 @@ def generate(
 
     begin = time.perf_counter()
     next_tokens = sampler(
-        extend_ragged(inner, cache, prompts, list(range(batch)), fast=fast), generator
+        extend_ragged(inner, cache, prompts, list(range(batch)), padded=fast, fast=fast),
+        generator,
     )
     prefill_s = time.perf_counter() - begin
 
