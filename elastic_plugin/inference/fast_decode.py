@@ -38,10 +38,11 @@ from elastic_plugin.inference.cache import InferenceCache, layer_kind
 
 __all__ = ["DecodePlan", "decode_plan"]
 
-Step = Callable[[torch.Tensor, InferenceCache, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# (hidden [b, h], cache, rows (None: all rows in order), positions [b]) -> hidden [b, h]
+Step = Callable[[torch.Tensor, InferenceCache, torch.Tensor | None, torch.Tensor], torch.Tensor]
 
 
-def _rms(norm: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def _rms(norm: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """``F.rms_norm`` with the module's weight and eps, or None when ``norm`` is not an RMSNorm."""
     from megatron.core.transformer.identity_op import IdentityOp
 
@@ -53,7 +54,7 @@ def _rms(norm: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None
     return None
 
 
-def _linear(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _linear(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A Megatron linear's weight and bias (bias None when absent or skipped-and-added later:
     both are added right after the matmul by the layers this plan covers)."""
     return module.weight, getattr(module, "bias", None)
@@ -82,7 +83,7 @@ def _activation(config) -> Callable[[torch.Tensor], torch.Tensor]:
     return act
 
 
-def _mlp(mlp: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def _mlp(mlp: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """A plain Megatron MLP (fc1 -> activation -> fc2) as two ``F.linear``; None otherwise."""
     from megatron.core.transformer.mlp import MLP
 
@@ -111,7 +112,7 @@ def _positionwise_step(layer) -> Step | None:
     return lambda hidden, cache, rows, positions: hidden + ff(norm(hidden))
 
 
-def _moe(moe: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def _moe(moe: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """An MoE layer with top-k routing, running only the routed experts; None when the layer
     uses something this does not reproduce (the reference layer call then runs it)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -352,7 +353,7 @@ class DecodePlan:
     ``fast_layers`` / ``reference_layers`` say which layers run which path (the equality
     tests and the benchmark read them)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: Any) -> None:  # a HybridModel (Megatron ships no types)
         self.model = model
         self.steps: list[Step] = []
         self.fast_layers: list[int] = []
@@ -367,10 +368,9 @@ class DecodePlan:
                 step = _positionwise_step(layer)
             (self.fast_layers if step is not None else self.reference_layers).append(index)
             self.steps.append(step if step is not None else _reference_step(layer, index, kind))
-        self.final_norm = _rms(model.decoder.final_norm) if model.decoder.post_layer_norm else None
-        if model.decoder.post_layer_norm and self.final_norm is None:
-            final = model.decoder.final_norm
-            self.final_norm = lambda x: final(x)
+        self.final_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
+        if model.decoder.post_layer_norm:
+            self.final_norm = _rms(model.decoder.final_norm) or model.decoder.final_norm
         self.fingerprint = _fingerprint(model)
 
     def __call__(
