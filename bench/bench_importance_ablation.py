@@ -43,6 +43,7 @@ def ablation(
     from elastic_plugin.importance import collect_importance
     from elastic_plugin.importance.ablation import (
         AblationSettings,
+        head_groups,
         kept_overlap,
         markdown_table,
         plot_results,
@@ -101,7 +102,9 @@ def ablation(
                 {
                     "axis": axis,
                     "statistic": statistic,
-                    "kept_overlap": round(kept_overlap(small, full, settings.keep), 4),
+                    "kept_overlap": round(
+                        kept_overlap(small, full, settings.keep, head_groups(axis, *args[1:])), 4
+                    ),
                     "zero_shot_small": round(_eval(model, valid, cfg), 4),
                     "zero_shot_full": round(res.zero_shot[statistic], 4),
                 }

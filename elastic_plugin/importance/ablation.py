@@ -86,10 +86,7 @@ def axis_orders(
     reference = next(iter(orders.values()))
     if "magnitude" not in orders:  # a scores file from before weights were recorded
         orders["magnitude"] = magnitude_orders(model, axis)
-    groups = None
-    if axis in ("attention_heads", "mamba_heads"):
-        g = query_groups if axis == "attention_heads" else mamba_groups
-        groups = {k: g for k in reference}
+    groups = {k: head_groups(axis, query_groups, mamba_groups) for k in reference}
     for seed in range(seeds):
         orders[f"random{seed}"] = random_orders(reference, seed, groups)
     return orders
@@ -174,14 +171,22 @@ def run_axis(
     return result
 
 
-def kept_overlap(a: Orders, b: Orders, keep: float) -> float:
-    """Mean fraction of kept units two orders share (1 = the same pruned model)."""
+def kept_overlap(a: Orders, b: Orders, keep: float, groups: int = 1) -> float:
+    """Mean fraction of kept units two orders share (1 = the same pruned model); heads are kept
+    per group, as ``mask_prune`` keeps them."""
     shares = []
     for key in a:
-        k = max(1, int(a[key].numel() * keep))
-        kept_a, kept_b = set(a[key][:k].tolist()), set(b[key][:k].tolist())
-        shares.append(len(kept_a & kept_b) / k)
+        per = a[key].numel() // groups
+        k = max(1, int(per * keep))
+        kept_a = set(a[key].view(groups, per)[:, :k].reshape(-1).tolist())
+        kept_b = set(b[key].view(groups, per)[:, :k].reshape(-1).tolist())
+        shares.append(len(kept_a & kept_b) / len(kept_a))
     return sum(shares) / max(1, len(shares))
+
+
+def head_groups(axis: str, query_groups: int, mamba_groups: int) -> int:
+    """Groups heads are ordered within (1 for the other axes)."""
+    return {"attention_heads": query_groups, "mamba_heads": mamba_groups}.get(axis, 1)
 
 
 # ------------------------------------------------------------------------------ reporting
@@ -198,8 +203,8 @@ def markdown_table(results: list[dict[str, Any]], title: str) -> str:
     lines = [
         f"### {title}",
         "",
-        "| axis | order | zero-shot | after recovery |",
-        "|---|---|---|---|",
+        "| axis | order | zero-shot | after recovery | kept units shared with published |",
+        "|---|---|---|---|---|",
     ]
     for res in results:
         best = {
@@ -215,7 +220,12 @@ def markdown_table(results: list[dict[str, Any]], title: str) -> str:
                     text = f"**{text}**"
                 row.append(text)
             label = name if name in ("magnitude", "random") else statistic_label(res["axis"], name)
-            lines.append(f"| {res['axis']} | {label} | {row[0]} | {row[1]} |")
+            shared = res.get("overlap", {}).get(name)
+            if name == "random":
+                rand = [v for k, v in res.get("overlap", {}).items() if k.startswith("random")]
+                shared = sum(rand) / len(rand) if rand else None
+            share = "-" if shared is None else f"{shared:.2f}"
+            lines.append(f"| {res['axis']} | {label} | {row[0]} | {row[1]} | {share} |")
     return "\n".join(lines) + "\n"
 
 

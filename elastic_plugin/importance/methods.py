@@ -132,3 +132,24 @@ def axis_scores(scores: ImportanceScores, axis: str, statistic: str) -> Layers:
         allowed = ", ".join(f"{a}={s}" for a in STATISTICS for s in STATISTICS[a])
         raise ValueError(f"{axis}={statistic} is not a statistic; allowed: {allowed}")
     return STATISTICS[axis][statistic](scores)
+
+
+def resolve_methods(
+    scores: ImportanceScores, methods: dict[str, str] | None, mamba_source: str = "out_proj_input"
+) -> dict[str, str]:
+    """The statistic of every axis: those asked for, else the defaults; a default the scores
+    file cannot provide (written before it was recorded) falls back to the published one, with
+    a warning, so old scores files still reorder."""
+    import warnings
+
+    chosen = {**DEFAULTS, "mamba_heads": mamba_source, "mamba_channels": mamba_source}
+    for axis, statistic in chosen.items():
+        if axis in (methods or {}):
+            continue
+        try:
+            axis_scores(scores, axis, statistic)
+        except ValueError as exc:
+            warnings.warn(f"{axis}: {exc}; using the published {PUBLISHED[axis]}", stacklevel=2)
+            chosen[axis] = PUBLISHED[axis]
+    chosen.update(methods or {})
+    return chosen

@@ -76,10 +76,9 @@ class Permutations:
         x-projection order was no better than random (valid loss 2.91 vs 2.92), by out_proj's
         input 2.40 -- better than random and weight magnitude (2.82); see
         bench/bench_importance_ablation.py."""
-        from elastic_plugin.importance.methods import DEFAULTS, axis_scores
+        from elastic_plugin.importance.methods import axis_scores, resolve_methods
 
-        chosen = {**DEFAULTS, "mamba_heads": mamba_source, "mamba_channels": mamba_source}
-        chosen.update(methods or {})
+        chosen = resolve_methods(scores, methods, mamba_source)
 
         def order(x: torch.Tensor) -> torch.Tensor:
             return torch.argsort(x, descending=True, stable=True)
