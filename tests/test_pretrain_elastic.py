@@ -90,10 +90,12 @@ LAYOUTS = {
     "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "dp2-distopt": (2, ["--use-distributed-optimizer"]),
     "ep2": (2, ["--expert-model-parallel-size", "2"]),  # world 2: DP=2 for the dense layers
+    # the teacher as a separate forward-only pass through the pipeline (wrapped train_step)
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
 }
 # Layouts that see the same micro-batches and budgets log the same losses (up to reduction
 # order): TP splits a micro-batch's computation only; EP=2 on 2 ranks has DP=2's data split.
-SAME_LOSSES = {"tp2-sp": "one-rank", "ep2": "dp2-distopt"}
+SAME_LOSSES = {"tp2-sp": "one-rank", "ep2": "dp2-distopt", "pp2": "one-rank"}
 
 
 @dataclass
@@ -571,14 +573,14 @@ def _write_tokenizer(path: Path) -> None:
 @pytest.mark.parametrize(
     "nproc,flags,needle",
     [
-        (2, ["--pipeline-model-parallel-size", "2"], "needs --pipeline-model-parallel-size 1"),
+        (2, ["--elastic-teacher", "self"], "uses a frozen teacher (--elastic-teacher frozen)"),
         (
             1,
             ["--elastic-budgets", "1.0", "0.01"],
             "--elastic-budgets: elastic.budgets: budget 0.01",
         ),
     ],
-    ids=["pp2", "unreachable-budget"],
+    ids=["self-teacher", "unreachable-budget"],
 )
 def test_bad_input_fails_before_the_model_is_built_naming_the_flag(base_args, nproc, flags, needle):
     run = torchrun(nproc, *base_args, "--train-iters", "2", *flags, timeout=300)

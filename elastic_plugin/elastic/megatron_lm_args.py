@@ -15,13 +15,11 @@ from typing import Any
 from elastic_plugin.elastic.args import add_elastic_args, elastic_config_from_args
 from elastic_plugin.models.config import ConfigError, ModelConfig
 
-PP_ERROR = (
-    "Elastic training inside megatron.training.pretrain needs --pipeline-model-parallel-size 1: megatron.training."
-    "pretrain runs one schedule per iteration, so the teacher's logits are computed inline "
-    "on the stage that holds the whole model. For pipeline parallelism use "
-    "`elastic-plugin elastic-train` (it runs a separate teacher pass through Megatron's "
-    "pipeline schedules), e.g. torchrun ... -m elastic_plugin.cli elastic-train --ckpt "
-    "CKPT --pipeline-model-parallel-size 2 ..."
+VPP_ERROR = (
+    "Elastic training inside megatron.training.pretrain runs one model chunk per pipeline "
+    "stage: virtual pipeline stages (--num-layers-per-virtual-pipeline-stage, "
+    "--num-virtual-stages-per-pipeline-rank) are not supported; drop them (plain "
+    "--pipeline-model-parallel-size N works)"
 )
 
 
@@ -207,14 +205,14 @@ def elastic_setup(args: argparse.Namespace):
     """Checks that need only the arguments: (ExperimentConfig, ElasticConfig, resolved)."""
     from elastic_plugin.elastic.megatron_lm import check_checkpoint_args
 
-    if (args.pipeline_model_parallel_size or 1) > 1:
-        raise ConfigError(PP_ERROR)
     check_checkpoint_args(args)
-    if getattr(args, "virtual_pipeline_model_parallel_size", None):
-        raise ConfigError(PP_ERROR)
+    if (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
+        raise ConfigError(VPP_ERROR)
     cfg, meta = checkpoint_config(args.elastic_ckpt, "--elastic-ckpt")
     check_arch_args(args, cfg.model, args.elastic_ckpt)
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
+    pp = args.pipeline_model_parallel_size or 1
+    cfg.model.check_parallel(tp, pp, ep)  # names the field and the layout that does not divide
     if (tp > 1 or ep > 1) and not meta.get("reordered"):
         raise ConfigError(
             f"--elastic-ckpt {args.elastic_ckpt} is not importance-reordered; run "

@@ -22,9 +22,12 @@ pipeline")::
   (``elastic.megatron_lm``), the ``elastic |`` log line (``elastic.megatron_lm_log``), the
   router's parameter group in Megatron-LM's optimizer.
 
-The teacher's logits are computed inline, micro-batch by micro-batch, so the whole model must be
-on one pipeline stage (``--pipeline-model-parallel-size 1``; ``elastic-plugin elastic-train``
-supports PP > 1).
+Where the whole model is on one pipeline stage, the teacher's logits are computed inline in the
+forward step. Under pipeline parallelism each stage holds its part of the teacher (the provider
+builds it with the stage's ``pre_process`` / ``post_process``), and ``install`` wraps Megatron-LM's
+``train_step``: it reads the iteration's micro-batches once, runs the teacher forward-only through
+Megatron's pipeline schedule (logits kept on the last stage), then runs the student's 1F1B on the
+same micro-batches, as ``elastic-plugin elastic-train`` does (``bench/bench_pretrain_pp.py``).
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class ElasticSession:
     cfg: Any  # ExperimentConfig of --elastic-ckpt
     ecfg: Any  # ElasticConfig (the checkpoint's elastic: section, then the --elastic-* flags)
     source_meta: dict  # --elastic-ckpt's metadata (its data and tokenizer, for our tools)
+    pipelined: bool = False  # PP > 1: the teacher runs as a separate pass (wrapped train_step)
     log: Any = None  # ElasticLog: per-budget losses, choices, throughput
     _iteration: int = -1
     _local: int = 0
@@ -134,7 +138,7 @@ def _start_session(margs, model, teacher, teacher_dir, cfg, ecfg, resolved, sour
 
     from elastic_plugin.checkpoint.io import load_checkpoint
     from elastic_plugin.elastic.cost import ElasticCost
-    from elastic_plugin.elastic.model import attach_elastic
+    from elastic_plugin.elastic.model import attach_elastic, finalize_router_grads
     from elastic_plugin.elastic.router import AnnealSchedule
     from elastic_plugin.elastic.sampling import BudgetSampler, Stage
     from elastic_plugin.elastic.step import ElasticStep
@@ -146,6 +150,9 @@ def _start_session(margs, model, teacher, teacher_dir, cfg, ecfg, resolved, sour
         bool(margs.sequence_parallel) and margs.tensor_model_parallel_size > 1,
         router_seed=margs.seed,
     )
+    # Megatron-LM keeps a finalize hook the model's config already carries: the router's
+    # gradients are summed over pipeline stages before Megatron's own reduction
+    model.config.finalize_model_grads_func = finalize_router_grads
     load_checkpoint([teacher], teacher_dir)
     teacher.requires_grad_(False)
     teacher.eval()
@@ -167,7 +174,8 @@ def _start_session(margs, model, teacher, teacher_dir, cfg, ecfg, resolved, sour
         num_microbatches=1,  # the forward step sets Megatron's current number
         teacher_chunks=[teacher],
     )
-    _SESSION = ElasticSession(step, teacher, resolved, total, cfg, ecfg, source_meta)
+    pipelined = (margs.pipeline_model_parallel_size or 1) > 1
+    _SESSION = ElasticSession(step, teacher, resolved, total, cfg, ecfg, source_meta, pipelined)
     _SESSION.log = _elastic_log(model, step, resolved)
 
 
@@ -209,21 +217,24 @@ def as_batch(got: Any) -> dict[str, Any]:
 def _position_ids(batch: dict) -> Any:
     import torch
 
-    tokens = batch["tokens"]
-    if batch.get("position_ids") is not None:
-        return batch["position_ids"]
+    tokens = batch.get("tokens")
+    if batch.get("position_ids") is not None or tokens is None:  # None: a middle stage
+        return batch.get("position_ids")
     return torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
 
 
-def _train_loss(step, index: int, probs, batch: dict, output_tensor):
+def _train_loss(step, teacher_index: int | None, index: int, probs, batch: dict, output_tensor):
     """``ElasticStep._loss`` (KD + budget loss) reported the way Megatron's loop logs losses
-    (all budgets together; per budget in the ``elastic |`` line, ``session().log``)."""
+    (all budgets together; per budget in the ``elastic |`` line, ``session().log``).
+    ``teacher_index``: this micro-batch's logits in the teacher pass; None: computed inline."""
     import torch
 
     try:
-        total, num_tokens, report = step._loss(0, index, probs, batch, output_tensor)
+        local = 0 if teacher_index is None else teacher_index
+        total, num_tokens, report = step._loss(local, index, probs, batch, output_tensor)
     finally:
-        step._teacher_logits = []
+        if teacher_index is None:
+            step._teacher_logits = []
     session().log.add(report["elastic"])
     kd_sum, tokens, b_loss = (report["elastic"][i].to(total.device) for i in range(3))
     return (
@@ -293,17 +304,103 @@ def elastic_forward_step(get_batch: Callable[[Any], Any]) -> Callable[[Any, Any]
         run._local += 1
         batch = truncate_batch(batch, step.sampler.seq_length(iteration))
         step._shape = tuple(batch["tokens"].shape[::-1])  # (sequence length, micro-batch size)
-        with torch.no_grad():
-            step._teacher_logits = [
-                run.teacher(batch["tokens"], _position_ids(batch), batch.get("attention_mask"))
-            ]
+        if not run.pipelined:  # else the wrapped train_step's teacher pass has run
+            with torch.no_grad():
+                step._teacher_logits = [
+                    run.teacher(batch["tokens"], _position_ids(batch), batch.get("attention_mask"))
+                ]
         index, probs = step.route(inner, local)
         active = step.state.is_active
         step.flops += step.choice_flops(probs if active else None) + step.choice_flops(None, False)
-        output = model(batch["tokens"], _position_ids(batch), batch.get("attention_mask"))
-        return output, partial(_train_loss, step, index, probs, batch)
+        output = model(batch.get("tokens"), _position_ids(batch), batch.get("attention_mask"))
+        teacher_index = local if run.pipelined else None
+        return output, partial(_train_loss, step, teacher_index, index, probs, batch)
 
+    forward_step.elastic_get_batch = get_batch  # type: ignore[attr-defined]  # the teacher pass
     return forward_step
+
+
+class _Replay:
+    """The iteration's micro-batches, served once to each pass (teacher, then student)."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self._it = iter(items)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._it)
+
+
+def _teacher_pass(run: ElasticSession, get_batch, items, num_microbatches, seq_length, mbs):
+    """The frozen teacher forward-only through Megatron's pipeline schedule over the iteration's
+    micro-batches; the last stage keeps each micro-batch's logits for the student's loss."""
+    import torch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from elastic_plugin.elastic.step import truncate_batch
+
+    logits: list[Any] = []
+
+    def teacher_step(data_iterator, model):
+        batch = truncate_batch(as_batch(get_batch(data_iterator)), seq_length)
+        output = model(batch.get("tokens"), _position_ids(batch), batch.get("attention_mask"))
+
+        def keep(output_tensor):
+            logits.append(output_tensor.detach())
+            return output_tensor.sum() * 0.0, {}
+
+        return output, keep
+
+    with torch.no_grad():
+        get_forward_backward_func()(
+            forward_step_func=teacher_step,
+            data_iterator=None if items is None else _Replay(items),
+            model=[run.teacher],
+            num_microbatches=num_microbatches,
+            seq_length=seq_length,
+            micro_batch_size=mbs,
+            forward_only=True,
+        )
+    run.step._teacher_logits = logits
+
+
+def _wrap_train_step(orig: Callable) -> Callable:
+    """Megatron-LM's ``train_step`` with the teacher pass first when the model is pipelined; the
+    student's schedule then replays the same micro-batches at the curriculum's sequence length."""
+    import functools
+
+    @functools.wraps(orig)
+    def train_step(forward_step_func, data_iterator, model, *args: Any, **kwargs: Any):
+        run = _SESSION
+        get_batch = getattr(forward_step_func, "elastic_get_batch", None)
+        if run is None or get_batch is None or not run.pipelined:
+            return orig(forward_step_func, data_iterator, model, *args, **kwargs)
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.training import get_args
+
+        margs = get_args()
+        iteration = int(getattr(margs, "curr_iteration", 0) or 0) + 1
+        seq_length = run.step.sampler.seq_length(iteration) or margs.seq_length
+        count = get_num_microbatches()
+        items = None
+        if data_iterator is not None:
+            items = [next(data_iterator) for _ in range(count)]
+        _teacher_pass(run, get_batch, items, count, seq_length, margs.micro_batch_size)
+        full_length, margs.seq_length = margs.seq_length, seq_length  # the p2p tensor shapes
+        try:
+            # Megatron-LM's rerun state machine replays what it was given: its own wrapper
+            from megatron.core.rerun_state_machine import RerunDataIterator
+
+            replay = None if items is None else RerunDataIterator(_Replay(items))
+            return orig(forward_step_func, replay, model, *args, **kwargs)
+        finally:
+            margs.seq_length = full_length
+            run.step._teacher_logits = []
+
+    train_step._elastic = True  # type: ignore[attr-defined]
+    return train_step
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -367,13 +464,15 @@ def with_router_param_group(get_optimizer_config, lr_mult_of):
     return get_config
 
 
+@exit_on_config_error  # Megatron-LM asks while it parses, before anything is initialised
 def _router_lr_mult(args) -> float:
     return elastic_setup(args)[1].router.lr_mult
 
 
 def install() -> None:
     """Patch what Megatron-LM's training loop calls by name (idempotent): CPU adaptations (none
-    with CUDA), checkpoint hooks, the ``elastic |`` log line, the router's parameter group."""
+    with CUDA), checkpoint hooks, the ``elastic |`` log line, the teacher pass of a pipelined
+    ``train_step``, the router's parameter group."""
     import megatron.training.training as megatron_training
 
     from elastic_plugin.compat.megatron_training import enable_cpu_megatron_training
@@ -383,6 +482,8 @@ def install() -> None:
     enable_cpu_megatron_training()  # CPU + gloo (--distributed-backend gloo); no-op with CUDA
     install_checkpoint_hooks(checkpoint_meta_for_save)  # --save/--load in our layout
     install_log_hook(lambda: _SESSION.log if _SESSION is not None else None)
+    if not getattr(megatron_training.train_step, "_elastic", False):
+        megatron_training.train_step = _wrap_train_step(megatron_training.train_step)
     optimizer_config = getattr(megatron_training, "get_megatron_optimizer_config", None)
     if optimizer_config is not None and not getattr(optimizer_config, "_elastic", False):
         wrapped = with_router_param_group(optimizer_config, _router_lr_mult)

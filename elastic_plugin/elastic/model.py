@@ -96,8 +96,12 @@ def attach_elastic(
     elastify(model, state)
     router = RouterModule(make_router(resolved, router_seed))  # initialised in FP32
     model.add_module(ROUTER_ATTR, router.to(model.config.params_dtype))
+    first_stage = ps.is_pipeline_first_stage()
     for param in model.get_submodule(ROUTER_ATTR).parameters():
         param.elastic_router = True  # noqa: B010  (Megatron ParamKey(attr=...) matches on it)
+        # every pipeline stage holds the router, its gradients summed over stages
+        # (finalize_router_grads): Megatron's gradient norm counts a copy marked shared once
+        param.shared = not first_stage  # noqa: B010
     if not ps.is_pipeline_last_stage():
         model.decoder.register_forward_hook(_pad_stage_output)
     if not ps.is_pipeline_first_stage():
