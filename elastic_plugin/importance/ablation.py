@@ -243,16 +243,16 @@ def plot_results(results: list[dict[str, Any]], path: str | Path, title: str) ->
         names = list(res["methods"])
         xs = range(len(names))
         for offset, phase, color in (
-            (-0.2, "zero_shot", "tab:blue"),
-            (0.2, "recovered", "tab:orange"),
+            (-0.1, "zero_shot", "tab:blue"),
+            (0.1, "recovered", "tab:orange"),
         ):
             means = [res["methods"][n].get(phase, {}).get("mean", float("nan")) for n in names]
             stds = [res["methods"][n].get(phase, {}).get("std", 0.0) for n in names]
-            ax.bar(
+            ax.errorbar(  # markers, not bars: the differences are small next to the losses
                 [x + offset for x in xs],
                 means,
-                0.4,
                 yerr=stds,
+                fmt="o",
                 color=color,
                 capsize=3,
                 label="zero-shot" if phase == "zero_shot" else "after recovery",
