@@ -221,3 +221,20 @@ def test_method_flag_parsing():
         parse_methods(["experts=bogus"])
     with pytest.raises(ValueError, match="expected AXIS=STATISTIC"):
         parse_methods(["ffn"])
+
+
+def test_old_scores_files_fall_back_to_the_published_statistic():
+    import torch
+
+    from elastic_plugin.importance import ImportanceScores
+    from elastic_plugin.importance.methods import DEFAULTS, PUBLISHED, resolve_methods
+
+    old = ImportanceScores(embedding=torch.tensor([3.0, 1.0, 2.0]))  # no variants recorded
+    assert DEFAULTS["embedding"] != PUBLISHED["embedding"]
+    with pytest.warns(UserWarning, match="no 'embedding_weight' statistic"):
+        chosen = resolve_methods(old, None)
+    assert chosen["embedding"] == PUBLISHED["embedding"]
+    with pytest.raises(ValueError, match="collect the scores again"):
+        from elastic_plugin.importance.reorder import Permutations
+
+        Permutations.from_scores(old, 1, 1, methods={"embedding": "residual_l2"})

@@ -105,7 +105,11 @@ PUBLISHED = {
     "mamba_channels": "x_proj",
     "experts": "reap",
 }
-DEFAULTS = dict(PUBLISHED, mamba_heads="out_proj_input", mamba_channels="out_proj_input")
+# embedding: weight magnitude (activation statistics keep the high-energy residual channels, so
+# every kept channel shrinks after the norms renormalize over fewer channels; README)
+DEFAULTS = dict(
+    PUBLISHED, embedding="magnitude", mamba_heads="out_proj_input", mamba_channels="out_proj_input"
+)
 
 
 def parse_methods(items: Iterable[str] | None) -> dict[str, str]:
