@@ -8,6 +8,8 @@ joins them like the activations (``WEIGHT_KEYS``), so they are layout independen
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 # key in LocalStats.sums / ImportanceScores.variants -> what it holds
@@ -26,7 +28,7 @@ def weight_magnitudes(model: torch.nn.Module) -> dict[str, dict[int, torch.Tenso
     """Per key and global layer number (0: the embedding), this rank's local units."""
     from megatron.core.ssm.mamba_layer import MambaLayer
 
-    inner = getattr(model, "module", model)
+    inner: Any = getattr(model, "module", model)  # Megatron ships no types
     out: dict[str, dict[int, torch.Tensor]] = {key: {} for key in WEIGHT_KEYS}
 
     def sq(w: torch.Tensor, dims) -> torch.Tensor:

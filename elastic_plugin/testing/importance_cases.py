@@ -396,7 +396,7 @@ def variant_statistics(config_path: str, workdir: str) -> dict[str, Any]:
         handle.remove()
 
     def sq(xs: list[torch.Tensor]) -> torch.Tensor:
-        return sum(x.double().reshape(-1, x.shape[-1]).pow(2).sum(0) for x in xs)
+        return torch.stack([x.double().reshape(-1, x.shape[-1]).pow(2).sum(0) for x in xs]).sum(0)
 
     direct: dict[str, torch.Tensor] = {
         "embedding_in/0": sq(seen["norm_in"]),
@@ -486,7 +486,9 @@ def ablation_smoke(config_path: str, workdir: str) -> dict[str, Any]:
     before = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
 
     def evaluate(m) -> float:
-        return float(eval_step([m], iter(batches), len(batches), SEQ_LEN, REF_MICRO_BATCH))
+        loss = eval_step([m], iter(batches), len(batches), SEQ_LEN, REF_MICRO_BATCH)
+        assert loss is not None  # one rank: the last pipeline stage
+        return loss
 
     settings = AblationSettings(seeds=2, recovery_steps=2, recovery_lr=1e-2)
     results = {}
