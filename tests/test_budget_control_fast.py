@@ -245,3 +245,37 @@ def test_bench_quickest_run(monkeypatch):
     assert row["fast_step_speedup"] == pytest.approx(
         row["full_step_ms_ref"] / row["full_step_ms_fast"]
     )
+
+
+def test_hooked_layers_run_their_modules():
+    """Forward hooks (the evaluation's activation quantization is one) only run when a module
+    is called: a hooked layer and a hooked output layer run through their modules, and the
+    hook's effect is in the logits."""
+    from elastic_plugin.inference import InferenceCache, extend
+    from elastic_plugin.inference.fast_decode import DecodePlan
+
+    model, _ = tiny_inference_model(seed=6)
+
+    def halve(module, args):
+        return (args[0] * 0.5,)
+
+    handles = [
+        model.decoder.layers[3].mlp.linear_fc1.register_forward_pre_hook(halve),
+        model.output_layer.register_forward_pre_hook(halve),
+    ]
+    try:
+        plan = DecodePlan(model)
+        assert plan.reference_layers == [3] and plan.output_hooked
+        prompts = torch.tensor(random_prompts([4, 4], int(model.vocab_size), seed=5))
+        ref, fast = (InferenceCache.allocate(model, 2, 8) for _ in range(2))
+        extend(model, ref, prompts)
+        extend(model, fast, prompts)
+        expected = extend(model, ref, prompts[:, :1], last_only=True)[:, -1]
+        with torch.no_grad():
+            got = plan(fast, prompts[:, 0], None)
+        torch.testing.assert_close(got, expected, atol=TOL, rtol=TOL)
+    finally:
+        for handle in handles:
+            handle.remove()
+    unhooked = DecodePlan(model)
+    assert unhooked.reference_layers == [] and not unhooked.output_hooked

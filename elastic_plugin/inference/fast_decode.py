@@ -20,8 +20,8 @@ out, in]``) and runs the same math with plain tensor ops on ``[batch, hidden]`` 
 * MLP, norms, output layer: ``F.linear`` / ``F.rms_norm`` on the module weights.
 
 A layer the plan does not cover (layer norms other than RMSNorm, q/k layer norm, an MoE
-with capacity factor, sinkhorn routing, a shared-expert gate, ...) runs through the reference
-step for that layer, so every model the cached path supports also runs here. Tested for
+with capacity factor, sinkhorn routing, a shared-expert gate, forward hooks such as the
+evaluation's activation quantization, ...) runs through the reference step for that layer, so every model the cached path supports also runs here. Tested for
 equality with the reference path (tests/test_budget_control_fast.py).
 """
 
@@ -329,6 +329,16 @@ def _mamba_step(layer, index: int) -> Step | None:
     return step
 
 
+def _hooked(module: torch.nn.Module) -> bool:
+    """Whether a forward hook is attached to ``module`` or below (or globally): the plan calls
+    no module, so such a layer must run through the reference step."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+
+
 def _reference_step(layer, index: int, kind: str) -> Step:
     """The reference per-layer step (steps.py) on ``[1, b, h]``: what the plan does not cover."""
     from elastic_plugin.inference import steps
@@ -360,7 +370,9 @@ class DecodePlan:
         self.reference_layers: list[int] = []
         for index, layer in enumerate(model.decoder.layers):
             kind = layer_kind(layer)
-            if kind == "attention":
+            if _hooked(layer):  # e.g. activation quantization: only the module calls run it
+                step = None
+            elif kind == "attention":
                 step = _attention_step(layer, index)
             elif kind == "mamba":
                 step = _mamba_step(layer, index)
@@ -370,7 +382,9 @@ class DecodePlan:
             self.steps.append(step if step is not None else _reference_step(layer, index, kind))
         self.final_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
         if model.decoder.post_layer_norm:
-            self.final_norm = _rms(model.decoder.final_norm) or model.decoder.final_norm
+            final = model.decoder.final_norm
+            self.final_norm = final if _hooked(final) else (_rms(final) or final)
+        self.output_hooked = _hooked(model.output_layer)
         self.fingerprint = _fingerprint(model)
 
     def __call__(
@@ -386,13 +400,16 @@ class DecodePlan:
             hidden = step(hidden, cache, rows, positions)
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
-        weight = (
-            model.shared_embedding_or_output_weight()
-            if model.share_embeddings_and_output_weights
-            else model.output_layer.weight
-        )
-        bias = getattr(model.output_layer, "bias", None)
-        logits = model._scale_logits(F.linear(hidden, weight, bias))
+        shared = model.share_embeddings_and_output_weights
+        if self.output_hooked:
+            weight = model.shared_embedding_or_output_weight() if shared else None
+            logits, _ = model.output_layer(hidden, weight=weight, runtime_gather_output=True)
+        else:
+            weight = (
+                model.shared_embedding_or_output_weight() if shared else model.output_layer.weight
+            )
+            logits = F.linear(hidden, weight, getattr(model.output_layer, "bias", None))
+        logits = model._scale_logits(logits)
         if rows is None:
             cache.lengths += 1
         else:
