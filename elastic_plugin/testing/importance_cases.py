@@ -85,6 +85,15 @@ def _capture_router_io(model: HybridModel) -> dict[int | str, Any]:
 
 
 @torch.no_grad()
+def _reference_model(config_path: str, work: Path):
+    """One rank, the reference's initial weights: (model config, model)."""
+    model_cfg = tiny_model(config_path)
+    initialize_layout(Layout())
+    (model,), _ = build_model_chunks(model_cfg, Layout(), wrap_ddp=False)
+    load_dist(model, work / "init")
+    return model_cfg, model
+
+
 def _reap_direct(model: HybridModel, captured: dict[int | str, Any]) -> dict[int, list[float]]:
     """REAP from the formula: mean over routed tokens of g_j(x) * ||f_j(x)||_2, f_j un-weighted."""
     out: dict[int, list[float]] = {}
@@ -186,10 +195,7 @@ def resume_after_interruption(config_path: str, workdir: str) -> dict[str, Any]:
     """Collect with a failure half-way, rerun with the same resume dir: the result must equal an
     uninterrupted collection; the partial file must be gone afterwards."""
     work = Path(workdir)
-    model_cfg = tiny_model(config_path)
-    initialize_layout(Layout())
-    (model,), _ = build_model_chunks(model_cfg, Layout(), wrap_ddp=False)
-    load_dist(model, work / "init")
+    model_cfg, model = _reference_model(config_path, work)
     batches = reference_batches(model_cfg)
     args: dict[str, Any] = dict(
         num_samples=NUM_SAMPLES,
@@ -294,10 +300,7 @@ def prune_masks(config_path: str, workdir: str) -> dict[str, Any]:
     from elastic_plugin.importance.prune import PRUNABLE, magnitude_orders, mask_prune
 
     work = Path(workdir)
-    model_cfg = tiny_model(config_path)
-    initialize_layout(Layout())
-    (model,), _ = build_model_chunks(model_cfg, Layout(), wrap_ddp=False)
-    load_dist(model, work / "init")
+    model_cfg, model = _reference_model(config_path, work)
     model.eval()
     tokens = reference_batches(model_cfg)[0]["tokens"]
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
@@ -347,10 +350,7 @@ def variant_statistics(config_path: str, workdir: str) -> dict[str, Any]:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     work = Path(workdir)
-    model_cfg = tiny_model(config_path)
-    initialize_layout(Layout())
-    (model,), _ = build_model_chunks(model_cfg, Layout(), wrap_ddp=False)
-    load_dist(model, work / "init")
+    model_cfg, model = _reference_model(config_path, work)
     seen: dict[str, list] = {"norm_in": [], "norm_out": []}
     handles = []
 
@@ -475,10 +475,7 @@ def ablation_smoke(config_path: str, workdir: str) -> dict[str, Any]:
     from elastic_plugin.training.step import eval_step
 
     work = Path(workdir)
-    model_cfg = tiny_model(config_path)
-    initialize_layout(Layout())
-    (model,), _ = build_model_chunks(model_cfg, Layout(), wrap_ddp=False)
-    load_dist(model, work / "init")
+    model_cfg, model = _reference_model(config_path, work)
     batches = reference_batches(model_cfg)
     scores = collect_importance(
         [model], iter(batches), NUM_SAMPLES, SEQ_LEN, REF_MICRO_BATCH, progress=False
