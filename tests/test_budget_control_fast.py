@@ -11,29 +11,15 @@ import torch
 
 from elastic_plugin.testing.inference_cases import random_prompts, tiny_inference_model
 
+# the tiny model's nested choice, and the one-intra-op-thread fixture, of the generation tests
+from tests.test_inference_generate import SMALL, one_thread  # noqa: F401
+
 pytestmark = [
     pytest.mark.inference,
     pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
 ]
 
 TOL = 2e-5
-SMALL = {
-    "embedding": 64,
-    "ffn": 128,
-    "shared_ffn": 64,
-    "attention_heads": 2,
-    "mamba_heads": 4,
-    "mamba_head_dim": 8,
-    "experts": 4,
-}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
