@@ -223,11 +223,15 @@ def _head_outputs(x: torch.Tensor, proj_weight: torch.Tensor) -> torch.Tensor:
     """``sum_tokens ||W[:, h] x_h||_2`` per head: what each head writes into the residual stream.
 
     ``x``: [tokens, heads, head_dim]; ``proj_weight``: this rank's [hidden, heads * head_dim]
-    columns of a row-parallel projection (so the heads are local under TP)."""
+    columns of a row-parallel projection (so the heads are local under TP). Through each head's
+    Gram matrix ``W_h^T W_h`` ([head_dim, head_dim]): no [tokens, heads, hidden] intermediate,
+    and head_dim / hidden of the projection's cost."""
     heads, head_dim = x.shape[1], x.shape[2]
-    w = proj_weight.detach().to(x.dtype).view(-1, heads, head_dim)  # [hidden, heads, head_dim]
-    written = torch.einsum("thd,ohd->tho", x.detach(), w)  # [tokens, heads, hidden]
-    return written.double().norm(dim=-1).sum(0)
+    w = proj_weight.detach().double().view(-1, heads, head_dim)  # [hidden, heads, head_dim]
+    gram = torch.einsum("ohd,ohe->hde", w, w)
+    x = x.detach().double()
+    squared = torch.einsum("thd,hde,the->th", x, gram, x)
+    return squared.clamp(min=0).sqrt().sum(0)
 
 
 def _is_identity(module: torch.nn.Module) -> bool:
