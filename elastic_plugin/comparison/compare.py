@@ -247,10 +247,12 @@ def run_compare(inputs: CompareInputs, progress: bool = True) -> dict[str, Any]:
         "elastic_checkpoint": str(inputs.ckpt),
         "reordered_checkpoint": str(inputs.reordered),
     }
-    elastic_run = {
+    totals = run_totals(run_dir(inputs.ckpt) / "elastic_metrics.jsonl") or {}
+    elastic_run: dict[str, Any] = {
         "iterations": int(meta["iteration"]),
         "tokens": total,
-        **(run_totals(run_dir(inputs.ckpt) / "elastic_metrics.jsonl") or {"seconds": None}),
+        "seconds": totals.get("seconds"),
+        "tflop": totals.get("tflop"),
         "budgets": sorted(inputs.budgets.values(), reverse=True),
     }
     sizes = {
