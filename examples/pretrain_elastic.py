@@ -21,11 +21,10 @@ Without CUDA (CPU + gloo, e.g. for a smoke test) add ``--distributed-backend glo
 ``elastic.install()`` applies ``elastic_plugin.compat.megatron_training.
 enable_cpu_megatron_training()``, a no-op with CUDA (tests/test_pretrain_elastic.py runs this script so, in every TP/EP/DP layout).
 
-Limits (use ``elastic-plugin elastic-train`` for these): ``pretrain`` runs one forward-backward
-schedule per iteration, so the frozen teacher's logits are computed inline, micro-batch by
-micro-batch, which needs the whole model on one pipeline stage: **pipeline_model_parallel_size
-must be 1** (``elastic-plugin elastic-train`` runs a separate teacher pass through Megatron's
-schedules and supports PP > 1). Megatron-LM's ``--save`` directories are layout-independent
+Pipeline parallelism: with one stage the frozen teacher's logits are computed inline in the forward
+step; with ``--pipeline-model-parallel-size N`` the wrapped ``train_step`` runs the teacher as a
+separate forward-only pass through Megatron's pipeline schedule first (virtual pipeline stages are
+refused). Megatron-LM's ``--save`` directories are layout-independent
 (``elastic_plugin.elastic.megatron_lm``: canonical order on disk, ``elastic_meta.json`` in each
 ``iter_NNNNNNN``), so ``elastic-plugin inspect / extract / export / generate`` read them and
 ``--load`` reads them in any TP/EP layout (another layout's optimizer state needs

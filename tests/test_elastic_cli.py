@@ -744,6 +744,11 @@ def pretrain_case(workdir: str) -> dict:
         result["pp_error"] = str(exc)
 
     try:
+        pe.elastic_setup(argparse.Namespace(**{**vars(args), "elastic_router_freeze_after": 5}))
+        result["freeze_error"] = None
+    except ConfigError as exc:
+        result["freeze_error"] = str(exc)
+    try:
         pe.elastic_setup(argparse.Namespace(**{**vars(args), "elastic_teacher_ckpt": workdir}))
         result["teacher_error"] = None
     except ConfigError as exc:
@@ -823,6 +828,8 @@ def test_pretrain_script_composes_with_megatron_and_its_forward_step_distils(ran
     assert "virtual pipeline stages" in r["pp_error"]
     assert "--num-layers-per-virtual-pipeline-stage" in r["pp_error"]
     assert r["teacher_error"].startswith("--elastic-teacher-ckpt ")
+    assert r["freeze_error"].startswith("--elastic-router-freeze-after: ")  # the config's: a note
+    assert "elastic-train" in r["freeze_error"]
     assert r["teacher_frozen_and_apart"]
     assert r["teacher_vs_full_student"] < 1e-5
     assert math.isfinite(r["loss"]) and r["num_tokens"] == 64

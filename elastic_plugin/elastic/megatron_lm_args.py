@@ -9,6 +9,7 @@ a model, so bad flags fail fast, naming the flag.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,6 +222,23 @@ def elastic_setup(args: argparse.Namespace):
     ecfg = elastic_config_from_args(
         args, base=cfg.elastic, base_source=f"--elastic-ckpt {args.elastic_ckpt}"
     )
+    if getattr(args, "elastic_router_freeze_after", None) is not None:
+        raise ConfigError(
+            "--elastic-router-freeze-after: freezing each budget's choice after a validation "
+            "search runs in `elastic-plugin elastic-train` only; inside "
+            "megatron.training.pretrain the router trains throughout"
+        )
+    if ecfg.router.freeze_after is not None:  # the checkpoint's elastic: section asks for it
+        import sys
+
+        print(
+            f"elastic: note: --elastic-ckpt's elastic.router.freeze_after="
+            f"{ecfg.router.freeze_after} is not applied inside megatron.training.pretrain (the "
+            f"router trains throughout; `elastic-plugin elastic-train` freezes)",
+            file=sys.stderr,
+        )
+        router = dataclasses.replace(ecfg.router, freeze_after=None, freeze_select="likelihood")
+        ecfg = dataclasses.replace(ecfg, router=router)
     resolved = ecfg.resolve(cfg.model, tp, ep)
     for i, stage in enumerate(ecfg.curriculum):
         if stage.seq_length and args.seq_length and stage.seq_length > args.seq_length:
