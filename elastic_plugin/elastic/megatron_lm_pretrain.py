@@ -169,8 +169,8 @@ def _start_session(margs, model, teacher, teacher_dir, cfg, ecfg, resolved, sour
         state=state,
         sampler=BudgetSampler(resolved.budgets, stages, margs.seed, total),
         cost=ElasticCost(cfg.model, resolved),
-        temperature=AnnealSchedule(*ecfg.router.temperature, anneal),
-        logit_scale=AnnealSchedule(*ecfg.router.logit_scale, anneal),
+        temperature=AnnealSchedule(ecfg.router.temperature[0], ecfg.router.temperature[1], anneal),
+        logit_scale=AnnealSchedule(ecfg.router.logit_scale[0], ecfg.router.logit_scale[1], anneal),
         num_microbatches=1,  # the forward step sets Megatron's current number
         teacher_chunks=[teacher],
     )
@@ -487,5 +487,5 @@ def install() -> None:
     optimizer_config = getattr(megatron_training, "get_megatron_optimizer_config", None)
     if optimizer_config is not None and not getattr(optimizer_config, "_elastic", False):
         wrapped = with_router_param_group(optimizer_config, _router_lr_mult)
-        wrapped._elastic = True  # type: ignore[attr-defined]
+        wrapped._elastic = True
         megatron_training.get_megatron_optimizer_config = wrapped
