@@ -320,26 +320,13 @@ def elastic_forward_step(get_batch: Callable[[Any], Any]) -> Callable[[Any, Any]
     return forward_step
 
 
-class _Replay:
-    """The iteration's micro-batches, served once to each pass (teacher, then student)."""
-
-    def __init__(self, items: list[Any]) -> None:
-        self._it = iter(items)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> Any:
-        return next(self._it)
-
-
 def _teacher_pass(run: ElasticSession, get_batch, items, num_microbatches, seq_length, mbs):
     """The frozen teacher forward-only through Megatron's pipeline schedule over the iteration's
     micro-batches; the last stage keeps each micro-batch's logits for the student's loss."""
     import torch
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from elastic_plugin.elastic.step import truncate_batch
+    from elastic_plugin.elastic.step import Replay, truncate_batch
 
     logits: list[Any] = []
 
@@ -356,7 +343,7 @@ def _teacher_pass(run: ElasticSession, get_batch, items, num_microbatches, seq_l
     with torch.no_grad():
         get_forward_backward_func()(
             forward_step_func=teacher_step,
-            data_iterator=None if items is None else _Replay(items),
+            data_iterator=None if items is None else Replay(items),
             model=[run.teacher],
             num_microbatches=num_microbatches,
             seq_length=seq_length,
@@ -393,7 +380,9 @@ def _wrap_train_step(orig: Callable) -> Callable:
             # Megatron-LM's rerun state machine replays what it was given: its own wrapper
             from megatron.core.rerun_state_machine import RerunDataIterator
 
-            replay = None if items is None else RerunDataIterator(_Replay(items))
+            from elastic_plugin.elastic.step import Replay
+
+            replay = None if items is None else RerunDataIterator(Replay(items))
             return orig(forward_step_func, replay, model, *args, **kwargs)
         finally:
             margs.seq_length = full_length

@@ -29,7 +29,7 @@ from elastic_plugin.elastic.sampling import BudgetSampler
 from elastic_plugin.training.step import get_batch, run_schedule, train_step
 
 
-class _Replay:
+class Replay:
     """Serve a recorded list of micro-batches (both passes of an iteration see the same data)."""
 
     def __init__(self, batches: list[dict]) -> None:
@@ -182,7 +182,7 @@ class ElasticStep:
             self.state.clear()
         run_schedule(
             chunks,
-            _Replay(batches) if batches is not None else None,
+            Replay(batches) if batches is not None else None,
             self.num_microbatches,
             seq_length,
             micro_batch_size,
@@ -295,7 +295,7 @@ class ElasticStep:
             result = train_step(
                 chunks,
                 optimizer,
-                _Replay(batches) if batches is not None else None,
+                Replay(batches) if batches is not None else None,
                 self.num_microbatches,
                 stage_seq,
                 micro_batch_size,
