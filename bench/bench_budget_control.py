@@ -20,7 +20,9 @@ interleaved repetitions (medians):
   re-prefills prompt + thinking and generates ``ANSWER``), each path against itself. ``THINK`` /
   ``ANSWER`` are the products demo's mean token counts;
 * ``reprefill_speedup``: the switch's re-prefill of the batch's prompt + thinking (lengths
-  spread like the demo's) level by level with the layer modules / one padded fast forward.
+  spread like the demo's) level by level with the layer modules / one padded fast forward;
+* ``switch_in_steps``: that fast re-prefill in full-model fast decode steps (what the switch
+  costs against the ``THINK`` steps it saves a fraction of).
 
 Times are CPU seconds of this process (``time.process_time``, one intra-op thread by default),
 so a neighbour's load does not stretch them as it stretches wall time.
@@ -180,6 +182,7 @@ def run(quick: bool = False, reps: int | None = None, threads: int = 1) -> list[
                         "control_speedup_ref": med["full_thinks_ref"] / med["control_ref"],
                         "control_speedup_fast": med["full_thinks_fast"] / med["control_fast"],
                         "reprefill_speedup": med["reprefill_ref"] / med["reprefill_fast"],
+                        "switch_in_steps": med["reprefill_fast"] / (med["full_step_fast"] / STEPS),
                     }
                 )
         return rows

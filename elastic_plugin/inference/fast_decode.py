@@ -42,6 +42,12 @@ __all__ = ["DecodePlan", "decode_plan"]
 Step = Callable[[torch.Tensor, InferenceCache, torch.Tensor | None, torch.Tensor], torch.Tensor]
 
 
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` without the call when it is a no-op (``Tensor.to`` is patched for CPU
+    Megatron and costs microseconds a step even then)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _rms(norm: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """``F.rms_norm`` with the module's weight and eps, or None when ``norm`` is not an RMSNorm."""
     from megatron.core.transformer.identity_op import IdentityOp
@@ -155,7 +161,7 @@ def _moe(moe: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     def routed(x: torch.Tensor) -> torch.Tensor:
         dtype = router_dtype or x.dtype
         logits = F.linear(
-            x.to(dtype), gate_w.to(dtype), None if gate_b is None else gate_b.to(dtype)
+            _cast(x, dtype), _cast(gate_w, dtype), None if gate_b is None else _cast(gate_b, dtype)
         )
         probs, index = topk_routing_with_score_function(
             logits,
@@ -168,7 +174,7 @@ def _moe(moe: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
             expert_bias=router.expert_bias,
             dense_output=True,
         )  # [b, k] each
-        probs = probs.to(x.dtype)
+        probs = _cast(probs, x.dtype)
         b = x.shape[0]
         if b == 1:  # one token: its k experts (weights are views, nothing gathered)
             out = None
@@ -235,8 +241,8 @@ def _attention_step(layer, index: int) -> Step | None:
         keys, values = cache.keys[index], cache.values[index]
         total = int(positions.max()) + 1
         where = torch.arange(b, device=hidden.device) if rows is None else rows
-        keys[where, positions] = key.to(keys.dtype)
-        values[where, positions] = value.to(values.dtype)
+        keys[where, positions] = _cast(key, keys.dtype)
+        values[where, positions] = _cast(value, values.dtype)
         if rows is None:  # all rows of the cache, in order: a view, no copy
             k, v = keys[:, :total], values[:, :total]
         else:
@@ -247,8 +253,8 @@ def _attention_step(layer, index: int) -> Step | None:
             mask = (torch.arange(total, device=hidden.device) <= positions[:, None])[:, None, None]
         out = F.scaled_dot_product_attention(
             query[:, :, None],
-            k.to(query.dtype),
-            v.to(query.dtype),
+            _cast(k, query.dtype),
+            _cast(v, query.dtype),
             attn_mask=mask,
             scale=scale,
             enable_gqa=groups != heads,
@@ -288,11 +294,13 @@ def _mamba_step(layer, index: int) -> Step | None:
     D = mixer.D.float()
     D = D.reshape(groups, per_group, head_dim) if mixer.D_has_hdim else D.reshape(-1, per_group, 1)
     norm_w, eps = mixer.norm.weight.float(), mixer.norm.eps
+    model_dtype = w_in.dtype
+    low = model_dtype != torch.float32
     group_size = mixer.norm.group_size or d_inner
 
     def step(hidden, cache, rows, positions):
         b = hidden.shape[0]
-        zxbcdt = F.linear(norm(hidden.to(w_in.dtype)), w_in, b_in)
+        zxbcdt = F.linear(norm(_cast(hidden, w_in.dtype)), w_in, b_in)
         z, xbc, dt = torch.split(zxbcdt.float(), [d_inner, d_inner + 2 * bc, heads], dim=-1)
         conv_state, ssm_state = cache.conv[index], cache.ssm[index]
         past = conv_state if rows is None else conv_state[rows]
@@ -302,10 +310,12 @@ def _mamba_step(layer, index: int) -> Step | None:
             xbc = xbc + conv_b
         if silu_conv:
             xbc = F.silu(xbc)
+        if low:  # the reference rounds the conv output and the SSM output to the model dtype
+            xbc = xbc.to(model_dtype).float()
         if rows is None:
             conv_state.copy_(window[:, :, 1:])
         else:
-            conv_state[rows] = window[:, :, 1:].to(conv_state.dtype)
+            conv_state[rows] = _cast(window[:, :, 1:], conv_state.dtype)
         x, B, C = torch.split(xbc, [d_inner, bc, bc], dim=-1)
         # heads grouped [b, G, H/G, ...] so B and C broadcast over the heads of their group
         x = x.reshape(b, groups, per_group, head_dim)
@@ -321,9 +331,11 @@ def _mamba_step(layer, index: int) -> Step | None:
             ssm_state[rows] = h.reshape(b, heads, head_dim, state)
         y = (h @ C).squeeze(-1) + x * D  # [b, G, H/G, P]
         y = y.reshape(b, d_inner) * F.silu(z)
+        if low:
+            y = y.to(model_dtype).float()
         y = y.reshape(b, d_inner // group_size, group_size)
         y = (y * torch.rsqrt(y.square().mean(-1, keepdim=True) + eps)).reshape(b, d_inner)
-        y = (y * norm_w).to(w_out.dtype)
+        y = _cast(y * norm_w, w_out.dtype)
         return hidden + F.linear(y, w_out, b_out)
 
     return step
