@@ -278,3 +278,19 @@ def test_fast_step_in_bf16():
     _steps_agree(model, 3, seed=4, tol=0.05)
     prompts = random_prompts([5, 9, 3], cfg.vocab_size, seed=1)
     assert generate(model, prompts, 12).tokens == generate(model, prompts, 12, fast=False).tokens
+
+
+def test_plans_do_not_keep_models_alive():
+    """The plan cache is keyed weakly by model: a model nobody holds is freed with its plan."""
+    import gc
+    import weakref
+
+    from elastic_plugin.inference import fast_decode, generate
+
+    model, cfg = tiny_inference_model(seed=2)
+    generate(model, random_prompts([3], cfg.vocab_size, seed=0), 2)
+    assert model in fast_decode._PLANS
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None

@@ -376,7 +376,8 @@ class DecodePlan:
     tests and the benchmark read them)."""
 
     def __init__(self, model: Any) -> None:  # a HybridModel (Megatron ships no types)
-        self.model = model
+        # weakly: the plan is the value of a WeakKeyDictionary keyed by this model
+        self._model = weakref.ref(model)
         self.steps: list[Step] = []
         self.fast_layers: list[int] = []
         self.reference_layers: list[int] = []
@@ -405,7 +406,9 @@ class DecodePlan:
         """Logits ``[b, vocab]`` after feeding ``tokens`` ``[b]`` to ``rows`` (all rows of the
         cache, in order, when None); advances their lengths by one. No input checks: the
         caller (``generate``) validated the request."""
-        model = self.model
+        model = self._model()
+        if model is None:
+            raise RuntimeError("DecodePlan: its model no longer exists")
         positions = cache.lengths if rows is None else cache.lengths[rows]
         hidden = model.embedding(input_ids=tokens[:, None], position_ids=positions[:, None])[0]
         for step in self.steps:
