@@ -294,3 +294,43 @@ def test_plans_do_not_keep_models_alive():
     del model
     gc.collect()
     assert alive() is None
+
+
+def test_fast_generation_matches_transformers_nemotron_h(tiny, tmp_path):
+    """An independent reference: the full and the nested model exported to Hugging Face
+    NemotronH and run by stock ``transformers`` (greedy, full recompute, no cache) generate the
+    tokens the fast path generates, and budget control's answer continues like it."""
+    pytest.importorskip("transformers")
+    from elastic_plugin.export.hf import (
+        hf_config,
+        load_hf_model,
+        megatron_to_hf,
+        write_hf_checkpoint,
+    )
+    from elastic_plugin.inference import budget_control_generate, generate
+    from elastic_plugin.nested.model import nested_model
+
+    model, cfg = tiny
+    small, small_cfg = nested_model(model, cfg, SMALL)
+    prompts = random_prompts([6, 6], cfg.vocab_size, seed=31)
+    hf_models = {}
+    for name, m, c in (("full", model, cfg), ("small", small, small_cfg)):
+        hf = megatron_to_hf(m.state_dict(), c)
+        (tmp_path / name).mkdir()
+        write_hf_checkpoint(tmp_path / name, hf, hf_config(hf, c, "fp32"), "fp32")
+        hf_models[name] = load_hf_model(tmp_path / name)
+
+    def hf_greedy(hf_model, sequences: list[list[int]], steps: int) -> list[list[int]]:
+        tokens = torch.tensor(sequences)
+        with torch.no_grad():
+            for _ in range(steps):
+                step = hf_model(tokens).logits[:, -1].argmax(-1)
+                tokens = torch.cat([tokens, step[:, None]], dim=1)
+        return tokens[:, len(sequences[0]) :].tolist()
+
+    assert generate(model, prompts, 8).tokens == hf_greedy(hf_models["full"], prompts, 8)
+    assert generate(small, prompts, 8).tokens == hf_greedy(hf_models["small"], prompts, 8)
+    control = budget_control_generate(small, model, prompts, cfg.vocab_size - 1, 5, 4)
+    thought = [p + t for p, t in zip(prompts, control.thinking)]
+    assert all(len(t) == 6 for t in control.thinking)  # forced close: equal lengths for HF
+    assert control.answers == hf_greedy(hf_models["full"], thought, 4)
