@@ -119,7 +119,7 @@ def assemble(
         "settings": settings,
         "elastic_run": elastic_run,
         "sizes": rows,
-        "cost": _costs(records, elastic_run, len(sizes)),
+        "cost": _costs(records, elastic_run, settings["num_sizes"]),
         "elastic_loses": [s for row in rows for s in row["elastic_loses"]],
     }
     report["headline"] = headline(report)
