@@ -331,37 +331,43 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> Path:
-    """Accuracy vs active parameters, one line per route (error bars: seed spread)."""
+    """Accuracy and validation loss vs active parameters, one line per route (error bars: seed
+    spread; routes nudged apart along x so equal points stay visible). The loss panel still
+    separates the routes where every model's accuracy is 0."""
     from elastic_plugin.evaluation.plots import finish_figure, pyplot
 
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (acc_ax, loss_ax) = plt.subplots(1, 2, figsize=(11, 4.5))
     keys = list(dict.fromkeys(k for row in report["sizes"] for k in row["routes"]))
-    for key in keys:
-        points = sorted(
-            (
-                row["params"]["active"],
-                100 * row["routes"][key]["accuracy"]["mean"],
-                100 * row["routes"][key]["accuracy"]["std"],
+    for i, key in enumerate(keys):
+        rows = sorted(
+            (row for row in report["sizes"] if key in row["routes"] and row["params"]),
+            key=lambda row: row["params"]["active"],
+        )
+        x = [row["params"]["active"] * (1 + 0.006 * (i - len(keys) / 2)) for row in rows]
+        style = {
+            "marker": "o" if key == "elastic" else ".",
+            "linewidth": 2.5 if key == "elastic" else 1.2,
+            "capsize": 3,
+            "label": key,
+        }
+        for ax, metric, scale in ((acc_ax, "accuracy", 100), (loss_ax, "valid_loss", 1)):
+            values = [row["routes"][key][metric] for row in rows]
+            ax.errorbar(
+                x,
+                [scale * v["mean"] for v in values],
+                yerr=[scale * v["std"] for v in values],
+                **style,
             )
-            for row in report["sizes"]
-            if key in row["routes"] and row["params"]
-        )
-        ax.errorbar(
-            [p[0] for p in points],
-            [p[1] for p in points],
-            yerr=[p[2] for p in points],
-            marker="o" if key == "elastic" else ".",
-            linewidth=2.5 if key == "elastic" else 1.2,
-            capsize=3,
-            label=key,
-        )
+    acc_ax.set_xlabel("active parameters")
+    acc_ax.set_ylabel("accuracy (%)")
+    acc_ax.set_title("held-out accuracy")
     return finish_figure(
         fig,
-        ax,
+        loss_ax,
         path,
         "active parameters",
-        "accuracy (%)",
+        "validation loss",
         f"Elastic vs separate routes on {report['settings']['task']}",
         legend_size=8,
     )
