@@ -225,6 +225,10 @@ def test_compare_makes_every_route_of_a_two_budget_run_and_reports_it(tmp_path):
     cost = report["cost"]
     assert cost["prune_distil/equal_cost"]["tokens"] == 768
     assert cost["prune_distil/equal_cost"]["token_ratio"] == pytest.approx(768 / elastic_total)
+    # FLOPs from the runs' metrics: a 0.4 model distilled on half the tokens costs less than
+    # the elastic run (which also trained the full model); from scratch has no teacher passes
+    assert 0 < cost["scratch/equal_cost"]["tflop"] < cost["prune_distil/equal_cost"]["tflop"]
+    assert 0 < cost["prune_distil/equal_cost"]["flop_ratio"] < 1
     md = (out / "compare.md").read_text()
     assert "## Where the elastic run loses" in md and "Reduced run" in md
     assert (out / "compare_accuracy_vs_params.png").stat().st_size > 1000
@@ -291,6 +295,7 @@ def test_report_states_where_the_elastic_run_loses_and_the_cost_ratios(tmp_path)
     assert line.startswith("budget 0.4: prune_distil/equal_tokens beats the elastic model")
     assert "accuracy 47.0% vs 40.0% (+7.0 points, seed spread ±3.0)" in line
     assert "validation loss 0.6200 vs 0.7000 (seed spread ±0.0200)" in line
+    assert report["cost"]["elastic"]["sizes"] == 2  # the one run made both sizes
     cost = report["cost"]["prune_distil/equal_tokens"]
     assert cost["tokens"] == 2000 and cost["token_ratio"] == 2.0 and cost["sizes"] == 2
     assert cost["tflop"] == 6.0 and cost["flop_ratio"] == 1.5  # 2 sizes x 3 TFLOP vs 4
