@@ -194,6 +194,7 @@ def test_ablation_compares_every_order_and_holds_the_pruning(reference, rank_poo
     ffn = r["results"]["ffn"]["methods"]
     assert set(ffn) == {"abs", "l2", "magnitude", "random"}
     assert r["results"]["ffn"]["overlap"]["abs"] == 1.0
+
     assert ffn["random"]["zero_shot"]["n"] == 2 and ffn["random"]["zero_shot"]["std"] > 0
     for entry in ffn.values():  # recovery trained: the loss moved from the zero-shot one
         assert entry["recovered"]["mean"] != entry["zero_shot"]["mean"]
@@ -238,3 +239,14 @@ def test_old_scores_files_fall_back_to_the_published_statistic():
         from elastic_plugin.importance.reorder import Permutations
 
         Permutations.from_scores(old, 1, 1, methods={"embedding": "residual_l2"})
+
+
+def test_kept_overlap_counts_heads_per_group():
+    import torch
+
+    from elastic_plugin.importance.ablation import kept_overlap
+
+    a = {1: torch.tensor([1, 0, 2, 3])}  # 2 groups of 2 heads: keeps 1 and 2
+    b = {1: torch.tensor([0, 1, 2, 3])}  # keeps 0 and 2
+    assert kept_overlap(a, b, 0.5, groups=2) == 0.5
+    assert kept_overlap(a, b, 0.5) == 1.0  # ungrouped: the first half {0, 1} of both

@@ -148,8 +148,9 @@ def run_axis(
     base = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
     result = AxisResult(axis)
     published = orders.get(PUBLISHED[axis], next(iter(orders.values())))
+    groups = head_groups(axis, query_groups, mamba_groups)
     result.overlap = {
-        n: round(kept_overlap(o, published, settings.keep), 3) for n, o in orders.items()
+        n: round(kept_overlap(o, published, settings.keep, groups), 3) for n, o in orders.items()
     }
     try:
         for name, order in orders.items():

@@ -87,10 +87,11 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     )
     reo.add_argument(
         "--mamba-source",
-        default="out_proj_input",
+        default=None,
         choices=["out_proj_input", "x_proj"],
-        help="Mamba statistic: out_proj's input (default; prunes better here) or the "
-        "x-projection (the published definition)",
+        help="rank Mamba heads and channels by out_proj's input or the x-projection (the "
+        "published definition); default: --method's defaults (heads: output_l2, channels: "
+        "out_proj_input)",
     )
     reo.add_argument(
         "--method",

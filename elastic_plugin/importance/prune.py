@@ -46,7 +46,7 @@ def importance_orders(
     axis: str,
     query_groups: int,
     mamba_groups: int,
-    mamba_source: str = "out_proj_input",
+    mamba_source: str | None = None,
     statistic: str | None = None,
 ) -> dict[int, torch.Tensor]:
     """Most important first, per layer (key 0 for the embedding); heads within groups.

@@ -64,18 +64,16 @@ class Permutations:
         query_groups: int,
         mamba_groups: int,
         mamba_top_channels: int | None = None,
-        mamba_source: str = "out_proj_input",
+        mamba_source: str | None = None,
         methods: dict[str, str] | None = None,
     ) -> Permutations:
         """Descending order per axis; heads ordered within their (query / Mamba) group.
 
         ``methods``: axis -> statistic (``importance.methods.STATISTICS``) for the axes named;
-        the others use ``methods.DEFAULTS``. ``mamba_source`` ("out_proj_input", the default, or
-        "x_proj", the published x-projection statistic) picks the Mamba statistic when
-        ``methods`` does not. On the demo teacher, pruning Mamba heads/channels to 50% by the
-        x-projection order was no better than random (valid loss 2.91 vs 2.92), by out_proj's
-        input 2.40 -- better than random and weight magnitude (2.82); see
-        bench/bench_importance_ablation.py."""
+        the others use ``methods.DEFAULTS``. ``mamba_source`` ("out_proj_input" or "x_proj", the
+        published x-projection statistic), when given, ranks both Mamba axes unless ``methods``
+        names them. Measured per axis: README, "Importance statistics"
+        (bench/bench_importance_ablation.py)."""
         from elastic_plugin.importance.methods import axis_scores, resolve_methods
 
         chosen = resolve_methods(scores, methods, mamba_source)
@@ -97,7 +95,12 @@ class Permutations:
         }
         perms.mamba_channels = ranked("mamba_channels")
         head_stat = chosen["mamba_heads"]
-        if mamba_top_channels is not None and head_stat in ("x_proj", "out_proj_input"):
+        sources = ("x_proj", "out_proj_input")
+        if mamba_top_channels is not None and head_stat not in sources:
+            # head norms over the top channels exist for the per-channel statistics only
+            channel_stat = chosen["mamba_channels"]
+            head_stat = channel_stat if channel_stat in sources else "out_proj_input"
+        if mamba_top_channels is not None:
             heads = {
                 k: scores.mamba_head_scores(k, mamba_top_channels, head_stat) for k in scores.mamba
             }
