@@ -150,7 +150,7 @@ def run_compare(inputs: CompareInputs, progress: bool = True) -> dict[str, Any]:
         markdown,
         plot,
     )
-    from elastic_plugin.comparison.runner import copy_data, run_totals, train_run
+    from elastic_plugin.comparison.runner import SizeSource, copy_data, run_totals, train_run
 
     started = time.time()
 
@@ -202,16 +202,14 @@ def run_compare(inputs: CompareInputs, progress: bool = True) -> dict[str, Any]:
         checkpoint = inputs.ckpt
         if spec.token_budget is not None:
             log(f"training {i}/{len(runs)} {spec.name}: {spec.iters} iterations")
-            result = train_run(
-                spec,
-                out / "runs",
+            source = SizeSource(
                 config,
                 choices[spec.label],
                 float(fractions[spec.label]),
                 inputs.reordered,
                 data,
-                log=log,
             )
+            result = train_run(spec, out / "runs", source, log=log)
             record |= result
             checkpoint = Path(result["checkpoint"])
         elif spec.route == "zero_shot":

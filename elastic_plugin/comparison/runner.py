@@ -23,7 +23,7 @@ import yaml
 from elastic_plugin.comparison.configs import distil_config, scratch_config
 from elastic_plugin.comparison.plan import RunSpec
 
-__all__ = ["CompareData", "copy_data", "run_totals", "train_run"]
+__all__ = ["CompareData", "SizeSource", "copy_data", "run_totals", "train_run"]
 
 RESULT_FILE = "result.json"
 DATA_FILES = ("tokenizer.json", "heldout.jsonl", "meta.json")
@@ -71,15 +71,20 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "elastic_plugin.cli", *args]
 
 
-def _command(
-    spec: RunSpec,
-    run_dir: Path,
-    config: Mapping[str, Any],
-    choice: Mapping[str, int],
-    cost_fraction: float,
-    reordered: Path,
-    data: CompareData,
-) -> list[str]:
+@dataclass(frozen=True)
+class SizeSource:
+    """What every separate model of one size starts from: the elastic run's config, the size's
+    architecture (``choice``) and its cost fraction, the importance-ordered teacher, the data."""
+
+    config: Mapping[str, Any]
+    choice: Mapping[str, int]
+    cost_fraction: float
+    reordered: Path
+    data: CompareData
+
+
+def _command(spec: RunSpec, run_dir: Path, source: SizeSource) -> list[str]:
+    data = source.data
     data_flags = [
         "--data-path",
         data.train_prefix,
@@ -92,12 +97,14 @@ def _command(
     cfg_path = run_dir / "config.yaml"
     assert spec.seed is not None  # a trained route
     if spec.route == "prune_distil":
-        cfg = distil_config(config, choice, cost_fraction, spec.seed, spec.iters)
+        cfg = distil_config(
+            source.config, source.choice, source.cost_fraction, spec.seed, spec.iters
+        )
         cfg_path.write_text(yaml.safe_dump(cfg))
         return _cli(
             "elastic-train",
             "--ckpt",
-            str(reordered),
+            str(source.reordered),
             "--config",
             str(cfg_path),
             "--out",
@@ -110,7 +117,7 @@ def _command(
             str(min(10, spec.iters)),
             *data_flags,
         )
-    cfg = scratch_config(config, choice, spec.seed, spec.iters)
+    cfg = scratch_config(source.config, source.choice, spec.seed, spec.iters)
     cfg_path.write_text(yaml.safe_dump(cfg))
     return _cli("train", "--config", str(cfg_path), "--out", str(run_dir), *data_flags)
 
@@ -140,14 +147,7 @@ def run_totals(metrics: Path) -> dict[str, float] | None:
 
 
 def train_run(
-    spec: RunSpec,
-    runs_dir: Path,
-    config: Mapping[str, Any],
-    choice: Mapping[str, int],
-    cost_fraction: float,
-    reordered: Path,
-    data: CompareData,
-    log: Callable[[str], None] = print,
+    spec: RunSpec, runs_dir: Path, source: SizeSource, log: Callable[[str], None] = print
 ) -> dict[str, Any]:
     """Train ``spec``'s model (or read its earlier result): ``{checkpoint, seconds, ...}``.
     ``seconds`` / ``tflop``: the training steps' time and FLOPs (:func:`run_totals`);
@@ -160,7 +160,7 @@ def train_run(
             return earlier
     shutil.rmtree(run_dir, ignore_errors=True)  # a half-made run starts again
     run_dir.mkdir(parents=True)
-    cmd = _command(spec, run_dir, config, choice, cost_fraction, reordered, data)
+    cmd = _command(spec, run_dir, source)
     began = time.time()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
