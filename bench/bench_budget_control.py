@@ -22,7 +22,17 @@ interleaved repetitions (medians):
 * ``reprefill_speedup``: the switch's re-prefill of the batch's prompt + thinking (lengths
   spread like the demo's) level by level with the layer modules / one padded fast forward;
 * ``switch_in_steps``: that fast re-prefill in full-model fast decode steps (what the switch
-  costs against the ``THINK`` steps it saves a fraction of).
+  costs against the ``THINK`` steps it saves a fraction of);
+* ``arithmetic_ratio`` (computed, not timed): the control's tokens x active parameters over
+  the full model's (the nested model reads prompt + thinking, the full model re-reads both and
+  answers). It is above 1: the switch costs more arithmetic than the cheaper thinking saves,
+  so the control can only win where a decode step is bound by *reading the weights* and a
+  re-prefilled token costs a fraction of a decode step;
+* ``full_weights_mb``: the full model's parameter bytes.
+
+``LARGE_WIDTHS`` add batch-1 rows (fast path only) at widths whose weights outgrow the CPU
+caches: there the decode step streams the weights, its cost follows the active parameters,
+and the re-prefill costs a few steps, which is the regime of a real model (and of a GPU).
 
 Times are CPU seconds of this process (``time.process_time``, one intra-op thread by default),
 so a neighbour's load does not stretch them as it stretches wall time.
@@ -50,6 +60,9 @@ if str(ROOT) not in sys.path:
 
 WIDTHS = (1, 2, 4)
 BATCHES = (1, 32)
+# batch 1 only, fast path only: widths whose weights no longer fit the CPU caches, so a decode
+# step is bound by reading them (the regime of a real model on any hardware)
+LARGE_WIDTHS = (8, 16)
 THINK, ANSWER = 20, 4  # products demo: 20.3 thinking / 3.8 answer tokens per problem
 PROMPT = 8
 STEPS = 10  # decode steps per timed sample (one step is too short to time on a busy machine)
@@ -96,6 +109,11 @@ def _models(width: int):
     return full, small, cfg, active
 
 
+def _weight_mb(model: torch.nn.Module) -> float:
+    """The model's parameter bytes in MB (what a weight-read-bound step must stream)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+
+
 def _timed(fn) -> float:
     """CPU seconds of this process spent in ``fn``: on a shared machine, other jobs' load
     stretches wall time but not this (one intra-op thread: the work is on this thread)."""
@@ -110,81 +128,98 @@ def run(quick: bool = False, reps: int | None = None, threads: int = 1) -> list[
     from elastic_plugin.testing.inference_cases import random_prompts
 
     reps = reps or (2 if quick else 5)
-    widths = WIDTHS[:2] if quick else WIDTHS
+    cases = [(w, b, ("ref", "fast")) for w in (WIDTHS[:2] if quick else WIDTHS) for b in BATCHES]
+    if not quick:
+        cases += [(w, 1, ("fast",)) for w in LARGE_WIDTHS]
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     rows = []
     try:
-        for width in widths:
-            full, small, cfg, active = _models(width)
-            for batch in BATCHES:
-                prompts = random_prompts([PROMPT] * batch, cfg.vocab_size, seed=batch)
-                thought = random_prompts(
-                    [PROMPT + THINK - 3 + (i % 7) for i in range(batch)],
-                    cfg.vocab_size,
-                    seed=batch + 1,
+        built: tuple | None = None
+        for width, batch, paths in cases:
+            if built is None or built[0] != width:
+                built = (width, *_models(width))
+            _, full, small, cfg, active = built
+            prompts = random_prompts([PROMPT] * batch, cfg.vocab_size, seed=batch)
+            thought = random_prompts(
+                [PROMPT + THINK - 3 + (i % 7) for i in range(batch)],
+                cfg.vocab_size,
+                seed=batch + 1,
+            )
+            first = torch.tensor(prompts)[:, 0]
+
+            def step(model, fast: bool):
+                cache = InferenceCache.allocate(model, batch, PROMPT + 2)
+                extend(model, cache, torch.tensor(prompts))
+                held = cache.lengths.clone()
+                plan = decode_plan(model)
+
+                def one() -> None:  # STEPS steps at the same position: fixed-size steps
+                    for _ in range(STEPS):
+                        cache.lengths.copy_(held)
+                        if fast:
+                            with torch.no_grad():
+                                plan(cache, first, None)
+                        else:
+                            extend(model, cache, first[:, None], last_only=True)
+
+                return one
+
+            def reprefill(fast: bool):
+                cache = InferenceCache.allocate(full, batch, PROMPT + THINK + 8)
+                extend_ragged(full, cache, thought, list(range(batch)), padded=fast, fast=fast)
+
+            def control(fast: bool) -> None:
+                think = generate(small, prompts, THINK, fast=fast)
+                sequences = [p + t for p, t in zip(prompts, think.tokens)]
+                generate(full, sequences, ANSWER, fast=fast)
+
+            fns = {}
+            for path, fast in (("ref", False), ("fast", True)):
+                if path not in paths:
+                    continue
+                fns[f"full_step_{path}"] = step(full, fast)
+                fns[f"small_step_{path}"] = step(small, fast)
+                fns[f"full_thinks_{path}"] = partial(
+                    generate, full, prompts, THINK + ANSWER, fast=fast
                 )
-                first = torch.tensor(prompts)[:, 0]
+                fns[f"control_{path}"] = partial(control, fast)
+                fns[f"reprefill_{path}"] = partial(reprefill, fast)
+            times: dict[str, list[float]] = {k: [] for k in fns}
+            order = list(fns.items())
+            for rep in range(reps + 1):  # the first round warms up
+                shift = rep % len(order)
+                for name, fn in order[shift:] + order[:shift]:
+                    elapsed = _timed(fn)
+                    if rep:
+                        times[name].append(elapsed)
+            med = {k: statistics.median(v) for k, v in times.items()}
 
-                def step(model, fast: bool):
-                    cache = InferenceCache.allocate(model, batch, PROMPT + 2)
-                    extend(model, cache, torch.tensor(prompts))
-                    held = cache.lengths.clone()
-                    plan = decode_plan(model)
+            def ratio(a: str, b: str, scale: float = 1.0) -> float | None:
+                return med[a] / med[b] * scale if a in med and b in med else None
 
-                    def one() -> None:  # STEPS steps at the same position: fixed-size steps
-                        for _ in range(STEPS):
-                            cache.lengths.copy_(held)
-                            if fast:
-                                with torch.no_grad():
-                                    plan(cache, first, None)
-                            else:
-                                extend(model, cache, first[:, None], last_only=True)
-
-                    return one
-
-                def reprefill(fast: bool):
-                    cache = InferenceCache.allocate(full, batch, PROMPT + THINK + 8)
-                    extend_ragged(full, cache, thought, list(range(batch)), padded=fast, fast=fast)
-
-                def control(fast: bool) -> None:
-                    think = generate(small, prompts, THINK, fast=fast)
-                    sequences = [p + t for p, t in zip(prompts, think.tokens)]
-                    generate(full, sequences, ANSWER, fast=fast)
-
-                fns = {}
-                for path, fast in (("ref", False), ("fast", True)):
-                    fns[f"full_step_{path}"] = step(full, fast)
-                    fns[f"small_step_{path}"] = step(small, fast)
-                    fns[f"full_thinks_{path}"] = partial(
-                        generate, full, prompts, THINK + ANSWER, fast=fast
-                    )
-                    fns[f"control_{path}"] = partial(control, fast)
-                    fns[f"reprefill_{path}"] = partial(reprefill, fast)
-                times: dict[str, list[float]] = {k: [] for k in fns}
-                order = list(fns.items())
-                for rep in range(reps + 1):  # the first round warms up
-                    shift = rep % len(order)
-                    for name, fn in order[shift:] + order[:shift]:
-                        elapsed = _timed(fn)
-                        if rep:
-                            times[name].append(elapsed)
-                med = {k: statistics.median(v) for k, v in times.items()}
-                rows.append(
-                    {
-                        "name": f"budget_control/w{width}/b{batch}",
-                        "active_ratio": active,
-                        "full_step_ms_ref": 1e3 * med["full_step_ref"] / STEPS,
-                        "full_step_ms_fast": 1e3 * med["full_step_fast"] / STEPS,
-                        "fast_step_speedup": med["full_step_ref"] / med["full_step_fast"],
-                        "step_ratio_ref": med["small_step_ref"] / med["full_step_ref"],
-                        "step_ratio_fast": med["small_step_fast"] / med["full_step_fast"],
-                        "control_speedup_ref": med["full_thinks_ref"] / med["control_ref"],
-                        "control_speedup_fast": med["full_thinks_fast"] / med["control_fast"],
-                        "reprefill_speedup": med["reprefill_ref"] / med["reprefill_fast"],
-                        "switch_in_steps": med["reprefill_fast"] / (med["full_step_fast"] / STEPS),
-                    }
-                )
+            rows.append(
+                {
+                    "name": f"budget_control/w{width}/b{batch}",
+                    "full_weights_mb": _weight_mb(full),
+                    "active_ratio": active,
+                    # computed: the control's tokens x active parameters over the full
+                    # model's (above 1, only a weight-read-bound step lets it win)
+                    "arithmetic_ratio": ((PROMPT + THINK) * (active + 1) + ANSWER)
+                    / (PROMPT + THINK + ANSWER),
+                    "full_step_ms_ref": (
+                        1e3 * med["full_step_ref"] / STEPS if "full_step_ref" in med else None
+                    ),
+                    "full_step_ms_fast": 1e3 * med["full_step_fast"] / STEPS,
+                    "fast_step_speedup": ratio("full_step_ref", "full_step_fast"),
+                    "step_ratio_ref": ratio("small_step_ref", "full_step_ref"),
+                    "step_ratio_fast": ratio("small_step_fast", "full_step_fast"),
+                    "control_speedup_ref": ratio("full_thinks_ref", "control_ref"),
+                    "control_speedup_fast": ratio("full_thinks_fast", "control_fast"),
+                    "reprefill_speedup": ratio("reprefill_ref", "reprefill_fast"),
+                    "switch_in_steps": ratio("reprefill_fast", "full_step_fast", STEPS),
+                }
+            )
         return rows
     finally:
         torch.set_num_threads(saved)

@@ -41,6 +41,8 @@ def _select(names: list[str], only: list[str] | None) -> list[str]:
 
 
 def _format(value: object) -> str:
+    if value is None:  # not measured in this row
+        return "-"
     if isinstance(value, float):
         if math.isnan(value):
             return "-"

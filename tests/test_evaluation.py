@@ -75,6 +75,8 @@ def test_a_setting_runs_what_generate_runs(problems):
         assert single["accuracy"] == score_completions(problems, plain.tokens).accuracy
         assert single["kind"] == "single" and single["problems"] == 6
         assert single["latency_ms_batch1"] > 0 and single["latency_ms_batched"] > 0
+        lengths = [len(p) for p in problems.prompts]
+        assert single["prompt_tokens_mean"] == pytest.approx(sum(lengths) / len(lengths))
         capped = run_setting(Setting("capped", 1.0, 1.0, cap=3), models, problems, 4, 0)
         assert capped["kind"] == "capped" and capped["think_tokens_mean"] <= 4
         assert capped["latency_ms_batch1"] is None
@@ -104,6 +106,45 @@ def test_a_setting_runs_what_generate_runs(problems):
         assert [name for name, _ in timed] == ["full", "capped", "capped", "full", "full", "capped"]
     finally:
         torch.set_num_threads(threads)
+
+
+def test_budget_control_target_counts_the_switch_arithmetic():
+    """The targets' ``arithmetic_ratio``: the small model reads prompt + thinking, the answering
+    model re-reads both and answers; the reference reads prompt, thinks and answers once. With
+    the demo's counts and a 0.25 active ratio the control does 22% more arithmetic (why it can
+    only win where a decode step is bound by reading weights)."""
+    from elastic_plugin.evaluation.report import _targets
+
+    def budget(b: float, active: int) -> dict:
+        return {"budget": b, "params": {"active": active}, "accuracy": {"fp32": 0.5}}
+
+    def setting(name, kind, think, answer, think_tokens, ms):
+        return {
+            "name": name,
+            "kind": kind,
+            "think": think,
+            "answer": answer,
+            "accuracy": 0.5,
+            "think_tokens_mean": think_tokens,
+            "answer_tokens_mean": 4.0,
+            "prompt_tokens_mean": 8.0,
+            "latency_ms_batch1": ms,
+            "latency_ms_batched": ms / 10,
+        }
+
+    rows = [budget(1.0, 400), budget(0.4, 100)]
+    control = [
+        setting("full", "single", 1.0, 1.0, 20.0, 30.0),
+        setting("0.4->1", "elastic", 0.4, 1.0, 20.0, 20.0),
+    ]
+    target = _targets(rows, control)["budget_control"]
+    assert target["arithmetic_ratio"] == pytest.approx((28 * 1.25 + 4) / 32)
+    assert target["speedup_if_step_time_tracked_active_params"] == pytest.approx(24 / 9)
+    assert target["speedup_batch1"] == pytest.approx(1.5) and target["met"]
+    control[1]["think_tokens_mean"] = 10.0  # thinking less: less to re-read
+    assert _targets(rows, control)["budget_control"]["arithmetic_ratio"] == pytest.approx(
+        (18 * 1.25 + 4) / 32
+    )
 
 
 def test_evaluate_rejects_bad_input_before_loading(tmp_path, monkeypatch, capsys):

@@ -197,11 +197,13 @@ def run_compare(inputs: CompareInputs, progress: bool = True) -> dict[str, Any]:
     )
     records: list[dict[str, Any]] = []
     loaders = []
-    for i, spec in enumerate(runs, 1):
+    done = 0
+    for spec in runs:
         record: dict[str, Any] = {"name": spec.name, "route": spec.route, "label": spec.label}
         checkpoint = inputs.ckpt
         if spec.token_budget is not None:
-            log(f"training {i}/{len(runs)} {spec.name}: {spec.iters} iterations")
+            done += 1
+            log(f"training {done}/{len(trained)} {spec.name}: {spec.iters} iterations")
             source = SizeSource(
                 config,
                 choices[spec.label],

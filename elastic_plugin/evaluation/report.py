@@ -269,6 +269,7 @@ def _strip(result: dict[str, Any]) -> dict[str, Any]:
         "accuracy",
         "think_tokens_mean",
         "answer_tokens_mean",
+        "prompt_tokens_mean",
         "latency_ms_batch1",
         "latency_ms_batch1_mean",
         "latency_ms_batched",
@@ -306,6 +307,7 @@ def _targets(rows: list[dict], control: list[dict]) -> dict[str, Any]:
             # proportion to active parameters and the re-prefill were free (a ceiling)
             "speedup_if_step_time_tracked_active_params": (think + answer)
             / (think * ratio + answer),
+            "arithmetic_ratio": _arithmetic_ratio(reference, e, ratio),
             "accuracy_drop_points": drop,
             "target": f">= {TARGETS['speedup']}x lower latency at <= "
             f"{TARGETS['accuracy_drop_points']} points lower accuracy",
@@ -331,6 +333,22 @@ def _targets(rows: list[dict], control: list[dict]) -> dict[str, Any]:
             }
         out[f"retention_{budget_label(row['budget'])}"] = entry
     return out
+
+
+def _arithmetic_ratio(reference: dict, elastic: dict, active_ratio: float) -> float | None:
+    """Computed, not measured: the arithmetic of elastic budget control over the reference's,
+    counting each token a model processes at its active parameters. Why it matters: the
+    small model processes prompt + thinking, and the answering model re-processes both
+    before it answers, so above 1 the switch costs more arithmetic than the thinking it makes
+    cheaper; the control can then only be faster where a decode step is bound by reading the
+    weights (large models, GPUs) and a prefill token is far cheaper than a decode token."""
+    prompt = reference.get("prompt_tokens_mean")
+    if prompt is None:
+        return None
+    think, answer = elastic["think_tokens_mean"], elastic["answer_tokens_mean"]
+    control = (prompt + think) * (active_ratio + 1) + answer
+    alone = prompt + reference["think_tokens_mean"] + reference["answer_tokens_mean"]
+    return control / alone
 
 
 def _ms(value: float | None) -> str:

@@ -109,6 +109,7 @@ def run_setting(
         "accuracy": scored.accuracy,
         "think_tokens_mean": statistics.fmean(scored.think_tokens),
         "answer_tokens_mean": statistics.fmean(scored.answer_tokens),
+        "prompt_tokens_mean": statistics.fmean(len(p) for p in problems.prompts),
         "latency_ms_batch1": latency.get("latency_ms_batch1"),
         "latency_ms_batch1_mean": latency.get("latency_ms_batch1_mean"),
         "latency_ms_batched": 1e3 * batched_s / len(problems),
