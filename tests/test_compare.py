@@ -220,6 +220,13 @@ def test_compare_makes_every_route_of_a_two_budget_run_and_reports_it(tmp_path):
     # the same architecture everywhere: every model of the size has the same parameter count
     models = [m for m in report["models"] if m["label"] == "0.4"]
     assert len(models) == 2 + 2 * 2 and len({json.dumps(m["params"]) for m in models}) == 1
+    # every model measured per problem and per window, so gaps get paired standard errors
+    for m in models:
+        assert len(m["correct"]) == 4 and len(m["window_losses"]) == 4
+        assert m["valid_loss"] == pytest.approx(sum(m["window_losses"]) / 4, rel=1e-12)
+        assert m["accuracy"] == sum(m["correct"]) / 4
+    assert distil["vs_elastic"]["accuracy"]["items"] == 4
+    assert distil["vs_elastic"]["valid_loss"]["se"] > 0
     # zero-shot is the teacher pruned: distilling it must lower the validation loss
     assert distil["valid_loss"]["mean"] < size["routes"]["zero_shot"]["valid_loss"]["mean"]
     cost = report["cost"]
@@ -308,6 +315,85 @@ def test_report_states_where_the_elastic_run_loses_and_the_cost_ratios(tmp_path)
     md = markdown(report)
     assert "0.6200 ± 0.0200" in md and "47.0 ± 3.0%" in md and line in md
     assert plot(report, tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_a_gap_is_judged_against_the_paired_sampling_noise_of_the_items():
+    """With per-problem correctness and per-window losses, a route's gap to the elastic model
+    gets a paired standard error (seeds averaged per item, then the spread of the per-item
+    differences / sqrt(items)): a one-problem gap on 8 problems is within noise, a consistent
+    gap on every item is beyond it, and the headline says which."""
+    from elastic_plugin.comparison.report import assemble, markdown
+
+    params = {"total": 1000, "active": 800}
+
+    def rec(route, correct, windows, budget=None, seed=None):
+        return {
+            "name": f"{route}_{seed}",
+            "route": route,
+            "label": "0.4",
+            "token_budget": budget,
+            "seed": seed,
+            "tokens": 500 if budget else 0,
+            "seconds": 1.0,
+            "tflop": 1.0 if budget else None,
+            "valid_loss": sum(windows) / len(windows),
+            "accuracy": sum(correct) / len(correct),
+            "correct": correct,
+            "window_losses": windows,
+            "params": params,
+        }
+
+    elastic = rec("elastic", [1, 0, 1, 0, 1, 0, 0, 0], [0.70, 0.80, 0.60, 0.75])
+    close = [  # one more problem right on average, losses within the windows' spread
+        rec("prune_distil", [1, 1, 1, 0, 1, 0, 0, 0], [0.60, 0.90, 0.50, 0.80], "equal_cost", 1),
+        rec("prune_distil", [1, 0, 1, 1, 1, 0, 0, 0], [0.62, 0.88, 0.52, 0.78], "equal_cost", 2),
+    ]
+    settings = {
+        "task": "products",
+        "problems": 8,
+        "eval_sequences": 4,
+        "seq_length": 64,
+        "seeds": [1, 2],
+        "scale": 1.0,
+        "num_sizes": 1,
+        "token_budgets": {"equal_cost": 500},
+        "elastic_checkpoint": "ckpt",
+    }
+    sizes = {"0.4": {"choice": {}, "cost_fraction": 0.4}}
+    run = {"iterations": 10, "tokens": 1000, "seconds": 15.0, "tflop": 4.0}
+    report = assemble([elastic, *close], sizes, run, settings)
+    paired = report["sizes"][0]["routes"]["prune_distil/equal_cost"]["vs_elastic"]
+    # per-problem differences (seed means minus elastic): 0, .5, 0, .5, 0, 0, 0, 0
+    diffs = [0, 0.5, 0, 0.5, 0, 0, 0, 0]
+    mean = sum(diffs) / 8
+    se = (sum((d - mean) ** 2 for d in diffs) / 7) ** 0.5 / 8**0.5
+    assert paired["accuracy"]["diff"] == pytest.approx(0.125)
+    assert paired["accuracy"]["se"] == pytest.approx(se) and paired["accuracy"]["items"] == 8
+    assert paired["valid_loss"]["items"] == 4
+    (line,) = report["elastic_loses"]
+    assert "over 8 problems: within sampling noise" in line
+    head = report["headline"]
+    assert head["paid"] is False and head["within_noise"] is True
+    assert "within the sampling noise" in "\n".join(head["markdown"])
+    assert head["paired_standard_error"]["accuracy"] == pytest.approx(se)
+
+    far = [  # every problem right, every window 0.2 lower: far beyond the noise
+        rec("prune_distil", [1] * 8, [w - 0.2 for w in elastic["window_losses"]], "equal_cost", 1),
+        rec("prune_distil", [1] * 8, [w - 0.21 for w in elastic["window_losses"]], "equal_cost", 2),
+    ]
+    report = assemble([elastic, *far], sizes, run, settings)
+    (line,) = report["elastic_loses"]
+    assert "problems: beyond sampling noise" in line
+    assert "validation windows: beyond sampling noise" in line
+    head = report["headline"]
+    assert head["within_noise"] is False
+    assert "**the elastic model loses here**" in "\n".join(head["markdown"])
+    assert line in markdown(report)
+    # measurements without per-item data (older records): no paired error, still a loss
+    bare = [{k: v for k, v in r.items() if k not in ("correct", "window_losses")} for r in far]
+    report = assemble([elastic, *bare], sizes, run, settings)
+    assert report["sizes"][0]["routes"]["prune_distil/equal_cost"]["vs_elastic"] is None
+    assert report["headline"]["within_noise"] is False
 
 
 def test_demo_report_carries_the_short_comparison_of_its_own_checkpoint(tmp_path):

@@ -1,5 +1,5 @@
 """Every compared model measured the same way, in this process: held-out validation loss
-(``evaluation.lm_loss.megatron_loss`` on the same windows of the validation split) and accuracy
+(``evaluation.lm_loss.sequence_loss_sums`` on the same windows of the validation split) and accuracy
 on the same held-out problems (``evaluation.settings.run_setting``, the demo report's measure),
 one model in memory at a time."""
 
@@ -57,7 +57,7 @@ class Measure:
         self.micro_batch_size = micro_batch_size
 
     def __call__(self, name: str, model: torch.nn.Module, model_cfg: Any) -> dict[str, Any]:
-        from elastic_plugin.evaluation.lm_loss import megatron_loss
+        from elastic_plugin.evaluation.lm_loss import sequence_loss_sums
         from elastic_plugin.evaluation.settings import Setting, run_setting
         from elastic_plugin.models.counting import count_parameters
 
@@ -65,16 +65,20 @@ class Measure:
         torch.set_num_threads(1)  # tiny decode steps are dispatch-bound (as evaluate does)
         try:
             model.eval()
-            loss = megatron_loss(model, self.tokens, self.micro_batch_size)
+            sums = sequence_loss_sums(model, self.tokens, self.micro_batch_size)
             result = run_setting(
                 Setting(name, 1.0, 1.0), {(1.0, "fp32"): model}, self.problems, self.batch_size, 0
             )
         finally:
             torch.set_num_threads(threads)
         counts = count_parameters(model_cfg)
+        per_window = self.tokens.shape[1] - 1
         return {
-            "valid_loss": loss,
+            "valid_loss": sum(sums) / (len(sums) * per_window),
             "accuracy": result["accuracy"],
+            # per problem / per window: what the report's paired sampling errors are made of
+            "correct": [bool(c) for c in result["correct"]],
+            "window_losses": [x / per_window for x in sums],
             "params": {"total": counts.total, "active": counts.active},
         }
 

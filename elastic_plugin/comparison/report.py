@@ -54,9 +54,54 @@ def _aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+NOISE_SE = 2.0  # a gap within this many paired standard errors is called sampling noise
+
+
+def _paired(route: list[dict[str, Any]], elastic: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The route minus the elastic model on the *same* problems and windows: the mean paired
+    difference and its standard error (spread of the per-item differences / sqrt(items); the
+    route's seeds averaged per item first). Why paired: both models see the same items, so the
+    items' own difficulty cancels; what remains says whether a gap is more than the sampling
+    noise of this many problems or windows."""
+    if not elastic or any("correct" not in r or "window_losses" not in r for r in route + elastic):
+        return None
+    out: dict[str, Any] = {}
+    for metric, key in (("accuracy", "correct"), ("valid_loss", "window_losses")):
+        mine = [
+            statistics.fmean(float(v) for v in items) for items in zip(*(r[key] for r in route))
+        ]
+        base = [float(v) for v in elastic[0][key]]
+        diffs = [a - b for a, b in zip(mine, base)]
+        se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
+        out[metric] = {"diff": statistics.fmean(diffs), "se": se, "items": len(diffs)}
+    return out
+
+
+def _beyond_noise(paired: dict[str, Any] | None, metric: str) -> bool | None:
+    """Whether the paired gap on ``metric`` exceeds ``NOISE_SE`` standard errors (None: unknown)."""
+    if paired is None or paired[metric]["se"] != paired[metric]["se"]:  # absent or NaN
+        return None
+    gap = paired[metric]
+    return abs(gap["diff"]) > NOISE_SE * gap["se"]
+
+
+def _noise_words(paired: dict[str, Any] | None, metric: str, scale: float, unit: str) -> str:
+    if paired is None:
+        return ""
+    gap = paired[metric]
+    beyond = _beyond_noise(paired, metric)
+    verdict = "unknown" if beyond is None else "beyond" if beyond else "within"
+    items = "problems" if metric == "accuracy" else "validation windows"
+    return (
+        f", paired standard error ±{scale * gap['se']:.{2 if scale == 100 else 4}f}{unit} over "
+        f"{gap['items']} {items}: {verdict} sampling noise"
+    )
+
+
 def _losses(size: dict[str, Any]) -> list[str]:
     """Plain sentences: every route that beats the elastic model of this size, and by how much
-    (on the mean over seeds; the spread says whether it is more than seed noise)."""
+    (on the mean over seeds; the seed spread and the paired standard error over the evaluated
+    items say whether it is more than noise)."""
     routes = size["routes"]
     elastic = routes.get("elastic")
     if elastic is None:
@@ -66,17 +111,19 @@ def _losses(size: dict[str, Any]) -> list[str]:
     for key, r in routes.items():
         if key == "elastic":
             continue
-        acc, loss = r["accuracy"], r["valid_loss"]
+        acc, loss, paired = r["accuracy"], r["valid_loss"], r.get("vs_elastic")
         beats = []
         if acc["mean"] > e_acc:
             beats.append(
                 f"accuracy {100 * acc['mean']:.1f}% vs {100 * e_acc:.1f}% "
-                f"(+{100 * (acc['mean'] - e_acc):.1f} points, seed spread ±{100 * acc['std']:.1f})"
+                f"(+{100 * (acc['mean'] - e_acc):.1f} points, seed spread ±{100 * acc['std']:.1f}"
+                + _noise_words(paired, "accuracy", 100, " points")
+                + ")"
             )
         if loss["mean"] < e_loss:
             beats.append(
                 f"validation loss {loss['mean']:.4f} vs {e_loss:.4f} "
-                f"(seed spread ±{loss['std']:.4f})"
+                f"(seed spread ±{loss['std']:.4f}" + _noise_words(paired, "valid_loss", 1, "") + ")"
             )
         if beats:
             out.append(
@@ -98,6 +145,10 @@ def assemble(
         mine = [r for r in records if r["label"] == label]
         keys = list(dict.fromkeys(route_key(r) for r in mine))
         routes = {k: _aggregate([r for r in mine if route_key(r) == k]) for k in keys}
+        base = [r for r in mine if route_key(r) == "elastic"]
+        for key, route in routes.items():
+            if key != "elastic":
+                route["vs_elastic"] = _paired([r for r in mine if route_key(r) == key], base)
         if "elastic" in routes:
             routes["elastic"] |= {
                 "tokens": elastic_run["tokens"],
@@ -143,6 +194,10 @@ def headline(report: dict[str, Any]) -> dict[str, Any] | None:
     d_acc = 100 * (e["accuracy"]["mean"] - a["accuracy"]["mean"])
     d_loss = e["valid_loss"]["mean"] - a["valid_loss"]["mean"]
     paid = d_acc >= 0 and d_loss <= 0
+    paired = a.get("vs_elastic")
+    # a loss counts unless every gap is known to be within the paired sampling noise
+    noisy = [_beyond_noise(paired, m) for m in ("accuracy", "valid_loss")]
+    within_noise = not paid and all(n is False for n in noisy)
     lines = [
         f"Budget {row['budget']}: the elastic model (one run of {e['tokens']:,} tokens for every "
         f"size) vs the same architecture pruned from the teacher and distilled alone "
@@ -160,15 +215,26 @@ def headline(report: dict[str, Any]) -> dict[str, Any] | None:
             f"| zero-shot prune (floor) | {_pm(z['valid_loss'], 1, 4)} | "
             f"{_pm(z['accuracy'], 100, 1)}% |"
         )
-    verdict = (
-        "the method paid: the elastic model is at least as good"
-        if paid
-        else "the elastic model loses here"
-    )
+    if paid:
+        verdict = "the method paid: the elastic model is at least as good"
+    elif within_noise:
+        verdict = (
+            "the elastic model is behind, but within the sampling noise of this evaluation "
+            f"(each gap under {NOISE_SE:g} paired standard errors)"
+        )
+    else:
+        verdict = "the elastic model loses here"
+    errors = ""
+    if paired is not None:
+        errors = (
+            f" (paired standard errors ±{100 * paired['accuracy']['se']:.1f} points over "
+            f"{paired['accuracy']['items']} problems, ±{paired['valid_loss']['se']:.4f} over "
+            f"{paired['valid_loss']['items']} validation windows)"
+        )
     lines += [
         "",
-        f"Elastic minus alone: {d_acc:+.1f} accuracy points, {d_loss:+.4f} validation loss: "
-        f"**{verdict}**.",
+        f"Elastic minus alone: {d_acc:+.1f} accuracy points, {d_loss:+.4f} validation loss"
+        f"{errors}: **{verdict}**.",
     ]
     if report["settings"]["scale"] != 1.0:
         lines.append(f"(Distilled alone at {report['settings']['scale']:g}x its token budget.)")
@@ -182,6 +248,10 @@ def headline(report: dict[str, Any]) -> dict[str, Any] | None:
             "tokens": a["tokens"],
         },
         "paid": paid,
+        "within_noise": within_noise,
+        "paired_standard_error": None
+        if paired is None
+        else {m: paired[m]["se"] for m in ("accuracy", "valid_loss")},
         "checkpoint": report["settings"].get("elastic_checkpoint"),
         "markdown": lines,
     }

@@ -19,7 +19,14 @@ from typing import Any
 from elastic_plugin.checkpoint.meta import budget_label, read_checkpoint_meta, trained_budgets
 from elastic_plugin.models.config import ConfigError, config_from_dict
 
-__all__ = ["LM_REPORT_JSON", "LM_REPORT_MD", "LM_PLOT", "evaluate_lm", "megatron_loss"]
+__all__ = [
+    "LM_REPORT_JSON",
+    "LM_REPORT_MD",
+    "LM_PLOT",
+    "evaluate_lm",
+    "megatron_loss",
+    "sequence_loss_sums",
+]
 
 LM_REPORT_JSON = "lm_report.json"
 LM_REPORT_MD = "lm_report.md"
@@ -55,20 +62,28 @@ def _check_vocab(tokens: Any, vocab_size: int, tokenizer: str, data_path: str) -
 def megatron_loss(model: Any, tokens: Any, micro_batch_size: int) -> float:
     """Mean next-token cross entropy of a plain Megatron model (TP=1) over ``tokens``
     ``[n, s + 1]``: logits in fp32, summed over every token, divided once."""
+    sums = sequence_loss_sums(model, tokens, micro_batch_size)
+    return float(sum(sums)) / (tokens.shape[0] * (tokens.shape[1] - 1))
+
+
+def sequence_loss_sums(model: Any, tokens: Any, micro_batch_size: int) -> list[float]:
+    """Per window of ``tokens`` ``[n, s + 1]``: the summed next-token cross entropy (fp32
+    logits). Why per window: comparing two models on the same windows needs the paired
+    differences, whose spread says whether a gap is more than the windows' sampling noise."""
     import torch
     import torch.nn.functional as F
 
-    total, count = 0.0, 0
+    sums: list[float] = []
     with torch.no_grad():
         for batch in tokens.split(micro_batch_size):
             inputs, labels = batch[:, :-1], batch[:, 1:]
             position = torch.arange(inputs.shape[1]).unsqueeze(0).expand_as(inputs)
             logits = model(inputs, position, None).float()
-            total += F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum"
-            ).item()
-            count += labels.numel()
-    return total / count
+            losses = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
+            )
+            sums += losses.reshape(labels.shape).double().sum(1).tolist()
+    return sums
 
 
 def _export_losses(

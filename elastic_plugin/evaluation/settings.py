@@ -107,6 +107,7 @@ def run_setting(
         "kind": setting.kind,
         "problems": len(problems),
         "accuracy": scored.accuracy,
+        "correct": scored.correct,
         "think_tokens_mean": statistics.fmean(scored.think_tokens),
         "answer_tokens_mean": statistics.fmean(scored.answer_tokens),
         "prompt_tokens_mean": statistics.fmean(len(p) for p in problems.prompts),
