@@ -683,3 +683,15 @@ def test_elastic_log_reports_each_budget_its_choice_throughput_and_memory():
     assert "elastic/kd loss 0.25" not in writer.scalars
     assert {"elastic/tokens per second", "elastic/peak memory per rank GiB"} <= set(writer.scalars)
     assert log.window.abs().sum() == 0  # the interval was reset
+
+
+def test_a_setup_note_prints_once_however_often_the_setup_runs(capsys):
+    """A Megatron-LM launch runs ``elastic_setup`` up to three times (the router's LR group,
+    the early check, the model provider): its notes reach stderr once."""
+    from elastic_plugin.elastic import megatron_lm_args
+
+    message = "elastic: note: a test note printed once"
+    megatron_lm_args._NOTED.discard(message)
+    for _ in range(3):
+        megatron_lm_args._note_once(message)
+    assert capsys.readouterr().err.count(message) == 1

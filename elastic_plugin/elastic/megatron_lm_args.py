@@ -202,6 +202,20 @@ def checkpoint_config(path: str | None, flag: str):
     return config_from_dict(meta["config"], source=f"{flag} {path}"), meta
 
 
+_NOTED: set[str] = set()
+
+
+def _note_once(message: str) -> None:
+    """Print ``message`` to stderr once per process. Why: a Megatron-LM launch runs
+    :func:`elastic_setup` more than once (the router's LR group while Megatron parses, the
+    early check, the model provider), and a note is worth reading once."""
+    import sys
+
+    if message not in _NOTED:
+        _NOTED.add(message)
+        print(message, file=sys.stderr)
+
+
 def elastic_setup(args: argparse.Namespace):
     """Checks that need only the arguments: (ExperimentConfig, ElasticConfig, resolved)."""
     from elastic_plugin.elastic.megatron_lm import check_checkpoint_args
@@ -229,13 +243,10 @@ def elastic_setup(args: argparse.Namespace):
             "megatron.training.pretrain the router trains throughout"
         )
     if ecfg.router.freeze_after is not None:  # the checkpoint's elastic: section asks for it
-        import sys
-
-        print(
+        _note_once(
             f"elastic: note: --elastic-ckpt's elastic.router.freeze_after="
             f"{ecfg.router.freeze_after} is not applied inside megatron.training.pretrain (the "
-            f"router trains throughout; `elastic-plugin elastic-train` freezes)",
-            file=sys.stderr,
+            f"router trains throughout; `elastic-plugin elastic-train` freezes)"
         )
         router = dataclasses.replace(ecfg.router, freeze_after=None, freeze_select="likelihood")
         ecfg = dataclasses.replace(ecfg, router=router)
