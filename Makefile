@@ -48,7 +48,7 @@ demo: $(STAMPS)/install
 	rm -rf $(OUT)/compare  # the short comparison: the smallest model distilled alone (report.md)
 	$(VENV)/bin/elastic-plugin compare --ckpt $(OUT)/checkpoints/elastic --out $(OUT)/compare \
 		--budgets smallest --routes elastic,prune_distil,zero_shot --token-budgets equal_cost \
-		--seeds 1 --num-problems $(if $(QUICK),16,64)
+		--seeds 1 --num-problems $(if $(QUICK),16,200)
 	rm -rf $(OUT)/exports  # derived from the elastic checkpoint: rebuilt on every run
 	$(VENV)/bin/elastic-plugin export --ckpt $(OUT)/checkpoints/elastic --out $(OUT)/exports \
 		--eval-sequences $(if $(QUICK),16,64) --nested --calib-samples $(if $(QUICK),16,64) \
