@@ -224,13 +224,22 @@ def test_bench_quickest_run(monkeypatch):
 
     monkeypatch.setattr(bench, "WIDTHS", (1,))
     monkeypatch.setattr(bench, "BATCHES", (2,))
-    (row,) = bench.run(quick=True, reps=1)
-    assert row["name"] == "budget_control/w1/b2"
+    monkeypatch.setattr(bench, "LARGE_WIDTHS", (1,))  # the batch-1, fast-only rows
+    row, large = bench.run(quick=False, reps=1)
+    assert row["name"] == "budget_control/w1/b2" and large["name"] == "budget_control/w1/b1"
     assert 0.4 < row["active_ratio"] < 0.6
     assert all(math.isfinite(row[k]) and row[k] > 0 for k in row if k != "name")
     assert row["fast_step_speedup"] == pytest.approx(
         row["full_step_ms_ref"] / row["full_step_ms_fast"]
     )
+    # the control's arithmetic over the full model's: prompt + thinking read twice
+    t, a, p = bench.THINK, bench.ANSWER, bench.PROMPT
+    assert row["arithmetic_ratio"] == pytest.approx(
+        ((p + t) * (row["active_ratio"] + 1) + a) / (p + t + a)
+    )
+    assert row["full_weights_mb"] == large["full_weights_mb"] > 0
+    assert large["step_ratio_ref"] is None and large["control_speedup_ref"] is None
+    assert large["step_ratio_fast"] > 0 and large["control_speedup_fast"] > 0
 
 
 def test_hooked_layers_run_their_modules():
