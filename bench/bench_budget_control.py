@@ -124,6 +124,7 @@ def _timed(fn) -> float:
 
 def run(quick: bool = False, reps: int | None = None, threads: int = 1) -> list[dict]:
     from elastic_plugin.inference import InferenceCache, extend, extend_ragged, generate
+    from elastic_plugin.inference.budget_control import arithmetic_ratio
     from elastic_plugin.inference.fast_decode import decode_plan
     from elastic_plugin.testing.inference_cases import random_prompts
 
@@ -203,10 +204,8 @@ def run(quick: bool = False, reps: int | None = None, threads: int = 1) -> list[
                     "name": f"budget_control/w{width}/b{batch}",
                     "full_weights_mb": _weight_mb(full),
                     "active_ratio": active,
-                    # computed: the control's tokens x active parameters over the full
-                    # model's (above 1, only a weight-read-bound step lets it win)
-                    "arithmetic_ratio": ((PROMPT + THINK) * (active + 1) + ANSWER)
-                    / (PROMPT + THINK + ANSWER),
+                    # computed, not timed (above 1, only a weight-read-bound step lets it win)
+                    "arithmetic_ratio": arithmetic_ratio(PROMPT, THINK, ANSWER, active),
                     "full_step_ms_ref": (
                         1e3 * med["full_step_ref"] / STEPS if "full_step_ref" in med else None
                     ),

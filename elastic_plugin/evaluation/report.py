@@ -336,19 +336,20 @@ def _targets(rows: list[dict], control: list[dict]) -> dict[str, Any]:
 
 
 def _arithmetic_ratio(reference: dict, elastic: dict, active_ratio: float) -> float | None:
-    """Computed, not measured: the arithmetic of elastic budget control over the reference's,
-    counting each token a model processes at its active parameters. Why it matters: the
-    small model processes prompt + thinking, and the answering model re-processes both
-    before it answers, so above 1 the switch costs more arithmetic than the thinking it makes
-    cheaper; the control can then only be faster where a decode step is bound by reading the
-    weights (large models, GPUs) and a prefill token is far cheaper than a decode token."""
+    """``inference.arithmetic_ratio`` of the measured token counts (None: no prompt length)."""
+    from elastic_plugin.inference.budget_control import arithmetic_ratio
+
     prompt = reference.get("prompt_tokens_mean")
     if prompt is None:
         return None
-    think, answer = elastic["think_tokens_mean"], elastic["answer_tokens_mean"]
-    control = (prompt + think) * (active_ratio + 1) + answer
-    alone = prompt + reference["think_tokens_mean"] + reference["answer_tokens_mean"]
-    return control / alone
+    return arithmetic_ratio(
+        prompt,
+        elastic["think_tokens_mean"],
+        elastic["answer_tokens_mean"],
+        active_ratio,
+        reference["think_tokens_mean"],
+        reference["answer_tokens_mean"],
+    )
 
 
 def _ms(value: float | None) -> str:

@@ -20,7 +20,12 @@ from elastic_plugin.inference.generate import GenerationResult, generate
 from elastic_plugin.inference.steps import check_model
 from elastic_plugin.models.config import ConfigError
 
-__all__ = ["BudgetControlResult", "budget_control_generate", "capped_thinking_generate"]
+__all__ = [
+    "BudgetControlResult",
+    "arithmetic_ratio",
+    "budget_control_generate",
+    "capped_thinking_generate",
+]
 
 
 @dataclass
@@ -39,6 +44,28 @@ class BudgetControlResult:
     @property
     def sequences(self) -> list[list[int]]:
         return [p + t + a for p, t, a in zip(self.prompts, self.thinking, self.answers)]
+
+
+def arithmetic_ratio(
+    prompt: float,
+    think: float,
+    answer: float,
+    active_ratio: float,
+    alone_think: float | None = None,
+    alone_answer: float | None = None,
+) -> float:
+    """Computed, not measured: the arithmetic of think-small / answer-full over the full model
+    alone, counting each token a model processes at its active parameters (the thinking model's
+    ``active_ratio`` of the full model's). The thinking model reads prompt + thinking, and the
+    answering model re-reads both before it answers; alone, the full model reads the prompt
+    and generates ``alone_think`` + ``alone_answer`` tokens (default: the same counts). Why it
+    matters: above 1 the switch costs more arithmetic than the cheaper thinking saves, so the
+    control can only be faster where a decode step is bound by reading the weights (large
+    models, GPUs) and a re-read token costs a fraction of a decode step."""
+    alone_think = think if alone_think is None else alone_think
+    alone_answer = answer if alone_answer is None else alone_answer
+    control = (prompt + think) * (active_ratio + 1) + answer
+    return control / (prompt + alone_think + alone_answer)
 
 
 def budget_control_generate(
