@@ -60,6 +60,14 @@ class ModelConfig:
     layernorm_epsilon: float = 1e-5
     position_embedding_type: Literal["none", "rope"] = "none"
     rotary_base: int = 10000
+    # Llama 3.1+ frequency scaling (Megatron's RotaryEmbedding: low/high frequency factors 1 and 4,
+    # original context 8192 are fixed there); off: plain RoPE
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    # per-head RMSNorm of queries and keys (Qwen3); its weight is head_dim-sized, not hidden-sized
+    qk_layernorm: bool = False
+    # biases on the query/key/value projection only (Qwen2), independent of add_bias_linear
+    add_qkv_bias: bool = False
     max_sequence_length: int = 4096
     untie_embeddings_and_output_weights: bool = True
     add_bias_linear: bool = False
