@@ -56,7 +56,7 @@ demo: $(STAMPS)/install
 	$(VENV)/bin/elastic-plugin evaluate --ckpt $(OUT)/checkpoints/elastic --exports $(OUT)/exports --out $(OUT) \
 		$(if $(QUICK),--num-problems 32 --latency-problems 4,)
 
-# does the method pay? every route for every size (README, "make compare"; after make demo)
+# does the method pay? every route for every size (docs/compare.md; after make demo)
 compare: $(STAMPS)/install  # 72 min measured on the demo (24 models trained, 28 measured)
 	$(VENV)/bin/elastic-plugin compare --ckpt $(OUT)/checkpoints/elastic --out $(OUT)/compare \
 		$(if $(QUICK),--seeds 1 --scale 0.1 --num-problems 32,)

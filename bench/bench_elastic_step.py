@@ -2,7 +2,8 @@
 
 For each model (``tiny``: examples/configs/tiny.yaml; ``wide``: the same layer pattern at 4x the
 width) and each width fraction f (applied to hidden, FFN, shared-expert FFN, attention heads,
-Mamba heads and experts, as in DESIGN.md "What real compute savings means"; Mamba head dim stays
+Mamba heads and experts, as in docs/design.md, "Sliced and masked: what real compute savings
+means"; Mamba head dim stays
 full), these steps run interleaved in one ``interleaved_medians`` call per model:
 
 * ``plain_full``: a plain Megatron-Core ``HybridModel`` (never elastified): the baseline;
@@ -21,7 +22,7 @@ full), these steps run interleaved in one ``interleaved_medians`` call per model
 Columns: times relative to ``plain_full``; ``flop_ratio`` = matmul FLOPs of the reduced model /
 full (what is counted: see ``matmul_flops``); ``sliced/flops`` = (sliced/full) / flop_ratio,
 target <= 1.15 at budget 0.5 (the ``b0.5`` row; verdicts are printed on every row);
-``sliced/small`` = sliced / plain_small, target <= 1.10 (DESIGN.md). ``budget`` is the active
+``sliced/small`` = sliced / plain_small, target <= 1.10 (docs/design.md). ``budget`` is the active
 parameter fraction (embeddings included, as the budget loss counts it). On small CPU models the
 non-GEMM work (norms, routing, the SSD scan, Python dispatch) does not shrink with the FLOPs, so
 ``sliced/flops`` is expected to miss there; ``sliced/small`` is the fair CPU check.
@@ -47,7 +48,7 @@ from _timing import interleaved_medians  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = ROOT / "examples" / "configs" / "tiny.yaml"
-FRACTIONS = (0.77, 0.5, 0.4)  # DESIGN.md's table
+FRACTIONS = (0.77, 0.5, 0.4)  # docs/design.md, "Sliced and masked"
 TARGET_BUDGET = 0.5  # the issue's "sliced <= 1.15 x FLOP ratio at budget 0.5"
 SCALED_AXES = ("embedding", "ffn", "shared_ffn", "attention_heads", "mamba_heads", "experts")
 MAX_SLICED_VS_FLOPS = 1.15

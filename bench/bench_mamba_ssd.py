@@ -1,7 +1,8 @@
 """Pure-PyTorch Mamba-2 SSD scan on CPU: chunked form vs the full L x L quadratic form.
 
 The chunked scan is what makes Megatron's ``MambaMixer`` usable on CPU without ``mamba_ssm``
-(DESIGN.md: the quadratic form was half the forward time for 30% of the FLOPs). Rows give
+(docs/design.md, "Mamba on a CPU"; the quadratic form was half the forward time for 30% of the
+FLOPs). Rows give
 forward+backward time per chunk size relative to the quadratic form (chunk = L), same inputs.
 """
 

@@ -121,7 +121,8 @@ def _mapping(section: str, raw: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ sub-sections
 @dataclass(frozen=True)
 class RouterConfig:
-    """Budget router settings (DESIGN: Gumbel-Softmax, temperature 1 -> 0.05, logit scale 1 -> 10;
+    """Budget router settings (docs/design.md, "Router": Gumbel-Softmax, temperature 1 -> 0.05,
+    logit scale 1 -> 10;
     router lr ~1e-2 vs model ~1e-4, hence ``lr_mult`` 100)."""
 
     hidden_size: int = 256
@@ -149,7 +150,8 @@ class RouterConfig:
 @dataclass(frozen=True)
 class CurriculumStage:
     """``iters`` iterations with budgets drawn from ``budget_probs`` (None: uniform), optionally
-    at another sequence length (DESIGN: stage 2 skews to the big model with longer sequences)."""
+    at another sequence length (docs/design.md, "Budget sampling and the curriculum": the
+    published recipe's stage 2 skews to the big model with longer sequences)."""
 
     iters: int
     budget_probs: tuple[float, ...] | None = None

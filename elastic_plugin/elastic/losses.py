@@ -1,4 +1,5 @@
-"""Elastic-training losses: vocab-parallel distillation KL and the budget loss (DESIGN.md §3).
+"""Elastic-training losses: vocab-parallel distillation KL and the budget loss
+(docs/design.md, "Losses").
 
 The cross-entropy term (kept for budget 1.0 if asked) is Megatron's own
 ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy``; nothing here re-implements it.
@@ -108,7 +109,8 @@ def vocab_parallel_kl(
 
 
 def budget_loss(cost: torch.Tensor, budget: float, full_cost: float) -> torch.Tensor:
-    """``|cost / (budget · full_cost) − 1|`` (DESIGN.md §3): how far the router's (expected) cost of
+    """``|cost / (budget · full_cost) − 1|`` (docs/design.md, "Losses"): how far the router's
+    (expected) cost of
     the chosen sub-network is from the target fraction of the full model's cost, relative."""
     if not budget > 0:
         raise ConfigError(f"budget={budget!r} must be > 0 (a fraction of the full model's cost)")

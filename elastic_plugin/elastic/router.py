@@ -1,6 +1,7 @@
 """Budget routers: map a target budget to a (differentiable) choice of nested size per axis.
 
-One small MLP per width axis (DESIGN.md §2): the one-hot encoding of the target budget goes through
+One small MLP per width axis (docs/design.md, "Router"): the one-hot encoding of the target
+budget goes through
 ``Linear(num_budgets, hidden) -> LeakyReLU -> Linear(hidden, num_layers * num_candidates)`` and gives
 logits over that axis' candidate sizes, one row per layer when the axis is heterogeneous (one row for
 all layers when homogeneous). Training samples a choice with Gumbel-Softmax (hard = straight-through);

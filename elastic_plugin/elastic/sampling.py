@@ -1,4 +1,5 @@
-"""Which budget each micro-batch trains, and the curriculum stages (DESIGN.md §4).
+"""Which budget each micro-batch trains, and the curriculum stages (docs/design.md,
+"Budget sampling and the curriculum").
 
 Every draw is a pure function of ``(seed, iteration, microbatch)`` through a stable hash (blake2b),
 so every rank of a model replica draws the same budget and the same Gumbel noise without

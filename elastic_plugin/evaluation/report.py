@@ -4,7 +4,7 @@
 directory, every HF export in BF16 / FP8 / NVFP4), answers the held-out problems with each, and
 runs the budget-control settings: the full model thinking freely (the reference), elastic budget
 control (think small, answer with a larger nested model) and standard budget control (the full
-model with its thinking capped). It writes ``report.json`` (schema: README, "report.json"),
+model with its thinking capped). It writes ``report.json`` (schema: docs/demo.md, "report.json"),
 ``report.md`` and three plots, and checks the issue's targets.
 """
 

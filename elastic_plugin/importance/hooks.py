@@ -2,7 +2,7 @@
 
 One accumulator per (axis, global layer number), holding this rank's *local* units (its TP shard
 of heads/neurons, its EP share of experts) summed over the tokens it saw. ``reduce.py`` turns
-them into global scores. What each hook measures (DESIGN.md, "Importance"):
+them into global scores. What each hook measures (docs/design.md, "Importance"):
 
 - embedding channels: ``sum |norm(x)|`` at every norm that reads the residual stream;
 - FFN neurons (dense MLP, shared expert): ``sum |input of fc2|``;

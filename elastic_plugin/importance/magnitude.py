@@ -2,7 +2,7 @@
 
 The baseline every activation statistic is compared with, and a statistic ``--method`` can
 select (it pruned embedding channels better than any activation statistic on the demo teacher;
-README, "Importance statistics"). Values are this rank's shard; ``scores.reduce_local_stats``
+docs/importance.md, "The ablation"). Values are this rank's shard; ``scores.reduce_local_stats``
 joins them like the activations (``WEIGHT_KEYS``), so they are layout independent too.
 """
 

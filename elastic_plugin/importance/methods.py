@@ -3,7 +3,7 @@
 Every statistic is read from an ``ImportanceScores`` file (activations collected once, reduced
 the same way under any layout), so choosing another one needs no second calibration pass.
 ``PUBLISHED`` keeps the paper's statistic for each axis selectable; ``DEFAULTS`` is the one that
-pruned best in ``bench/bench_importance_ablation.py`` (README, "Importance statistics").
+pruned best in ``bench/bench_importance_ablation.py`` (docs/importance.md, "The ablation").
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ PUBLISHED = {
     "mamba_channels": "x_proj",
     "experts": "reap",
 }
-# the measured best on both teachers (README, "Importance statistics"). Embedding: activation
+# the measured best on both teachers (docs/importance.md, "Defaults"). Embedding: activation
 # statistics keep the high-energy residual channels, so every kept channel shrinks after the norms
 # renormalize over fewer channels. Experts: magnitude beat REAP on the demo teacher (8 experts)
 # and tied with it on 32. Mamba heads: what the head writes beat both Mamba sources.

@@ -1,7 +1,8 @@
 """Reorder a Megatron-Core HybridModel so every nested width is a prefix, without changing its output.
 
 Permutations come from importance scores (most important first). Each axis permutes every
-coupled tensor (DESIGN.md): the hidden axis touches embeddings, every norm, every input column
+coupled tensor (docs/design.md, "Width axes and nesting"): the hidden axis touches embeddings,
+every norm, every input column
 and output row; FFN neurons touch fc1 rows / fc2 columns; query heads move within their query
 group (qkv rows, proj columns); Mamba heads within their group and head channels (z/x rows,
 dt, conv, A_log, D, dt_bias, gated norm, out_proj columns); experts move with their router row
@@ -72,7 +73,7 @@ class Permutations:
         ``methods``: axis -> statistic (``importance.methods.STATISTICS``) for the axes named;
         the others use ``methods.DEFAULTS``. ``mamba_source`` ("out_proj_input" or "x_proj", the
         published x-projection statistic), when given, ranks both Mamba axes unless ``methods``
-        names them. Measured per axis: README, "Importance statistics"
+        names them. Measured per axis: docs/importance.md, "The ablation"
         (bench/bench_importance_ablation.py)."""
         from elastic_plugin.importance.methods import axis_scores, resolve_methods
 

@@ -1,7 +1,7 @@
 """Elastic budget control: think with a small nested model, answer with a larger one.
 
-Thinking tokens are cheap with a small model; the answer benefits from the big one (DESIGN.md
-§6). The two models share weights but not caches (their widths differ), so the switch
+Thinking tokens are cheap with a small model; the answer benefits from the big one (docs/design.md,
+"Budget control"). The two models share weights but not caches (their widths differ), so the switch
 re-prefills prompt + thinking with the answering model (for a batch, one padded forward:
 ``steps.extend_ragged``). A sequence whose thinking reaches
 ``max_think_tokens`` without closing gets ``</think>`` appended (budget forcing), so the

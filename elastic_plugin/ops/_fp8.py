@@ -1,6 +1,6 @@
 """FP8 (E4M3) prefix GEMM: a CPU emulation that checks the numerics of the GPU FP8 path.
 
-Nested models are served in FP8 (DESIGN: quantization), and a sliced nested width is a
+Nested models are served in FP8 (docs/design.md, "Quantization"), and a sliced nested width is a
 prefix ``weight[:n, :k]``.  On a GPU with FP8 tensor cores (compute capability >= 8.9)
 ``torch._scaled_mm`` runs the real thing; elsewhere this module emulates it exactly as the
 hardware defines it: quantize both operands to ``float8_e4m3fn`` with scales

@@ -10,7 +10,7 @@
 # Bring your own model: HF=DIR replaces the teacher run by `elastic-plugin import --hf DIR`
 # (RUN/checkpoints/teacher); DATA_PATH (and VALID_DATA_PATH) name your indexed datasets
 # (`elastic-plugin prepare-data --input ... --tokenizer ...`), read with the imported tokenizer;
-# CONFIG then needs the imported model: section (README.md, "Bring your own model").
+# CONFIG then needs the imported model: section (docs/byom.md).
 #
 #   RUN=/lustre/me/run2 HF=/lustre/Nano-v3 DATA_PATH=/lustre/data/train_text_document \
 #       VALID_DATA_PATH=/lustre/data/valid_text_document CONFIG=my_elastic.yaml \

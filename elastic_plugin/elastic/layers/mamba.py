@@ -1,6 +1,7 @@
 """Megatron-Core's ``MambaMixer`` run at a smaller width: fewer heads, channels and hidden units.
 
-An elastic Mamba layer is nested three ways (DESIGN.md): heads within each Mamba group (after
+An elastic Mamba layer is nested three ways (docs/design.md, "Width axes and nesting"): heads
+within each Mamba group (after
 reordering, the active heads are the first ``k`` of every group, and a TP rank holds whole
 groups, so the set is local), channels within every head (the first ``p'`` of the head dim, the
 same for every head) and the residual stream (the first ``h'`` hidden channels). The B/C
