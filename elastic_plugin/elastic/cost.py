@@ -171,12 +171,18 @@ class ElasticCost:
         return params, state
 
     def _attention(self, h: Number, heads: Number) -> Number:
-        """One attention layer: pre-norm + linear_qkv ((heads + 2 groups) * d rows) + linear_proj."""
+        """One attention layer: pre-norm + linear_qkv ((heads + 2 groups) * d rows) + linear_proj
+        (counting.attention_params: qkv bias with add_bias_linear or add_qkv_bias, the q/k norms'
+        2 d weights with qk_layernorm, which no width axis changes)."""
         m = self.model
         d, kv = m.head_dim, 2 * m.query_groups * m.head_dim
         rows = heads * d + kv
         out = h + h * rows + heads * d * h
-        return out + rows + h if m.add_bias_linear else out
+        if m.add_bias_linear or m.add_qkv_bias:
+            out = out + rows
+        if m.qk_layernorm:
+            out = out + 2 * d
+        return out + h if m.add_bias_linear else out
 
     def _moe(self, h: Number, experts: Number, shared: Number) -> tuple[Number, Number]:
         """One MoE layer: pre-norm, router, routed experts (top-k of them active), shared expert."""

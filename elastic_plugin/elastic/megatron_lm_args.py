@@ -97,6 +97,19 @@ def arch_flags(model: ModelConfig) -> list[ArchFlag]:
     ]
     if model.position_embedding_type == "rope":
         flags.append(ArchFlag("--rotary-base", "rotary_base", model.rotary_base))
+        # Llama 3.1+ frequency scaling: the factor only with the flag (Megatron-LM's default is
+        # 8.0 either way, so a launch without scaling needs neither)
+        flags.append(
+            ArchFlag("--use-rope-scaling", "use_rope_scaling", model.rope_scaling, "store_true")
+        )
+        if model.rope_scaling:
+            flags.append(
+                ArchFlag(
+                    "--rope-scaling-factor",
+                    "rope_scaling_factor",
+                    float(model.rope_scaling_factor),
+                )
+            )
     if model.activation in ("squared_relu", "swiglu"):
         flags.append(
             ArchFlag(
@@ -104,7 +117,17 @@ def arch_flags(model: ModelConfig) -> list[ArchFlag]:
             )
         )
     if model.count("attention"):
-        flags.append(ArchFlag("--kv-channels", "kv_channels", model.head_dim))
+        flags += [
+            ArchFlag("--kv-channels", "kv_channels", model.head_dim),
+            ArchFlag("--qk-layernorm", "qk_layernorm", model.qk_layernorm, "store_true"),
+            # Megatron-LM's validate_args sets add_qkv_bias whenever add_bias_linear is on
+            ArchFlag(
+                "--add-qkv-bias",
+                "add_qkv_bias",
+                model.add_qkv_bias or model.add_bias_linear,
+                "store_true",
+            ),
+        ]
         if model.query_groups != model.num_attention_heads:
             flags += [
                 ArchFlag("--group-query-attention", "group_query_attention", True, "store_true"),

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from elastic_plugin.models.config import ConfigError, ModelConfig, ParallelConfig
-from elastic_plugin.models.specs import hybrid_stack_spec
+from elastic_plugin.models.specs import add_head_norms, have_transformer_engine, hybrid_stack_spec
 
 
 def _activation(name: str) -> tuple[Any, bool]:
@@ -65,6 +65,8 @@ def transformer_config(
         normalization=model.normalization,
         layernorm_epsilon=model.layernorm_epsilon,
         add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
+        qk_layernorm=model.qk_layernorm,
         init_method_std=model.init_method_std,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -113,10 +115,37 @@ def mamba_mixer_params(model: ModelConfig) -> dict[str, Any]:
 
 def stack_spec_for(model: ModelConfig, use_te: bool | None = None):
     """The hybrid stack spec with this model's Mamba settings filled in."""
+    if use_te is None:
+        use_te = have_transformer_engine()
     spec = copy.deepcopy(hybrid_stack_spec(use_te))
     mixer = spec.submodules.mamba_layer.submodules.mixer
     mixer.params = {**(mixer.params or {}), **mamba_mixer_params(model)}
+    if model.qk_layernorm and not use_te:
+        add_head_norms(spec)
     return spec
+
+
+def scaled_rotary_embedding(model: ModelConfig, hybrid) -> None:
+    """Give ``hybrid`` (a built ``HybridModel``) Llama 3.1's scaled RoPE frequencies.
+
+    ``HybridModel`` builds its ``RotaryEmbedding`` without ``rope_scaling``; Megatron-Core's
+    ``RotaryEmbedding`` has it (low/high frequency factors 1 and 4, original context 8192 fixed
+    there). The module holds no parameters or buffers, so swapping it changes no checkpoint key.
+    """
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    old = hybrid.rotary_pos_emb
+    hybrid.rotary_pos_emb = RotaryEmbedding(
+        kv_channels=hybrid.config.kv_channels,
+        rotary_percent=1.0,
+        rotary_interleaved=old.rotary_interleaved,
+        seq_len_interpolation_factor=old.seq_len_interpolation_factor,
+        rotary_base=model.rotary_base,
+        rope_scaling=True,
+        rope_scaling_factor=float(model.rope_scaling_factor),
+        use_cpu_initialization=hybrid.config.use_cpu_initialization,
+        cp_group=old.cp_group,
+    )
 
 
 def build_hybrid_model(
@@ -134,7 +163,7 @@ def build_hybrid_model(
     kwargs: dict[str, Any] = {}
     if pg_collection is not None:
         kwargs["pg_collection"] = pg_collection
-    return HybridModel(
+    hybrid = HybridModel(
         config=config,
         hybrid_stack_spec=stack_spec_for(model, use_te),
         vocab_size=model.vocab_size,
@@ -148,6 +177,9 @@ def build_hybrid_model(
         vp_stage=vp_stage,
         **kwargs,
     )
+    if model.rope_scaling:
+        scaled_rotary_embedding(model, hybrid)
+    return hybrid
 
 
 def model_provider(model: ModelConfig, config, use_te: bool | None = None):

@@ -9,6 +9,7 @@ ones, because a silently ignored typo (``mamba_num_head``) produces a different 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -132,6 +133,7 @@ class ModelConfig:
                     "model.kv_channels is required when model.hidden_size is not divisible by "
                     "model.num_attention_heads"
                 )
+        self._validate_gpt_options()
         if self.count("mamba"):
             _positive("model.mamba_num_heads", self.mamba_num_heads)
             _positive("model.mamba_head_dim", self.mamba_head_dim)
@@ -158,6 +160,36 @@ class ModelConfig:
                     f"[1, model.num_moe_experts={self.num_moe_experts}]"
                 )
         return self
+
+    def _validate_gpt_options(self) -> None:
+        """The GPT-family options (Llama / Qwen): each needs the part of the model it changes,
+        so a config asking for one that would silently do nothing is refused."""
+        for name in ("rope_scaling", "qk_layernorm", "add_qkv_bias"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ConfigError(f"model.{name}={value!r}; allowed: true, false")
+        factor = self.rope_scaling_factor
+        if (
+            isinstance(factor, bool)
+            or not isinstance(factor, (int, float))
+            or not math.isfinite(factor)
+            or factor <= 0
+        ):
+            raise ConfigError(
+                f"model.rope_scaling_factor={factor!r} must be a positive number "
+                "(Llama 3.1+: 8.0, Llama 3.2: 32.0)"
+            )
+        if self.rope_scaling and self.position_embedding_type != "rope":
+            raise ConfigError(
+                "model.rope_scaling=true needs model.position_embedding_type='rope' "
+                f"(got {self.position_embedding_type!r}): it rescales RoPE's frequencies"
+            )
+        for name in ("qk_layernorm", "add_qkv_bias"):
+            if getattr(self, name) and not self.count("attention"):
+                raise ConfigError(
+                    f"model.{name}=true needs attention layers ('*' in "
+                    f"model.hybrid_layer_pattern={self.hybrid_layer_pattern!r})"
+                )
 
     def check_parallel(self, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
         """Reject layouts whose sharded dims don't divide, naming the field and the flag."""

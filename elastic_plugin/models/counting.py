@@ -13,6 +13,8 @@ The counts match Megatron-Core 0.19.2's ``HybridModel`` built with the local (no
   of which ``moe_router_topk`` out of ``num_moe_experts`` count. Router and shared expert count
   fully. **Embeddings (input embedding and untied output layer) count in both total and active**,
   as in the Nemotron Nano v3 "31.6B total / 3.6B active" figures.
+* Tied embeddings (``untie_embeddings_and_output_weights: false``) are one tensor, counted once
+  (under PP the last stage's copy is a replica, like any replicated tensor).
 * Buffers are not parameters: the router's ``expert_bias`` (aux-loss-free balancing) and
   ``local_tokens_per_expert`` are ``register_buffer``s and are not counted.
 
@@ -24,7 +26,8 @@ embedding            ``embedding.word_embeddings.weight``
 output_layer         ``output_layer.weight`` (0 when embeddings are tied)
 mamba                ``mixer.*`` of Mamba layers: in_proj, conv1d weight+bias, A_log, D, dt_bias,
                      the gated RMSNorm over d_inner (``mixer.norm.weight``), out_proj
-attention            ``self_attention.*``: linear_qkv (+bias), linear_proj (+bias)
+attention            ``self_attention.*``: linear_qkv (+bias), linear_proj (+bias), the per-head
+                     ``q_layernorm``/``k_layernorm`` (head_dim each; not residual-stream norms)
 mlp                  ``mlp.*`` of dense MLP layers: linear_fc1 (+bias), linear_fc2 (+bias)
 moe_router           ``mlp.router.weight`` (+ ``bias`` with ``add_bias_linear``)
 moe_experts          ``mlp.experts.*`` (all routed experts)
@@ -96,11 +99,15 @@ def mamba_mixer_params(model: ModelConfig) -> int:
 
 
 def attention_params(model: ModelConfig) -> int:
-    """``SelfAttention``: linear_qkv with (heads + 2*groups) * kv_channels rows, linear_proj."""
+    """``SelfAttention``: linear_qkv with (heads + 2*groups) * kv_channels rows (biased with
+    ``add_bias_linear`` or ``add_qkv_bias``), linear_proj (biased with ``add_bias_linear`` only),
+    and with ``qk_layernorm`` the q and k norms of ``kv_channels`` weights each."""
     q = model.num_attention_heads * model.head_dim
     kv = model.query_groups * model.head_dim
     bias = model.add_bias_linear
-    return _linear(model.hidden_size, q + 2 * kv, bias) + _linear(q, model.hidden_size, bias)
+    qkv = _linear(model.hidden_size, q + 2 * kv, bias or model.add_qkv_bias)
+    head_norms = 2 * model.head_dim if model.qk_layernorm else 0
+    return qkv + _linear(q, model.hidden_size, bias) + head_norms
 
 
 def mlp_params(model: ModelConfig, ffn_hidden_size: int, bias: bool) -> int:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ELASTIC_STATE_ATTR", "LAYER_KINDS", "hybrid_layer_kind"]
+__all__ = ["ELASTIC_STATE_ATTR", "HEAD_NORMS", "LAYER_KINDS", "head_norms", "hybrid_layer_kind"]
 
 LAYER_KINDS: tuple[str, ...] = ("mamba", "attention", "moe", "mlp")
+HEAD_NORMS: tuple[str, ...] = ("q_layernorm", "k_layernorm")
+"""Attention's per-head norms (``qk_layernorm``): head_dim-sized, not on the residual stream."""
 ELASTIC_STATE_ATTR = "_elastic_state"
 """The attribute ``elastic.layers.elastify`` sets on a model it made elastic (its
 ``ElasticState``): other stages (generation) check for it without importing the trainer."""
@@ -35,3 +37,18 @@ def hybrid_layer_kind(layer: torch.nn.Module) -> str | None:
     if isinstance(mlp, MLP):
         return "mlp"
     return None
+
+
+def head_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every attention module's q/k norm (``HEAD_NORMS``) in ``model``: the norms that the hidden
+    axis must skip. Found by position (an attribute of an attention module), not by class, so a
+    TE spec's ``TENorm`` is found too."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    out: list[torch.nn.Module] = []
+    for module in model.modules():
+        for name in HEAD_NORMS:
+            norm = getattr(module, name, None)
+            if isinstance(norm, torch.nn.Module) and not isinstance(norm, IdentityOp):
+                out.append(norm)
+    return out

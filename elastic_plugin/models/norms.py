@@ -32,3 +32,15 @@ class LocalRMSNorm(torch.nn.RMSNorm):
         super().__init__(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
         # Megatron's flag on the parameter (a dynamic attribute: grads all-reduced over TP)
         self.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
+
+
+class HeadRMSNorm(LocalRMSNorm):
+    """The per-head RMSNorm of queries and keys (``qk_layernorm``, Qwen3) in the local spec.
+
+    Megatron builds it with ``hidden_size=head_dim`` and applies it to every head alike; without
+    a class in the spec it asks for TE's norm and fails without TE. Its own type says that its
+    weight is head_dim-sized: it is not on the residual stream, so the hidden axis (reordering,
+    elastic widths, slicing) never touches it, and nested query heads share it unchanged. Under
+    TP each rank's heads give a partial gradient; Megatron's ``finalize_model_grads`` all-reduces
+    ``q_layernorm``/``k_layernorm`` weights over TP when ``config.qk_layernorm`` is set.
+    """

@@ -24,6 +24,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import (
@@ -34,7 +35,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from elastic_plugin.models.attention import SDPAAttention
 from elastic_plugin.models.config import ConfigError
-from elastic_plugin.models.norms import LocalRMSNorm
+from elastic_plugin.models.norms import HeadRMSNorm, LocalRMSNorm
 
 CORE_ATTENTIONS = {"sdpa": SDPAAttention, "unfused": DotProductAttention}
 """The local spec's core attention modules by name (``core_attention=``)."""
@@ -162,3 +163,15 @@ def hybrid_stack_spec(use_te: bool | None = None, core_attention: str | None = N
 
         return te_spec
     return local_hybrid_stack_spec(core_attention or "sdpa")
+
+
+def add_head_norms(spec: ModuleSpec) -> ModuleSpec:
+    """``spec`` (a local hybrid stack spec, changed in place) with the per-head q/k norms of
+    ``qk_layernorm`` set to ``HeadRMSNorm``. Megatron-Core's ``SelfAttention`` falls back to TE's
+    ``TENorm`` when the spec names none, which fails without TE; the TE spec keeps that fallback."""
+    attention = spec.submodules.attention_layer.submodules.self_attention.submodules
+    if attention.q_layernorm in (None, IdentityOp):
+        attention.q_layernorm = HeadRMSNorm
+    if attention.k_layernorm in (None, IdentityOp):
+        attention.k_layernorm = HeadRMSNorm
+    return spec

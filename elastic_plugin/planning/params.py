@@ -95,7 +95,10 @@ def _layer(model: ModelConfig, kind: str, tp: int, ep: int) -> tuple[list[int], 
     elif kind == "attention":
         q = model.num_attention_heads * model.head_dim
         kv = model.query_groups * model.head_dim
-        dense += _linear(q + 2 * kv, h, bias, tp_rows=tp) + _linear(h, q, bias, tp_cols=tp)
+        qkv_bias = bias or model.add_qkv_bias
+        dense += _linear(q + 2 * kv, h, qkv_bias, tp_rows=tp) + _linear(h, q, bias, tp_cols=tp)
+        if model.qk_layernorm:  # per-head q / k norms: replicated over TP
+            dense += [model.head_dim, model.head_dim]
     elif kind == "mlp":
         dense += _mlp(model, model.ffn_hidden_size, tp, bias)
     elif kind == "moe":

@@ -47,18 +47,32 @@ def _bias_parts(module, out_index: Index):
 
 
 def column_parallel_forward(
-    module, input_: torch.Tensor, out_index: Index = None, in_index: Index = None
+    module,
+    input_: torch.Tensor,
+    out_index: Index = None,
+    in_index: Index = None,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``ColumnParallelLinear.forward`` on rows ``out_index`` (local) and columns ``in_index``.
 
-    ``input_`` already holds only the active input columns. ``gather_output`` is not supported
-    for a partial output (an elastic model keeps column outputs sharded, as Megatron's GPT does).
+    ``input_`` already holds only the active input columns. ``weight``: the full weight to cut
+    from when it is not the module's own (a tied output layer gets the word embeddings from
+    Megatron, as ``ColumnParallelLinear.forward(weight=...)`` does). ``gather_output`` is not
+    supported for a partial output (an elastic model keeps column outputs sharded, as Megatron's
+    GPT does).
     """
     if module.gather_output and out_index is not None:
         raise NotImplementedError(
             f"{type(module).__name__} with gather_output=True cannot produce a partial output"
         )
-    weight = active_weight(module.weight, out_index, in_index)
+    if weight is None:
+        weight = module.weight
+        if weight is None:
+            raise ValueError(
+                f"{type(module).__name__} holds no weight (tied embeddings): pass the "
+                "embedding weight Megatron passes to its forward"
+            )
+    weight = active_weight(weight, out_index, in_index)
     bias_in, bias_out = _bias_parts(module, out_index)
     if fp8.runs_fp8(module):
         output = _fp8_column(module, input_, weight)

@@ -104,10 +104,10 @@ class _ElasticColumn:
                 self, input_, weight=weight, runtime_gather_output=runtime_gather_output
             )
         act = act or LinearActive()
-        if weight is not None:  # tied output layer: Megatron passes the embedding weight
-            raise NotImplementedError("elastic output layers with tied embeddings")
+        # a tied output layer gets the word embeddings from Megatron (``weight``): the same
+        # [vocab, hidden] layout, so the active hidden columns are cut from it alike
         out, bias = column_parallel_forward(
-            self, _mul(input_, act.in_mask), act.out_index, act.in_index
+            self, _mul(input_, act.in_mask), act.out_index, act.in_index, weight
         )
         return _mul(out, act.out_mask), bias
 
