@@ -229,8 +229,10 @@ def test_importance_and_reorder_cli_keep_the_function(trained, tmp_path, rank_po
     saved = resolve_checkpoint(reordered)  # at the teacher's iteration, permutations inside
     meta = json.loads((saved / "elastic_meta.json").read_text())
     assert saved.name == f"iter_{meta['iteration']:07d}" and meta["reordered"] is True
-    assert "permutations.pt" in meta["files"]  # digested with the weights
-    assert torch.load(saved / "permutations.pt", weights_only=False)["embedding"] is not None
+    assert "permutations.safetensors" in meta["files"]  # digested with the weights
+    from elastic_plugin.importance.reorder import Permutations
+
+    assert Permutations.load(saved / "permutations.safetensors").embedding is not None
     data = dict(data_dir=str(out / "data"))
     pool = rank_pools.get(1)
     (teacher,) = pool.run(

@@ -122,7 +122,7 @@ def test_collection_resumes_after_interruption(reference, rank_pools):
     workdir, _ = reference
     pool = rank_pools.get(1)
     (r,) = pool.run(f"{CASES}:resume_after_interruption", config_path=CONFIG, workdir=workdir)
-    assert r["interrupted"] and r["partial_files"] == ["partial_rank00000.pt"]
+    assert r["interrupted"] and r["partial_files"] == ["partial_rank00000.safetensors"]
     assert r["equal"] and r["tokens"][0] == r["tokens"][1]
     assert r["left_after"] == [] and r["hooks_left"] == 0
 

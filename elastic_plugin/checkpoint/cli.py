@@ -7,7 +7,10 @@
 Hashes every file the checkpoint's ``elastic_meta.json`` records (``checkpoint.integrity``)
 and compares size and digest: exit 0 with a summary when all match, exit 2 naming the first
 missing, truncated or altered file otherwise. Imports no torch, so it is as fast as the disk.
-Checkpoints saved before digests were recorded pass with "no digests recorded".
+Checkpoints saved before digests were recorded pass with "no digests recorded". Every pickle
+torch would unpickle from it (``.metadata``, the ``.distcp`` byte items, ``*.pt``) is checked
+against the allowlist of ``checkpoint.safe_pickle``, which a digest cannot replace: anyone who
+can write a file can write its digest. A global off the allowlist is exit 2 naming both.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 from elastic_plugin.checkpoint.history import resolve_checkpoint
 from elastic_plugin.checkpoint.integrity import DIGEST_ALGORITHM, VerifyReport, verify_directory
 from elastic_plugin.checkpoint.meta import CHECKPOINT_META, EXPORT_META, read_checkpoint_meta
+from elastic_plugin.checkpoint.safe_pickle import check_checkpoint_pickles
 from elastic_plugin.cli_errors import report_bad_input
 from elastic_plugin.models.config import ConfigError
 
@@ -45,16 +49,18 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
 
 
 def format_report(report: VerifyReport) -> str:
-    """One line: what was checked and how fast, or that there was nothing to check."""
+    """One line: what was checked and how fast, or that there were no digests to check."""
+    pickles = f"; {report.pickles} pickles hold only allowed globals"
     if not report.verified:
         return (
             f"{report.ckpt}: no digests recorded (saved before checkpoints recorded them); "
-            f"nothing verified"
+            f"nothing verified{pickles}"
         )
     rate = report.bytes / 1e6 / report.seconds if report.seconds > 0 else float("inf")
     return (
         f"OK {report.ckpt} ({report.kind}): {report.files} files, {report.bytes / 1e6:.1f} MB "
         f"match their {DIGEST_ALGORITHM} digests ({report.seconds:.2f} s, {rate:.0f} MB/s)"
+        f"{pickles}"
     )
 
 
@@ -65,7 +71,10 @@ def run_verify(args: argparse.Namespace) -> int:
             report = verify_directory(path, _export_meta(path), EXPORT_META)
         else:
             meta = read_checkpoint_meta(args.ckpt, "CKPT")
-            report = verify_directory(resolve_checkpoint(path), meta)  # a stage: its newest
+            path = resolve_checkpoint(path)  # a stage: its newest
+            report = verify_directory(path, meta)
+        checked = check_checkpoint_pickles(path, use_cache=False)  # after the digests
+        report.pickles = checked.files + checked.byte_items
     except ConfigError as exc:
         return report_bad_input(PROG, exc)
     if args.json:

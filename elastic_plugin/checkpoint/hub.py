@@ -240,6 +240,10 @@ def hub_weight_files(path: str | Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"{index}: not a safetensors index ({exc})") from None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(f, str) for f in weight_map.values()
+        ):
+            raise ConfigError(f"{index}: 'weight_map' must map tensor names to file names")
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (path / f).is_file()]
         if missing:

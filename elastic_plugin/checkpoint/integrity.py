@@ -221,6 +221,8 @@ class VerifyReport:
     files: int
     bytes: int
     seconds: float
+    # pickles checked against the allowlist (checkpoint.safe_pickle): files and .distcp items
+    pickles: int = 0
 
 
 def verify_directory(

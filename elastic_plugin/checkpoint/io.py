@@ -7,7 +7,9 @@ memory; checkpoints always hold the canonical order (``checkpoint.layout``), so 
 load them. Every directory is published atomically (written as ``<dir>.tmp``, then renamed),
 with the size and content digest of each of its files in its metadata (``checkpoint.integrity``);
 every load checks them first, so a damaged file is a ConfigError naming it, not silently wrong
-weights or a traceback from deep inside ``torch.load``.
+weights or a traceback from deep inside ``torch.load``. Then every pickle torch would unpickle
+from it is checked against an allowlist (``checkpoint.safe_pickle``): a digest only says the
+file is the one its writer recorded, not that its writer meant no harm.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from elastic_plugin.checkpoint.meta import (
     read_checkpoint_meta,
     write_checkpoint_meta,
 )
+from elastic_plugin.checkpoint.safe_pickle import check_checkpoint_pickles
 from elastic_plugin.compat.faults import fault_point
 from elastic_plugin.models.config import ConfigError
 from elastic_plugin.parallel import barrier, is_rank0
@@ -291,10 +294,20 @@ def record_digests(directory: str | Path) -> dict[str, dict[str, Any]]:
 
 def _problem(root: Path, recorded: dict[str, dict[str, Any]], share: list[str]) -> str | None:
     """This rank's finding: every file's size (cheap, so every rank checks all), then the
-    content of its share of the files; None when all is well."""
+    content of its share of the files, then the pickles (every rank: torch reads ``.metadata``
+    on every rank); None when all is well."""
     try:
         check_sizes(root, recorded)
         check_hashes(root, recorded, share)
+    except ConfigError as exc:
+        return str(exc)
+    return _pickle_problem(root)
+
+
+def _pickle_problem(root: Path) -> str | None:
+    """A pickle of the checkpoint that must not be loaded (``checkpoint.safe_pickle``)."""
+    try:
+        check_checkpoint_pickles(root)
     except ConfigError as exc:
         return str(exc)
     return None
@@ -303,12 +316,17 @@ def _problem(root: Path, recorded: dict[str, dict[str, Any]], share: list[str]) 
 def verify_checkpoint(ckpt_dir: str | Path, meta: dict[str, Any] | None = None) -> None:
     """Check a checkpoint's files against the digests its metadata recorded, before anything
     reads them: a ConfigError (the same on every rank) names the first missing, truncated or
-    altered file with the expected and found size or hash. Checkpoints written before digests
-    were recorded pass unchecked. Collective under a process group: each rank hashes a share."""
+    altered file with the expected and found size or hash, or a pickle that names a global off
+    the allowlist (``checkpoint.safe_pickle``). Checkpoints written before digests were
+    recorded have their pickles checked only. Collective under a process group: each rank
+    hashes a share."""
     root = resolve_checkpoint(ckpt_dir)
     meta = read_checkpoint_meta(root) if meta is None else meta
     recorded = recorded_digests(meta, root)
     if recorded is None:
+        problems = [p for p in _all_gather(_pickle_problem(root)) if p]
+        if problems:
+            raise ConfigError(problems[0])
         return
     rank, world = _rank_world()
     signature = files_signature(root, recorded)  # None when a file is missing: _problem names it

@@ -11,7 +11,8 @@ wraps the two functions ``megatron.training.training`` calls:
   router's choice table, the layout, each file's digest) goes into the ``iter_NNNNNNN``
   directory. A ``--save`` directory is then a stage directory like ``elastic-train``'s:
   ``inspect``, ``extract``, ``export``, ``generate`` and ``verify`` read it, in any layout.
-* **load**: the files are verified first; after Megatron loads, the weights are laid out strided
+* **load**: the files are verified first (digests, and every pickle against an allowlist:
+  ``checkpoint.safe_pickle``; a plain Megatron-LM save's pickles too); after Megatron loads, the weights are laid out strided
   again and, when the optimizer state was not loaded (``--no-load-optim``, ``--finetune``), the
   optimizer's main weights are reloaded from them. Optimizer state written in another TP/EP
   layout is refused before anything is read: its moments follow that layout's memory order
@@ -175,6 +176,10 @@ def _wrap_load(orig: Callable) -> Callable:
                     f"layout's memory order; add --no-load-optim (and --no-load-rng) to load "
                     f"the weights alone"
                 )
+        elif source is not None:  # a plain Megatron-LM save: its pickles are checked all the same
+            from elastic_plugin.checkpoint.safe_pickle import check_checkpoint_pickles
+
+            check_checkpoint_pickles(source)
         result = orig(ddp_model, optimizer, opt_param_scheduler, load_arg, *rest, **kw)
         if meta is not None and meta.get("reordered"):
             for chunk in ddp_model:

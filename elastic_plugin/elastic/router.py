@@ -433,6 +433,10 @@ def load_router(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
     inner = getattr(model, "module", model)
     module = cast(RouterModule, inner.get_submodule(ROUTER_ATTR))  # attach_elastic added it
     sharded = module.sharded_state_dict(prefix=f"{ROUTER_ATTR}.")
-    loaded = dist_checkpointing.load(sharded, str(resolve_checkpoint(ckpt_dir)))
+    from elastic_plugin.checkpoint.safe_pickle import check_checkpoint_pickles
+
+    source = resolve_checkpoint(ckpt_dir)
+    check_checkpoint_pickles(source)  # the model's load checked it: cached unless changed
+    loaded = dist_checkpointing.load(sharded, str(source))
     prefix = f"{ROUTER_ATTR}."
     module.load_state_dict({k[len(prefix) :]: v for k, v in loaded.items() if k.startswith(prefix)})

@@ -114,9 +114,14 @@ def find_iteration_dir(megatron_dir: str | Path) -> tuple[int | str, Path]:
 
 
 def read_megatron_args(iter_dir: str | Path) -> dict[str, Any]:
-    """The saved Megatron-LM ``args`` (as a dict) from a checkpoint's common state."""
+    """The saved Megatron-LM ``args`` (as a dict) from a checkpoint's common state. Every
+    pickle of the directory is checked first (``checkpoint.safe_pickle``): Megatron-LM's
+    common state is a pickle that torch would otherwise load unrestricted."""
     from megatron.core import dist_checkpointing
 
+    from elastic_plugin.checkpoint.safe_pickle import check_checkpoint_pickles
+
+    check_checkpoint_pickles(iter_dir)  # a ConfigError naming the file and the global
     try:
         common = dist_checkpointing.load_common_state_dict(str(iter_dir))
     except Exception as exc:  # a damaged or foreign directory: name it, not a traceback
@@ -432,6 +437,9 @@ def _load_weights(model, iter_dir: Path) -> dict[str, int]:
     """Load every tensor of ``model`` from the checkpoint (any saved layout)."""
     from megatron.core import dist_checkpointing
 
+    from elastic_plugin.checkpoint.safe_pickle import check_checkpoint_pickles
+
+    check_checkpoint_pickles(iter_dir)  # checked when the args were read: cached unless changed
     matched, forms = _matched_state(model, iter_dir)
     loaded = dist_checkpointing.load(matched, str(iter_dir))
     wanted = {

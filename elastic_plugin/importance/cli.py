@@ -34,7 +34,12 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     imp.add_argument(
         "--ckpt", required=True, metavar="DIR", help="a checkpoint written by this plugin"
     )
-    imp.add_argument("--out", required=True, metavar="FILE", help="scores file to write (.pt)")
+    imp.add_argument(
+        "--out",
+        required=True,
+        metavar="FILE",
+        help="scores file to write (safetensors, whatever its name)",
+    )
     imp.add_argument(
         "--num-samples", type=int, default=256, help="calibration samples (per DP rank)"
     )
@@ -178,18 +183,21 @@ def run_importance(args: argparse.Namespace) -> int:
     iterator = batch_iterator(
         dataset, args.micro_batch_size, seed=cfg.training.seed, shuffle=False, infinite=False
     )
-    scores = collect_importance(
-        chunks,
-        iterator,
-        args.num_samples,
-        seq_length,
-        args.micro_batch_size,
-        axes=args.axes,
-        resume_dir=args.resume_dir,
-        progress=not args.no_progress,
-        num_available=None,
-        meta={"ckpt": str(args.ckpt), "layout": layout.__dict__},
-    )
+    try:  # a damaged or foreign partial state in --resume-dir is bad input too
+        scores = collect_importance(
+            chunks,
+            iterator,
+            args.num_samples,
+            seq_length,
+            args.micro_batch_size,
+            axes=args.axes,
+            resume_dir=args.resume_dir,
+            progress=not args.no_progress,
+            num_available=None,
+            meta={"ckpt": str(args.ckpt), "layout": layout.__dict__},
+        )
+    except (ConfigError, CalibrationError) as exc:
+        return report_bad_input("elastic-plugin importance", exc)
     if args.depth:
         from elastic_plugin.importance.depth import depth_scores
 
@@ -230,13 +238,16 @@ def run_reorder(args: argparse.Namespace) -> int:
         if meta.get("reordered"):
             raise ConfigError(f"--ckpt {args.ckpt} is already reordered")
         methods = parse_methods(args.method)
+        from elastic_plugin.importance.scores import ImportanceScores
+
+        # safetensors (or an old torch.save file, allowlist-checked): read before any rank starts
+        scores = ImportanceScores.load(args.scores, "--scores")
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         return report_bad_input("elastic-plugin reorder", exc)
     start_ranks(layout, seed=cfg.training.seed)
     import torch.distributed as dist
 
     from elastic_plugin.checkpoint.io import build_from_checkpoint, save_checkpoint
-    from elastic_plugin.importance import ImportanceScores
     from elastic_plugin.importance.reorder import (
         PERMUTATIONS_FILE,
         Permutations,
@@ -248,7 +259,7 @@ def run_reorder(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return report_bad_input("elastic-plugin reorder", exc)
     perms = Permutations.from_scores(
-        ImportanceScores.load(args.scores),
+        scores,
         cfg.model.query_groups,
         cfg.model.mamba_num_groups,
         args.mamba_top_channels,

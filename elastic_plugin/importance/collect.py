@@ -2,7 +2,8 @@
 
 Forward-only through Megatron's own schedule (so PP stages pass activations as in training),
 progress on rank 0, hooks removed afterwards (also on error), partial statistics saved every
-``save_every`` batches so an interrupted collection resumes where it stopped.
+``save_every`` batches (safetensors + JSON, ``checkpoint.tensor_file``) so an interrupted
+collection resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from elastic_plugin.checkpoint.tensor_file import (
+    layer_key,
+    layers_from,
+    read_tensor_file,
+    write_tensor_file,
+)
 from elastic_plugin.importance.hooks import AXES, ImportanceHooks, LocalStats
 from elastic_plugin.importance.magnitude import weight_magnitudes
 from elastic_plugin.importance.scores import ImportanceScores, reduce_local_stats
@@ -31,7 +38,37 @@ def _rank() -> int:
 
 
 def _partial_path(resume_dir: Path) -> Path:
-    return resume_dir / f"partial_rank{_rank():05d}.pt"
+    return resume_dir / f"partial_rank{_rank():05d}.safetensors"
+
+
+PARTIAL_FORMAT = "importance_partial"
+
+
+def _load_partial(path: Path) -> tuple[LocalStats, dict[str, int]]:
+    """A partial state :func:`_save_partial` wrote: the statistics and the counters."""
+    found = read_tensor_file(path, PARTIAL_FORMAT, 1, f"--resume-dir partial state {path}")
+    counters = found.info.get("counters")
+    axes = found.info.get("axes")
+    if not (
+        isinstance(counters, dict)
+        and all(isinstance(counters.get(k), int) for k in _COUNTERS)
+        and isinstance(axes, list)
+        and all(isinstance(a, str) for a in axes)
+    ):
+        raise CalibrationError(
+            f"{path}: not a partial importance state; delete the resume directory"
+        )
+    stats = LocalStats.from_state_dict(
+        {
+            "sums": {axis: layers_from(found.tensors, f"sums/{axis}", str(path)) for axis in axes},
+            "expert_tokens": layers_from(found.tensors, "expert_tokens", str(path)),
+            "tokens_seen": counters["tokens_seen"],
+        }
+    )
+    return stats, {k: int(counters[k]) for k in _COUNTERS}
+
+
+_COUNTERS = ("batches_done", "num_batches", "micro_batch_size", "tokens_seen")
 
 
 def check_calibration(num_available: int | None, num_samples: int, micro_batch_size: int) -> int:
@@ -92,13 +129,13 @@ def collect_importance(
     stats, done = LocalStats(), 0
     partial = _partial_path(Path(resume_dir)) if resume_dir is not None else None
     if partial is not None and partial.is_file():
-        saved = torch.load(partial, weights_only=False)
+        stats, saved = _load_partial(partial)
         if saved["num_batches"] != num_batches or saved["micro_batch_size"] != micro_batch_size:
             raise CalibrationError(
                 f"{partial} was collected with a different num_samples/micro_batch_size; "
                 "delete the resume directory or use the same settings"
             )
-        stats, done = LocalStats.from_state_dict(saved["stats"]), int(saved["batches_done"])
+        done = saved["batches_done"]
     hooks = ImportanceHooks(model, stats)
     try:
         _check_axes(axes, hooks.axes_present)
@@ -157,18 +194,23 @@ def _check_axes(axes: Iterable[str] | None, present: set[str]) -> None:
 def _save_partial(
     path: Path, stats: LocalStats, done: int, num_batches: int, micro_batch_size: int
 ) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(
-        {
-            "stats": stats.state_dict(),
-            "batches_done": done,
-            "num_batches": num_batches,
-            "micro_batch_size": micro_batch_size,
-        },
-        tmp,
-    )
-    tmp.replace(path)
+    """Atomic safetensors write (``checkpoint.tensor_file``): the sums as ``sums/axis/layer``,
+    expert token counts, and the counters as JSON; resuming reads it without unpickling."""
+    state = stats.state_dict()
+    tensors = {
+        layer_key(f"sums/{axis}", layer): value
+        for axis, layers in state["sums"].items()
+        for layer, value in layers.items()
+    }
+    tensors.update({layer_key("expert_tokens", k): v for k, v in state["expert_tokens"].items()})
+    counters = {
+        "batches_done": done,
+        "num_batches": num_batches,
+        "micro_batch_size": micro_batch_size,
+        "tokens_seen": int(state["tokens_seen"]),
+    }
+    info = {"counters": counters, "axes": sorted(state["sums"])}
+    write_tensor_file(path, tensors, info, PARTIAL_FORMAT, 1)
 
 
 def _progress(total: int, initial: int):

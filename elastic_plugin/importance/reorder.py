@@ -35,7 +35,14 @@ from elastic_plugin.checkpoint.layout import (
     strided_index,
     tp_group_and_size,
 )
+from elastic_plugin.checkpoint.tensor_file import (
+    layer_key,
+    layers_from,
+    read_tensor_file,
+    write_tensor_file,
+)
 from elastic_plugin.importance.scores import ImportanceScores
+from elastic_plugin.models.config import ConfigError
 
 if TYPE_CHECKING:  # Megatron ships no types: these annotate what a function takes
     from megatron.core.models.hybrid.hybrid_model import HybridModel
@@ -43,7 +50,17 @@ if TYPE_CHECKING:  # Megatron ships no types: these annotate what a function tak
     from megatron.core.transformer.attention import SelfAttention
 
 
-PERMUTATIONS_FILE = "permutations.pt"  # in a reordered checkpoint: how it was reordered
+# in a reordered checkpoint: how it was reordered (safetensors; "permutations.pt" before, a pickle)
+PERMUTATIONS_FILE = "permutations.safetensors"
+PERMUTATIONS_FORMAT = "permutations"
+_PERM_AXES = (
+    "ffn",
+    "shared_ffn",
+    "attention_heads",
+    "mamba_heads",
+    "mamba_channels",
+    "experts",
+)
 
 
 @dataclass
@@ -111,11 +128,51 @@ class Permutations:
         return perms
 
     def save(self, path: str | Path) -> None:
-        torch.save(self.__dict__, path)
+        """A safetensors file (``checkpoint.tensor_file``): ``embedding`` and ``axis/layer``."""
+        tensors: dict[str, torch.Tensor] = {}
+        if self.embedding is not None:
+            tensors["embedding"] = self.embedding
+        for axis in _PERM_AXES:
+            for layer, perm in getattr(self, axis).items():
+                tensors[layer_key(axis, layer)] = perm
+        write_tensor_file(path, tensors, {}, PERMUTATIONS_FORMAT, 1)
 
     @classmethod
     def load(cls, path: str | Path) -> Permutations:
-        return cls(**torch.load(path, weights_only=False))
+        """Read :meth:`save`'s file (or an old ``torch.save`` one, through the allowlist check
+        and ``torch.load(weights_only=True)``); each tensor must be a 1-D integer permutation."""
+        where = f"permutations {path}"
+        found = read_tensor_file(path, PERMUTATIONS_FORMAT, 1, where)
+        if found.legacy is not None:
+            raw = found.legacy
+            if not isinstance(raw, dict) or set(raw) - {"embedding", *_PERM_AXES}:
+                raise ConfigError(f"{where}: not a permutations dict")
+            perms = cls(**raw)
+        else:
+            perms = cls(
+                embedding=found.tensors.get("embedding"),
+                **{axis: layers_from(found.tensors, axis, where) for axis in _PERM_AXES},
+            )
+        for axis in ("embedding", *_PERM_AXES):
+            value = getattr(perms, axis)
+            items = [value] if axis == "embedding" else list((value or {}).values())
+            if axis != "embedding" and not isinstance(value, dict):
+                raise ConfigError(f"{where}: {axis} is not a per-layer table")
+            for perm in items:
+                if perm is None and axis == "embedding":
+                    continue
+                if not _is_permutation(perm):
+                    raise ConfigError(f"{where}: {axis} holds something that is not a permutation")
+        return perms
+
+
+def _is_permutation(perm: object) -> bool:
+    """A 1-D integer tensor holding each of 0..n-1 once."""
+    if not isinstance(perm, torch.Tensor) or perm.dim() != 1:
+        return False
+    if perm.dtype.is_floating_point or perm.dtype.is_complex or perm.dtype == torch.bool:
+        return False
+    return bool(torch.equal(torch.sort(perm.long()).values, torch.arange(perm.numel())))
 
 
 def within_groups(scores: torch.Tensor, groups: int) -> torch.Tensor:
@@ -136,15 +193,22 @@ def _expand_units(perm: torch.Tensor, unit: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------- layer handlers
 def _hidden_(model: torch.nn.Module, perm: torch.Tensor) -> None:
-    """The hidden axis: every tensor that reads or writes the residual stream."""
+    """The hidden axis: every tensor that reads or writes the residual stream. Tied embeddings
+    are one tensor (the output layer then holds none, or under PP the last stage's copy, which
+    is permuted like the embedding on the first stage)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
+    from elastic_plugin.models.layers import head_norms
     from elastic_plugin.models.norms import LocalRMSNorm
 
+    # q/k norms (qk_layernorm) are head_dim-sized and read no residual stream: never permuted
+    skip = {id(norm) for norm in head_norms(model)}
     seen: set[int] = set()
     targets: list[tuple[torch.Tensor, int]] = []
     for module in model.modules():
         tensors: list[tuple[torch.Tensor | None, int]]
+        if id(module) in skip:
+            continue
         if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm, LocalRMSNorm)):
             bias = getattr(module, "bias", None)  # RMSNorm has none
             tensors = [(module.weight, 0)] + ([(bias, 0)] if bias is not None else [])
@@ -178,7 +242,8 @@ def _attention_heads_(attention: SelfAttention, perm: torch.Tensor) -> None:
     local = perm[tp_rank * heads : (tp_rank + 1) * heads] - tp_rank * heads
     if local.min() < 0 or local.max() >= heads:
         raise ValueError("attention head permutation moves heads across tensor-parallel ranks")
-    # qkv rows: [groups, (per_group + 2) * d]; only the query block of each group moves.
+    # qkv rows: [groups, (per_group + 2) * d]; only the query block of each group moves (the
+    # qkv bias with it). The q/k norms (qk_layernorm) act on every head alike: they stay.
     rows = torch.arange((per_group + 2) * d * groups).view(groups, per_group + 2, d)
     q_old = local.view(groups, per_group) % per_group
     new_rows = rows.clone()

@@ -6,6 +6,9 @@ Reduction (so the ranking is the same whatever the layout):
   Megatron's canonical (contiguous-shard) order; experts gathered over EP the same way;
 - embedding channels summed over every norm, TP ranks (under sequence parallel each saw a
   different part of the sequence) and PP stages; per-layer tables gathered over PP.
+
+Saved as safetensors plus JSON (``checkpoint.tensor_file``): a scores file from elsewhere is
+data; reading it never runs code.
 """
 
 from __future__ import annotations
@@ -17,11 +20,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_plugin.checkpoint.tensor_file import (
+    layer_key,
+    layers_from,
+    read_tensor_file,
+    write_tensor_file,
+)
 from elastic_plugin.importance.hooks import EMBEDDING_VARIANTS, SHARDED_VARIANTS, LocalStats
 from elastic_plugin.importance.magnitude import WEIGHT_KEYS
+from elastic_plugin.models.config import ConfigError
 
 SHARDED_OVER_TP = ("ffn", "shared_ffn", "attention_heads", "mamba", "mamba_out")
+# the per-layer fields of ImportanceScores, in their order
+LAYER_AXES = (
+    "ffn",
+    "shared_ffn",
+    "attention_heads",
+    "mamba",
+    "mamba_out",
+    "experts",
+    "expert_tokens",
+)
 FORMAT_VERSION = 1
+SCORES_FORMAT = "importance_scores"
+_REGENERATE = "; write it again with `elastic-plugin importance --out FILE`"
 
 
 @dataclass
@@ -81,13 +103,7 @@ class ImportanceScores:
         return {
             "format_version": FORMAT_VERSION,
             "embedding": self.embedding,
-            "ffn": self.ffn,
-            "shared_ffn": self.shared_ffn,
-            "attention_heads": self.attention_heads,
-            "mamba": self.mamba,
-            "mamba_out": self.mamba_out,
-            "experts": self.experts,
-            "expert_tokens": self.expert_tokens,
+            **{axis: getattr(self, axis) for axis in LAYER_AXES},
             "depth": self.depth,
             "variants": self.variants,
             "tokens": self.tokens,
@@ -95,24 +111,96 @@ class ImportanceScores:
         }
 
     def save(self, path: str | Path) -> Path:
-        """Atomic write (temp file + rename)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(self.to_dict(), tmp)
-        tmp.replace(path)
-        return path
+        """Atomic write (temp file + rename) of a safetensors file (``checkpoint.tensor_file``):
+        tensors by name (``ffn/3``, ``variants/<key>/<layer>``), the rest as JSON. Whatever the
+        name (``importance.pt`` as before), reading it never runs code."""
+        tensors: dict[str, torch.Tensor] = {}
+        if self.embedding is not None:
+            tensors["embedding"] = self.embedding
+        for axis in LAYER_AXES:
+            for layer, value in getattr(self, axis).items():
+                tensors[layer_key(axis, layer)] = value
+        for key, layers in self.variants.items():
+            for layer, value in layers.items():
+                tensors[layer_key(f"variants/{key}", layer)] = value
+        info = {
+            "depth": {str(k): float(v) for k, v in self.depth.items()},
+            "tokens": int(self.tokens),
+            "meta": self.meta,
+        }
+        return write_tensor_file(path, tensors, info, SCORES_FORMAT, FORMAT_VERSION)
 
     @classmethod
-    def load(cls, path: str | Path) -> ImportanceScores:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"importance scores {path}: no such file")
-        raw = torch.load(path, weights_only=False)
-        if raw.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{path}: unsupported importance format {raw.get('format_version')}")
-        raw.pop("format_version")
-        return cls(**raw)
+    def load(cls, path: str | Path, what: str = "importance scores") -> ImportanceScores:
+        """Read a file :meth:`save` wrote; one of the old ``torch.save`` format loads through
+        the allowlist check and ``torch.load(weights_only=True)``. A ConfigError names the file
+        for anything else (regenerate it with ``elastic-plugin importance``)."""
+        where = f"{what} {path}"
+        found = read_tensor_file(path, SCORES_FORMAT, FORMAT_VERSION, where)
+        if found.legacy is not None:
+            return cls._from_legacy(found.legacy, where)
+        tensors, info = found.tensors, found.info
+        known = {"embedding"} | {n.rpartition("/")[0] for n in tensors if "/" in n}
+        unknown = sorted(
+            k for k in known - {"embedding", *LAYER_AXES} if not k.startswith("variants/")
+        )
+        if unknown:
+            raise ConfigError(f"{where}: unknown score tensors {unknown[:5]}{_REGENERATE}")
+        depth, tokens, meta = info.get("depth", {}), info.get("tokens", 0), info.get("meta", {})
+        if not (
+            isinstance(depth, dict)
+            and all(k.lstrip("-").isdigit() and _is_number(v) for k, v in depth.items())
+            and isinstance(tokens, int)
+            and isinstance(meta, dict)
+        ):
+            raise ConfigError(f"{where}: depth, tokens or meta has the wrong type{_REGENERATE}")
+        variants: dict[str, dict[int, torch.Tensor]] = {}
+        for name in sorted(k for k in known if k.startswith("variants/")):
+            variants[name.removeprefix("variants/")] = layers_from(tensors, name, where)
+        return cls(
+            embedding=tensors.get("embedding"),
+            **{axis: layers_from(tensors, axis, where) for axis in LAYER_AXES},
+            depth={int(k): float(v) for k, v in depth.items()},
+            variants=variants,
+            tokens=tokens,
+            meta=meta,
+        )
+
+    @classmethod
+    def _from_legacy(cls, raw: Any, where: str) -> ImportanceScores:
+        """The dict ``torch.save`` wrote before, each field checked (tensors, layer dicts)."""
+        if not isinstance(raw, dict) or raw.get("format_version") != FORMAT_VERSION:
+            version = raw.get("format_version") if isinstance(raw, dict) else type(raw).__name__
+            raise ConfigError(f"{where}: unsupported importance format {version}{_REGENERATE}")
+        fields = {k: v for k, v in raw.items() if k != "format_version"}
+        allowed = {"embedding", *LAYER_AXES, "depth", "variants", "tokens", "meta"}
+        if set(fields) - allowed:
+            raise ConfigError(
+                f"{where}: unknown fields {sorted(set(fields) - allowed)[:5]}{_REGENERATE}"
+            )
+
+        def layers(value: Any) -> bool:
+            return isinstance(value, dict) and all(
+                isinstance(k, int) and isinstance(v, torch.Tensor) for k, v in value.items()
+            )
+
+        ok = (
+            (fields.get("embedding") is None or isinstance(fields["embedding"], torch.Tensor))
+            and all(layers(fields.get(axis, {})) for axis in LAYER_AXES)
+            and isinstance(fields.get("variants", {}), dict)
+            and all(layers(v) for v in fields.get("variants", {}).values())
+            and isinstance(fields.get("depth", {}), dict)
+            and all(_is_number(v) for v in fields.get("depth", {}).values())
+            and isinstance(fields.get("tokens", 0), int)
+            and isinstance(fields.get("meta", {}), dict)
+        )
+        if not ok:
+            raise ConfigError(f"{where}: a field has the wrong type{_REGENERATE}")
+        return cls(**fields)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # ----------------------------------------------------------------------- reduction

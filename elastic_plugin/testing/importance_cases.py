@@ -212,7 +212,7 @@ def resume_after_interruption(config_path: str, workdir: str) -> dict[str, Any]:
         )
     except _Interrupt:
         interrupted = True
-    partial_left = sorted(p.name for p in resume.glob("*.pt"))
+    partial_left = sorted(p.name for p in resume.glob("partial_*"))
     resumed = collect_importance([model], iter(batches), resume_dir=resume, save_every=1, **args)
     equal = all(
         torch.equal(getattr(full, a)[k], getattr(resumed, a)[k])
@@ -225,7 +225,7 @@ def resume_after_interruption(config_path: str, workdir: str) -> dict[str, Any]:
         "partial_files": partial_left,
         "equal": equal and torch.equal(full.embedding, resumed.embedding),
         "tokens": (full.tokens, resumed.tokens),
-        "left_after": sorted(p.name for p in resume.glob("*.pt")),
+        "left_after": sorted(p.name for p in resume.glob("partial_*")),
         "hooks_left": sum(
             len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()
         ),
