@@ -14,12 +14,14 @@ ELASTIC_CONFIG ?= examples/configs/tiny_elastic.yaml
 PYTEST_ARGS ?=
 STAMPS := $(VENV)/.stamps
 
-.PHONY: demo compare test test-fast lint bench venv install clean help
+.PHONY: demo compare test test-unit test-integration lint bench venv install clean help
 
 help:
 	@echo "make demo [QUICK=1] [OUT=dir]  - tiny teacher -> importance -> reorder -> elastic training of 3 budgets -> exports -> report"
 	@echo "make compare [QUICK=1] [OUT=dir] - after make demo: the elastic run vs pruning/distilling/training each size (~72 min)"
-	@echo "make test                      - run the checks (make lint), then the test suite"
+	@echo "make test                      - the checks (make lint), then both test tiers"
+	@echo "make test-unit                 - the in-process unit tier (no subprocess, no torchrun; minutes)"
+	@echo "make test-integration          - the integration scenarios (torchrun, rank pools, the CLI)"
 	@echo "make lint                      - ruff (lint + format check), import contracts, mypy"
 	@echo "make bench                     - run the benchmarks (ratios, side by side)"
 
@@ -68,11 +70,16 @@ lint: $(STAMPS)/install
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
 
+# two tiers (CONTRIBUTING.md, "Tests"): in-process units first, so a broken unit fails in minutes
 test: $(STAMPS)/install lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
+	$(PY) -m pytest -m integration $(PYTEST_ARGS)
 
-test-fast: $(STAMPS)/install
-	$(PY) -m pytest -m "not slow and not multirank" $(PYTEST_ARGS)
+test-unit: $(STAMPS)/install
+	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
+
+test-integration: $(STAMPS)/install
+	$(PY) -m pytest -m integration $(PYTEST_ARGS)
 
 bench: $(STAMPS)/install
 	$(PY) bench/run_all.py

@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.models]
-
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml"
 FP32_TOL = 1e-5
 # bf16 keeps 8 significant bits (spacing 2^-7 relative): both implementations round q.k, the

@@ -11,6 +11,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SHOWN = {  # the name each kind of bad input must be reported by
     "missing": "missing",
@@ -27,6 +29,7 @@ SHOWN = {  # the name each kind of bad input must be reported by
 EXPECTED_PASS = {("wrong_kind", "verify")}
 
 
+@pytest.mark.integration
 def test_every_subcommand_refuses_every_bad_path_cleanly(tmp_path):
     from elastic_plugin.testing.sweep_cases import commands
 

@@ -11,8 +11,6 @@ import torch
 
 from bench import bench_attention as bench
 
-pytestmark = [pytest.mark.models]
-
 
 def test_peak_bytes_replays_allocations_in_order():
     def allocate():

@@ -7,8 +7,6 @@ import math
 
 import pytest
 
-pytestmark = [pytest.mark.extract]
-
 
 def test_quickest_run_gives_consistent_rows(rank_pools):
     (rows,) = rank_pools.get(1).run(

@@ -12,8 +12,6 @@ from bench import bench_elastic_step as bench
 from elastic_plugin.models.axes import model_for_choice
 from elastic_plugin.models.config import ConfigError
 
-pytestmark = [pytest.mark.elastic]
-
 
 def _tiny():
     return bench.bench_model("tiny").cfg

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.export]
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 

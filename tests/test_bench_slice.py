@@ -7,8 +7,6 @@ import math
 
 import pytest
 
-pytestmark = [pytest.mark.export]
-
 
 def test_quickest_run_gives_consistent_rows(rank_pools):
     (rows,) = rank_pools.get(1).run("bench.bench_slice:run", quick=True, reps=1, models=("tiny",))

@@ -13,8 +13,6 @@ import pytest
 from bench import bench_training_runtime as bench
 from elastic_plugin.models.config import ConfigError
 
-pytestmark = [pytest.mark.elastic]
-
 
 @pytest.mark.parametrize(
     "kwargs,field",

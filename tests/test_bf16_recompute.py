@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.elastic, pytest.mark.multirank]
+pytestmark = pytest.mark.integration
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
 CASES = "elastic_plugin.testing.elastic_cases"

@@ -14,10 +14,7 @@ from elastic_plugin.testing.inference_cases import random_prompts, tiny_inferenc
 # the tiny model's nested choice, and the one-intra-op-thread fixture, of the generation tests
 from tests.test_inference_generate import SMALL, one_thread  # noqa: F401
 
-pytestmark = [
-    pytest.mark.inference,
-    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning")
 
 TOL = 2e-5
 

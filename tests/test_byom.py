@@ -17,8 +17,6 @@ import pytest
 
 from elastic_plugin.checkpoint.meta import read_checkpoint_meta
 
-pytestmark = [pytest.mark.data]
-
 ROOT = Path(__file__).resolve().parents[1]
 NANO_CONFIG = ROOT / "tests" / "fixtures" / "nemotron_nano_v3_config.json"
 CLI = [sys.executable, "-m", "elastic_plugin.cli"]
@@ -95,7 +93,7 @@ def test_prepare_data_input_refuses_bad_input_before_writing(tmp_path, capsys, c
     assert not out.exists()
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_imported_model_runs_every_stage(tmp_path):
     from elastic_plugin.testing.byom_cases import (
         corpus,

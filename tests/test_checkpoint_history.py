@@ -21,8 +21,6 @@ from elastic_plugin.checkpoint.history import (
 from elastic_plugin.checkpoint.meta import read_checkpoint_meta
 from elastic_plugin.models.config import ConfigError
 
-pytestmark = pytest.mark.extract
-
 
 def _save(stage: Path, iteration: int) -> Path:
     """A published save with just enough files for read_checkpoint_meta."""

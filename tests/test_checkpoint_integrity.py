@@ -28,8 +28,6 @@ from elastic_plugin.checkpoint.meta import CHECKPOINT_META
 from elastic_plugin.models.config import ConfigError
 from elastic_plugin.testing.integrity_cases import flip_middle
 
-pytestmark = [pytest.mark.extract]
-
 CASES = "elastic_plugin.testing.integrity_cases"
 
 
@@ -222,7 +220,7 @@ def test_extract_of_a_damaged_elastic_checkpoint_exits_2_and_writes_nothing(
         assert not out.exists() and not out.with_name(out.name + ".tmp").exists()
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_pipeline_parallel_save_records_every_ranks_files_and_verifies(rank_pools, tmp_path):
     results = rank_pools.get(2).run(f"{CASES}:pipeline_case", workdir=str(tmp_path))
     first, second = results

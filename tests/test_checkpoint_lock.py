@@ -56,6 +56,7 @@ def test_lock_records_its_holder_refuses_a_second_writer_and_is_released(tmp_pat
     acquire_out_lock(out).release()  # free again
 
 
+@pytest.mark.integration
 def test_lock_of_another_live_process_is_refused_and_freed_when_it_is_terminated(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen(
@@ -72,6 +73,7 @@ def test_lock_of_another_live_process_is_refused_and_freed_when_it_is_terminated
     assert not (out / LOCK_NAME).exists()
 
 
+@pytest.mark.integration
 def test_stale_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path, capsys):
     out = tmp_path / "out"
     pid = _dead_pid()

@@ -35,7 +35,7 @@ def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subproce
     )
 
 
-@pytest.mark.models
+@pytest.mark.integration
 def test_params_json_for_nemotron_nano_v3():
     proc = run_cli("params", "--config", str(NANO), "--json")
     assert proc.returncode == 0, proc.stderr
@@ -44,7 +44,7 @@ def test_params_json_for_nemotron_nano_v3():
     assert counts["active"] == pytest.approx(3.6e9, rel=0.015)
 
 
-@pytest.mark.models
+@pytest.mark.integration
 def test_info_json_reports_backends():
     proc = run_cli("info", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -56,7 +56,6 @@ def test_info_json_reports_backends():
     assert info["layer_spec"] == "local"
 
 
-@pytest.mark.demo
 @pytest.mark.parametrize(
     "args,needle",
     [
@@ -69,6 +68,7 @@ def test_info_json_reports_backends():
         (["--tensor-model-parallel-size", "2"], "world size 1 is not divisible"),
     ],
 )
+@pytest.mark.integration
 def test_train_rejects_bad_input_before_work(tmp_path, args, needle):
     out = tmp_path / "out"
     proc = run_cli("train", "--config", str(TINY), "--out", str(out), *args, timeout=600)
@@ -77,7 +77,7 @@ def test_train_rejects_bad_input_before_work(tmp_path, args, needle):
     assert not out.exists(), "nothing may be written for bad input"
 
 
-@pytest.mark.demo
+@pytest.mark.integration
 def test_train_rejects_unknown_config_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(
@@ -106,7 +106,7 @@ def trained(tmp_path_factory):
     return out, json.loads(proc.stdout[proc.stdout.index("{") :])
 
 
-@pytest.mark.demo
+@pytest.mark.integration
 def test_short_teacher_run_trains_plots_and_checkpoints(trained):
     out, summary = trained
     metrics = [
@@ -127,8 +127,7 @@ def test_short_teacher_run_trains_plots_and_checkpoints(trained):
     assert (out / "data" / "train_text_document.bin").is_file()
 
 
-@pytest.mark.demo
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_checkpoint_gives_same_loss_under_other_layouts(trained, rank_pools):
     out, _ = trained
     kwargs = dict(ckpt_dir=str(out / "checkpoints" / "teacher"), data_dir=str(out / "data"))
@@ -148,9 +147,7 @@ def test_checkpoint_gives_same_loss_under_other_layouts(trained, rank_pools):
         assert losses == [pytest.approx(reference, rel=1e-5)] * 2
 
 
-@pytest.mark.demo
-@pytest.mark.multirank
-@pytest.mark.slow
+@pytest.mark.integration
 def test_train_under_torchrun_with_tensor_parallel(tmp_path, trained):
     """The user path: torchrun + the CLI, TP=2 with SP on 2 ranks, reusing the data."""
     out_seed, _ = trained
@@ -195,9 +192,7 @@ def test_train_under_torchrun_with_tensor_parallel(tmp_path, trained):
     assert summary["train_loss"] < 4.0
 
 
-@pytest.mark.demo
-@pytest.mark.importance
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_importance_and_reorder_cli_keep_the_function(trained, tmp_path, rank_pools):
     out, _ = trained
     scores = tmp_path / "scores.pt"
@@ -255,8 +250,7 @@ def test_importance_and_reorder_cli_keep_the_function(trained, tmp_path, rank_po
     assert tp2 == [pytest.approx(teacher, rel=1e-5)] * 2
 
 
-@pytest.mark.demo
-@pytest.mark.importance
+@pytest.mark.integration
 def test_importance_cli_rejects_short_calibration_and_missing_ckpt(trained, tmp_path):
     out, _ = trained
     proc = run_cli(
@@ -283,14 +277,10 @@ def test_importance_cli_rejects_short_calibration_and_missing_ckpt(trained, tmp_
     assert not (tmp_path / "s.pt").exists() and not (tmp_path / "o").exists()
 
 
-@pytest.mark.demo
-@pytest.mark.importance
-@pytest.mark.multirank
-@pytest.mark.slow
+@pytest.mark.integration
 def test_importance_and_reorder_under_torchrun(trained, tmp_path, rank_pools):
     """The CLIs under torchrun: scores under TP=2+SP rank like one process; a reorder written
     under EP=2 keeps the teacher's validation loss."""
-    import torch
 
     from elastic_plugin.importance import ImportanceScores, rankings_agree
 
@@ -407,8 +397,7 @@ def _trace(out: Path) -> list[float]:
     ]
 
 
-@pytest.mark.demo
-@pytest.mark.slow
+@pytest.mark.integration
 def test_train_saves_history_and_resumes_past_a_damaged_save(tmp_path):
     """`train --save-interval/--stop-after/--resume`: an interrupted teacher run, whose newest
     save is then damaged, continues from the save before it and ends exactly where an

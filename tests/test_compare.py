@@ -153,7 +153,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_compare_makes_every_route_of_a_two_budget_run_and_reports_it(tmp_path):
     """teacher -> importance -> reorder -> a 2-budget elastic run (tiny iteration counts), then
     ``compare`` with every route at the equal-cost budget, 2 seeds, half scale: a valid

@@ -10,8 +10,6 @@ import textwrap
 
 import pytest
 
-pytestmark = [pytest.mark.compat]
-
 
 def _run_python(code: str, env: dict[str, str] | None = None) -> str:
     proc = subprocess.run(
@@ -25,6 +23,7 @@ def _run_python(code: str, env: dict[str, str] | None = None) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.integration
 def test_patches_make_cuda_assumptions_work_on_cpu():
     out = _run_python("""
         import json, torch
@@ -62,6 +61,7 @@ def test_patches_make_cuda_assumptions_work_on_cpu():
     assert info["cast"] == "torch.float64"  # casts through .type(dtype) still work
 
 
+@pytest.mark.integration
 def test_no_patches_when_cuda_is_available():
     out = _run_python("""
         import torch
@@ -73,6 +73,7 @@ def test_no_patches_when_cuda_is_available():
     assert out == "0 True"
 
 
+@pytest.mark.integration
 def test_environment_variable_opt_in():
     code = """
         import elastic_plugin
@@ -83,7 +84,7 @@ def test_environment_variable_opt_in():
     assert int(_run_python(code, {"ELASTIC_PLUGIN_CPU": "0"})) == 0
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_gloo_uneven_all_gather_and_list_reduce_scatter(rank_pools):
     pool = rank_pools.get(2)
     gathered = pool.run("elastic_plugin.testing.cases:uneven_all_gather")

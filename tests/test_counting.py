@@ -25,8 +25,6 @@ from elastic_plugin.models.counting import (
     format_count,
 )
 
-pytestmark = pytest.mark.models
-
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "configs" / "tiny.yaml"
 NANO = ROOT / "examples" / "configs" / "nemotron_nano_v3.yaml"
@@ -241,6 +239,7 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.integration
 def test_cli_json_subprocess():
     proc = _run_cli("params", "--config", str(NANO), "--json")
     assert proc.returncode == 0, proc.stderr
@@ -266,6 +265,7 @@ def test_cli_unknown_key_exits_2_naming_it(tmp_path, capsys):
     assert "mamba_num_head" in captured.err and "unknown key" in captured.err
 
 
+@pytest.mark.integration
 def test_cli_missing_file_exits_2_naming_it(tmp_path):
     missing = tmp_path / "nope.yaml"
     proc = _run_cli("params", "--config", str(missing))
@@ -280,6 +280,7 @@ def test_cli_invalid_yaml_exits_2(tmp_path, capsys):
     assert "error" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_cli_import_is_light():
     code = (
         "import sys, elastic_plugin.models.cli; "

@@ -28,8 +28,6 @@ from elastic_plugin.data.indexed import (
 from elastic_plugin.data.prepare import PreparedData, prepare_dataset
 from elastic_plugin.data.tokenizer import SPECIAL_TOKENS, JsonTokenizer, train_tokenizer
 
-pytestmark = pytest.mark.data
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ = 64
 
@@ -381,7 +379,7 @@ _RANK_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_two_ranks_rank0_builds_others_wait(tmp_path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(_RANK_SCRIPT)
@@ -425,7 +423,7 @@ def test_two_ranks_rank0_builds_others_wait(tmp_path) -> None:
     assert not any(name.startswith(".") for name in os.listdir(tmp_path))
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_helpers_compiled_when_missing(tmp_path, monkeypatch) -> None:
     """The wheel ships helpers_cpp but not the Makefile compile_helpers() needs: our fallback."""
     import megatron.core.datasets as mds

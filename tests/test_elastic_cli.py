@@ -26,8 +26,6 @@ import yaml
 from elastic_plugin.checkpoint.meta import read_checkpoint_meta
 from elastic_plugin.compat.rendezvous import free_port
 
-pytestmark = pytest.mark.elastic
-
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "configs" / "tiny.yaml"
 TINY_ELASTIC = ROOT / "examples" / "configs" / "tiny_elastic.yaml"
@@ -255,6 +253,7 @@ def test_bad_input_exits_2_naming_the_flag_before_any_work(fake, no_training, mo
         assert not Path(fake["out"]).exists(), "nothing may be written for bad input"
 
 
+@pytest.mark.integration
 def test_bad_input_in_a_fresh_process_imports_no_megatron(fake):
     """The exit code and message as a user sees them, and proof that no model code ran."""
     code = (
@@ -424,10 +423,7 @@ def pipeline(tmp_path_factory):
     }
 
 
-@pytest.mark.multirank
-@pytest.mark.slow
-@pytest.mark.multirank
-@pytest.mark.slow
+@pytest.mark.integration
 def test_elastic_train_profile_writes_each_ranks_steps_and_no_checkpoint(pipeline, tmp_path):
     """``--profile N`` (what a layout sweep runs), at TP2: N iterations, one record per iteration
     on every rank (its step time, budgets, tokens, TFLOP/s, peak memory), no evaluation and no
@@ -462,6 +458,7 @@ def test_elastic_train_profile_writes_each_ranks_steps_and_no_checkpoint(pipelin
         assert (a["budgets"], a["tokens"]) == (b["budgets"], b["tokens"])
 
 
+@pytest.mark.integration
 def test_elastic_train_under_torchrun_tp2_sp_checkpoints_plots_and_resumes(pipeline, tmp_path):
     out = tmp_path / "elastic"
     args = [
@@ -606,6 +603,7 @@ def test_elastic_train_under_torchrun_tp2_sp_checkpoints_plots_and_resumes(pipel
 
 
 # ------------------------------------------------------------------------------ Megatron-LM script
+@pytest.mark.integration
 def test_pretrain_script_imports_without_side_effects_and_prints_arch_flags(fake):
     from elastic_plugin.models.config import config_from_dict
 
@@ -819,7 +817,7 @@ def pretrain_case(workdir: str) -> dict:
     return result
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_pretrain_script_composes_with_megatron_and_its_forward_step_distils(rank_pools, tmp_path):
     (r,) = rank_pools.get(1).run("test_elastic_cli:pretrain_case", workdir=str(tmp_path))
     assert r["clashes"] == [] and r["wrong_dests"] == []

@@ -34,8 +34,6 @@ from elastic_plugin.models.axes import ELASTIC_AXES, model_for_choice
 from elastic_plugin.models.config import ConfigError, load_config
 from elastic_plugin.models.counting import count_parameters, count_parameters_per_layer
 
-pytestmark = pytest.mark.elastic
-
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "configs" / "tiny.yaml"
 NANO = ROOT / "examples" / "configs" / "nemotron_nano_v3.yaml"

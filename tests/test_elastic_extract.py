@@ -13,8 +13,6 @@ import torch
 
 from elastic_plugin.checkpoint.history import resolve_checkpoint
 
-pytestmark = [pytest.mark.elastic, pytest.mark.extract]
-
 CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
 HERE = "test_elastic_extract"
 TOL = 1e-5
@@ -193,7 +191,7 @@ def extracted(rank_pools, tmp_path_factory):
     return work, result
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_extracted_model_is_plain_megatron_with_the_elastic_logits(extracted):
     from elastic_plugin.models.axes import model_for_choice
     from elastic_plugin.models.config import load_config
@@ -230,7 +228,7 @@ def test_extracted_model_is_plain_megatron_with_the_elastic_logits(extracted):
     assert smallest["vs_full"] > 1e-3  # the nested model really differs from the full one
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_interrupted_extraction_leaves_no_output_and_reruns(extracted):
     _, r = extracted
     assert r["interrupted"] == "killed mid-save"
@@ -240,7 +238,7 @@ def test_interrupted_extraction_leaves_no_output_and_reruns(extracted):
     assert "num_moe_experts" in r["target_error"] and not r["bad_target_exists"]
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_extracted_checkpoint_loads_under_tensor_parallel(rank_pools, extracted):
     work, r = extracted
     budget = 0.4
@@ -362,6 +360,7 @@ def test_bad_input_exits_2_with_clear_messages_and_writes_nothing(tmp_path, no_e
     assert plan.choice["attention_heads"] == 2 and plan.target == (2, 1, 4)
 
 
+@pytest.mark.integration
 def test_bad_input_in_a_fresh_process_imports_no_megatron(tmp_path):
     import subprocess
     import sys

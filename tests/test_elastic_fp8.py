@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.elastic, pytest.mark.kernels]
-
 SIZES = {
     "embedding": [1.0, 0.5],
     "ffn": [1.0, 0.5],

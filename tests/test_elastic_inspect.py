@@ -21,8 +21,6 @@ from elastic_plugin.models.config import load_config
 from elastic_plugin.models.counting import count_parameters
 from elastic_plugin.nested.cli import compact_sizes, inspect_checkpoint
 
-pytestmark = [pytest.mark.elastic, pytest.mark.extract]
-
 ROOT = Path(__file__).resolve().parents[1]
 TINY_ELASTIC = ROOT / "examples" / "configs" / "tiny_elastic.yaml"
 PREFIX = "elastic-plugin inspect: error: "

@@ -10,8 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.elastic]
-
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml"
 SIZES = {
     "embedding": [1.0, 0.5],

@@ -12,8 +12,6 @@ from elastic_plugin.elastic.metrics import ElasticMetrics
 from elastic_plugin.models.config import ConfigError
 from elastic_plugin.testing.loss_cases import random_logits, reference_kl
 
-pytestmark = [pytest.mark.elastic]
-
 CASES = "elastic_plugin.testing.loss_cases"
 
 
@@ -105,7 +103,7 @@ def test_distillation_loss_func_masks_tokens_and_accepts_transposed_mask():
 # ---------------------------------------------------------------- vocab_parallel_kl, TP=2
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 @pytest.mark.parametrize("use_default_group", [True, False])
 def test_kl_under_tensor_parallel_matches_single_rank(rank_pools, use_default_group):
     shape = (3, 5, 16)

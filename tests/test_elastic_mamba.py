@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.elastic]
-
 CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
 CASES = "elastic_plugin.testing.elastic_mamba_cases"
 # tiny.yaml: hidden 128, 8 Mamba heads in 2 groups (4 per group), head dim 16
@@ -97,7 +95,7 @@ def test_bad_arguments_raise_clear_errors(rank_pools):
     assert msgs["inference"].startswith("NotImplementedError") and "cache" in msgs["inference"]
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_tensor_and_sequence_parallel_match_single_rank(rank_pools):
     results = rank_pools.get(2).run(
         f"{CASES}:tp_sp_matches_single_rank", config_path=CONFIG, k=K, p=P, h=H

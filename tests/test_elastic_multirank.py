@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.elastic, pytest.mark.multirank]
+pytestmark = pytest.mark.integration
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
 CASES = "elastic_plugin.testing.elastic_cases"
@@ -132,7 +132,7 @@ def test_masked_mode_tensor_parallel_no_moe(rank_pools, references):
     _check(rank_pools, references, 2, pattern=NO_MOE_PATTERN, mode="masked", tp=2)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_heterogeneous_tp_pp_ep_on_4_ranks(rank_pools, references):
     _check(rank_pools, references, 4, heterogeneous=True, tp=2, pp=2, ep=1, sequence_parallel=True)
 

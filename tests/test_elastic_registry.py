@@ -10,8 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.elastic]
-
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml"
 DENSE_MLP_INDEX = 3  # "M*E-M*E-": layer 4 is the first dense MLP layer
 

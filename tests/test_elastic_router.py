@@ -20,8 +20,6 @@ from elastic_plugin.elastic.router import (
 from elastic_plugin.elastic.sampling import BudgetSampler, Stage
 from elastic_plugin.models.config import ConfigError
 
-pytestmark = pytest.mark.elastic
-
 BUDGETS = (1.0, 0.75, 0.5)
 CANDIDATES = (8, 6, 4)  # descending; fractions 1.0, 0.75, 0.5 of FULL
 FULL = 8

@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.elastic]
-
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml"
 SIZES = {
     "embedding": [128, 96, 64],

@@ -7,10 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.inference,
-    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning")
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,6 @@ from elastic_plugin.export.calibrate import (
 from elastic_plugin.export.quantize import FORMATS
 from elastic_plugin.models.config import ConfigError
 
-pytestmark = pytest.mark.export
-
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "NemotronHForCausalLM"):
     pytest.skip("transformers has no NemotronH", allow_module_level=True)

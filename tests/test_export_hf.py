@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.export, pytest.mark.extract]
-
 CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
 TOL = 1e-5
 
@@ -136,7 +134,7 @@ def exported(rank_pools, tmp_path_factory):
     return work, result
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_nested_hf_exports_give_the_elastic_logits(exported):
     """fp32 exports of the homogeneous (0.4) and per-layer (0.77) nested models equal the
     elastic model at that budget; bf16 is close; the nested models really differ from full."""
@@ -176,7 +174,7 @@ def test_nested_hf_exports_give_the_elastic_logits(exported):
     )
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_quantized_exports_are_smaller_and_close(exported):
     _, r = exported
     by = {(row["budget"], row["quantize"] or row["dtype"]): row for row in r["rows"]}
@@ -188,7 +186,7 @@ def test_quantized_exports_are_smaller_and_close(exported):
         assert bf16["rel"] < fp8["rel"] < 0.1 and fp8["rel"] < nvfp4["rel"] < 0.3, (fp8, nvfp4)
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_interrupted_hf_export_leaves_no_output(exported):
     _, r = exported
     assert r["interrupted"] == "killed mid-save"

@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.export]
-
 CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
 
 
@@ -176,7 +174,7 @@ def nested_run(rank_pools, tmp_path_factory):
     return result
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_every_budget_sliced_from_one_nested_directory_is_its_own_export(nested_run):
     r = nested_run
     assert "nested_config.json" in r["files"] and "model.safetensors.index.json" in r["files"]
@@ -193,7 +191,7 @@ def test_every_budget_sliced_from_one_nested_directory_is_its_own_export(nested_
     assert r["nested"]["bytes"] < sum(row["bytes_own"] for row in r["rows"])
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_a_killed_slice_leaves_no_output(nested_run):
     r = nested_run
     assert r["interrupted"] == "killed mid-save"
@@ -201,7 +199,7 @@ def test_a_killed_slice_leaves_no_output(nested_run):
     assert r["rerun_equal"] and not r["rerun_tmp"]
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_slice_refuses_bad_input_before_writing(nested_run):
     errors = nested_run["errors"]
     assert all(e["exit"] == 2 and not e["written"] for e in errors.values()), errors
@@ -222,7 +220,7 @@ def serve_checked(rank_pools, tmp_path_factory):
     return result
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_serve_check_passes_every_format_and_catches_a_tampered_export(serve_checked):
     r = serve_checked
     loaders = {

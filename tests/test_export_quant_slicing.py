@@ -12,8 +12,6 @@ import torch
 
 from elastic_plugin.export.quantize import same_bits
 
-pytestmark = [pytest.mark.export]
-
 
 @pytest.fixture(scope="module")
 def tiny_megatron():
@@ -184,7 +182,7 @@ def quantized_nested(rank_pools, tmp_path_factory):
     return result
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_every_budget_sliced_from_a_quantized_nested_directory_is_its_own_export(
     quantized_nested, fmt
@@ -212,12 +210,12 @@ def test_every_budget_sliced_from_a_quantized_nested_directory_is_its_own_export
     assert (unaligned <= set(r["exclude"])) == (fmt == "nvfp4")
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_serve_check_passes_quantized_nested_and_calibrated_exports(quantized_nested):
     assert quantized_nested["serve_check"] == {"nested_nvfp4_0.4": 0, "hf_0.77_fp8": 0}
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_quantization_flags_are_refused_before_writing(quantized_nested):
     errors = quantized_nested["errors"]
     assert all(e["exit"] == 2 and not e["written"] for e in errors.values()), errors

@@ -28,8 +28,6 @@ from elastic_plugin.export.quantize import (
 )
 from elastic_plugin.models.config import ConfigError
 
-pytestmark = pytest.mark.export
-
 E4M3 = torch.float8_e4m3fn
 
 

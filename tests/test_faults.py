@@ -26,7 +26,7 @@ from elastic_plugin.testing.fault_cases import (
     write_config,
 )
 
-pytestmark = [pytest.mark.faults, pytest.mark.multirank, pytest.mark.slow]
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

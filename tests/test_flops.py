@@ -35,8 +35,6 @@ from elastic_plugin.models.flops import (
     training_flops,
 )
 
-pytestmark = pytest.mark.models
-
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 ELASTIC = yaml.safe_load((CONFIGS / "tiny_elastic.yaml").read_text())["elastic"]
 TINY = load_config(CONFIGS / "tiny.yaml").model

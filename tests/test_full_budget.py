@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.elastic]
-
 CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
 
 

@@ -271,3 +271,231 @@ def test_attention_options_equal_megatron_gpt_layer(megatron):
         moved, _ = mlp_layer(attention_layer(hidden, attention_mask=None, rotary_pos_emb=rope)[0])
         attention_layer.self_attention.k_layernorm.weight.sub_(0.5)
     assert (moved - expected).abs().max().item() > 1e-3
+
+
+# ---------------------------------------------------------------- counting = built model
+@pytest.mark.parametrize("name", list(MODELS))
+def test_counting_equals_built_model(megatron, name):
+    """``counting`` per component, ``planning.params`` (one rank) and the budget loss' cost at the
+    full size all equal the built Megatron model's ``sum(p.numel())``; tied embeddings once."""
+    from elastic_plugin.elastic.config import ElasticConfig
+    from elastic_plugin.elastic.cost import ElasticCost
+    from elastic_plugin.models.counting import component_of_parameter, count_parameters
+    from elastic_plugin.planning.params import stage_params
+
+    cfg = MODELS[name]
+    model = _build(cfg)
+    built: dict[str, int] = {}
+    for key, param in model.named_parameters():
+        component = component_of_parameter(key)
+        built[component] = built.get(component, 0) + param.numel()
+    total = sum(p.numel() for p in model.parameters())
+    count = count_parameters(cfg)
+    assert count.total == total
+    assert {k: v for k, v in count.breakdown.items() if v} == built
+    tied = not cfg.untie_embeddings_and_output_weights
+    assert count.breakdown["output_layer"] == (0 if tied else cfg.vocab_size * cfg.hidden_size)
+    (stage,) = stage_params(cfg, tp=1, pp=1, ep=1)
+    assert stage.model == total
+    assert sorted(stage.dense) == sorted(p.numel() for p in model.parameters())
+    resolved = ElasticConfig.from_dict({"budgets": [1.0]}).resolve(cfg)
+    assert ElasticCost(cfg, resolved, metric="total_params").full == total
+
+
+# ------------------------------------------- importance -> reorder -> elastic == extracted
+LLAMA_SIZES = {"embedding": [72, 48], "ffn": [88, 44], "attention_heads": [6, 4]}
+LLAMA_SMALL = {"embedding": 48, "ffn": 44, "attention_heads": 4}
+MOE_SIZES = {"embedding": [64, 48], "ffn": [72, 36], "attention_heads": [4, 2], "experts": [6, 4]}
+MOE_SMALL = {"embedding": 48, "ffn": 36, "attention_heads": 2, "experts": 4}
+PIPELINE = ["llama-tied", "llama-qk_norm", "llama-qkv_bias", "llama-rope_scaling", "llama-all"]
+PIPELINE += ["qwen3_moe", "qwen3_moe-tied-bias"]
+
+
+def _attention_tensors(model) -> dict[str, torch.Tensor]:
+    """Every q/k norm weight and qkv bias, by name (cloned)."""
+    return {
+        key: value.detach().clone()
+        for key, value in model.named_parameters()
+        if "_layernorm." in key and "self_attention" in key or key.endswith("linear_qkv.bias")
+    }
+
+
+@pytest.mark.parametrize("name", PIPELINE)
+def test_importance_reorder_elastic_and_extracted(megatron, name):
+    """Importance collected on calibration batches, reordering keeps the function (q/k norms
+    untouched, qkv bias moved with its query heads, tied weights permuted once), and at a reduced
+    budget the elastic forward equals the extracted nested model's, whose parameters are counted
+    exactly; a tied model's nested model is tied and its embedding gradient is the elastic one's
+    active block."""
+    from elastic_plugin.importance import collect_importance
+    from elastic_plugin.importance.reorder import Permutations, apply_permutations
+    from elastic_plugin.models.counting import count_parameters
+    from elastic_plugin.nested.model import nested_model
+    from elastic_plugin.testing.elastic_model import make_elastic
+    from elastic_plugin.testing.equivalence import (
+        NUM_MICROBATCHES,
+        REF_MICRO_BATCH,
+        SEQ_LEN,
+        dp_shard,
+        reference_batches,
+    )
+
+    cfg = MODELS[name]
+    moe = cfg.count("moe") > 0
+    sizes, small = (MOE_SIZES, MOE_SMALL) if moe else (LLAMA_SIZES, LLAMA_SMALL)
+    model = _build(cfg)
+    tokens, position = _tokens(cfg)
+    with torch.no_grad():
+        before = model(tokens, position, None)
+    scores = collect_importance(
+        [model],
+        dp_shard(reference_batches(cfg)),
+        REF_MICRO_BATCH * NUM_MICROBATCHES,
+        SEQ_LEN,
+        REF_MICRO_BATCH,
+        progress=False,
+    )
+    perms = Permutations.from_scores(scores, cfg.query_groups, cfg.mamba_num_groups)
+    assert not torch.equal(perms.embedding, torch.arange(cfg.hidden_size))
+    moved_heads = [n for n, p in perms.attention_heads.items() if not torch.equal(p, p.sort()[0])]
+    assert moved_heads  # some query heads really move within their group
+    attention_before = _attention_tensors(model)
+    word = model.embedding.word_embeddings.weight
+    word_before = word.detach().clone()
+    apply_permutations(model, perms)
+    model.eval()
+    with torch.no_grad():
+        after = model(tokens, position, None)
+    reorder_diff = (after - before).abs().max().item()
+    scale = before.abs().max().item()
+    print(f"{name}: reorder max |diff| = {reorder_diff:.2e} (logits up to {scale:.1f})")
+    assert reorder_diff <= TOL * max(1.0, scale)
+    assert torch.equal(word, word_before[:, perms.embedding])  # permuted once, tied or not
+    for key, value in _attention_tensors(model).items():
+        if "_layernorm." in key:
+            assert torch.equal(value, attention_before[key]), key  # head_dim-sized: untouched
+        else:
+            number = int(key.split(".")[2]) + 1
+            moves = number in moved_heads
+            assert torch.equal(value, attention_before[key]) != moves, key  # with the heads
+    if not cfg.untie_embeddings_and_output_weights:
+        assert model.output_layer.weight is None
+        assert model.shared_embedding_or_output_weight() is word
+
+    state, _ = make_elastic(model, cfg, sizes, budgets=(1.0, 0.75))
+    state.set_sizes(small)
+    elastic = model(tokens, position, None)
+    state.clear()
+    plain, small_cfg = nested_model(model, cfg, small)
+    assert small_cfg.qk_layernorm == cfg.qk_layernorm and small_cfg.head_dim == cfg.head_dim
+    assert small_cfg.untie_embeddings_and_output_weights == cfg.untie_embeddings_and_output_weights
+    nested = plain(tokens, position, None)
+    diff = (nested - elastic).abs().max().item()
+    print(f"{name}: elastic vs extracted at {small}: max |diff| = {diff:.2e}")
+    assert diff <= TOL
+    assert (elastic - after).abs().max().item() > 1e-3  # the budget really changed the model
+    assert sum(p.numel() for p in plain.parameters()) == count_parameters(small_cfg).total
+    for key, value in plain.named_parameters():
+        if "_layernorm." in key and "self_attention" in key:  # kept whole
+            assert torch.equal(value, model.get_parameter(key)), key
+    if not cfg.untie_embeddings_and_output_weights:
+        assert plain.output_layer.weight is None
+        assert plain.shared_embedding_or_output_weight() is plain.embedding.word_embeddings.weight
+        # backward: the tied weight's gradient (input lookup + logits) is the active block's
+        h = small["embedding"]
+        state.set_sizes(small)
+        model.zero_grad(set_to_none=True)
+        elastic.pow(2).mean().backward()
+        state.clear()
+        nested.pow(2).mean().backward()
+        got = model.embedding.word_embeddings.weight.grad
+        want = plain.embedding.word_embeddings.weight.grad
+        torch.testing.assert_close(got[:, :h], want, rtol=1e-4, atol=1e-6)
+        assert torch.count_nonzero(got[:, h:]) == 0
+
+
+# --------------------------------------------------------------------- Megatron-LM flags
+def test_megatron_lm_flags_name_the_options():
+    """The printed architecture flags are Megatron-LM's own (its parser gives each flag the dest
+    we check), describe every option, and a launch missing one is refused naming it."""
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    from elastic_plugin.elastic.megatron_lm_args import (
+        arch_flags,
+        check_arch_args,
+        render_arch_flags,
+    )
+
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    dest_of = {s: a.dest for a in parser._actions for s in a.option_strings}
+    cfg = dataclasses.replace(MODELS["llama-all"], rope_scaling_factor=32.0)
+    flags = render_arch_flags(cfg)
+    assert [(f.flag, f.dest) for f in arch_flags(cfg) if dest_of.get(f.flag) != f.dest] == []
+    for flag in ("--qk-layernorm", "--add-qkv-bias", "--use-rope-scaling"):
+        assert flag in flags
+    assert flags[flags.index("--rope-scaling-factor") + 1] == "32.0"
+    assert flags[flags.index("--kv-channels") + 1] == "16"
+    assert "--untie-embeddings-and-output-weights" not in flags  # tied
+    args, _ = parser.parse_known_args(flags)
+    assert args.qk_layernorm and args.add_qkv_bias and args.use_rope_scaling
+    assert args.rope_scaling_factor == 32.0 and not args.untie_embeddings_and_output_weights
+    check_arch_args(args, cfg, "ckpt")
+    for flag, dest in (("--qk-layernorm", "qk_layernorm"), ("--add-qkv-bias", "add_qkv_bias")):
+        wrong = argparse.Namespace(**{**vars(args), dest: False})
+        with pytest.raises(ConfigError, match=flag):
+            check_arch_args(wrong, cfg, "ckpt")
+
+    plain = render_arch_flags(LLAMA)
+    assert "--untie-embeddings-and-output-weights" in plain
+    for flag in ("--qk-layernorm", "--add-qkv-bias", "--use-rope-scaling", "--rope-scaling-factor"):
+        assert flag not in plain
+    args, _ = parser.parse_known_args(plain)
+    check_arch_args(args, LLAMA, "ckpt")
+    scaled = argparse.Namespace(**{**vars(args), "use_rope_scaling": True})
+    with pytest.raises(ConfigError, match="--use-rope-scaling"):
+        check_arch_args(scaled, LLAMA, "ckpt")
+
+
+# ------------------------------------------------------------------ TP=2 + SP == one rank
+@pytest.mark.integration
+def test_elastic_training_tp2_equals_one_rank(rank_pools, tmp_path):
+    """Elastic training steps of the Llama shape with every option (tied embeddings, q/k norms,
+    qkv bias, RoPE scaling) under TP=2 + SP reproduce one rank: the same routed budgets, losses
+    and gradients, q/k norm weights (replicated, reduced over TP by Megatron) and the tied
+    embedding (vocab-sharded, used by the elastic output layer) included."""
+    import yaml
+
+    cases = "elastic_plugin.testing.elastic_cases"
+    model = dataclasses.replace(MODELS["llama-all"], num_attention_heads=8)  # 0.5 x 8 heads
+    config = tmp_path / "llama_all.yaml"
+    config.write_text(yaml.safe_dump({"model": dataclasses.asdict(model.validate())}))
+    work = tmp_path / "work"
+    work.mkdir()
+    (reference,) = rank_pools.get(1).run(
+        f"{cases}:make_elastic_reference", config_path=str(config), workdir=str(work)
+    )
+    assert reference["trace"] and len(reference["losses"]) == 3
+    results = rank_pools.get(2).run(
+        f"{cases}:check_elastic",
+        config_path=str(config),
+        workdir=str(work),
+        tp=2,
+        sequence_parallel=True,
+    )
+    ref_trace = {(it, mb): (b, c) for it, mb, b, c in reference["trace"]}
+    budgets = set()
+    for r in results:
+        for it, mb, budget, choice in r["trace"]:
+            assert ref_trace[(it, mb)] == (budget, choice)
+            budgets.add(budget)
+        for got, ref in zip(r["losses"], r["ref_losses"], strict=True):
+            assert got.keys() == ref.keys()
+            for budget, value in ref.items():
+                assert got[budget] == pytest.approx(value, rel=1e-4)
+        print(f"rank {r['rank']}: grad max |diff| {r['grad_max_abs_diff']:.1e} "
+              f"({r['grad_worst_param']}), grads up to {r['grad_max_abs']:.1e}")
+        assert r["grad_max_abs"] > 1e-4
+        assert r["grad_max_abs_diff"] <= 2e-6, r
+    assert len(budgets) > 1  # reduced budgets were trained, not only the full model

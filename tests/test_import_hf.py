@@ -18,8 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.export]
-
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 NANO_CONFIG = FIXTURES / "nemotron_nano_v3_config.json"
 SEQ = 40
@@ -131,6 +129,7 @@ def _logits(model, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
 
 
+@pytest.mark.integration
 def test_imported_teacher_gives_transformers_logits(hf_dir, imported):
     from elastic_plugin.checkpoint.meta import read_checkpoint_meta
 
@@ -218,9 +217,10 @@ def _same_tensors(a: Path, b: Path) -> None:
         assert ours[key].dtype == tensor.dtype and torch.equal(ours[key], tensor), key
 
 
+@pytest.mark.integration
 def test_import_then_export_gives_the_input_bit_for_bit(hf_dir, imported, tmp_path):
     from elastic_plugin.cli import main
-    from elastic_plugin.models.hf_config import model_config_from_hf
+    from elastic_plugin.families import model_config_from_hf
 
     path, _, _, _ = hf_dir
     model, cfg, _ = _ours(imported)
@@ -243,10 +243,11 @@ def test_import_then_export_gives_the_input_bit_for_bit(hf_dir, imported, tmp_pa
     _same_tensors(tmp_path / "bf16", bf16)
 
 
+@pytest.mark.integration
 def test_released_configs_map_to_the_published_counts():
+    from elastic_plugin.families import model_config_from_hf
     from elastic_plugin.models.config import load_config
     from elastic_plugin.models.counting import count_parameters, format_count
-    from elastic_plugin.models.hf_config import model_config_from_hf
 
     nano = model_config_from_hf(_nano_json())
     counts = count_parameters(nano)
@@ -446,6 +447,7 @@ def test_target_layout_is_checked_before_any_weight_is_read(
         assert not out.exists() and not list(tmp_path.glob("out.*"))
 
 
+@pytest.mark.integration
 def test_cli_reports_bad_input_before_megatron_is_imported(hf_dir, tmp_path):
     source = tmp_path / "hf"
     shutil.copytree(hf_dir[0], source)
@@ -475,8 +477,7 @@ def test_params_counts_an_hf_config(hf_dir, capsys):
         main(["params", "--hf", str(hf_dir[0]), "--config", "x.yaml"])
 
 
-@pytest.mark.multirank
-@pytest.mark.slow
+@pytest.mark.integration
 def test_imported_teacher_loads_under_tp2_ep2(hf_dir, imported, rank_pools):
     """Written at TP=1, the import loads under TP=2 x EP=2 with the same logits."""
     results = rank_pools.get(4).run(

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.export]
+pytestmark = pytest.mark.integration  # a module fixture runs Megatron-LM in a fresh interpreter
 
 TOL = 1e-5
 

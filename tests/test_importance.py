@@ -7,8 +7,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.importance]
-
 CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
 CASES = "elastic_plugin.testing.importance_cases"
 ALL_AXES = ["embedding", "ffn", "shared_ffn", "attention_heads", "mamba", "experts"]
@@ -36,7 +34,7 @@ def test_reap_matches_direct_formula(reference):
         assert max(direct) > 0
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "layout",
     [
@@ -64,7 +62,7 @@ def test_scores_and_rankings_independent_of_layout(reference, layout, rank_pools
 REORDER = "elastic_plugin.testing.reorder_cases"
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "world,layout",
     [
@@ -87,7 +85,7 @@ def test_reorder_preserves_logits(reference, world, layout, rank_pools):
             assert r["max_abs_diff"] <= 1e-5 * max(1.0, r["logit_scale"]), r
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_reorder_is_layout_independent(reference, rank_pools):
     """Reorder under TP=2 x EP=2 (4 ranks), save: the same checkpoint as reordering on one rank."""
     workdir, _ = reference
@@ -147,7 +145,7 @@ def test_check_calibration_messages():
         check_calibration(None, 10, 4)
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_depth_scores_match_formula_and_layouts(reference, rank_pools):
     workdir, _ = reference
     pool = rank_pools.get(1)

@@ -17,10 +17,7 @@ import pytest
 
 from elastic_plugin.checkpoint.history import resolve_checkpoint
 
-pytestmark = [
-    pytest.mark.inference,
-    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning")
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
 HERE = "test_inference_cli"
@@ -212,7 +209,7 @@ def _check_records(
     )
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_generate_equals_the_library_calls(generated):
     from elastic_plugin.data.tokenizer import JsonTokenizer
 
@@ -257,7 +254,7 @@ def test_generate_equals_the_library_calls(generated):
     assert extracted["models"]["generate"]["params"] == ref["params"]["0.4"]
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 def test_budget_control_thinks_small_and_answers_with_the_answer_budget(generated):
     from elastic_plugin.data.tokenizer import JsonTokenizer
 
@@ -583,6 +580,7 @@ def test_flags_resolve_to_a_plan(fakes):
         _parser().parse_args(["generate", "--ckpt", "x"])
 
 
+@pytest.mark.integration
 def test_bad_input_in_a_fresh_process_imports_no_megatron(fakes):
     import subprocess
     import sys

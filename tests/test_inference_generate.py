@@ -14,10 +14,7 @@ import torch
 from elastic_plugin.models.config import ConfigError
 from elastic_plugin.testing.inference_cases import random_prompts, tiny_inference_model
 
-pytestmark = [
-    pytest.mark.inference,
-    pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning")
 
 TOL = 1e-5
 LENGTHS = [5, 17, 1, 33]

@@ -20,8 +20,6 @@ import torch
 
 import elastic_plugin.ops as ops
 
-pytestmark = pytest.mark.kernels
-
 REPO = Path(__file__).resolve().parents[1]
 OP = torch.ops.elastic_plugin.ordered_gather.default
 # Where the compiled extension would load from (None if it was not built/installed).
@@ -351,9 +349,9 @@ _CHILD = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def _child_processes(tmp_path_factory):
-    """Start the child script early (it runs while the other tests do): once with the
+    """Start the child script (integration tier: a fresh interpreter): once with the
     extension disabled and, if it is built, once with the SIMD loops switched off."""
     variants = {"fallback": {ops.DISABLE_ENV: "1"}}
     if EXTENSION_SPEC is not None:
@@ -411,6 +409,7 @@ def _check_child(report: dict, cases: dict) -> None:
     assert set(report["checks"]["opcheck"].values()) == {"SUCCESS"}
 
 
+@pytest.mark.integration
 def test_fallback_backend_gives_same_results(child_runs) -> None:
     report, cases = child_runs["fallback"]
     assert report["info"]["backend"] == "pytorch"
@@ -418,6 +417,7 @@ def test_fallback_backend_gives_same_results(child_runs) -> None:
     _check_child(report, cases)
 
 
+@pytest.mark.integration
 def test_scalar_cpu_path_without_simd(child_runs) -> None:
     if "no_simd" not in child_runs:
         pytest.skip("extension not built")

@@ -23,8 +23,6 @@ from torch.profiler import ProfilerActivity, profile
 import elastic_plugin.ops as ops
 from elastic_plugin.ops._fp8 import relative_error
 
-pytestmark = pytest.mark.kernels
-
 REPO = Path(__file__).resolve().parents[1]
 LINEAR = torch.ops.elastic_plugin.prefix_linear.default
 MANY = torch.ops.elastic_plugin.ordered_gather_many.default
@@ -78,7 +76,7 @@ _CHILD = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def _fallback_child(tmp_path_factory):
     path = tmp_path_factory.mktemp("fallback") / "cases.pt"
     env = {**os.environ, ops.DISABLE_ENV: "1", "PYTHONPATH": str(REPO)}
@@ -590,6 +588,7 @@ def test_kernels_registered_for_every_device() -> None:
             ), key
 
 
+@pytest.mark.integration
 def test_fallback_backend_gives_same_results(_fallback_child) -> None:
     proc, path = _fallback_child
     stdout, stderr = proc.communicate(timeout=300)

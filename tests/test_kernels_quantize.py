@@ -23,7 +23,6 @@ from elastic_plugin.ops._quantize import (
     reference_nvfp4_quantize,
 )
 
-pytestmark = [pytest.mark.kernels, pytest.mark.export]
 REPO = Path(__file__).resolve().parents[1]
 needs_kernel = pytest.mark.skipif(
     not ops.INFO.uses_extension, reason="the C++ extension is not built"
@@ -176,6 +175,7 @@ _CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.integration
 def test_fallback_op_without_the_extension() -> None:
     env = {**os.environ, ops.DISABLE_ENV: "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(

@@ -12,8 +12,6 @@ import torch.nn.functional as F
 
 from elastic_plugin.compat import mamba_ops as M
 
-pytestmark = pytest.mark.mamba
-
 F64 = torch.float64
 
 

@@ -11,8 +11,6 @@ import pytest
 from elastic_plugin.models.config import ConfigError, config_from_dict, load_config
 from elastic_plugin.models.counting import count_parameters
 
-pytestmark = [pytest.mark.models]
-
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "configs" / "tiny.yaml")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.multirank]
+pytestmark = pytest.mark.integration
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
 NO_MOE_PATTERN = "M*-M*-"  # TP without sequence parallel: Megatron requires SP with MoE
@@ -104,7 +104,7 @@ def test_data_parallel_distributed_optimizer(pools, references):
     _check(pools, references, 2, distributed_optimizer=True)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_tp2_pp2_ep2_on_eight_ranks(pools, references):
     results = _check(
         pools, references, 8, tp=2, pp=2, ep=2, sequence_parallel=True, distributed_optimizer=True

@@ -47,7 +47,6 @@ CASES = "elastic_plugin.testing.planning_cases"
 
 
 # ----------------------------------------------------------------------------- analytic
-@pytest.mark.models
 def test_plan_flops_are_the_nested_models_flops():
     model = load_config(TINY).model
     elastic = ElasticConfig.from_dict({"budgets": [1.0, 0.77, 0.4]})
@@ -96,7 +95,6 @@ def _megatron_args(model, tp: int, pp: int, ep: int, dp: int, dist_opt: bool):
     )  # fmt: skip
 
 
-@pytest.mark.models
 @pytest.mark.parametrize(
     "tp,pp,ep,dp,dist_opt", [(1, 1, 1, 1, False), (2, 1, 8, 32, True), (2, 2, 4, 8, True)]
 )
@@ -136,7 +134,6 @@ def _run(argv: list[str], capsys) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-@pytest.mark.models
 @pytest.mark.parametrize(
     "argv,message",
     [
@@ -159,7 +156,6 @@ def test_bad_input_exits_2_naming_the_flag(argv, message, capsys):
     assert message in err, err
 
 
-@pytest.mark.models
 def test_custom_device_yaml_names_the_field(tmp_path, capsys):
     good = {"name": "mini", "bf16_tflops": 100, "fp8_tflops": 200, "memory_gb": 0.001,
             "hbm_tbps": 1, "nvlink_gbps": 100, "network_gbps": 10, "nvlink_domain": 4}  # fmt: skip
@@ -183,7 +179,6 @@ def test_custom_device_yaml_names_the_field(tmp_path, capsys):
     assert "no " in out  # the table still lists the layouts, marked as not fitting
 
 
-@pytest.mark.models
 def test_plan_json_and_plot(tmp_path, capsys):
     png = tmp_path / "plan.png"
     code, out, _ = _run(
@@ -287,8 +282,7 @@ def _check_step(kw: dict, ranks: list[dict], world: int, report: list) -> None:
     assert all(v == 0 for v in routed.values()), (kw, routed)
 
 
-@pytest.mark.multirank
-@pytest.mark.slow
+@pytest.mark.integration
 def test_state_and_communication_bytes_equal_a_real_step(rank_pools, tmp_path):
     pool = rank_pools.get(2)
     report: list = []
@@ -304,8 +298,7 @@ def test_state_and_communication_bytes_equal_a_real_step(rank_pools, tmp_path):
         print(f"{kw} rank {rank} {group} {kind}: predicted {predicted:.0f} counted {measured}")
 
 
-@pytest.mark.multirank
-@pytest.mark.slow
+@pytest.mark.integration
 def test_activations_within_20_percent_of_the_measured_peak(rank_pools, tmp_path):
     """One micro-batch (4 x 256 tokens, FP32, budget 1.0) of an attention / MoE / MLP model,
     with the tiny vocabulary (layers dominate) and a 2048 one (the distillation loss'
@@ -347,8 +340,7 @@ def test_activations_within_20_percent_of_the_measured_peak(rank_pools, tmp_path
             assert ratios["fused"] < ratios["torch"]
 
 
-@pytest.mark.multirank
-@pytest.mark.slow
+@pytest.mark.integration
 def test_pipeline_in_flight_activations(rank_pools, tmp_path):
     """PP2 (3 layers of '*E-*E-' per stage), 4 x 256 tokens per micro-batch: with 4
     micro-batches the first stage holds two at once under 1F1B, the last one; each stage's
@@ -394,7 +386,7 @@ def _plan_json(path: Path, *extra: str) -> dict:
     return json.loads(proc.stdout)
 
 
-@pytest.mark.models
+@pytest.mark.integration
 def test_sweep_dry_run_prints_the_job_array_and_each_layouts_command(tmp_path):
     plan = _plan_json(tmp_path / "plan.json", "--global-batch-size", "32")
     env = {**os.environ, "DRY_RUN": "1", "PLAN": str(tmp_path / "plan.json"), "CKPT": "CK",
@@ -430,8 +422,7 @@ def test_sweep_dry_run_prints_the_job_array_and_each_layouts_command(tmp_path):
     assert not (tmp_path / "sweep").exists()  # a dry run writes nothing
 
 
-@pytest.mark.multirank
-@pytest.mark.slow
+@pytest.mark.integration
 def test_scaling_report_joins_measured_runs_with_the_plan(rank_pools, tmp_path, capsys):
     """Two layouts of 2 gloo ranks trained 3 iterations each as a sweep would (metrics every
     iteration, sweep.json with the plan's entry); scaling-report joins them."""
@@ -492,8 +483,7 @@ def test_scaling_report_joins_measured_runs_with_the_plan(rank_pools, tmp_path, 
     assert "no such directory" in capsys.readouterr().err
 
 
-@pytest.mark.multirank
-@pytest.mark.slow
+@pytest.mark.integration
 def test_tp2_ep2_step_bytes_on_four_ranks(rank_pools, tmp_path):
     """TP2 x EP2 with SP, BF16 and the distributed optimizer (4 ranks): the routed tokens' TP
     gathers follow the routing per rank (summed: exact), the experts' weighted output is
@@ -509,7 +499,7 @@ def test_tp2_ep2_step_bytes_on_four_ranks(rank_pools, tmp_path):
         print(f"TP2 EP2 rank {rank} {group} {kind}: predicted {predicted:.0f} counted {measured}")
 
 
-@pytest.mark.models
+@pytest.mark.integration
 def test_plan_mamba_scan_flag_models_the_scan_that_runs(tmp_path):
     """``--mamba-scan torch`` (no mamba_ssm: the plugin's pure-PyTorch scan) plans more
     activation memory than mamba_ssm's fused kernels for a model with Mamba layers, and the

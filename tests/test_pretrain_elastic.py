@@ -26,8 +26,6 @@ import torch
 from elastic_plugin.elastic.args import axis_flag
 from elastic_plugin.testing.elastic_cases import ELASTIC
 
-pytestmark = [pytest.mark.elastic]
-
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "configs" / "tiny.yaml"
 PRETRAIN = ROOT / "examples" / "pretrain_elastic.py"
@@ -287,8 +285,7 @@ def runs(workdir, base_args) -> Runs:
 
 
 # ------------------------------------------------------------------------------ the tests
-@pytest.mark.multirank
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_pretrain_elastic_trains_and_checkpoints_in_every_layout(runs, layout):
     run, save = runs.layout(layout)
@@ -341,8 +338,7 @@ def test_pretrain_elastic_trains_and_checkpoints_in_every_layout(runs, layout):
         assert_same_weights(mine, theirs)
 
 
-@pytest.mark.multirank
-@pytest.mark.slow
+@pytest.mark.integration
 def test_resume_from_megatron_checkpoint_matches_an_uninterrupted_run(runs, workdir, base_args):
     """Stop at iteration 2 (``--exit-interval 2``, which saves), resume with ``--load``: the
     losses of iterations 3-4 equal the uninterrupted run's (one rank, same seed)."""
@@ -403,8 +399,7 @@ def megatron_per_budget(output: str) -> dict[str, dict[int, dict[str, float]]]:
     return out
 
 
-@pytest.mark.multirank
-@pytest.mark.slow
+@pytest.mark.integration
 def test_megatron_lm_loop_and_elastic_train_train_the_same_run(workdir, reordered):
     """The two entry points on the same indexed data, seed, schedule and layout (one rank):
     ``elastic-train --dataloader-type single`` and ``pretrain_elastic.py`` (Megatron-LM's
@@ -467,8 +462,7 @@ def with_elastic_lines(script: str, lines: str) -> str:
     return script.replace(row, body, 1)
 
 
-@pytest.mark.multirank
-@pytest.mark.slow
+@pytest.mark.integration
 def test_readme_lines_make_a_users_megatron_lm_script_train_the_same_run(runs, workdir, base_args):
     """README's lines inserted into a minimal ``pretrain_mamba.py``-style script (its own model
     provider from Megatron's flags, its own ``get_batch``) train the run ``pretrain_elastic.py``
@@ -513,8 +507,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.multirank
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_megatron_lm_save_loads_in_another_layout_and_our_tools_read_it(runs, base_args):
     """A ``--save`` written at TP2+SP: Megatron-LM's ``--load`` reads it at TP1 (weights only:
     iteration 3's loss, computed before any update, is the TP2 run's); loading its optimizer
@@ -569,7 +562,7 @@ def _write_tokenizer(path: Path) -> None:
     train_tokenizer(texts, 128).save(str(path))
 
 
-@pytest.mark.multirank
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "nproc,flags,needle",
     [
@@ -594,7 +587,7 @@ def test_bad_input_fails_before_the_model_is_built_naming_the_flag(base_args, np
     assert "number of parameters" not in run.output  # Megatron never built the model
 
 
-@pytest.mark.compat
+@pytest.mark.integration
 def test_cpu_training_patches_are_recorded_idempotent_and_off_with_cuda():
     code = """
         import json, torch
@@ -656,7 +649,6 @@ class _Writer:
         self.scalars[tag] = (value, step)
 
 
-@pytest.mark.elastic
 def test_elastic_log_reports_each_budget_its_choice_throughput_and_memory():
     """The accumulator behind the ``elastic |`` line, one process: per-budget means over the
     interval, a budget not drawn shown as ``-`` (not 0/0), choices as size / full size."""

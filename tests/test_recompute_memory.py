@@ -22,8 +22,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.elastic]
-
 CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
 PATTERN = "M*-M*-M*-M*-"
 SEQ_LEN, MICRO_BATCH = 512, 2

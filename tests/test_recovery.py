@@ -19,8 +19,6 @@ from elastic_plugin.training.recovery import (
     save_failed_message,
 )
 
-pytestmark = pytest.mark.demo
-
 TINY = Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml"
 
 

@@ -21,7 +21,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_plugin.checkpoint.lock import acquire_out_lock, add_force_unlock_arg
 from elastic_plugin.checkpoint.meta import (
@@ -50,12 +50,14 @@ from elastic_plugin.models.config import (
     load_config,
 )
 from elastic_plugin.models.runtime import Runtime
-from elastic_plugin.parallel import Layout
 from elastic_plugin.training.recovery import (
     check_resumable_state,
     save_failed_message,
     stuck_rank_message,
 )
+
+if TYPE_CHECKING:  # parsing imports no torch (parallel.py does)
+    from elastic_plugin.parallel import Layout
 
 PROG = "elastic-plugin elastic-train"
 QUICK_ITERS = 30

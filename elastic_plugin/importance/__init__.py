@@ -1,22 +1,42 @@
 """Importance ranking of every width axis (embedding channels, FFN neurons, attention heads,
-Mamba heads and head channels, MoE experts by REAP), under any TP/PP/EP/DP layout."""
+Mamba heads and head channels, MoE experts by REAP), under any TP/PP/EP/DP layout.
 
-from elastic_plugin.importance.collect import (
-    CalibrationError,
-    check_calibration,
-    collect_importance,
-)
-from elastic_plugin.importance.hooks import AXES, ImportanceHooks, LocalStats
-from elastic_plugin.importance.scores import ImportanceScores, rankings_agree, reduce_local_stats
+The names are resolved on first use, so that ``elastic-plugin``'s argument parsing (which imports
+``importance.cli``) imports no torch."""
 
-__all__ = [
-    "AXES",
-    "CalibrationError",
-    "ImportanceHooks",
-    "ImportanceScores",
-    "LocalStats",
-    "check_calibration",
-    "collect_importance",
-    "rankings_agree",
-    "reduce_local_stats",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "AXES": "hooks",
+    "CalibrationError": "collect",
+    "ImportanceHooks": "hooks",
+    "ImportanceScores": "scores",
+    "LocalStats": "hooks",
+    "check_calibration": "collect",
+    "collect_importance": "collect",
+    "rankings_agree": "scores",
+    "reduce_local_stats": "scores",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from elastic_plugin.importance.collect import (
+        CalibrationError,
+        check_calibration,
+        collect_importance,
+    )
+    from elastic_plugin.importance.hooks import AXES, ImportanceHooks, LocalStats
+    from elastic_plugin.importance.scores import (
+        ImportanceScores,
+        rankings_agree,
+        reduce_local_stats,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'elastic_plugin.importance' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"elastic_plugin.importance.{_EXPORTS[name]}"), name)

@@ -109,27 +109,9 @@ def _reset_model_parallel() -> None:
         parallel_state.destroy_model_parallel()
     except Exception:
         pass
+    from elastic_plugin.parallel import destroy_subgroups
+
     destroy_subgroups()
-
-
-def destroy_subgroups() -> int:
-    """Destroy every process group but the default (world) one; returns how many."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    if not dist.is_initialized():
-        return 0
-    world = c10d._get_default_group()
-    destroyed = 0
-    for group in list(c10d._world.pg_map):
-        if group is world:
-            continue
-        try:
-            dist.destroy_process_group(group)
-            destroyed += 1
-        except Exception:  # already gone, or torn down by its backend: nothing left to free
-            pass
-    return destroyed
 
 
 class RankPool:
