@@ -494,8 +494,10 @@ def test_elastic_training_tp2_equals_one_rank(rank_pools, tmp_path):
             assert got.keys() == ref.keys()
             for budget, value in ref.items():
                 assert got[budget] == pytest.approx(value, rel=1e-4)
-        print(f"rank {r['rank']}: grad max |diff| {r['grad_max_abs_diff']:.1e} "
-              f"({r['grad_worst_param']}), grads up to {r['grad_max_abs']:.1e}")
+        print(
+            f"rank {r['rank']}: grad max |diff| {r['grad_max_abs_diff']:.1e} "
+            f"({r['grad_worst_param']}), grads up to {r['grad_max_abs']:.1e}"
+        )
         assert r["grad_max_abs"] > 1e-4
         assert r["grad_max_abs_diff"] <= 2e-6, r
     assert len(budgets) > 1  # reduced budgets were trained, not only the full model

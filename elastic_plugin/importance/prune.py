@@ -202,16 +202,22 @@ def _prune_experts(model, axis, orders, keep_fraction):
 
 def _prune_hidden(model, axis, orders, keep_fraction):
     """Zero dropped channels wherever the residual stream is written; norms over kept ones."""
+    from elastic_plugin.models.layers import head_norms
     from elastic_plugin.models.norms import LocalRMSNorm
 
     inner = getattr(model, "module", model)
+    skip = {id(norm) for norm in head_norms(inner)}  # q/k norms: over head_dim, not hidden
     order = orders[0]
     width = order.numel()
     drop = _drop(order, int(width * keep_fraction))
     scale = math.sqrt(1 - drop.numel() / width)
     _zero_(inner.embedding.word_embeddings.weight, 1, drop)
     for module in inner.modules():
-        if isinstance(module, (LocalRMSNorm, torch.nn.RMSNorm)) and module.weight.numel() == width:
+        if (
+            isinstance(module, (LocalRMSNorm, torch.nn.RMSNorm))
+            and module.weight.numel() == width
+            and id(module) not in skip
+        ):
             module.weight.data.mul_(scale)
             _zero_(module.weight, 0, drop)
         name = type(module).__name__
