@@ -338,6 +338,8 @@ def _safetensors_claiming(end: int) -> bytes:
 
 
 def test_fuzz_every_loader_refuses_cleanly(tmp_path, capsys):
+    from safetensors.torch import save_file
+
     from elastic_plugin.checkpoint.hub import read_hub_tensors
     from elastic_plugin.checkpoint.meta import CHECKPOINT_META, read_checkpoint_meta
     from elastic_plugin.export.nested_hf import read_nested_config
@@ -360,8 +362,6 @@ def test_fuzz_every_loader_refuses_cleanly(tmp_path, capsys):
     _save_partial(base / "partial.st", stats, 1, 2, 4)
     hub = base / "hub"
     hub.mkdir()
-    from safetensors.torch import save_file
-
     save_file({"a.weight": torch.ones(2, 2)}, str(hub / "model-00001-of-00001.safetensors"))
     index = {
         "metadata": {"total_size": 16},
@@ -380,8 +380,38 @@ def test_fuzz_every_loader_refuses_cleanly(tmp_path, capsys):
     )
     (meta_dir / ".metadata").write_bytes((base / "dist" / ".metadata").read_bytes())
 
+    from tokenizers import Tokenizer, models
+
+    from elastic_plugin.checkpoint.integrity import FILES_KEY, file_digests
+    from elastic_plugin.data.jsonl import tokenizer_spec
+    from elastic_plugin.models.hf_config import read_hf_config
+
+    vocab = {"<unk>": 0, "<eod>": 1, "a": 2, "b": 3}
+    (base / "tok").mkdir()
+    Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(str(base / "tok" / "tokenizer.json"))
+    (base / "hf").mkdir()
+    fixture = ROOT / "tests" / "fixtures" / "nemotron_nano_v3_config.json"
+    (base / "hf" / "config.json").write_text(fixture.read_text())
+    export = base / "export"
+    export.mkdir()
+    save_file({"w": torch.ones(3)}, str(export / "model.safetensors"))
+    export_meta = {"kind": "export", FILES_KEY: file_digests(export)}
+    (export / "export_meta.json").write_text(json.dumps(export_meta))
+
     def scores_loader(p: Path) -> object:
         return ImportanceScores.load(p)
+
+    def verify_export(d: Path) -> None:
+        """``elastic-plugin verify`` of an export, in-process: exit 2 becomes its message."""
+        from elastic_plugin.cli import main
+
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main(["verify", str(d / "export")])
+        if rc == 2 and err.getvalue().startswith("elastic-plugin verify: error: "):
+            raise ConfigError(err.getvalue())
+        if rc != 0 or err.getvalue():
+            raise RuntimeError(f"verify exited {rc}: {err.getvalue()[-300:]}")
 
     # kind -> (file to damage, relative to its case directory; loader of the case directory)
     loaders: dict[str, tuple[str, Callable[[Path], object]]] = {
@@ -407,6 +437,9 @@ def test_fuzz_every_loader_refuses_cleanly(tmp_path, capsys):
             f"meta/{CHECKPOINT_META}",
             lambda d: read_checkpoint_meta(d / "meta"),
         ),
+        "tokenizer.json": ("tok/tokenizer.json", lambda d: tokenizer_spec(d / "tok")),
+        "config.json": ("hf/config.json", lambda d: read_hf_config(d / "hf")),
+        "export_meta.json": ("export/export_meta.json", verify_export),
     }
     honest = {k: (base / rel).read_bytes() for k, (rel, _) in loaders.items()}
     payloads = crafted_payloads(canary)
