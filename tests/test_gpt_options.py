@@ -302,6 +302,18 @@ def test_counting_equals_built_model(megatron, name):
     assert ElasticCost(cfg, resolved, metric="total_params").full == total
 
 
+def test_flops_of_the_options():
+    """The options add no GEMM FLOPs (``models/flops.py``); a head_dim change does."""
+    from elastic_plugin.models.flops import forward_flops
+
+    plain = forward_flops(LLAMA, SEQ, 2).total
+    for name in ("llama-tied", "llama-qkv_bias", "llama-rope_scaling"):
+        assert forward_flops(MODELS[name], SEQ, 2).total == plain
+    qk = forward_flops(MODELS["llama-qk_norm"], SEQ, 2).breakdown
+    d, heads, groups = 16, LLAMA.num_attention_heads, LLAMA.query_groups
+    assert qk["attention_qkv"] == 4 * 2 * (2 * SEQ) * LLAMA.hidden_size * (heads + 2 * groups) * d
+
+
 # ------------------------------------------- importance -> reorder -> elastic == extracted
 LLAMA_SIZES = {"embedding": [72, 48], "ffn": [88, 44], "attention_heads": [6, 4]}
 LLAMA_SMALL = {"embedding": 48, "ffn": 44, "attention_heads": 4}

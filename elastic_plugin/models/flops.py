@@ -49,6 +49,8 @@ Conventions:
   Left out (elementwise): discretisation (softplus of dt, ``exp`` of the decays, the segment
   sums), the ``D`` skip connection, the ``silu(z)`` gate and the gated RMSNorm.
 * The output layer's logits GEMM is ``2 * T * h * vocab_size`` (tied or untied weights alike).
+* The GPT-family options add no GEMM: the q/k norms (``qk_layernorm``) and the qkv bias
+  (``add_qkv_bias``) are elementwise, and RoPE scaling changes only the rotary frequencies.
 
 ``forward_flops`` counts one forward pass of the whole model over the given tokens, however it
 is sharded. Model TFLOP/s per rank = ``training_flops`` of the step's global batch (each
