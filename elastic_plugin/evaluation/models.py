@@ -57,8 +57,9 @@ def load_export_model(export_dir: str | Path) -> tuple[torch.nn.Module, dict[str
     """A plain Megatron ``HybridModel`` holding an HF export's weights, and its export meta.
 
     Homogeneous exports only (plain Megatron builds every layer of a kind alike)."""
-    from elastic_plugin.checkpoint.hub import EXPORT_META, from_hub, read_hub_tensors
+    from elastic_plugin.checkpoint.hub import EXPORT_META, read_hub_tensors
     from elastic_plugin.export.hf import HF_QUANT_CONFIG, export_input_amax, hf_to_megatron
+    from elastic_plugin.families import family_for_model
     from elastic_plugin.models.axes import model_for_choice
     from elastic_plugin.nested.choice import homogeneous_choice
     from elastic_plugin.parallel import Layout, build_model_chunks
@@ -67,7 +68,7 @@ def load_export_model(export_dir: str | Path) -> tuple[torch.nn.Module, dict[str
     meta = json.loads((export_dir / EXPORT_META).read_text())
     full = ModelConfig(**meta["model"])
     small = model_for_choice(full, homogeneous_choice(meta["choice"], meta["budget"]))
-    tensors = from_hub(read_hub_tensors(export_dir))
+    tensors = family_for_model(small).from_hub(read_hub_tensors(export_dir))
     if (export_dir / HF_QUANT_CONFIG).is_file():
         from elastic_plugin.export.quantize import dequantize_state_dict
 

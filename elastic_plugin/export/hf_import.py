@@ -1,14 +1,15 @@
-"""``elastic-plugin import``: a Hugging Face NemotronH directory as a teacher checkpoint.
+"""``elastic-plugin import``: a Hugging Face model directory as a teacher checkpoint.
 
-Users bring a pretrained ``NemotronHForCausalLM`` (what ``save_pretrained`` and the Hub write:
-``backbone.*`` keys, one tensor per routed expert, sharded safetensors with an index) and start
-``importance`` / ``reorder`` / ``elastic-train`` from it as from a teacher we trained. The import
-is the inverse of the exporter (``export.hf``: the same renaming table, fused ``linear_qkv`` rows
-interleaved per query group, per-expert linears), so an import exported again gives the input
-bit for bit.
+Users bring a pretrained model of a supported family (``elastic_plugin/families/``: Nemotron-H,
+Llama, Qwen ...; what ``save_pretrained`` and the Hub write: sharded safetensors with an index)
+and start ``importance`` / ``reorder`` / ``elastic-train`` from it as from a teacher we trained.
+The import is the inverse of the family's exporter (the same renaming table, fused
+``linear_qkv`` rows interleaved per query group, gate and up fused into ``linear_fc1``,
+per-expert linears), so an import exported again gives the input bit for bit.
 
 Everything is checked before a weight is read (:func:`plan_import`, torch- and Megatron-free):
-``config.json`` (``models.hf_config``), ``--out``, the shard files (the index's names, each
+``config.json`` (the family the registry picks from ``architectures``, then its mapping),
+``--out``, the shard files (the index's names, each
 file's safetensors header against its size, so a truncated shard is found without reading it),
 and every tensor's name, dtype and shape against the model ``config.json`` describes. Then
 :func:`run_import` builds our Megatron model at TP=PP=EP=1 in this process and copies the shards
@@ -27,16 +28,13 @@ import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from elastic_plugin.checkpoint.history import IMPORT_ITERATION, iteration_dir
+from elastic_plugin.families import family_for_config
+from elastic_plugin.families.base import Target
 from elastic_plugin.models.config import ConfigError, ExperimentConfig, ModelConfig
-from elastic_plugin.models.hf_config import (
-    HF_CONFIG_FILE,
-    hf_config_notes,
-    model_config_from_hf,
-    read_hf_config,
-)
+from elastic_plugin.models.hf_config import HF_CONFIG_FILE, read_hf_config
 
 __all__ = [
     "IMPORT_DTYPES",
@@ -47,7 +45,6 @@ __all__ = [
     "check_hf_source",
     "check_import_out",
     "import_hf",
-    "import_table",
     "plan_import",
     "read_safetensors_header",
     "run_import",
@@ -61,20 +58,9 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "generation_config.json",
 )
-_HUB_PREFIX, _MEMORY_PREFIX = "backbone.", "model."  # checkpoint.hub's two name forms
 _INDEX = "model.safetensors.index.json"
 _SAFETENSORS_DTYPES = {"F32": 4, "BF16": 2, "F16": 2}  # floating tensors a model is made of
 _MAX_HEADER = 100 * 2**20
-
-
-class Target(NamedTuple):
-    """Where one stored tensor goes: a Megatron state key, the shape ``config.json`` implies, the
-    config fields that shape comes from, and for q/k/v which part of the fused ``linear_qkv``."""
-
-    megatron: str
-    shape: tuple[int, ...]
-    fields: str
-    part: str | None = None
 
 
 @dataclasses.dataclass
@@ -90,6 +76,7 @@ class HfSource:
     zero_filled: list[str]  # Megatron keys no stored tensor sets (a conv bias NemotronH lacks)
     nbytes: int
     notes: list[str]
+    architecture: str = "NemotronHForCausalLM"  # the family the registry picked
 
 
 @dataclasses.dataclass
@@ -97,97 +84,6 @@ class ImportPlan:
     source: HfSource
     out: Path
     dtype: str
-
-
-# ------------------------------------------------------------------------------ name table
-def _hub(name: str) -> str:
-    return _HUB_PREFIX + name[len(_MEMORY_PREFIX) :] if name.startswith(_MEMORY_PREFIX) else name
-
-
-def _layer_shapes(m: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Shape and source fields of each per-layer NemotronH tensor, by its name in the layer."""
-    h, di, nh = m.hidden_size, m.mamba_d_inner, m.mamba_num_heads
-    conv = di + 2 * m.mamba_num_groups * m.mamba_state_dim
-    mamba = "mamba_num_heads, mamba_head_dim, n_groups, ssm_state_size"
-    shared = m.moe_shared_expert_intermediate_size
-    return {
-        "norm.weight": ((h,), "hidden_size"),
-        "mixer.in_proj.weight": ((di + conv + nh, h), f"hidden_size, {mamba}"),
-        "mixer.conv1d.weight": ((conv, 1, m.mamba_conv_kernel), f"{mamba}, conv_kernel"),
-        "mixer.conv1d.bias": ((conv,), mamba),
-        "mixer.dt_bias": ((nh,), "mamba_num_heads"),
-        "mixer.A_log": ((nh,), "mamba_num_heads"),
-        "mixer.D": ((nh,), "mamba_num_heads"),
-        "mixer.norm.weight": ((di,), "mamba_num_heads, mamba_head_dim"),
-        "mixer.out_proj.weight": ((h, di), f"hidden_size, {mamba}"),
-        "mixer.o_proj.weight": (
-            (h, m.num_attention_heads * m.head_dim),
-            "hidden_size, num_attention_heads, head_dim",
-        ),
-        "mixer.up_proj.weight": ((m.ffn_hidden_size, h), "intermediate_size, hidden_size"),
-        "mixer.down_proj.weight": ((h, m.ffn_hidden_size), "intermediate_size, hidden_size"),
-        "mixer.gate.weight": ((m.num_moe_experts, h), "n_routed_experts, hidden_size"),
-        "mixer.gate.e_score_correction_bias": ((m.num_moe_experts,), "n_routed_experts"),
-        "mixer.shared_experts.up_proj.weight": (
-            (shared, h),
-            "moe_shared_expert_intermediate_size, hidden_size",
-        ),
-        "mixer.shared_experts.down_proj.weight": (
-            (h, shared),
-            "moe_shared_expert_intermediate_size, hidden_size",
-        ),
-    }
-
-
-def import_table(model: ModelConfig, conv_bias: bool = True) -> dict[str, Target]:
-    """Every tensor a NemotronH directory of ``model`` stores (Hub names) -> its Target. The
-    renaming is the exporter's own table (``export.hf``), read in the other direction."""
-    from elastic_plugin.export.hf import _GLOBAL, _layer_pairs
-
-    h, v = model.hidden_size, model.vocab_size
-    table: dict[str, Target] = {}
-    for megatron, memory in _GLOBAL:
-        if memory == "lm_head.weight" and not model.untie_embeddings_and_output_weights:
-            continue  # tied: the output layer is the embedding
-        size: tuple[int, ...] = (h,) if memory.endswith("norm_f.weight") else (v, h)
-        table[_hub(memory)] = Target(megatron, size, "vocab_size, hidden_size")
-    shapes = _layer_shapes(model)
-    for i, kind in enumerate(model.layer_types):
-        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
-        for megatron, memory in _layer_pairs(kind, src, dst):
-            leaf = memory[len(dst) :]
-            if leaf == "mixer.conv1d.bias" and not conv_bias:
-                continue
-            shape, fields = shapes[leaf]
-            table[_hub(memory)] = Target(megatron, shape, fields)
-        if kind == "attention":
-            _add_qkv(table, model, src, _hub(dst))
-        elif kind == "moe":
-            _add_experts(table, model, src, _hub(dst))
-    return table
-
-
-def _add_qkv(table: dict[str, Target], m: ModelConfig, src: str, dst: str) -> None:
-    fields = "num_attention_heads, num_key_value_heads, head_dim, hidden_size"
-    qkv = src + "self_attention.linear_qkv.weight"
-    rows = {"q": m.num_attention_heads, "k": m.query_groups, "v": m.query_groups}
-    for part, heads in rows.items():
-        table[f"{dst}mixer.{part}_proj.weight"] = Target(
-            qkv, (heads * m.head_dim, m.hidden_size), fields, part
-        )
-
-
-def _add_experts(table: dict[str, Target], m: ModelConfig, src: str, dst: str) -> None:
-    fields = "n_routed_experts, moe_intermediate_size, hidden_size"
-    f, h = m.moe_ffn_hidden_size, m.hidden_size
-    for e in range(m.num_moe_experts):
-        for proj, fc, shape in (
-            ("up_proj", "linear_fc1", (f, h)),
-            ("down_proj", "linear_fc2", (h, f)),
-        ):
-            table[f"{dst}mixer.experts.{e}.{proj}.weight"] = Target(
-                f"{src}mlp.experts.local_experts.{e}.{fc}.weight", shape, fields
-            )
 
 
 # ------------------------------------------------------------------------------ files
@@ -301,31 +197,32 @@ def _check_tensors(
 
 
 def check_hf_source(hf_dir: str | Path) -> HfSource:
-    """Read and check a Hugging Face NemotronH directory without reading any weight."""
+    """Read and check a Hugging Face directory without reading any weight: the family first
+    (an unsupported architecture is named before any other field), then its config mapping,
+    the shard headers and every tensor against the family's import table."""
     path = Path(hf_dir)
     config_json = read_hf_config(path)
-    model = model_config_from_hf(config_json, source=str(path / HF_CONFIG_FILE))
-    conv_bias = bool(config_json.get("use_conv_bias", config_json.get("mamba_conv_bias", True)))
+    source = str(path / HF_CONFIG_FILE)
+    family = family_for_config(config_json, source)
+    model = family.model_config(config_json, source)
     files, weight_map = _weight_files(path)
     stored, nbytes = _stored_tensors(files, weight_map)
-    notes = hf_config_notes(config_json) if model.count("mamba") else []
-    if not model.untie_embeddings_and_output_weights and "lm_head.weight" in stored:
-        # transformers' NemotronH ties nothing: a stored lm_head is its output layer
-        model = dataclasses.replace(model, untie_embeddings_and_output_weights=True)
-        notes.append(
-            "tie_word_embeddings=true, but the files hold lm_head.weight, which transformers' "
-            "NemotronH uses as its output layer (it ties no weights): imported untied"
-        )
-    table = import_table(model, conv_bias)
-    _check_tensors(stored, table, model, path)
-    zero_filled = [
-        f"decoder.layers.{i}.mixer.conv1d_bias"
-        for i, kind in enumerate(model.layer_types)
-        if kind == "mamba" and not conv_bias
-    ]
-    if zero_filled:
-        notes.append("use_conv_bias=false: the Mamba conv biases are zeros")
-    return HfSource(path, config_json, model, files, stored, table, zero_filled, nbytes, notes)
+    layout = family.import_layout(
+        config_json, model, {k: shape for k, (_, shape, _) in stored.items()}, source
+    )
+    _check_tensors(stored, layout.table, layout.model, path)
+    return HfSource(
+        path,
+        config_json,
+        layout.model,
+        files,
+        stored,
+        layout.table,
+        layout.zero_filled,
+        nbytes,
+        layout.notes,
+        family.architecture,
+    )
 
 
 def check_import_out(out: str | Path, hf_dir: str | Path | None = None) -> Path:
@@ -350,9 +247,18 @@ def plan_import(hf_dir: str | Path, out_dir: str | Path, dtype: str = "fp32") ->
 
 # ------------------------------------------------------------------------------ weights
 def _placer(target: Target, model: ModelConfig) -> Callable[[Any, Any], None]:
-    """Copy a stored tensor into its (part of the) Megatron tensor, casting to its dtype."""
+    """Copy a stored tensor into its (part of the) Megatron tensor, casting to its dtype:
+    q/k/v rows of the fused ``linear_qkv`` (weight or bias, interleaved per query group), or
+    the gate / up half of a gated ``linear_fc1``."""
     if target.part is None:
         return lambda dest, src: dest.copy_(src)
+    if target.part in ("gate", "up"):
+        half = 0 if target.part == "gate" else 1
+
+        def place_half(dest, src):
+            dest.view(2, -1, *dest.shape[1:])[half].copy_(src)
+
+        return place_half
     groups, hd = model.query_groups, model.head_dim
     per_group = model.num_attention_heads // groups
     rows = {"q": slice(0, per_group), "k": slice(per_group, per_group + 1)}
@@ -360,8 +266,8 @@ def _placer(target: Target, model: ModelConfig) -> Callable[[Any, Any], None]:
     part = rows[target.part]
 
     def place(dest, src):
-        blocks = dest.view(groups, per_group + 2, hd, dest.shape[-1])
-        blocks[:, part].copy_(src.reshape(groups, part.stop - part.start, hd, src.shape[-1]))
+        blocks = dest.view(groups, per_group + 2, hd, *dest.shape[1:])
+        blocks[:, part].copy_(src.reshape(groups, part.stop - part.start, hd, *src.shape[1:]))
 
     return place
 
@@ -417,7 +323,7 @@ def _import_meta(plan: ImportPlan, tokenizer: Path | None) -> dict[str, Any]:
         "kind": "teacher",
         "imported_from": {
             "hf": str(src.path.resolve()),
-            "architecture": (src.config_json.get("architectures") or ["NemotronHForCausalLM"])[0],
+            "architecture": src.architecture,
             "torch_dtype": src.config_json.get("torch_dtype", src.config_json.get("dtype")),
             "files": [f.name for f in src.files],
             "bytes": src.nbytes,
@@ -498,5 +404,5 @@ def run_import(plan: ImportPlan, progress: bool = True) -> dict[str, Any]:
 def import_hf(
     hf_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", progress: bool = True
 ) -> dict[str, Any]:
-    """Import a Hugging Face NemotronH directory as a teacher checkpoint at ``out_dir``."""
+    """Import a Hugging Face directory of a supported family as a teacher checkpoint."""
     return run_import(plan_import(hf_dir, out_dir, dtype), progress)

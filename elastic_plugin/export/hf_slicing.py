@@ -1,145 +1,33 @@
-"""One budget cut out of a Hugging Face NemotronH state dict: the nested model, without Megatron.
+"""One budget cut out of a Hugging Face state dict: the nested model, without Megatron.
 
 A nested directory (``export --nested``) holds the full importance-ordered model once; every
-budget is a prefix of it. This is the Hugging Face side of ``nested.slicing``: the same blocks
-(the first ``h'`` hidden channels everywhere, the first query heads of every query group with all
-K/V heads, the first Mamba heads of every group with the first channels of every head, the first
-FFN / shared-expert neurons, the first routed experts), found from the model config and the
-index helpers of ``models.prefix`` that the elastic layers and Megatron-side slicing use, so
-``slice`` gives exactly the per-budget export's tensors.
+budget is a prefix of it. This is the Hugging Face side of ``nested.slicing``: which blocks of
+which tensor a budget keeps is the model family's (``Family.tensor_cuts`` in
+``elastic_plugin/families/``), found from the model config and the index helpers of
+``models.prefix`` that the elastic layers and Megatron-side slicing use, so ``slice`` gives
+exactly the per-budget export's tensors.
 
-Tensors use transformers' in-memory names (``checkpoint.hub.from_hub`` of the stored files):
-``model.layers.{i}.mixer.*`` with the routed experts stacked ``[experts, out, in]``.
+Tensors use transformers' in-memory names (``Family.from_hub`` of the stored files).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from elastic_plugin.models.config import ConfigError, ModelConfig
-from elastic_plugin.models.prefix import mamba_rows, query_rows
-from elastic_plugin.nested.choice import choice_sizes
+from elastic_plugin.families import family_for_model
+from elastic_plugin.families.base import Cut
+from elastic_plugin.families.tensors import cut_tensor, no_rule, read_cut
+from elastic_plugin.models.config import ModelConfig
 
 __all__ = ["Cut", "cut_tensor", "read_cut", "slice_hf_state", "slice_hub_files", "tensor_cuts"]
-
-Cut = tuple[tuple[int, int | torch.Tensor], ...]  # (dim, prefix length or index set) per dim
-_PER_EXPERT = re.compile(
-    r"^(?P<head>.*\.mixer\.experts)\.(?P<e>\d+)\.(?P<proj>up_proj|down_proj)\.weight$"
-)
-
-
-def cut_tensor(tensor: torch.Tensor, cut: Cut) -> torch.Tensor:
-    out = tensor
-    for dim, index in cut:
-        if isinstance(index, int):
-            out = out.narrow(dim, 0, index)
-        else:
-            out = out.index_select(dim, index.to(out.device))
-    return out.clone(memory_format=torch.contiguous_format)
-
-
-def _layer_cuts(
-    model: ModelConfig, kind: str, number: int, sizes: Mapping[str, Mapping[int | None, int]]
-) -> dict[str, Cut]:
-    """Cuts of one layer's tensors, by name below ``model.layers.{i}.``."""
-    h = sizes["embedding"][None]
-    cuts: dict[str, Cut] = {"norm.weight": ((0, h),)}
-    if kind == "mamba":
-        groups = model.mamba_num_groups
-        per_group = model.mamba_num_heads // groups
-        active = sizes["mamba_heads"][number] // groups
-        rows = mamba_rows(
-            groups,
-            per_group,
-            model.mamba_head_dim,
-            model.mamba_state_dim,
-            active,
-            sizes["mamba_head_dim"][number],
-        )
-        cuts.update(
-            {
-                "mixer.in_proj.weight": ((0, rows["in_proj"]), (1, h)),
-                "mixer.conv1d.weight": ((0, rows["conv"]),),
-                "mixer.conv1d.bias": ((0, rows["conv"]),),
-                "mixer.dt_bias": ((0, rows["heads"]),),
-                "mixer.A_log": ((0, rows["heads"]),),
-                "mixer.D": ((0, rows["heads"]),),
-                "mixer.norm.weight": ((0, rows["channels"]),),
-                "mixer.out_proj.weight": ((0, h), (1, rows["channels"])),
-            }
-        )
-    elif kind == "attention":
-        groups = model.query_groups
-        q = query_rows(
-            groups,
-            model.num_attention_heads // groups,
-            model.head_dim,
-            sizes["attention_heads"][number] // groups,
-        )
-        cuts.update(
-            {
-                "mixer.q_proj.weight": ((0, q), (1, h)),
-                "mixer.k_proj.weight": ((1, h),),
-                "mixer.v_proj.weight": ((1, h),),
-                "mixer.o_proj.weight": ((0, h), (1, q)),
-            }
-        )
-    elif kind == "mlp":
-        f = sizes["ffn"][number]
-        cuts.update(
-            {
-                "mixer.up_proj.weight": ((0, f), (1, h)),
-                "mixer.down_proj.weight": ((0, h), (1, f)),
-            }
-        )
-    elif kind == "moe":
-        e = sizes["experts"][number]
-        cuts.update(
-            {
-                "mixer.gate.weight": ((0, e), (1, h)),
-                "mixer.gate.e_score_correction_bias": ((0, e),),
-                "mixer.experts.up_proj": ((0, e), (2, h)),
-                "mixer.experts.down_proj": ((0, e), (1, h)),
-            }
-        )
-        if "shared_ffn" in sizes:
-            s = sizes["shared_ffn"][number]
-            cuts.update(
-                {
-                    "mixer.shared_experts.up_proj.weight": ((0, s), (1, h)),
-                    "mixer.shared_experts.down_proj.weight": ((0, h), (1, s)),
-                }
-            )
-    else:
-        raise ConfigError(f"layer {number}: no slicing rule for layer kind {kind!r}")
-    return cuts
 
 
 def tensor_cuts(model: ModelConfig, choice: Mapping[str, int | Sequence[int]]) -> dict[str, Cut]:
     """The cut of every tensor of the nested model of ``choice`` (transformers' names)."""
-    sizes = choice_sizes(model, choice)
-    h = sizes["embedding"][None]
-    cuts: dict[str, Cut] = {
-        "model.embeddings.weight": ((1, h),),
-        "model.norm_f.weight": ((0, h),),
-        "lm_head.weight": ((1, h),),
-    }
-    for i, kind in enumerate(model.layer_types):
-        for name, cut in _layer_cuts(model, kind, i + 1, sizes).items():
-            cuts[f"model.layers.{i}.{name}"] = cut
-    return cuts
-
-
-def _no_rule(keys: list[str]) -> ConfigError:
-    return ConfigError(
-        f"slice: tensors without a slicing rule: {sorted(keys)[:3]} (a quantized or foreign "
-        "checkpoint?)"
-    )
+    return family_for_model(model, "slice").tensor_cuts(model, choice)
 
 
 @torch.no_grad()
@@ -149,12 +37,12 @@ def slice_hf_state(
     choice: Mapping[str, int | Sequence[int]],
 ) -> dict[str, torch.Tensor]:
     """The nested model of ``choice`` (axis -> size, or one size per layer of the axis) cut
-    from the full model's NemotronH tensors (``model`` their config). Raises ``ConfigError``
+    from the full model's transformers tensors (``model`` their config). Raises ``ConfigError``
     for a choice the model cannot take or a tensor no rule covers (fresh copies returned)."""
     cuts = tensor_cuts(model, choice)
     unknown = sorted(set(hf) - set(cuts))
     if unknown:
-        raise _no_rule(unknown)
+        raise no_rule(unknown)
     return {key: cut_tensor(value, cuts[key]) for key, value in hf.items()}
 
 
@@ -163,48 +51,6 @@ def slice_hub_files(
     path: str | Path, model: ModelConfig, choice: Mapping[str, int | Sequence[int]]
 ) -> dict[str, torch.Tensor]:
     """:func:`slice_hf_state` of a Hub directory's files (equal to it), reading only what the
-    budget keeps: routed experts past the budget are not read at all, and a tensor cut to
-    leading prefixes is read through ``safe_open(...).get_slice``."""
-    from safetensors import safe_open
-
-    from elastic_plugin.checkpoint.hub import HUB_PREFIX, MEMORY_PREFIX, hub_weight_files
-
-    cuts = tensor_cuts(model, choice)
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, torch.Tensor]] = {}
-    unknown = []
-    for file in hub_weight_files(path):
-        with safe_open(str(file), "pt") as handle:
-            for key in handle.keys():
-                name = MEMORY_PREFIX + key[len(HUB_PREFIX) :] if key.startswith(HUB_PREFIX) else key
-                expert = _PER_EXPERT.match(name)
-                if expert is not None:
-                    stacked = f"{expert['head']}.{expert['proj']}"
-                    if stacked not in cuts:
-                        unknown.append(key)
-                        continue
-                    (_, keep), *rest = cuts[stacked]  # the expert axis, then the rest
-                    if int(expert["e"]) < int(keep):
-                        cut = tuple((dim - 1, index) for dim, index in rest)
-                        experts.setdefault(stacked, {})[int(expert["e"])] = read_cut(
-                            handle, key, cut
-                        )
-                elif name in cuts:
-                    out[name] = read_cut(handle, key, cuts[name])
-                else:
-                    unknown.append(key)
-    if unknown:
-        raise _no_rule(unknown)
-    for stacked, members in experts.items():
-        out[stacked] = torch.stack([members[e] for e in sorted(members)])
-    return out
-
-
-def read_cut(handle: Any, key: str, cut: Cut) -> torch.Tensor:
-    if all(isinstance(index, int) for _, index in cut):
-        view = handle.get_slice(key)
-        index = [slice(None)] * len(view.get_shape())
-        for dim, keep in cut:
-            index[dim] = slice(0, keep)
-        return view[tuple(index)].clone(memory_format=torch.contiguous_format)
-    return cut_tensor(handle.get_tensor(key), cut)
+    budget keeps where the family's layout allows (routed experts past the budget are not
+    read; prefix cuts go through ``safe_open(...).get_slice``)."""
+    return family_for_model(model, "slice").slice_hub_files(Path(path), model, choice)

@@ -2,7 +2,8 @@
 
 Kept free of torch/Megatron imports so it answers instantly (sizing a run before a job starts).
 Also runnable on its own: ``python -m elastic_plugin.models.cli params --config FILE [--json]``;
-``--hf DIR`` counts a Hugging Face NemotronH model from its ``config.json`` alone.
+``--hf DIR`` counts a Hugging Face model of a supported family (``elastic_plugin/families/``)
+from its ``config.json`` alone.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from pathlib import Path
 import yaml
 
 from elastic_plugin.cli_errors import report_bad_input
+from elastic_plugin.families import model_config_from_hf
 from elastic_plugin.models.config import ConfigError, ModelConfig, load_config
 from elastic_plugin.models.counting import COMPONENTS, ParamCount, count_parameters, format_count
-from elastic_plugin.models.hf_config import HF_CONFIG_FILE, model_config_from_hf, read_hf_config
+from elastic_plugin.models.hf_config import HF_CONFIG_FILE, read_hf_config
 
 
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
@@ -34,7 +36,7 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument(
         "--hf",
         metavar="DIR",
-        help="a Hugging Face NemotronH model directory (its config.json alone is read)",
+        help="a Hugging Face model directory of a supported family (its config.json alone is read)",
     )
     parser.add_argument(
         "--json",

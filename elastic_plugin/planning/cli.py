@@ -164,7 +164,8 @@ def _model(args: argparse.Namespace) -> tuple[ModelConfig, TrainingConfig, dict,
     if args.config is not None:
         cfg = load_config(args.config)
         return cfg.model, cfg.training, dict(cfg.elastic), str(args.config)
-    from elastic_plugin.models.hf_config import HF_CONFIG_FILE, model_config_from_hf, read_hf_config
+    from elastic_plugin.families import model_config_from_hf
+    from elastic_plugin.models.hf_config import HF_CONFIG_FILE, read_hf_config
 
     path = Path(args.hf)
     if path.is_file():
