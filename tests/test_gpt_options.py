@@ -470,6 +470,31 @@ def test_megatron_lm_flags_name_the_options():
         check_arch_args(scaled, LLAMA, "ckpt")
 
 
+def test_megatron_lm_hybrid_provider_gets_the_rope_scaling(megatron):
+    """Megatron-LM's hybrid builder ignores ``--use-rope-scaling``: the elastic wrapper gives the
+    model the checkpoint's scaled frequencies (and changes no weight)."""
+    from elastic_plugin.elastic.megatron_lm_args import align_rotary
+
+    scaled_cfg = MODELS["llama-rope_scaling"]
+    user_built = _build(LLAMA)  # what an unscaling provider builds
+    weights = {k: v.clone() for k, v in user_built.state_dict().items() if torch.is_tensor(v)}
+    tokens, position = _tokens(LLAMA)
+    with torch.no_grad():
+        before = user_built(tokens, position, None)
+    assert not align_rotary(user_built, LLAMA)  # nothing to do without scaling
+    assert align_rotary(user_built, scaled_cfg)
+    reference = _build(scaled_cfg)
+    assert torch.equal(user_built.rotary_pos_emb.inv_freq, reference.rotary_pos_emb.inv_freq)
+    assert not align_rotary(user_built, scaled_cfg)  # already scaled
+    state = user_built.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in weights.items())
+    with torch.no_grad():
+        after = user_built(tokens, position, None)
+        expected = reference(tokens, position, None)
+    assert not torch.equal(after, before)
+    assert (after - expected).abs().max().item() <= TOL  # same seed, same weights
+
+
 # ------------------------------------------------------------------ TP=2 + SP == one rank
 @pytest.mark.integration
 def test_elastic_training_tp2_equals_one_rank(rank_pools, tmp_path):

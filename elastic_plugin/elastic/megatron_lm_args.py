@@ -329,6 +329,26 @@ def check_built_vocab(model: Any, expected: ModelConfig, ckpt: str) -> None:
         )
 
 
+def align_rotary(model: Any, expected: ModelConfig) -> bool:
+    """Give a built model the checkpoint's RoPE scaling when its provider could not.
+
+    Megatron-LM's hybrid model builder (``megatron.training.models.hybrid``) ignores
+    ``--use-rope-scaling`` (only its GPT builder passes it), so a user's ``pretrain_mamba.py``
+    provider builds plain RoPE even with the flag: the student would not be the checkpoint's
+    function. The rotary module holds no parameters, so swapping in the scaled one
+    (``models.builder.scaled_rotary_embedding``) changes no weight. Returns whether it swapped."""
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if not expected.rope_scaling or rotary is None:
+        return False
+    import torch
+
+    from elastic_plugin.models.builder import scaled_rotary_embedding
+
+    unscaled = getattr(rotary, "inv_freq", None)
+    scaled_rotary_embedding(expected, model)
+    return unscaled is None or not torch.equal(unscaled.cpu(), model.rotary_pos_emb.inv_freq.cpu())
+
+
 def print_arch_flags(argv: list[str], prog: str = "megatron_lm_args") -> int:
     """Print the Megatron-LM architecture flags of ``--elastic-ckpt`` (for a launch script)."""
     import sys

@@ -44,6 +44,7 @@ from typing import Any
 from elastic_plugin.elastic.megatron_lm import unwrap_chunk
 from elastic_plugin.elastic.megatron_lm_args import (
     add_pretrain_elastic_args,
+    align_rotary,
     check_built_vocab,
     elastic_setup,
 )
@@ -124,8 +125,10 @@ def wrap_model_provider(build: Callable[..., Any]) -> Callable[..., Any]:
         cfg, ecfg, resolved, source_meta = elastic_setup(margs)  # before anything is built
         model = build(*args, **kwargs)
         check_built_vocab(unwrap_chunk(model), cfg.model, margs.elastic_ckpt)
+        align_rotary(unwrap_chunk(model), cfg.model)  # Megatron-LM's hybrid builder: no scaling
         teacher_dir = margs.elastic_teacher_ckpt or margs.elastic_ckpt
         teacher = build(*args, **kwargs)
+        align_rotary(unwrap_chunk(teacher), cfg.model)
         _start_session(margs, model, teacher, teacher_dir, cfg, ecfg, resolved, source_meta)
         return model
 
