@@ -18,6 +18,7 @@ import json
 import os
 import pickle
 import random
+import shutil
 import struct
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from elastic_plugin.checkpoint.safe_pickle import (
     check_checkpoint_pickles,
     forget_checked,
 )
+from elastic_plugin.data.indexed import IndexedDatasetError
 from elastic_plugin.data.jsonl import JsonlError
 from elastic_plugin.importance.collect import CalibrationError
 from elastic_plugin.importance.reorder import Permutations
@@ -40,7 +42,7 @@ from elastic_plugin.models.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 32
-PROJECT_ERRORS = (ConfigError, JsonlError, CalibrationError)
+PROJECT_ERRORS = (ConfigError, JsonlError, CalibrationError, IndexedDatasetError)
 
 
 # ------------------------------------------------------------------------ crafted pickles
@@ -398,6 +400,12 @@ def test_fuzz_every_loader_refuses_cleanly(tmp_path, capsys):
     export_meta = {"kind": "export", FILES_KEY: file_digests(export)}
     (export / "export_meta.json").write_text(json.dumps(export_meta))
 
+    from elastic_plugin.data.indexed import read_indexed_documents, write_indexed_dataset
+
+    (base / "ds").mkdir()
+    docs = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+    write_indexed_dataset(str(base / "ds" / "data"), iter(docs), vocab_size=100, progress=False)
+
     def scores_loader(p: Path) -> object:
         return ImportanceScores.load(p)
 
@@ -440,6 +448,14 @@ def test_fuzz_every_loader_refuses_cleanly(tmp_path, capsys):
         "tokenizer.json": ("tok/tokenizer.json", lambda d: tokenizer_spec(d / "tok")),
         "config.json": ("hf/config.json", lambda d: read_hf_config(d / "hf")),
         "export_meta.json": ("export/export_meta.json", verify_export),
+        "indexed dataset .idx": (
+            "ds/data.idx",
+            lambda d: read_indexed_documents(d / "ds" / "data"),
+        ),
+        "indexed dataset .bin": (
+            "ds/data.bin",
+            lambda d: read_indexed_documents(d / "ds" / "data"),
+        ),
     }
     honest = {k: (base / rel).read_bytes() for k, (rel, _) in loaders.items()}
     payloads = crafted_payloads(canary)
@@ -464,6 +480,10 @@ def test_fuzz_every_loader_refuses_cleanly(tmp_path, capsys):
                         True,
                     )
                 )
+        if kind == "indexed dataset .idx":  # 2**40 sequences declared in a 100-byte index
+            out.append(
+                ("huge sequence count", data[:18] + struct.pack("<Q", 1 << 40) + data[26:], True)
+            )
         if kind == ".metadata":
             out += [(f"crafted {n}", b, True) for n, b in raw_pickles(canary).items()]
             out += [(d, b, True) for d, b in _huge_sizes().items() if d.startswith("pickle")]
@@ -474,9 +494,10 @@ def test_fuzz_every_loader_refuses_cleanly(tmp_path, capsys):
     for kind, (rel, load) in loaders.items():
         for number, (description, data, must_refuse) in enumerate(cases(kind)):
             case = tmp_path / "cases" / f"{kind.replace(' ', '_')}_{number}"
-            import shutil
-
-            shutil.copytree(base, case)
+            top = Path(rel).parts[0]  # copy only what this loader reads
+            case.mkdir(parents=True)
+            if (base / top).is_dir():
+                shutil.copytree(base / top, case / top)
             (case / rel).write_bytes(data)
             before = _snapshot(case)
             counts["tried"] += 1
@@ -506,3 +527,31 @@ def test_fuzz_every_loader_refuses_cleanly(tmp_path, capsys):
     assert executed == 0
     assert not problems, "\n".join(map(str, problems))
     assert counts["tracebacks"] == 0 and counts["refused"] > counts["tried"] // 2
+
+
+@pytest.mark.integration
+def test_generate_refuses_a_crafted_metadata_whose_digest_matches(tmp_path):
+    """The issue's second attack: ``.metadata`` replaced by a crafted pickle and its digest in
+    ``elastic_meta.json`` updated to match. ``generate --ckpt`` exits 2 naming it; nothing runs."""
+    from tokenizers import Tokenizer, models
+
+    from elastic_plugin.checkpoint.integrity import FILES_KEY, file_digests
+    from elastic_plugin.checkpoint.meta import CHECKPOINT_META
+    from elastic_plugin.models.config import load_config
+
+    canary = tmp_path / "canary"
+    ckpt = _dist_checkpoint(tmp_path / "teacher")
+    (ckpt / ".metadata").write_bytes(pickle.dumps(crafted_payloads(canary)["os.system"]))
+    config = load_config(ROOT / "examples" / "configs" / "tiny.yaml").to_dict()
+    meta = {"kind": "teacher", "config": config, FILES_KEY: file_digests(ckpt)}
+    (ckpt / CHECKPOINT_META).write_text(json.dumps(meta))
+    tokenizer = tmp_path / "tokenizer.json"
+    vocab = {"<unk>": 0, "<eod>": 1, "a": 2}
+    Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(str(tokenizer))
+    cli = Path(sys.executable).parent / "elastic-plugin"
+    argv = ["generate", "--ckpt", str(ckpt), "--tokenizer", str(tokenizer), "--prompt", "a"]
+    proc = subprocess.run([str(cli), *argv], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "elastic-plugin generate: error: " in proc.stderr
+    assert ".metadata" in proc.stderr and "posix.system" in proc.stderr
+    assert not canary.exists()

@@ -26,6 +26,7 @@ import fcntl
 import hashlib
 import importlib.util
 import os
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -344,6 +345,16 @@ def _blend(paths: str | Sequence[str], name: str) -> tuple[list[str], list[float
     return prefixes, weights
 
 
+class IndexedDatasetError(ValueError):
+    """An indexed dataset's ``.idx`` / ``.bin`` pair is malformed (names the file)."""
+
+
+# Megatron's .idx: header, version <Q, dtype code <B, sequence count <Q, document count <Q
+_INDEX_HEADER = b"MMIDIDX\x00\x00"  # Megatron's .idx magic
+_IDX_FIXED = struct.Struct("<9sQBQQ")
+_DTYPE_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}  # Megatron's DType codes
+
+
 def _check_prefix(prefix: str, name: str = "path_prefix") -> str:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -351,7 +362,49 @@ def _check_prefix(prefix: str, name: str = "path_prefix") -> str:
         raise ValueError(
             f"{name}: no indexed dataset at prefix {prefix!r} (expected {prefix}.bin and {prefix}.idx)"
         )
+    check_indexed_files(prefix, name)
     return prefix
+
+
+def check_indexed_files(prefix: str, name: str = "path_prefix") -> None:
+    """The ``.idx`` header and tables agree with each other and with the ``.bin`` size, or an
+    :class:`IndexedDatasetError` naming the file: Megatron's reader only asserts the magic and
+    version, and a truncated or damaged index would otherwise fail deep inside it (or read
+    past the end of the ``.bin``)."""
+    idx, bin_ = f"{prefix}.idx", f"{prefix}.bin"
+    size = os.path.getsize(idx)
+    with open(idx, "rb") as f:
+        head = f.read(_IDX_FIXED.size)
+    if len(head) < _IDX_FIXED.size:
+        raise IndexedDatasetError(f"{name}: {idx} is truncated ({size} bytes, no full header)")
+    magic, version, code, sequences, documents = _IDX_FIXED.unpack(head)
+    if magic != _INDEX_HEADER or version != 1 or code not in _DTYPE_SIZES:
+        raise IndexedDatasetError(
+            f"{name}: {idx} is not a Megatron indexed dataset index (header {magic!r}, version "
+            f"{version}, dtype code {code})"
+        )
+    need = _IDX_FIXED.size + 12 * sequences + 8 * documents
+    if need > size:
+        raise IndexedDatasetError(
+            f"{name}: {idx} declares {sequences} sequences and {documents} documents "
+            f"({need} bytes), but holds {size} bytes"
+        )
+    table = np.memmap(idx, mode="r", dtype=np.uint8)
+    start = _IDX_FIXED.size
+    lengths = np.frombuffer(table, np.int32, sequences, start)
+    pointers = np.frombuffer(table, np.int64, sequences, start + 4 * sequences)
+    docs = np.frombuffer(table, np.int64, documents, start + 12 * sequences)
+    item = _DTYPE_SIZES[code]
+    expected = np.concatenate(([0], np.cumsum(lengths.astype(np.int64))[:-1])) * item
+    if sequences and ((lengths < 0).any() or not np.array_equal(pointers, expected[:sequences])):
+        raise IndexedDatasetError(f"{name}: {idx}: its sequence lengths and offsets disagree")
+    if documents and (docs[0] != 0 or docs[-1] != sequences or (np.diff(docs) < 0).any()):
+        raise IndexedDatasetError(f"{name}: {idx}: its document table is not in order")
+    tokens = int(lengths.astype(np.int64).sum()) * item
+    if tokens > os.path.getsize(bin_):
+        raise IndexedDatasetError(
+            f"{name}: {bin_} holds {os.path.getsize(bin_)} bytes; its index needs {tokens}"
+        )
 
 
 # --------------------------------------------------------------------------- batches
