@@ -229,6 +229,26 @@ def test_crafted_pickles_anywhere_in_a_checkpoint_are_refused_naming_file_and_gl
     assert not canary.exists()
 
 
+def test_a_byte_item_cannot_hide_by_renaming_its_metadata_class(tmp_path):
+    """A BUILD state that sets ``_name`` on the byte item's metadata (the field the check's
+    placeholders carry) changes nothing: the check reads the class the pickle named."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    canary = tmp_path / "canary"
+    ckpt = _dist_checkpoint(tmp_path / "ckpt")
+    buffer = io.BytesIO()
+    torch.save(crafted_payloads(canary)["os.system"], buffer)
+    _splice_byte_item(ckpt, buffer.getvalue())
+    meta = pickle.loads((ckpt / ".metadata").read_bytes())
+    for entry in meta.state_dict_metadata.values():
+        if isinstance(entry, BytesStorageMetadata):
+            entry._name = "torch.distributed.checkpoint.metadata.TensorStorageMetadata"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(meta, protocol=4))
+    with pytest.raises(UnsafePickleError, match="posix.system"):
+        check_checkpoint_pickles(ckpt)
+    assert not canary.exists()
+
+
 def test_verify_reports_the_check_and_exits_2_naming_the_global(tmp_path):
     from elastic_plugin.checkpoint.integrity import FILES_KEY, file_digests
     from elastic_plugin.checkpoint.meta import CHECKPOINT_META

@@ -148,8 +148,6 @@ ALLOWED_CLASS_MODULES: frozenset[str] = frozenset(
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle")
 _ZIP_MAGIC = b"PK\x03\x04"
-# torch.load reads a legacy (pre-1.6, non-zip) stream as up to five pickles, then raw bytes
-_LEGACY_PICKLES = 5
 
 
 class UnsafePickleError(ConfigError):
@@ -323,7 +321,8 @@ def _byte_items(metadata: Any, where: str) -> Iterator[tuple[str, str, int, int]
     byte_fqns = {
         fqn
         for fqn, entry in state.items()
-        if getattr(entry, "_name", "") == f"{_DCP}.metadata.BytesStorageMetadata"
+        # the class it was built from (never an instance field: BUILD state could set one)
+        if getattr(type(entry), "_name", "") == f"{_DCP}.metadata.BytesStorageMetadata"
     }
     for index, info in storage.items():
         fqn = _attr(index, "fqn")
