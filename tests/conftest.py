@@ -65,9 +65,30 @@ def _launches_python(args) -> bool:
     return os.path.basename(first.split()[0]).startswith(_LAUNCHERS) or first == sys.executable
 
 
+_STDLIB = os.path.dirname(os.__file__)
+
+
+def _launched_by_a_dependency() -> bool:
+    """Whether the launch comes from an installed library (torch's Inductor compiles in worker
+    processes, Megatron's checkpoint writer starts a queue manager): those are implementation
+    details of in-process code, not a test starting a program."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name == __file__ or (name.startswith(_STDLIB) and "site-packages" not in name):
+            frame = frame.f_back  # subprocess / multiprocessing themselves, or this guard
+            continue
+        return "site-packages" in name
+    return False
+
+
 def _refuse_in_unit_tier(what: str) -> None:
     item = _running[-1] if _running else None
-    if item is not None and item.get_closest_marker("integration") is None:
+    if (
+        item is not None
+        and item.get_closest_marker("integration") is None
+        and not _launched_by_a_dependency()
+    ):
         pytest.fail(
             f"{item.nodeid} starts {what} in the unit tier: mark it @pytest.mark.integration "
             "or run the code in-process",

@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 
+@pytest.mark.integration
 def test_quickest_run_gives_consistent_rows():
     import bench_import
 

@@ -283,7 +283,32 @@ def test_fast_step_in_bf16():
     model = model.to(torch.bfloat16)
     _steps_agree(model, 3, seed=4, tol=0.05)
     prompts = random_prompts([5, 9, 3], cfg.vocab_size, seed=1)
-    assert generate(model, prompts, 12).tokens == generate(model, prompts, 12, fast=False).tokens
+    fast = generate(model, prompts, 12).tokens
+    reference = generate(model, prompts, 12, fast=False).tokens
+    _same_greedy_up_to_bf16_ties(model, prompts, fast, reference, tol=0.05)
+
+
+def _same_greedy_up_to_bf16_ties(model, prompts, fast, reference, tol: float) -> None:
+    """Greedy tokens equal, or the first differing token is a tie within BF16 rounding: the two
+    paths' logits agree to ``tol`` (``_steps_agree``), so where the reference's two best logits
+    are closer than that, which one wins depends on the CPU's BF16 GEMM (measured: an AVX2 EPYC
+    flips one such tie that AVX-512 machines do not). Every token before it must be equal."""
+    from elastic_plugin.inference import InferenceCache, extend
+
+    ties = 0
+    for prompt, got, want in zip(prompts, fast, reference):
+        first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if first is None:
+            assert got == want
+            continue
+        cache = InferenceCache.allocate(model, 1, len(prompt) + first + 1)
+        with torch.no_grad():
+            logits = extend(model, cache, torch.tensor([prompt + want[:first]]), last_only=True)
+        logits = logits[0, -1].float()
+        gap = float(logits[want[first]] - logits[got[first]])
+        assert 0.0 <= gap <= 2 * tol * max(1.0, float(logits[want[first]].abs())), (first, gap)
+        ties += 1
+    assert ties < len(prompts)  # at least one row is equal all the way
 
 
 def test_plans_do_not_keep_models_alive():
