@@ -339,6 +339,7 @@ def test_importance_reorder_elastic_and_extracted(megatron, name):
     budget the elastic forward equals the extracted nested model's, whose parameters are counted
     exactly; a tied model's nested model is tied and its embedding gradient is the elastic one's
     active block."""
+    from elastic_plugin.elastic.cost import ElasticCost
     from elastic_plugin.importance import collect_importance
     from elastic_plugin.importance.reorder import Permutations, apply_permutations
     from elastic_plugin.models.counting import count_parameters
@@ -394,7 +395,7 @@ def test_importance_reorder_elastic_and_extracted(megatron, name):
         assert model.output_layer.weight is None
         assert model.shared_embedding_or_output_weight() is word
 
-    state, _ = make_elastic(model, cfg, sizes, budgets=(1.0, 0.75))
+    state, resolved = make_elastic(model, cfg, sizes, budgets=(1.0, 0.75))
     state.set_sizes(small)
     elastic = model(tokens, position, None)
     state.clear()
@@ -407,6 +408,8 @@ def test_importance_reorder_elastic_and_extracted(megatron, name):
     assert diff <= TOL
     assert (elastic - after).abs().max().item() > 1e-3  # the budget really changed the model
     assert sum(p.numel() for p in plain.parameters()) == count_parameters(small_cfg).total
+    cost = ElasticCost(cfg, resolved, metric="total_params")  # the budget loss' count
+    assert cost.of_choice(small) == count_parameters(small_cfg).total
     for key, value in plain.named_parameters():
         if "_layernorm." in key and "self_attention" in key:  # kept whole
             assert torch.equal(value, model.get_parameter(key)), key
