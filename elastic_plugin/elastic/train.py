@@ -301,15 +301,9 @@ def train_elastic(
         )
     bar = None
     if progress and is_rank0():
-        from tqdm import tqdm
+        from elastic_plugin.data.progress import make_progress
 
-        bar = tqdm(
-            total=sched.train_iters,
-            initial=start_iter - 1,
-            desc="elastic",
-            unit="it",
-            dynamic_ncols=True,
-        )
+        bar = make_progress(sched.train_iters, "elastic", initial=start_iter - 1)
     history: list[dict[str, Any]] = []
     valid: dict[str, float | None] = {}
     start = time.time()

@@ -294,9 +294,9 @@ def _copy_weights(state: Mapping[str, Any], source: HfSource, progress: bool) ->
 
     bar = None
     if progress and is_rank0():
-        from tqdm import tqdm
+        from elastic_plugin.data.progress import make_progress
 
-        bar = tqdm(total=source.nbytes, desc="import", unit="B", unit_scale=True)
+        bar = make_progress(source.nbytes, "import", unit="B", unit_scale=True)
     placers = {k: _placer(t, source.model) for k, t in source.table.items()}
     copied = 0
     with torch.no_grad():

@@ -214,6 +214,6 @@ def _save_partial(
 
 
 def _progress(total: int, initial: int):
-    from tqdm import tqdm
+    from elastic_plugin.data.progress import make_progress
 
-    return tqdm(total=total, initial=initial, desc="importance", unit="batch", dynamic_ncols=True)
+    return make_progress(total, "importance", unit="batch", initial=initial)

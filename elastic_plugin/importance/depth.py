@@ -84,9 +84,9 @@ def depth_scores(
         chunk.eval()
     bar = None
     if progress and is_rank0():
-        from tqdm import tqdm
+        from elastic_plugin.data.progress import make_progress
 
-        bar = tqdm(total=int(num_batches) * len(numbers), desc="depth", unit="fwd")
+        bar = make_progress(int(num_batches) * len(numbers), "depth", unit="fwd")
     try:
         for b in range(int(num_batches)):
             batch = batches[b] if b < len(batches) else None

@@ -180,15 +180,9 @@ def train_teacher(
     )
     bar = None
     if progress and is_rank0():
-        from tqdm import tqdm
+        from elastic_plugin.data.progress import make_progress
 
-        bar = tqdm(
-            total=t.train_iters,
-            initial=start_iter - 1,
-            desc="teacher",
-            unit="it",
-            dynamic_ncols=True,
-        )
+        bar = make_progress(t.train_iters, "teacher", initial=start_iter - 1)
     start = time.time()
     train_loss = resumed_meta.get("final_train_loss")
     valid_loss = resumed_meta.get("final_valid_loss")
