@@ -93,3 +93,18 @@ def test_gloo_uneven_all_gather_and_list_reduce_scatter(rank_pools):
     assert all(g == expected for g in gathered)
     # piece r summed over senders: (1+2) * (r+1)
     assert scattered == [[3.0], [6.0, 6.0]]
+
+
+def test_a_meta_device_context_still_works_after_the_patches():
+    """transformers' ``from_pretrained`` builds under ``with torch.device("meta")``; after the
+    factory patches that context must still reach every factory (it found them by identity in
+    a set built after the patch, so RoPE buffers came out real and uninitialised)."""
+    import torch
+
+    from elastic_plugin.compat import enable_cpu_megatron
+
+    enable_cpu_megatron()
+    with torch.device("meta"):
+        made = [torch.zeros(2), torch.arange(3), torch.empty(1), torch.full((2,), 1.0)]
+    assert all(t.is_meta for t in made)
+    assert torch.zeros(2, device="cuda").device.type == "cpu"  # the patch itself still applies

@@ -127,6 +127,12 @@ def _tensor_cuda(self, device: Any = None, non_blocking: bool = False, **kwargs)
 def _patch_devices() -> None:
     """Megatron allocates on ``torch.cuda.current_device()`` or ``"cuda"``: send those to the CPU."""
     _patch(torch.cuda, "current_device", lambda: torch.device("cpu"), "torch.cuda.current_device")
+    # ``with torch.device(...)`` recognises the factories by identity, from a set it builds on
+    # first use: built after the patch, it would hold the wrappers, and a meta-device context
+    # (transformers' from_pretrained) would allocate real, uninitialised buffers instead
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
     for name in _FACTORIES:
         _patch(torch, name, _remap_device_kwarg(getattr(torch, name)), f"torch.{name}(device=cuda)")
     _patch(torch.Tensor, "to", _tensor_to(torch.Tensor.to), "Tensor.to(cuda)")
