@@ -132,6 +132,11 @@ ALLOWED_GLOBALS: frozenset[str] = frozenset(
         # Megatron-LM's saved args and RNG state
         "argparse.Namespace",
         "signal.Signals",  # Megatron-LM's --exit-signal
+        # Megatron-LM's rerun_state_machine_state (enums)
+        "megatron.core.rerun_state_machine.RerunDiagnostic",
+        "megatron.core.rerun_state_machine.RerunMode",
+        "megatron.core.rerun_state_machine.RerunState",
+        "megatron.core.rerun_state_machine.RerunValidationStatus",
         "numpy.dtype",
         "numpy.ndarray",
         "numpy.core.multiarray._reconstruct",
