@@ -248,3 +248,15 @@ def test_kept_overlap_counts_heads_per_group():
     b = {1: torch.tensor([0, 1, 2, 3])}  # keeps 0 and 2
     assert kept_overlap(a, b, 0.5, groups=2) == 0.5
     assert kept_overlap(a, b, 0.5) == 1.0  # ungrouped: the first half {0, 1} of both
+
+
+def test_package_names_resolve_lazily():
+    """``elastic_plugin.importance`` resolves its names on first use (so parsing the CLI imports
+    no torch through it): every exported name resolves, and no other does."""
+    import elastic_plugin.importance as importance
+
+    assert sorted(importance.__all__) == sorted(importance._EXPORTS)
+    for name in importance.__all__:
+        assert getattr(importance, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        importance.nope  # noqa: B018

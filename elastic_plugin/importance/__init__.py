@@ -20,7 +20,17 @@ _EXPORTS = {
     "rankings_agree": "scores",
     "reduce_local_stats": "scores",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "AXES",
+    "CalibrationError",
+    "ImportanceHooks",
+    "ImportanceScores",
+    "LocalStats",
+    "check_calibration",
+    "collect_importance",
+    "rankings_agree",
+    "reduce_local_stats",
+]
 
 if TYPE_CHECKING:
     from elastic_plugin.importance.collect import (
