@@ -1,6 +1,6 @@
 """The fast decode step (``inference.fast_decode.DecodePlan``) against the reference step
 (``steps.extend`` with one token, which tests/test_inference_generate.py checks against
-Megatron's own full forward), on real Megatron-Core modules: the tiny hybrid model (Mamba-2,
+Megatron's own full forward), on real Megatron-Core modules: the tiny_model hybrid model (Mamba-2,
 GQA attention, MoE with a shared expert, MLP), its nested model, and variants (RoPE, SwiGLU with
 softmax routing); logits, caches and generated tokens."""
 
@@ -11,7 +11,7 @@ import torch
 
 from elastic_plugin.testing.inference_cases import random_prompts, tiny_inference_model
 
-# the tiny model's nested choice, and the one-intra-op-thread fixture, of the generation tests
+# the tiny_model model's nested choice, and the one-intra-op-thread fixture, of the generation tests
 from tests.test_inference_generate import SMALL, one_thread  # noqa: F401
 
 pytestmark = pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning")
@@ -20,7 +20,7 @@ TOL = 2e-5
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def tiny_model():
     return tiny_inference_model(seed=1)
 
 
@@ -55,18 +55,18 @@ def _steps_agree(model, batch: int, steps: int = 5, seed: int = 0, tol: float = 
 
 
 @pytest.mark.parametrize("batch", [1, 3, 9])  # 1: the token's experts; 3, 9: grouped experts
-def test_fast_step_equals_reference_step(tiny, batch):
-    model, _ = tiny
+def test_fast_step_equals_reference_step(tiny_model, batch):
+    model, _ = tiny_model
     _steps_agree(model, batch, seed=batch)
 
 
-def test_fast_step_on_the_nested_model_and_generation(tiny):
+def test_fast_step_on_the_nested_model_and_generation(tiny_model):
     """The nested model (fewer experts, narrower everything) too; greedy generation gives the
     same tokens by either path, at batch 1 and for a ragged batch."""
     from elastic_plugin.inference import generate
     from elastic_plugin.nested.model import nested_model
 
-    model, cfg = tiny
+    model, cfg = tiny_model
     small, _ = nested_model(model, cfg, SMALL)
     _steps_agree(small, 4, seed=7)
     for prompts in (
@@ -96,12 +96,12 @@ def test_fast_step_variants(overrides):
     _steps_agree(model, 6, seed=2)
 
 
-def test_plan_is_rebuilt_when_weights_change(tiny):
+def test_plan_is_rebuilt_when_weights_change(tiny_model):
     """The plan keeps stacked copies of the expert weights: writing a parameter in place makes
     the next ``decode_plan`` a new plan that sees the new weights."""
     from elastic_plugin.inference.fast_decode import decode_plan
 
-    model, _ = tiny
+    model, _ = tiny_model
     plan = decode_plan(model)
     assert decode_plan(model) is plan
     expert = model.decoder.layers[2].mlp.experts.local_experts[0].linear_fc1.weight
@@ -112,12 +112,12 @@ def test_plan_is_rebuilt_when_weights_change(tiny):
     _steps_agree(model, 3, steps=2, seed=11)
 
 
-def test_uncovered_layer_runs_the_reference_step(tiny, monkeypatch):
+def test_uncovered_layer_runs_the_reference_step(tiny_model, monkeypatch):
     """A layer the plan cannot reproduce (here: every MoE layer, as if its config used a
     capacity factor) runs through the reference step, and the results still agree."""
     from elastic_plugin.inference import fast_decode
 
-    model, _ = tiny
+    model, _ = tiny_model
     monkeypatch.setattr(fast_decode, "_moe", lambda moe: None)
     plan = fast_decode.DecodePlan(model)
     assert plan.reference_layers == [2, 6]
@@ -134,14 +134,14 @@ def test_uncovered_layer_runs_the_reference_step(tiny, monkeypatch):
     torch.testing.assert_close(got, expected, atol=TOL, rtol=TOL)
 
 
-def test_padded_ragged_prefill_equals_level_by_level(tiny):
+def test_padded_ragged_prefill_equals_level_by_level(tiny_model):
     """The switch's re-prefill in one padded forward == rows advancing level by level (the
     previous path, itself checked against the full forward): logits, lengths, the states the
     next tokens see, and the decode steps after it."""
     from elastic_plugin.inference import InferenceCache, extend, extend_ragged
     from elastic_plugin.nested.model import nested_model
 
-    model, cfg = tiny
+    model, cfg = tiny_model
     small, _ = nested_model(model, cfg, SMALL)
     for m in (model, small):
         sequences = random_prompts([7, 1, 19, 3, 12, 19], cfg.vocab_size, seed=9)
@@ -166,23 +166,23 @@ def test_padded_ragged_prefill_equals_level_by_level(tiny):
         torch.testing.assert_close(after[0], after[1], atol=TOL, rtol=TOL)
 
 
-def test_padded_extend_refuses_bad_counts(tiny):
+def test_padded_extend_refuses_bad_counts(tiny_model):
     from elastic_plugin.inference import InferenceCache, extend
     from elastic_plugin.models.config import ConfigError
 
-    model, _ = tiny
+    model, _ = tiny_model
     cache = InferenceCache.allocate(model, 2, 8)
     with pytest.raises(ConfigError, match=r"real_tokens=\[0, 3\]: one count in \[1, 3\]"):
         extend(model, cache, torch.zeros(2, 3, dtype=torch.long), real_tokens=[0, 3])
     assert cache.lengths.tolist() == [0, 0]  # nothing was fed
 
 
-def test_fast_prefill_equals_reference_prefill(tiny):
+def test_fast_prefill_equals_reference_prefill(tiny_model):
     """``extend(fast=True)``: the MLP / MoE layers of a chunk (here a padded ragged batch) run as
     the decode plan runs them; logits and states equal the reference layer modules'."""
     from elastic_plugin.inference import InferenceCache, extend_ragged
 
-    model, cfg = tiny
+    model, cfg = tiny_model
     sequences = random_prompts([12, 3, 25, 1, 9], cfg.vocab_size, seed=12)
     caches = [InferenceCache.allocate(model, 5, 32) for _ in range(2)]
     fast = extend_ragged(model, caches[0], sequences, list(range(5)), fast=True)
@@ -192,13 +192,13 @@ def test_fast_prefill_equals_reference_prefill(tiny):
         torch.testing.assert_close(caches[0].ssm[index], tensor, atol=TOL, rtol=TOL)
 
 
-def test_budget_control_same_tokens_either_path(tiny):
+def test_budget_control_same_tokens_either_path(tiny_model):
     """``budget_control_generate`` / ``capped_thinking_generate``: the fast path (fast decode
     step, one padded re-prefill) thinks and answers with the same tokens as the reference."""
     from elastic_plugin.inference import budget_control_generate, capped_thinking_generate
     from elastic_plugin.nested.model import nested_model
 
-    model, cfg = tiny
+    model, cfg = tiny_model
     small, _ = nested_model(model, cfg, SMALL)
     prompts = random_prompts([6, 2, 11], cfg.vocab_size, seed=21)
     close = 7
@@ -327,7 +327,7 @@ def test_plans_do_not_keep_models_alive():
     assert alive() is None
 
 
-def test_fast_generation_matches_transformers_nemotron_h(tiny, tmp_path):
+def test_fast_generation_matches_transformers_nemotron_h(tiny_model, tmp_path):
     """An independent reference: the full and the nested model exported to Hugging Face
     NemotronH and run by stock ``transformers`` (greedy, full recompute, no cache) generate the
     tokens the fast path generates, and budget control's answer continues like it."""
@@ -341,7 +341,7 @@ def test_fast_generation_matches_transformers_nemotron_h(tiny, tmp_path):
     from elastic_plugin.inference import budget_control_generate, generate
     from elastic_plugin.nested.model import nested_model
 
-    model, cfg = tiny
+    model, cfg = tiny_model
     small, small_cfg = nested_model(model, cfg, SMALL)
     prompts = random_prompts([6, 6], cfg.vocab_size, seed=31)
     hf_models = {}

@@ -24,7 +24,7 @@ class CustomLayer(torch.nn.Module):
 
 
 @pytest.fixture
-def tiny():
+def tiny_elastic():
     from elastic_plugin.compat import enable_cpu_megatron
     from elastic_plugin.models.config import load_config
     from elastic_plugin.parallel import (
@@ -62,11 +62,11 @@ def _classes(model: torch.nn.Module) -> dict[str, type]:
     return {name: type(module) for name, module in model.named_modules()}
 
 
-def test_a_layer_no_rule_matches_is_refused_before_anything_changes(tiny):
+def test_a_layer_no_rule_matches_is_refused_before_anything_changes(tiny_elastic):
     from elastic_plugin.models.config import ConfigError
     from elastic_plugin.testing.elastic_model import make_elastic
 
-    model_cfg, model = tiny
+    model_cfg, model = tiny_elastic
     model.decoder.layers[DENSE_MLP_INDEX] = CustomLayer(DENSE_MLP_INDEX + 1)
     before = _classes(model)
     with pytest.raises(
@@ -76,10 +76,10 @@ def test_a_layer_no_rule_matches_is_refused_before_anything_changes(tiny):
     assert _classes(model) == before  # no module was swapped to its elastic class
 
 
-def test_one_registered_class_makes_a_new_layer_type_elastic(tiny, registered):
+def test_one_registered_class_makes_a_new_layer_type_elastic(tiny_elastic, registered):
     from elastic_plugin.testing.elastic_model import make_elastic
 
-    model_cfg, model = tiny
+    model_cfg, model = tiny_elastic
     model.decoder.layers[DENSE_MLP_INDEX] = CustomLayer(DENSE_MLP_INDEX + 1)
     calls = []
 
@@ -100,13 +100,13 @@ def test_one_registered_class_makes_a_new_layer_type_elastic(tiny, registered):
     assert type(attention.self_attention.linear_qkv).__name__ == "ElasticColumnParallelLinear"
 
 
-def test_a_later_rule_takes_precedence_over_the_built_in_one(tiny, registered):
+def test_a_later_rule_takes_precedence_over_the_built_in_one(tiny_elastic, registered):
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
     from elastic_plugin.models.layers import hybrid_layer_kind
     from elastic_plugin.testing.elastic_model import make_elastic
 
-    model_cfg, model = tiny
+    model_cfg, model = tiny_elastic
     seen = []
 
     @registered

@@ -16,8 +16,8 @@ CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tin
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    """The tiny Megatron model, perturbed (so a wrong mapping shows), and its HF tensors."""
+def tiny_hub():
+    """The tiny_hub Megatron model, perturbed (so a wrong mapping shows), and its HF tensors."""
     from elastic_plugin.export.hf import megatron_to_hf
     from elastic_plugin.testing.inference_cases import tiny_inference_model
 
@@ -26,11 +26,11 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
-def tiny_hf(tiny):
-    """The tiny model in transformers' names with its config.json."""
+def tiny_hf(tiny_hub):
+    """The tiny_hub model in transformers' names with its config.json."""
     from elastic_plugin.export.hf import hf_config
 
-    cfg, _, hf = tiny
+    cfg, _, hf = tiny_hub
     return cfg, hf, hf_config(hf, cfg, "fp32", {"pad": 0, "eos": 1})
 
 
@@ -143,7 +143,7 @@ def test_broken_directories_are_named(tiny_hf, tmp_path):
             parse_shard_size(bad)
 
 
-def test_hf_slicing_equals_the_megatron_slicing(tiny):
+def test_hf_slicing_equals_the_megatron_slicing(tiny_hub):
     """A budget cut from the full model's HF tensors == the HF tensors of the budget's Megatron
     slice, bit for bit, for a homogeneous and a per-layer choice."""
     from elastic_plugin.export.hf import megatron_to_hf
@@ -152,7 +152,7 @@ def test_hf_slicing_equals_the_megatron_slicing(tiny):
     from elastic_plugin.nested.slicing import sliced_state_dict
     from elastic_plugin.testing.export_cases import PER_LAYER, SMALL
 
-    cfg, model, full = tiny
+    cfg, model, full = tiny_hub
     for choice in (SMALL, PER_LAYER):
         expected = megatron_to_hf(sliced_state_dict(model, cfg, choice), cfg)
         got = slice_hf_state(full, cfg, choice)

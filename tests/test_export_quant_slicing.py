@@ -23,7 +23,7 @@ def tiny_megatron():
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_megatron):
+def tiny_hf(tiny_megatron):
     _, cfg, hf = tiny_megatron
     return cfg, hf
 
@@ -46,14 +46,14 @@ def _choices():
     return {"aligned": ALIGNED, "small": SMALL, "per_layer": PER_LAYER}
 
 
-def test_nvfp4_alignment_is_found_from_the_config(tiny):
+def test_nvfp4_alignment_is_found_from_the_config(tiny_hf):
     """Only the Mamba out_proj of layers sliced to mamba_head_dim 8 (of 16) cuts through NVFP4
     blocks; the policy refuses it naming the axis and the way out, or keeps it in BF16."""
     from elastic_plugin.export.quant_slicing import check_unaligned, unaligned_weights
     from elastic_plugin.models.config import ConfigError
     from elastic_plugin.testing.export_cases import PER_LAYER, SMALL
 
-    cfg, _ = tiny
+    cfg, _ = tiny_hf
     assert unaligned_weights(cfg, {"aligned": ALIGNED}) == {}
     small = unaligned_weights(cfg, {"0.4": SMALL})
     mamba = [f"model.layers.{i}.mixer.out_proj.weight" for i in (0, 4)]  # "M*E-M*E-"
@@ -70,12 +70,12 @@ def test_nvfp4_alignment_is_found_from_the_config(tiny):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-def test_a_budget_cut_from_the_quantized_parent_is_the_parents_values_cut(tiny, fmt):
+def test_a_budget_cut_from_the_quantized_parent_is_the_parents_values_cut(tiny_hf, fmt):
     from elastic_plugin.export.hf_slicing import slice_hf_state
     from elastic_plugin.export.quant_slicing import quantize_nested, slice_quantized_state
     from elastic_plugin.export.quantize import dequantize_state_dict
 
-    cfg, full = tiny
+    cfg, full = tiny_hf
     choices = _choices()
     quantized, quant_config = quantize_nested(full, cfg, fmt, choices, "high-precision")
     parent = dequantize_state_dict(quantized, quant_config)
@@ -100,13 +100,13 @@ def test_a_budget_cut_from_the_quantized_parent_is_the_parents_values_cut(tiny, 
         assert sliced[q_proj].dtype == quantized[q_proj].dtype  # still quantized
 
 
-def test_an_nvfp4_cut_through_a_block_is_refused_naming_the_axis(tiny):
+def test_an_nvfp4_cut_through_a_block_is_refused_naming_the_axis(tiny_hf):
     from elastic_plugin.export.quant_slicing import slice_quantized_state
     from elastic_plugin.export.quantize import quantize_state_dict
     from elastic_plugin.models.config import ConfigError
     from elastic_plugin.testing.export_cases import SMALL
 
-    cfg, full = tiny
+    cfg, full = tiny_hf
     quantized, _ = quantize_state_dict(full, "nvfp4")  # every weight quantized, out_proj too
     with pytest.raises(ConfigError, match="out_proj.*mamba_heads / mamba_head_dim.*multiples"):
         slice_quantized_state(quantized, cfg, SMALL, "nvfp4")
@@ -115,7 +115,7 @@ def test_an_nvfp4_cut_through_a_block_is_refused_naming_the_axis(tiny):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-def test_slicing_the_files_equals_slicing_in_memory(tiny, fmt, tmp_path):
+def test_slicing_the_files_equals_slicing_in_memory(tiny_hf, fmt, tmp_path):
     """Read from a sharded quantized directory (experts per expert on disk, only the kept ones
     read) == the in-memory slice; the sliced exclude_modules list only modules still there."""
     from elastic_plugin.checkpoint.hub import from_hub
@@ -127,7 +127,7 @@ def test_slicing_the_files_equals_slicing_in_memory(tiny, fmt, tmp_path):
         slice_quantized_state,
     )
 
-    cfg, full = tiny
+    cfg, full = tiny_hf
     choices = _choices()
     quantized, quant_config = quantize_nested(full, cfg, fmt, choices, "high-precision")
     write_hf_checkpoint(
@@ -150,12 +150,12 @@ def test_slicing_the_files_equals_slicing_in_memory(tiny, fmt, tmp_path):
         assert not [m for m in kept if ".experts.7." in m or ".experts.5." in m]  # dropped
 
 
-def test_input_scales_follow_the_calibration(tiny):
+def test_input_scales_follow_the_calibration(tiny_hf):
     from elastic_plugin.export.quant_slicing import slice_quantized_state, with_input_scales
     from elastic_plugin.export.quantize import input_scale, quantize_state_dict
     from elastic_plugin.models.config import ConfigError
 
-    cfg, full = tiny
+    cfg, full = tiny_hf
     quantized, _ = quantize_state_dict(full, "fp8")
     sliced = slice_quantized_state(quantized, cfg, ALIGNED, "fp8")
     amax = {"model.layers.1.mixer.q_proj": 3.0, "model.layers.2.mixer.experts.up_proj": 5.0}
@@ -229,8 +229,8 @@ def test_quantization_flags_are_refused_before_writing(quantized_nested):
 
 # ------------------------------------------------------------------------------ ModelOpt's layout
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-def test_full_budget_export_is_what_modelopt_exports(tiny, fmt, tmp_path):
-    """The same tiny model quantized by ModelOpt itself (``mtq.quantize`` + calibration, then
+def test_full_budget_export_is_what_modelopt_exports(tiny_hf, fmt, tmp_path):
+    """The same tiny_hf model quantized by ModelOpt itself (``mtq.quantize`` + calibration, then
     ``export_hf_checkpoint``) and by us (weights quantized once, ModelOpt-calibrated input
     scales): the same tensor names, the same tensors, the same quantization config."""
     import json
@@ -243,7 +243,7 @@ def test_full_budget_export_is_what_modelopt_exports(tiny, fmt, tmp_path):
     mtq = pytest.importorskip("modelopt.torch.quantization")
     from modelopt.torch.export import export_hf_checkpoint
 
-    cfg, full = tiny
+    cfg, full = tiny_hf
     config = hf_config(full, cfg, "fp32")
     tokens = torch.randint(0, cfg.vocab_size, (4, 32), generator=torch.Generator().manual_seed(5))
     batches = list(tokens.split(2))
@@ -279,7 +279,7 @@ def test_full_budget_export_is_what_modelopt_exports(tiny, fmt, tmp_path):
     assert {m.split(".\x00")[0] for m in their["exclude_modules"]} <= set(mine["exclude_modules"])
 
 
-def test_quantization_config_in_config_json_is_modelopts(tiny, tmp_path):
+def test_quantization_config_in_config_json_is_modelopts(tiny_hf, tmp_path):
     """config.json's quantization_config == ModelOpt's convert_hf_quant_config_format of our
     hf_quant_config.json; excluded modules are written in the Hub's names and read back in
     transformers' in-memory ones."""
@@ -289,7 +289,7 @@ def test_quantization_config_in_config_json_is_modelopts(tiny, tmp_path):
     from elastic_plugin.export.quantize import quantize_state_dict
 
     convert = pytest.importorskip("modelopt.torch.export.convert_hf_config")
-    cfg, full = tiny
+    cfg, full = tiny_hf
     for fmt in ("fp8", "nvfp4"):
         quantized, quant_config = quantize_state_dict(full, fmt)
         out = tmp_path / fmt

@@ -1,4 +1,4 @@
-"""Incremental generation with KV / conv / SSM caches on the tiny hybrid model (Mamba-2,
+"""Incremental generation with KV / conv / SSM caches on the tiny_model hybrid model (Mamba-2,
 attention, MoE, MLP layers), checked against Megatron's own full forward.
 
 The reference everywhere is ``model(input_ids, position_ids, None)`` (the training forward) over
@@ -49,16 +49,16 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def tiny_model():
     return tiny_inference_model(seed=1)
 
 
 @pytest.fixture(scope="module")
-def greedy_ref(tiny):
+def greedy_ref(tiny_model):
     """Greedy tokens of the test prompts by full recompute (the slow reference, computed once)."""
     from elastic_plugin.inference import recompute_generate
 
-    model, cfg = tiny
+    model, cfg = tiny_model
     prompts = random_prompts(LENGTHS, cfg.vocab_size, seed=3)
     return prompts, recompute_generate(model, prompts, NEW)
 
@@ -71,13 +71,13 @@ def _full(model, tokens):
 
 # ------------------------------------------------------------------------------ logits
 @pytest.mark.parametrize("position_embedding", ["none", "rope"])
-def test_cached_logits_equal_full_forward(tiny, position_embedding):
+def test_cached_logits_equal_full_forward(tiny_model, position_embedding):
     """Prefill + every decode step == the full forward at every position; so do a prefill in
     chunks and rows of different lengths decoded in one batch."""
     from elastic_plugin.inference import InferenceCache, decode_step, extend, prefill
 
     model, cfg = (
-        tiny
+        tiny_model
         if position_embedding == "none"
         else tiny_inference_model(seed=2, position_embedding_type="rope")
     )
@@ -119,14 +119,14 @@ def test_cached_logits_equal_full_forward(tiny, position_embedding):
 
 
 @pytest.mark.parametrize("padded", [True, False])
-def test_ragged_prefill_equals_full_forward(tiny, padded):
+def test_ragged_prefill_equals_full_forward(tiny_model, padded):
     """extend_ragged: rows of different lengths in one padded forward (``padded``), or
     advancing together up to each distinct length (one forward per distinct length, not per
     row); every row's last logits equal the full forward's and rows end exactly at their own
     length. A second ragged extend continues."""
     from elastic_plugin.inference import InferenceCache, extend_ragged, steps
 
-    model, cfg = tiny
+    model, cfg = tiny_model
     gen = torch.Generator().manual_seed(8)
     tokens = torch.randint(0, cfg.vocab_size, (5, 40), generator=gen)
     full = _full(model, tokens)
@@ -173,10 +173,10 @@ def test_ragged_prefill_equals_full_forward(tiny, padded):
         extend_ragged(model, cache, [[1], [2]], rows=[5])
 
 
-def test_cache_shapes(tiny):
+def test_cache_shapes(tiny_model):
     from elastic_plugin.inference import InferenceCache
 
-    model, cfg = tiny
+    model, cfg = tiny_model
     cache = InferenceCache.allocate(model, 2, 16)
     assert sorted(cache.keys) == [1, 5] and sorted(cache.ssm) == [0, 4]
     assert cache.keys[1].shape == (2, 16, cfg.query_groups, cfg.head_dim)
@@ -189,10 +189,10 @@ def test_cache_shapes(tiny):
 
 
 # ------------------------------------------------------------------------------ generation
-def test_greedy_equals_full_recompute_and_single_prompts(tiny, greedy_ref):
+def test_greedy_equals_full_recompute_and_single_prompts(tiny_model, greedy_ref):
     from elastic_plugin.inference import generate
 
-    model, _ = tiny
+    model, _ = tiny_model
     prompts, reference = greedy_ref
     result = generate(model, prompts, NEW)
     assert result.tokens == reference.tokens
@@ -205,11 +205,11 @@ def test_greedy_equals_full_recompute_and_single_prompts(tiny, greedy_ref):
         assert generate(model, [prompt], NEW).tokens == [tokens]
 
 
-def test_stop_tokens_and_max_length(tiny, greedy_ref):
+def test_stop_tokens_and_max_length(tiny_model, greedy_ref):
     """Each row stops right after its own first stop token; the others go on."""
     from elastic_plugin.inference import generate
 
-    model, _ = tiny
+    model, _ = tiny_model
     prompts, reference = greedy_ref
     stop = reference.tokens[1][3]
     result = generate(model, prompts, NEW, stop_tokens=[stop])
@@ -229,10 +229,10 @@ def test_stop_tokens_and_max_length(tiny, greedy_ref):
     assert capped.tokens[3] == reference.tokens[3][:3]
 
 
-def test_sampling_is_seeded(tiny, greedy_ref):
+def test_sampling_is_seeded(tiny_model, greedy_ref):
     from elastic_plugin.inference import generate, recompute_generate
 
-    model, _ = tiny
+    model, _ = tiny_model
     prompts, reference = greedy_ref
     first = generate(model, prompts, NEW, greedy=False, temperature=1.5, seed=11)
     again = generate(model, prompts, NEW, greedy=False, temperature=1.5, seed=11)
@@ -372,13 +372,13 @@ def test_budget_control_thinks_small_and_answers_full(elastic):
         budget_control_generate(small, model, prompts, 128, 8, 5)
 
 
-def test_capped_thinking_forces_close_and_continues_on_the_same_cache(tiny):
+def test_capped_thinking_forces_close_and_continues_on_the_same_cache(tiny_model):
     """The standard baseline: a row that has not closed its thinking after ``cap`` tokens emits
     ``</think>`` instead, then continues greedily; by full recompute of prompt + forced
     sequence, every later token is the argmax (the cache was not disturbed)."""
     from elastic_plugin.inference import capped_thinking_generate, generate, recompute_generate
 
-    model, cfg = tiny
+    model, cfg = tiny_model
     prompts = random_prompts([6, 11, 3], cfg.vocab_size, seed=21)
     free = generate(model, prompts, 10).tokens
     close = free[0][2]  # row 0 closes by itself at its third token
@@ -425,19 +425,19 @@ def test_capped_thinking_forces_close_and_continues_on_the_same_cache(tiny):
         ({"greedy": False, "temperature": 0.0}, r"temperature=0.0"),
     ],
 )
-def test_bad_input(tiny, kwargs, match):
+def test_bad_input(tiny_model, kwargs, match):
     from elastic_plugin.inference import generate
 
-    model, _ = tiny
+    model, _ = tiny_model
     args = {"prompts": [[1, 2, 3]], "max_new_tokens": 4, **kwargs}
     with pytest.raises(ConfigError, match=match):
         generate(model, **args)
 
 
-def test_bad_cache_use(tiny):
+def test_bad_cache_use(tiny_model):
     from elastic_plugin.inference import InferenceCache, decode_step, extend, prefill
 
-    model, _ = tiny
+    model, _ = tiny_model
     with pytest.raises(ConfigError, match="longer than max_length 4"):
         prefill(model, torch.zeros(1, 5, dtype=torch.long), max_length=4)
     with pytest.raises(ConfigError, match=r"max_length=300"):
