@@ -575,3 +575,40 @@ def test_generate_refuses_a_crafted_metadata_whose_digest_matches(tmp_path):
     assert "elastic-plugin generate: error: " in proc.stderr
     assert ".metadata" in proc.stderr and "posix.system" in proc.stderr
     assert not canary.exists()
+
+
+def test_every_familys_config_json_mapping_refuses_wrong_values_cleanly():
+    """Each supported family's ``config.json`` mapping (the released configs in tests/fixtures),
+    every top-level field set to a wrong type, a sign error, zero, a huge or a non-finite size:
+    accepted or a ConfigError naming the file, never a traceback, and a declared depth of 2**63
+    is refused before a layer pattern is built (it hung the mapping before)."""
+    from elastic_plugin.families import model_config_from_hf
+
+    fixtures = ROOT / "tests" / "fixtures"
+    wrongs = ([], "x", 7, None, {"a": []}, -1, 0, 1e30, float("inf"), True, 2**63)
+    counts = collections.Counter()
+    problems = []
+    for name in (
+        "llama_3_1_8b_config.json",
+        "qwen3_8b_config.json",
+        "qwen3_30b_a3b_config.json",
+        "mixtral_8x7b_config.json",
+        "nemotron_nano_v3_config.json",
+    ):
+        doc = json.loads((fixtures / name).read_text())
+        model_config_from_hf(doc, name)  # the honest file maps
+        for key in doc:
+            for wrong in wrongs:
+                counts["tried"] += 1
+                try:
+                    model_config_from_hf({**doc, key: wrong}, name)
+                    counts["accepted"] += 1
+                except ConfigError as exc:
+                    counts["refused"] += 1
+                    if name not in str(exc):
+                        problems.append((name, key, wrong, f"not named: {exc}"))
+                except Exception as exc:  # a traceback a user would see
+                    problems.append((name, key, wrong, f"{type(exc).__name__}: {exc}"))
+    print(f"\nfamily config.json fuzz: {dict(counts)}")
+    assert not problems, "\n".join(map(str, problems[:20]))
+    assert counts["refused"] > counts["tried"] // 3

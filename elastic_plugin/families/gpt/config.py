@@ -116,10 +116,15 @@ class GptSpec:
     )
 
 
-def _positive_int(c: Mapping[str, Any], field: str, source: str) -> int:
+MAX_LAYERS = 10_000  # a declared depth beyond any model's: refused before a pattern is built
+
+
+def _positive_int(c: Mapping[str, Any], field: str, source: str, maximum: int | None = None) -> int:
     value = c.get(field)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{source}: {field}={value!r} must be a positive integer")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{source}: {field}={value!r} must be at most {maximum}")
     return value
 
 
@@ -154,8 +159,13 @@ def rope_settings(c: Mapping[str, Any], default_theta: float, source: str) -> di
             f"{source}: rope_theta={c['rope_theta']!r} and {name}.rope_theta="
             f"{rope['rope_theta']!r} disagree; keep one"
         )
-    if not isinstance(theta, int | float) or isinstance(theta, bool) or theta <= 0:
-        raise ConfigError(f"{source}: {theta_field}={theta!r} must be a number > 0")
+    if (
+        not isinstance(theta, int | float)
+        or isinstance(theta, bool)
+        or not math.isfinite(theta)
+        or theta <= 0
+    ):
+        raise ConfigError(f"{source}: {theta_field}={theta!r} must be a finite number > 0")
     if float(theta) != int(theta):
         raise refuse(source, theta_field, theta, "an integer", "Megatron's rotary_base is an int")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -259,7 +269,7 @@ def gpt_model_config(spec: GptSpec, config_json: Mapping[str, Any], source: str)
             config_json[name] = value
     _check_known(spec, config_json, source)
     c = {**spec.defaults, **config_json}
-    layers = _positive_int(c, "num_hidden_layers", source)
+    layers = _positive_int(c, "num_hidden_layers", source, maximum=MAX_LAYERS)
     _check_attention(spec, c, layers, source)
     hidden = _positive_int(c, "hidden_size", source)
     heads = _positive_int(c, "num_attention_heads", source)

@@ -314,7 +314,7 @@ def _check_function(c: Mapping[str, Any], kinds: list[str], source: str) -> None
             ),
         ]
     if "moe" in kinds:
-        topk = c["num_experts_per_tok"]
+        topk = _positive_int(c, "num_experts_per_tok", source)
         rules += [
             (
                 "norm_topk_prob",
@@ -352,6 +352,13 @@ def _number(value: Any) -> float:
         return math.nan
 
 
+def _finite(c: Mapping[str, Any], field: str, source: str) -> float:
+    value = c[field]
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise ConfigError(f"{source}: {field}={value!r} must be a finite number")
+    return float(value)
+
+
 def _positive_int(c: Mapping[str, Any], field: str, source: str) -> int:
     value = c[field]
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -380,7 +387,7 @@ def model_config_from_hf(
         layernorm_epsilon=float(c["layer_norm_epsilon"]),
         max_sequence_length=ints["max_position_embeddings"],
         untie_embeddings_and_output_weights=not c["tie_word_embeddings"],
-        init_method_std=float(c["initializer_range"]),
+        init_method_std=_finite(c, "initializer_range", source),
         activation="squared_relu",
         position_embedding_type="none",
         add_bias_linear=False,

@@ -39,7 +39,10 @@ def _mlp_kind(c: Mapping[str, Any], i: int, source: str) -> str:
             "Megatron's softmax routing renormalises the top-k weights (no pre-softmax option "
             "in ModelConfig)",
         )
-    sparse = i not in only and c.get("num_experts", 0) > 0 and (i + 1) % step == 0
+    experts = c.get("num_experts", 0)
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 0:
+        raise ConfigError(f"{source}: num_experts={experts!r} must be a non-negative integer")
+    sparse = i not in only and experts > 0 and (i + 1) % step == 0
     return "moe" if sparse else "mlp"
 
 
