@@ -68,6 +68,31 @@ def layout_from_args(args: argparse.Namespace, parallel: Any) -> Layout:
     )
 
 
+EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "none")
+
+
+def add_exit_signal_arg(parser: argparse.ArgumentParser) -> None:
+    """``--exit-signal``: the preemption signal on which a training run saves and stops."""
+    parser.add_argument(
+        "--exit-signal",
+        default="SIGTERM",
+        choices=EXIT_SIGNALS,
+        help="on this signal (SLURM sends SIGTERM at the time limit or on preemption, or the one "
+        "a job asks for with --signal; torchrun forwards SIGTERM to every rank), save at the next "
+        "step boundary and exit 0 so the requeued job resumes with --resume; Megatron-LM's "
+        "DistributedSignalHandler (--exit-signal-handler there); none: die on it "
+        "(default: SIGTERM)",
+    )
+
+
+def exit_signal_from_args(args: argparse.Namespace) -> Any:
+    """The ``signal.Signals`` of ``--exit-signal`` (None for none)."""
+    import signal
+
+    name = getattr(args, "exit_signal", "SIGTERM")
+    return None if name == "none" else signal.Signals[name]
+
+
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     """Megatron-LM's precision and recomputation flags (default: the config's ``training:``)."""
     from elastic_plugin.models.runtime import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS

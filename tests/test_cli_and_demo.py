@@ -399,9 +399,11 @@ def _trace(out: Path) -> list[float]:
 
 @pytest.mark.integration
 def test_train_saves_history_and_resumes_past_a_damaged_save(tmp_path):
-    """`train --save-interval/--stop-after/--resume`: an interrupted teacher run, whose newest
-    save is then damaged, continues from the save before it and ends exactly where an
-    uninterrupted run ends (same loss trace, bit-identical weights and optimizer state)."""
+    """`train --save-interval/--resume`: a teacher run preempted by SIGTERM (the scheduler's
+    signal, injected at iteration 4) saves at that step boundary and exits 0; its newest save
+    is then damaged, and the resumed run continues from the save before it and ends exactly
+    where an uninterrupted run ends (same loss trace, bit-identical weights and optimizer
+    state). (`--stop-after` is covered by test_elastic_cli's TP2 stop-and-resume.)"""
     from elastic_plugin.testing.integrity_cases import flip_middle
 
     config = _teacher_config(tmp_path)
@@ -410,9 +412,12 @@ def test_train_saves_history_and_resumes_past_a_damaged_save(tmp_path):
     proc = run_cli(*base, "--out", str(whole))
     assert proc.returncode == 0, proc.stderr[-4000:]
 
-    proc = run_cli(*base, "--out", str(part), "--save-interval", "2", "--stop-after", "4")
+    preempt = {"ELASTIC_PLUGIN_FAULT": "train.step@4:action=preempt"}
+    proc = run_cli(*base, "--out", str(part), "--save-interval", "2", env=preempt)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "stopped_at" in json.loads(proc.stdout[proc.stdout.index("{") :])
+    stopped = json.loads(proc.stdout[proc.stdout.index("{") :])
+    assert stopped["preempted_by"] == "SIGTERM" and stopped["iterations"] == 4
+    assert "stopped_at" in stopped
     stage = part / "checkpoints" / "teacher"
     assert sorted(p.name for p in stage.glob("iter_*")) == ["iter_0000002", "iter_0000004"]
     assert (stage / "latest_checkpointed_iteration.txt").read_text().strip() == "4"

@@ -157,11 +157,17 @@ def test_stop_and_resume_reproduces_the_loss_trace(rank_pools, tmp_path):
     _assert_same_trace(result)
 
 
-def test_stop_and_resume_under_pipeline_parallel(rank_pools, tmp_path):
+def test_preempted_by_sigterm_under_pipeline_parallel_resumes_the_loss_trace(rank_pools, tmp_path):
+    """Stop and resume under PP=2, the stop being a preemption: SIGTERM reaches rank 0 (the
+    first stage) mid-iteration 3; both stages finish the step, learn of it at the step
+    boundary, save iteration 3 and stop; the resumed run reproduces the uninterrupted loss
+    trace on both stages. (``--stop-after``'s stop: the test above, and test_elastic_cli.)"""
     results = rank_pools.get(2).run(
-        f"{CASES}:train_and_resume", config_path=CONFIG, workdir=str(tmp_path), pp=2
+        f"{CASES}:train_and_resume", config_path=CONFIG, workdir=str(tmp_path), pp=2, preempt=True
     )
     for result in results:
+        assert result["preempted_by"] == "SIGTERM"
+        assert result["iterations"] == (3, 6)
         _assert_same_trace(result)
 
 

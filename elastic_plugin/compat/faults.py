@@ -1,10 +1,11 @@
 """Fault injection at named points of training and checkpoint saving, for the fault-tolerance
 tests (``tests/test_faults.py``): kill this rank with SIGKILL (a node lost mid-step or mid-save),
-fail a write with ENOSPC (a full disk), or hang (a stuck rank).
+fail a write with ENOSPC (a full disk), hang (a stuck rank), or send this rank SIGTERM (a job
+preempted or at its time limit: the scheduler's signal, as torchrun forwards it).
 
 Inert unless ``ELASTIC_PLUGIN_FAULT`` is set: a comma-separated list of
 
-    POINT@N[:rank=R|all][:action=kill|enospc|hang]
+    POINT@N[:rank=R|all][:action=kill|enospc|hang|preempt]
 
 meaning "the N-th time this process reaches POINT (1-based), on rank R (default: all ranks),
 do ACTION (default kill)". The points are :data:`POINTS`; a spec naming another one, or a bad
@@ -28,7 +29,7 @@ POINTS = (
     "save.published",  # <dir> renamed into place, before it is verified and pointed at
     "save.pointer",  # latest_checkpointed_iteration.txt moved (rank 0), before pruning
 )
-ACTIONS = ("kill", "enospc", "hang")
+ACTIONS = ("kill", "enospc", "hang", "preempt")
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,8 @@ def _act(spec: FaultSpec, rank: int) -> None:
     print(message, flush=True)
     if spec.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif spec.action == "preempt":
+        os.kill(os.getpid(), signal.SIGTERM)
     elif spec.action == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (injected at {spec.point})")
     else:

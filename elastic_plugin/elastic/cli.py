@@ -32,10 +32,12 @@ from elastic_plugin.checkpoint.meta import (
     read_checkpoint_meta,
 )
 from elastic_plugin.cli_args import (
+    add_exit_signal_arg,
     add_layout_args,
     add_runtime_args,
     blend_prefixes,
     check_data_path_args,
+    exit_signal_from_args,
     layout_from_args,
     runtime_from_args,
     start_ranks,
@@ -50,6 +52,7 @@ from elastic_plugin.models.config import (
     load_config,
 )
 from elastic_plugin.models.runtime import Runtime
+from elastic_plugin.training.batching import microbatches_per_step
 from elastic_plugin.training.recovery import (
     check_resumable_state,
     save_failed_message,
@@ -167,6 +170,7 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         help="train at most N iterations in this job, checkpoint and exit; "
         "rerun with --resume to continue (time-limited jobs)",
     )
+    add_exit_signal_arg(parser)
     parser.add_argument(
         "--profile",
         type=int,
@@ -328,13 +332,13 @@ def _check_schedule(sched: dict[str, Any], cfg: ExperimentConfig, ecfg, layout, 
                 f"raise --seq-length to the longest stage"
             )
     dp = world // (layout.tp * layout.pp)
-    mbs, gbs = sched["micro_batch_size"], sched["global_batch_size"]
-    if gbs % (mbs * dp):
-        raise ConfigError(
-            f"--global-batch-size={gbs} must be a multiple of --micro-batch-size="
-            f"{mbs} x data-parallel size {dp} (world {world} / TP {layout.tp} / "
-            f"PP {layout.pp})"
-        )
+    microbatches_per_step(
+        sched["global_batch_size"],
+        sched["micro_batch_size"],
+        dp,
+        names=("--global-batch-size", "--micro-batch-size"),
+        context=f" (world {world} / TP {layout.tp} / PP {layout.pp})",
+    )
 
 
 def _check_layout(cfg: ExperimentConfig, layout, meta: dict[str, Any], ckpt: str) -> None:
@@ -575,6 +579,8 @@ def summary(run, train_iters: int) -> dict[str, Any]:
         out["profile"] = f"{run.iterations} iterations, per rank in OUT/profile/rank_*.jsonl"
     elif run.iterations < train_iters:
         out["stopped_at"] = f"{run.iterations}/{train_iters}: rerun with --resume to continue"
+    if run.preempted_by:
+        out["preempted_by"] = run.preempted_by
     return out
 
 
@@ -637,6 +643,7 @@ def _train(inputs: ElasticInputs, args: argparse.Namespace) -> int:
             resume=args.resume,
             progress=progress,
             stop_after=args.stop_after,
+            exit_signal=exit_signal_from_args(args),
             profile=args.profile,
             extra_meta={"data": feed.describe(), "tokenizer": feed.tokenizer_path},
         )

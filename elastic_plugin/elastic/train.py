@@ -10,6 +10,7 @@ Stopping and rerunning with ``resume=True`` continues the same loss trace.
 from __future__ import annotations
 
 import math
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -20,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from elastic_plugin.checkpoint.meta import budget_label
-from elastic_plugin.compat.faults import fault_point
 from elastic_plugin.elastic.config import ElasticConfig, ResolvedElastic
 from elastic_plugin.elastic.cost import ElasticCost
 from elastic_plugin.elastic.freeze import constrained_table, loss_selected_table
@@ -34,11 +34,12 @@ from elastic_plugin.elastic.step import ElasticStep
 from elastic_plugin.models.config import ConfigError
 from elastic_plugin.models.runtime import Runtime
 from elastic_plugin.parallel import Layout, build_optimizer, initialize_layout, is_rank0
-from elastic_plugin.training.heartbeat import Heartbeat
+from elastic_plugin.training.batching import microbatches_per_step
+from elastic_plugin.training.loop import Cadence, run_iterations
 from elastic_plugin.training.profile import StepProfile
 from elastic_plugin.training.recovery import check_resumable_state, restart_metrics
 from elastic_plugin.training.step import cosine_lr_scheduler, eval_step, share_from_last_stage
-from elastic_plugin.training.throughput import ThroughputMeter, progress_postfix
+from elastic_plugin.training.throughput import progress_postfix
 
 ELASTIC_CKPT = "elastic"
 
@@ -54,6 +55,7 @@ class ElasticRun:
     plots: list[str] = field(default_factory=list)
     seconds: float = 0.0
     params: dict[str, dict[str, int]] = field(default_factory=dict)  # budget -> total/active
+    preempted_by: str | None = None  # the signal that stopped the run early (it saved first)
 
     def table(self) -> str:
         """Validation loss of every nested model next to the teacher's, as a text table."""
@@ -162,6 +164,7 @@ def train_elastic(
     stop_after: int | None = None,
     extra_meta: dict[str, Any] | None = None,
     profile: int | None = None,
+    exit_signal: signal.Signals | None = signal.SIGTERM,
 ) -> ElasticRun:
     """Train all budgets of ``ecfg`` from ``student_ckpt`` (importance-reordered).
 
@@ -172,7 +175,8 @@ def train_elastic(
     ``extra_meta`` goes into the checkpoint's metadata (e.g. ``data`` and ``tokenizer``, which
     extraction and export read to evaluate the nested models). ``profile``: train that many
     iterations for a scaling measurement (``training.profile``: one record per iteration and
-    rank), with no evaluation and no checkpoint.
+    rank), with no evaluation and no checkpoint. ``exit_signal``: the preemption signal that
+    makes the run save at the next step boundary and stop (``training.loop``; None: none).
     """
     from elastic_plugin.checkpoint.io import build_from_checkpoint, load_optimizer, resume_source
     from elastic_plugin.checkpoint.meta import read_checkpoint_meta
@@ -196,11 +200,7 @@ def train_elastic(
     ckpt_dir = out_dir / "checkpoints" / ELASTIC_CKPT
     world = dist.get_world_size() if dist.is_initialized() else 1
     dp = world // (layout.tp * layout.pp)
-    if sched.global_batch_size % (sched.micro_batch_size * dp):
-        raise ConfigError(
-            f"global_batch_size={sched.global_batch_size} must be a multiple of "
-            f"micro_batch_size={sched.micro_batch_size} x data-parallel size {dp}"
-        )
+    num_microbatches = microbatches_per_step(sched.global_batch_size, sched.micro_batch_size, dp)
     start_iter, consumed = 1, 0
     source = Path(student_ckpt)
     resumed = resume_source(ckpt_dir) if resume else None
@@ -209,7 +209,6 @@ def train_elastic(
         check_resumable_state(meta, Runtime.of(cfg.training), layout, f"resume: {resumed}")
         source, start_iter = resumed, int(meta["iteration"]) + 1
         consumed = int(meta["consumed_samples"])
-    num_microbatches = sched.global_batch_size // (sched.micro_batch_size * dp)
     runtime = Runtime.of(cfg.training)
     initialize_layout(layout, seed=sched.seed)
     chunks, state, meta_src = build_elastic_chunks(
@@ -256,24 +255,6 @@ def train_elastic(
     if frozen_table:
         step.freeze(frozen_table)
 
-    def current_table() -> dict[str, dict[str, Any]]:
-        """The choice per budget: fixed once the router is frozen, else the router's answer."""
-        return frozen_table or choice_table(router, resolved)
-
-    def meta_now() -> dict[str, Any]:
-        return checkpoint_meta(
-            cfg,
-            ecfg,
-            layout,
-            resolved,
-            current_table(),
-            iteration,
-            consumed,
-            teacher_valid,
-            frozen=bool(frozen_table),
-            freeze_search=freeze_search,
-        ) | dict(extra_meta or {})
-
     metrics = ElasticMetrics(
         out_dir,
         resolved.budgets,
@@ -284,8 +265,6 @@ def train_elastic(
         out_dir.mkdir(parents=True, exist_ok=True)
         restart_metrics(out_dir / "elastic_metrics.jsonl", start_iter)
     train_iterator = make_train_iterator(consumed)
-    nb = len(resolved.budgets)
-    window = torch.zeros(nb, 4, dtype=torch.float64)  # kd_sum, tokens, budget_loss_sum, count
     teacher_valid = None
     if valid_factory is not None and profile is None:
         eval_chunks = teacher_chunks or chunks
@@ -299,126 +278,67 @@ def train_elastic(
                 sched.micro_batch_size,
             )
         )
-    bar = None
-    if progress and is_rank0():
-        from elastic_plugin.data.progress import make_progress
-
-        bar = make_progress(sched.train_iters, "elastic", initial=start_iter - 1)
-    history: list[dict[str, Any]] = []
-    valid: dict[str, float | None] = {}
-    start = time.time()
     run_for = profile if profile is not None else stop_after
     last = (
         sched.train_iters if run_for is None else min(sched.train_iters, start_iter - 1 + run_for)
     )
-    profiler = (
-        StepProfile(out_dir, dist.get_rank() if dist.is_initialized() else 0, world, dp)
-        if profile is not None
-        else None
-    )
-    iteration = start_iter - 1
-    freeze_after = ecfg.router.freeze_after
-    meter = ThroughputMeter(world=world, data_parallel=dp)
-    heartbeat = Heartbeat(out_dir, dist.get_rank() if dist.is_initialized() else 0, world)
-    heartbeat.beat(iteration, "start")
-    for iteration in range(start_iter, last + 1):
-        fault_point("train.step")
-        heartbeat.beat(iteration, "train")
-        step.iteration = iteration
-        if freeze_after is not None and iteration > freeze_after and not frozen_table:
-
-            def evaluate(table: dict[str, dict[str, Any]]) -> dict[str, float | None]:
-                """The loss search's measure: only freeze_select=loss calls it."""
-                assert valid_factory is not None  # freeze_select=loss: checked at the start
-                return evaluate_budgets(chunks, state, table, valid_factory, sched)
-
-            frozen_table, freeze_search = _freeze_table(
+    job = _ElasticIterations(
+        chunks=chunks,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        step_fn=step,
+        state=state,
+        router=router,
+        ecfg=ecfg,
+        resolved=resolved,
+        sched=sched,
+        train_iterator=train_iterator,
+        valid_factory=valid_factory,
+        metrics=metrics,
+        consumed=consumed,
+        frozen_table=frozen_table,
+        freeze_search=freeze_search,
+        profiler=(
+            StepProfile(out_dir, dist.get_rank() if dist.is_initialized() else 0, world, dp)
+            if profile is not None
+            else None
+        ),
+        save_to=ckpt_dir,
+        meta=lambda iteration, consumed, table, frozen, search: (
+            checkpoint_meta(
+                cfg,
                 ecfg,
-                router,
+                layout,
                 resolved,
-                step.cost,
-                evaluate,
-                log=(bar.write if bar is not None else None),
+                table,
+                iteration,
+                consumed,
+                teacher_valid,
+                frozen=frozen,
+                freeze_search=search,
             )
-            step.freeze(frozen_table)
-        meter.start()
-        began = time.perf_counter()
-        result = step.train_step(
-            chunks, optimizer, train_iterator, sched.seq_length, sched.micro_batch_size
-        )
-        scheduler.step(increment=1)
-        consumed += sched.global_batch_size
-        tokens = sched.global_batch_size * (step.sampler.seq_length(iteration) or sched.seq_length)
-        flops = step.take_flops()
-        meter.stop(tokens, flops)
-        if profiler is not None:
-            drawn = [
-                budget_label(resolved.budgets[step.budget_index(i)])
-                for i in range(num_microbatches)
-            ]
-            budgets = {label: drawn.count(label) for label in sorted(set(drawn))}
-            profiler.record(iteration, budgets, time.perf_counter() - began, tokens, flops)
-        for index, agg in (result["loss"] or {}).items():
-            window[index] += torch.tensor(
-                [agg["kd_sum"], agg["tokens"], agg["budget_loss_sum"], agg["count"]],
-                dtype=torch.float64,
-            )
-        record: dict[str, Any] = {}
-        if iteration % sched.log_interval == 0 or iteration == last:
-            totals = _world_sum_from_last_stage(window.clone())
-            window.zero_()
-            kd = {
-                budget_label(b): float(totals[i, 0] / totals[i, 1])
-                for i, b in enumerate(resolved.budgets)
-                if totals[i, 1] > 0
-            }
-            if any(not math.isfinite(v) for v in kd.values()):
-                raise FloatingPointError(
-                    f"elastic training diverged at iteration {iteration}: {kd}"
-                )
-            record = {
-                "train_loss": kd,
-                "budget_loss": {
-                    budget_label(b): float(totals[i, 2] / totals[i, 3])
-                    for i, b in enumerate(resolved.budgets)
-                    if totals[i, 3] > 0
-                },
-                "choices": current_table(),
-                "temperature": step.temperature.value(iteration - 1),
-                "logit_scale": step.logit_scale.value(iteration - 1),
-                "lr": optimizer.param_groups[0]["lr"],
-                "grad_norm": float(result.get("grad_norm") or 0.0),
-                "elapsed_s": round(time.time() - start, 2),
-                "throughput": meter.report(),
-            }
-        if (valid_factory is not None and profiler is None) and (
-            iteration % sched.eval_interval == 0 or iteration == sched.train_iters
-        ):
-            heartbeat.beat(iteration, "evaluation")
-            valid = evaluate_budgets(chunks, state, current_table(), valid_factory, sched)
-            record["valid_loss"] = valid
-        if record:
-            metrics.log(iteration, record)
-            history.append({"iteration": iteration, **record})
-        if bar is not None:
-            bar.update(1)
-            if record.get("train_loss"):
-                bar.set_postfix(
-                    {k: f"{v:.3f}" for k, v in record["train_loss"].items()}
-                    | progress_postfix(record["throughput"])
-                )
-        saves = sched.save_interval and profiler is None
-        if saves and iteration % sched.save_interval == 0 and iteration != last:
-            heartbeat.beat(iteration, "checkpoint save")
-            _save(chunks, optimizer, scheduler, ckpt_dir, meta_now(), sched.keep_last)
-        heartbeat.beat(iteration, "done")
-    if bar is not None:
-        bar.close()
-    table = current_table()
-    saved = None
-    if profiler is None:  # a profile measures; it leaves no checkpoint
-        heartbeat.beat(iteration, "checkpoint save")
-        saved = _save(chunks, optimizer, scheduler, ckpt_dir, meta_now(), sched.keep_last)
+            | dict(extra_meta or {})
+        ),
+    )
+    end = run_iterations(
+        job,
+        start_iter,
+        last,
+        Cadence(
+            sched.train_iters,
+            sched.log_interval,
+            sched.eval_interval,
+            sched.save_interval if profile is None else 0,
+        ),
+        out_dir,
+        world=world,
+        data_parallel=dp,
+        progress=progress,
+        final_save=profile is None,  # a profile measures; it leaves no checkpoint
+        stop_signal=exit_signal if profile is None else None,
+    )
+    iteration, saved = end.iteration, end.saved
+    table = job.table()
     plots = [str(p) for p in metrics.plot()] if is_rank0() else []
     counts = {
         metric: ElasticCost(model_cfg, resolved, metric=f"{metric}_params")
@@ -431,14 +351,151 @@ def train_elastic(
     return ElasticRun(
         str(saved) if saved is not None else "",
         iteration,
-        history,
-        {k: v for k, v in valid.items() if v is not None},
+        end.history,
+        {k: v for k, v in job.valid.items() if v is not None},
         teacher_valid,
         table,
         plots,
-        time.time() - start,
+        end.seconds,
         params,
+        end.preempted_by,
     )
+
+
+@dataclass
+class _ElasticIterations:
+    """One elastic iteration (every budget distilled from the teacher, ``ElasticStep``), its
+    log window, evaluation of every budget, router freezing and save, for
+    ``training.loop.run_iterations``."""
+
+    chunks: list
+    optimizer: Any
+    scheduler: Any
+    step_fn: ElasticStep
+    state: ElasticState
+    router: Any
+    ecfg: ElasticConfig
+    resolved: ResolvedElastic
+    sched: ElasticSchedule
+    train_iterator: Iterator[dict] | None
+    valid_factory: Callable[[], Iterator[dict] | None] | None
+    metrics: Any  # ElasticMetrics
+    consumed: int
+    frozen_table: dict[str, dict[str, Any]] | None
+    freeze_search: dict[str, Any] | None
+    profiler: StepProfile | None
+    save_to: Path
+    meta: Callable[..., dict[str, Any]]
+    name: str = "elastic"
+    valid: dict[str, float | None] = field(default_factory=dict)
+    grad_norm: float = 0.0
+
+    def __post_init__(self) -> None:
+        # kd_sum, tokens, budget_loss_sum, count per budget, over the log window
+        self.window = torch.zeros(len(self.resolved.budgets), 4, dtype=torch.float64)
+
+    @property
+    def evaluates(self) -> bool:
+        return self.valid_factory is not None and self.profiler is None
+
+    def table(self) -> dict[str, dict[str, Any]]:
+        """The choice per budget: fixed once the router is frozen, else the router's answer."""
+        return self.frozen_table or choice_table(self.router, self.resolved)
+
+    def before_step(self, iteration: int, log: Callable[[str], None]) -> None:
+        self.step_fn.iteration = iteration
+        freeze_after = self.ecfg.router.freeze_after
+        if freeze_after is None or iteration <= freeze_after or self.frozen_table:
+            return
+
+        def measure(table: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+            """The loss search's measure: only freeze_select=loss calls it."""
+            assert self.valid_factory is not None  # freeze_select=loss: checked at the start
+            return evaluate_budgets(self.chunks, self.state, table, self.valid_factory, self.sched)
+
+        self.frozen_table, self.freeze_search = _freeze_table(
+            self.ecfg, self.router, self.resolved, self.step_fn.cost, measure, log=log
+        )
+        self.step_fn.freeze(self.frozen_table)
+
+    def step(self, iteration: int) -> tuple[int, float]:
+        sched, step = self.sched, self.step_fn
+        began = time.perf_counter()
+        result = step.train_step(
+            self.chunks,
+            self.optimizer,
+            self.train_iterator,
+            sched.seq_length,
+            sched.micro_batch_size,
+        )
+        self.scheduler.step(increment=1)
+        self.consumed += sched.global_batch_size
+        tokens = sched.global_batch_size * (step.sampler.seq_length(iteration) or sched.seq_length)
+        flops = step.take_flops()
+        if self.profiler is not None:
+            drawn = [
+                budget_label(self.resolved.budgets[step.budget_index(i)])
+                for i in range(step.num_microbatches)
+            ]
+            budgets = {label: drawn.count(label) for label in sorted(set(drawn))}
+            self.profiler.record(iteration, budgets, time.perf_counter() - began, tokens, flops)
+        for index, agg in (result["loss"] or {}).items():
+            self.window[index] += torch.tensor(
+                [agg["kd_sum"], agg["tokens"], agg["budget_loss_sum"], agg["count"]],
+                dtype=torch.float64,
+            )
+        self.grad_norm = float(result.get("grad_norm") or 0.0)
+        return tokens, flops
+
+    def log_record(self, iteration: int) -> dict[str, Any]:
+        totals = _world_sum_from_last_stage(self.window.clone())
+        self.window.zero_()
+        budgets = self.resolved.budgets
+        kd = {
+            budget_label(b): float(totals[i, 0] / totals[i, 1])
+            for i, b in enumerate(budgets)
+            if totals[i, 1] > 0
+        }
+        if any(not math.isfinite(v) for v in kd.values()):
+            raise FloatingPointError(f"elastic training diverged at iteration {iteration}: {kd}")
+        return {
+            "train_loss": kd,
+            "budget_loss": {
+                budget_label(b): float(totals[i, 2] / totals[i, 3])
+                for i, b in enumerate(budgets)
+                if totals[i, 3] > 0
+            },
+            "choices": self.table(),
+            "temperature": self.step_fn.temperature.value(iteration - 1),
+            "logit_scale": self.step_fn.logit_scale.value(iteration - 1),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": self.grad_norm,
+        }
+
+    def evaluate(self, iteration: int) -> dict[str, Any]:
+        assert self.valid_factory is not None  # evaluates is False without validation data
+        self.valid = evaluate_budgets(
+            self.chunks, self.state, self.table(), self.valid_factory, self.sched
+        )
+        return {"valid_loss": self.valid}
+
+    def write(self, iteration: int, record: dict[str, Any]) -> None:
+        self.metrics.log(iteration, record)
+
+    def postfix(self, record: dict[str, Any]) -> dict[str, str] | None:
+        if not record.get("train_loss"):
+            return None
+        return {k: f"{v:.3f}" for k, v in record["train_loss"].items()} | progress_postfix(
+            record["throughput"]
+        )
+
+    def save(self, iteration: int) -> Path:
+        meta = self.meta(
+            iteration, self.consumed, self.table(), bool(self.frozen_table), self.freeze_search
+        )
+        return _save(
+            self.chunks, self.optimizer, self.scheduler, self.save_to, meta, self.sched.keep_last
+        )
 
 
 def _freeze_table(

@@ -336,6 +336,7 @@ def check_elastic(
     seed: int = 1234,
     fp8_gemm: str = "off",
     runtime: dict[str, Any] | None = None,
+    cp: int = 1,
 ) -> dict[str, Any]:
     """N ranks: the same elastic steps under a layout; differences vs the reference
     (``runtime``: this run's BF16 / recomputation, which the reference need not share)."""
@@ -344,7 +345,7 @@ def check_elastic(
     from elastic_plugin.parallel import Layout
 
     work = Path(workdir)
-    layout = Layout(tp, pp, ep, sequence_parallel, distributed_optimizer)
+    layout = Layout(tp, pp, ep, sequence_parallel, distributed_optimizer, cp)
     cfg, chunks, optimizer, step = _setup(
         config_path, work, layout, pattern, mode, heterogeneous, seed + 17, fp8_gemm, runtime
     )
@@ -412,6 +413,7 @@ def train_and_resume(
     freeze_candidates: int | None = None,
     fp8_gemm: str = "off",
     damage_newest: bool = False,
+    preempt: bool = False,
 ) -> dict[str, Any]:
     """The loss trace of an uninterrupted run vs. a run stopped after ``stop`` iterations and
     resumed from its checkpoint (optimizer, LR schedule, router, data position); with
@@ -419,7 +421,10 @@ def train_and_resume(
     by ``freeze_select`` (the frozen choices must survive the resume). ``fp8_gemm``: the
     student's GEMM precision (``elastic.fp8_gemm``). ``damage_newest``: the stopped run saves
     every iteration keeping 2 (history), then its newest save gets flipped bytes; the resume
-    must skip it, say so, and continue from the save before, still reproducing the trace."""
+    must skip it, say so, and continue from the save before, still reproducing the trace.
+    ``preempt``: the run is stopped not by ``stop_after`` but by SIGTERM, which rank 0 sends
+    itself while drawing iteration ``stop``'s first micro-batch (the step finishes, every rank
+    learns of it at the step boundary, saves and stops)."""
     import contextlib
     import dataclasses
     import io
@@ -457,14 +462,19 @@ def train_and_resume(
         dataclasses.replace(sched, save_interval=1, keep_last=2) if damage_newest else sched
     )
 
-    def train_part(**how: Any):
-        """The interrupted run: stopped (``stop_after``), then continued (``resume``)."""
+    def train_part(make_iter=make_iter, **how: Any):
+        """The interrupted run: stopped (``stop_after`` or a signal), then continued."""
         return train_elastic(
             cfg, ecfg, layout, work / "init", work / "part", make_iter, valid, part_sched,
             progress=False, **how,
         )  # fmt: skip
 
-    part = train_part(stop_after=stop)
+    if preempt:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        per_iteration = sched.global_batch_size // (4 * (world // (tp * pp)))  # micro-batches
+        part = train_part(make_iter=_preempting(make_iter, (stop - 1) * per_iteration))
+    else:
+        part = train_part(stop_after=stop)
     stage = work / "part" / "checkpoints" / "elastic"
     history: dict[str, Any] = {}
     if damage_newest:
@@ -510,7 +520,32 @@ def train_and_resume(
             "fp8_gemm"
         ],
         "iterations": (part.iterations, rest.iterations),
+        "preempted_by": part.preempted_by,
     }
+
+
+def _preempting(make_iter, at_microbatch: int):
+    """``make_iter`` whose rank-0 iterator sends this process SIGTERM (as a scheduler and
+    torchrun do) when it draws its ``at_microbatch``-th micro-batch (0-based)."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    def start(consumed: int):
+        batches = make_iter(consumed)
+        if batches is None or (dist.is_initialized() and dist.get_rank() != 0):
+            return batches
+
+        def drawn():
+            for index, batch in enumerate(batches):
+                if index == at_microbatch:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                yield batch
+
+        return drawn()
+
+    return start
 
 
 def _read_meta(ckpt: Path) -> dict[str, Any]:

@@ -18,9 +18,11 @@ from elastic_plugin.checkpoint.history import DEFAULT_KEEP_LAST, resolve_checkpo
 from elastic_plugin.checkpoint.lock import acquire_out_lock, add_force_unlock_arg
 from elastic_plugin.checkpoint.meta import TEACHER_SUBDIR, has_saves, newest_readable_meta
 from elastic_plugin.cli_args import (
+    add_exit_signal_arg,
     add_layout_args,
     add_runtime_args,
     check_data_path_args,
+    exit_signal_from_args,
     layout_from_args,
     runtime_from_args,
     start_ranks,
@@ -91,6 +93,7 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="train at most N iterations in this job, save and exit; rerun with --resume",
     )
+    add_exit_signal_arg(saves)
     add_force_unlock_arg(parser)
     add_layout_args(parser)
     add_runtime_args(parser)
@@ -216,7 +219,13 @@ def _train(args: argparse.Namespace, cfg, layout, out: Path) -> int:
             feed.valid_iterator,
             progress=not args.no_progress,
             extra_meta={"tokenizer": feed.tokenizer_path, "data": feed.describe()},
-            saves=SavePolicy(args.save_interval, args.keep_last, args.resume, args.stop_after),
+            saves=SavePolicy(
+                args.save_interval,
+                args.keep_last,
+                args.resume,
+                args.stop_after,
+                exit_signal_from_args(args),
+            ),
         )
     except ConfigError as exc:  # found after start-up (a damaged save); every rank alike
         dist.destroy_process_group()
@@ -250,6 +259,7 @@ def _train(args: argparse.Namespace, cfg, layout, out: Path) -> int:
                         if run.iterations < cfg.training.train_iters
                         else {}
                     ),
+                    **({"preempted_by": run.preempted_by} if run.preempted_by else {}),
                 },
                 indent=2,
             )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-import time
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -27,8 +27,7 @@ from elastic_plugin.checkpoint.io import (
     save_checkpoint,
 )
 from elastic_plugin.checkpoint.meta import TEACHER_SUBDIR, read_checkpoint_meta
-from elastic_plugin.compat.faults import fault_point
-from elastic_plugin.models.config import ConfigError, ExperimentConfig
+from elastic_plugin.models.config import ExperimentConfig
 from elastic_plugin.models.flops import training_flops
 from elastic_plugin.models.runtime import Runtime
 from elastic_plugin.parallel import (
@@ -38,7 +37,8 @@ from elastic_plugin.parallel import (
     initialize_layout,
     is_rank0,
 )
-from elastic_plugin.training.heartbeat import Heartbeat
+from elastic_plugin.training.batching import microbatches_per_step
+from elastic_plugin.training.loop import Cadence, run_iterations
 from elastic_plugin.training.recovery import (
     check_resumable_training,
     read_metrics,
@@ -50,7 +50,7 @@ from elastic_plugin.training.step import (
     share_from_last_stage,
     train_step,
 )
-from elastic_plugin.training.throughput import ThroughputMeter, progress_postfix
+from elastic_plugin.training.throughput import progress_postfix
 
 
 @dataclass
@@ -65,6 +65,7 @@ class TeacherRun:
     plot_path: str | None
     seconds: float
     history: list[dict[str, Any]] = field(default_factory=list)
+    preempted_by: str | None = None  # the signal that stopped the run early (it saved first)
 
 
 def _lr_scheduler(optimizer, cfg: ExperimentConfig):
@@ -108,6 +109,7 @@ class SavePolicy:
     keep_last: int = DEFAULT_KEEP_LAST  # saves kept in checkpoints/teacher/iter_*; 0: all
     resume: bool = False  # continue from the newest save that verifies
     stop_after: int | None = None  # end (with a save) after this many iterations
+    exit_signal: signal.Signals | None = signal.SIGTERM  # save at the next step and stop
 
 
 def train_teacher(
@@ -135,12 +137,12 @@ def train_teacher(
     model_cfg = cfg.model if vocab_size is None else replace(cfg.model, vocab_size=vocab_size)
     world = dist.get_world_size() if dist.is_initialized() else 1
     dp = world // (layout.tp * layout.pp)
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise ConfigError(
-            f"training.global_batch_size={t.global_batch_size} must be a multiple of "
-            f"training.micro_batch_size={t.micro_batch_size} x data-parallel size {dp}"
-        )
-    num_microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    num_microbatches = microbatches_per_step(
+        t.global_batch_size,
+        t.micro_batch_size,
+        dp,
+        names=("training.global_batch_size", "training.micro_batch_size"),
+    )
     runtime = Runtime.of(t)
     resumed = resume_source(stage) if saves.resume else None
     start_iter, consumed, resumed_meta = 1, 0, {}
@@ -178,107 +180,44 @@ def train_teacher(
         if saves.stop_after is None
         else min(t.train_iters, start_iter - 1 + saves.stop_after)
     )
-    bar = None
-    if progress and is_rank0():
-        from elastic_plugin.data.progress import make_progress
-
-        bar = make_progress(t.train_iters, "teacher", initial=start_iter - 1)
-    start = time.time()
-    train_loss = resumed_meta.get("final_train_loss")
-    valid_loss = resumed_meta.get("final_valid_loss")
-    window: list[float] = []
-    meter = ThroughputMeter(world=world, data_parallel=dp)
-    replica_flops = training_flops(
-        model_cfg,
-        t.seq_length,
-        t.global_batch_size // dp,
-        recompute=runtime.full_recompute,
-    ).total
-    heartbeat = Heartbeat(out_dir, dist.get_rank() if dist.is_initialized() else 0, world)
-    iteration = start_iter - 1
-    heartbeat.beat(iteration, "start")
-
-    def save() -> Path:
-        heartbeat.beat(iteration, "checkpoint save")
-        meta = {
+    job = _TeacherIterations(
+        chunks=chunks,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_iterator=train_iterator,
+        valid_factory=valid_dataset_factory,
+        num_microbatches=num_microbatches,
+        replica_flops=training_flops(
+            model_cfg, t.seq_length, t.global_batch_size // dp, recompute=runtime.full_recompute
+        ).total,
+        training=t,
+        consumed=consumed,
+        train_loss=resumed_meta.get("final_train_loss"),
+        valid_loss=resumed_meta.get("final_valid_loss"),
+        metrics_path=metrics_path,
+        history=history,
+        save_to=stage,
+        keep_last=saves.keep_last,
+        meta={
             "kind": "teacher",
-            "iteration": iteration,
-            "consumed_samples": consumed,
             "layout": asdict(layout),
             "params_dtype": runtime.dtype_name,
             "config": cfg.to_dict() | {"model": asdict(model_cfg)},
-            "final_train_loss": train_loss,
-            "final_valid_loss": valid_loss,
-            "scheduler": scheduler.state_dict(),
             **(extra_meta or {}),
-        }
-        return save_checkpoint(
-            chunks,
-            stage,
-            meta,
-            optimizer=optimizer,
-            iteration=iteration,
-            keep_last=saves.keep_last,
-        )
-
-    for iteration in range(start_iter, last + 1):
-        fault_point("train.step")
-        heartbeat.beat(iteration, "train")
-        meter.start()
-        result = train_step(
-            chunks, optimizer, train_iterator, num_microbatches, t.seq_length, t.micro_batch_size
-        )
-        scheduler.step(increment=1)
-        consumed += t.global_batch_size
-        meter.stop(t.global_batch_size * t.seq_length, replica_flops)
-        loss = share_from_last_stage(result["loss"])
-        if loss is not None and not math.isfinite(loss):
-            raise FloatingPointError(
-                f"teacher training diverged at iteration {iteration}: loss={loss}"
-            )
-        window.append(loss if loss is not None else float("nan"))
-        record: dict[str, Any] = {}
-        if iteration % t.log_interval == 0 or iteration == last:
-            train_loss = sum(window) / len(window)
-            window.clear()
-            record = {
-                "iteration": iteration,
-                "train_loss": train_loss,
-                "lr": optimizer.param_groups[0]["lr"],
-                "grad_norm": float(result.get("grad_norm") or 0.0),
-                "elapsed_s": round(time.time() - start, 2),
-                "throughput": meter.report(),
-            }
-        if valid_dataset_factory is not None and (
-            iteration % t.eval_interval == 0 or iteration == t.train_iters
-        ):
-            heartbeat.beat(iteration, "evaluation")
-            valid_loss = share_from_last_stage(
-                eval_step(
-                    chunks, valid_dataset_factory(), t.eval_iters, t.seq_length, t.micro_batch_size
-                )
-            )
-            record = {**record, "iteration": iteration, "valid_loss": valid_loss}
-        if record:
-            history.append(record)
-            if is_rank0():
-                with metrics_path.open("a") as fh:
-                    fh.write(json.dumps(record) + "\n")
-        if bar is not None:
-            bar.update(1)
-            rate = next((h["throughput"] for h in reversed(history) if "throughput" in h), None)
-            bar.set_postfix(
-                loss=f"{train_loss:.3f}" if train_loss is not None else "-",
-                val=f"{valid_loss:.3f}" if valid_loss is not None else "-",
-                **progress_postfix(rate),
-            )
-        if saves.save_interval and iteration % saves.save_interval == 0 and iteration != last:
-            save()
-        heartbeat.beat(iteration, "done")
-    if bar is not None:
-        bar.close()
-    ckpt = save()
-    heartbeat.beat(iteration, "done")
+        },
+    )
+    end = run_iterations(
+        job,
+        start_iter,
+        last,
+        Cadence(t.train_iters, t.log_interval, t.eval_interval, saves.save_interval),
+        out_dir,
+        world=world,
+        data_parallel=dp,
+        progress=progress,
+        stop_signal=saves.exit_signal,
+    )
+    iteration = end.iteration
     plot = None
     if is_rank0():
         plot = plot_losses(
@@ -288,12 +227,120 @@ def train_teacher(
             f"TP{layout.tp} PP{layout.pp} EP{layout.ep} DP{dp})",
         )
     return TeacherRun(
-        str(ckpt),
+        str(end.saved),
         iteration,
-        train_loss,
-        valid_loss,
+        job.train_loss,
+        job.valid_loss,
         str(metrics_path),
         str(plot) if plot else None,
-        time.time() - start,
+        end.seconds,
         history,
+        end.preempted_by,
     )
+
+
+@dataclass
+class _TeacherIterations:
+    """One teacher iteration (a plain LM step) and its records, evaluation and save, for
+    ``training.loop.run_iterations``."""
+
+    chunks: list
+    optimizer: Any
+    scheduler: Any
+    train_iterator: Iterator[dict] | None
+    valid_factory: Callable[[], Iterator[dict] | None] | None
+    num_microbatches: int
+    replica_flops: float
+    training: Any  # TrainingConfig
+    consumed: int
+    train_loss: float | None
+    valid_loss: float | None
+    metrics_path: Path
+    history: list[dict[str, Any]]  # rank 0: the metrics file's records, earlier runs included
+    save_to: Path
+    keep_last: int
+    meta: dict[str, Any]
+    name: str = "teacher"
+    window: list[float] = field(default_factory=list)
+    last_rate: dict[str, Any] | None = None
+
+    @property
+    def evaluates(self) -> bool:
+        return self.valid_factory is not None
+
+    def before_step(self, iteration: int, log: Callable[[str], None]) -> None:
+        pass
+
+    def step(self, iteration: int) -> tuple[int, float]:
+        t = self.training
+        result = train_step(
+            self.chunks,
+            self.optimizer,
+            self.train_iterator,
+            self.num_microbatches,
+            t.seq_length,
+            t.micro_batch_size,
+        )
+        self.scheduler.step(increment=1)
+        self.consumed += t.global_batch_size
+        loss = share_from_last_stage(result["loss"])
+        if loss is not None and not math.isfinite(loss):
+            raise FloatingPointError(
+                f"teacher training diverged at iteration {iteration}: loss={loss}"
+            )
+        self.window.append(loss if loss is not None else float("nan"))
+        self.grad_norm = float(result.get("grad_norm") or 0.0)
+        return t.global_batch_size * t.seq_length, self.replica_flops
+
+    def log_record(self, iteration: int) -> dict[str, Any]:
+        self.train_loss = sum(self.window) / len(self.window)
+        self.window.clear()
+        return {
+            "train_loss": self.train_loss,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": self.grad_norm,
+        }
+
+    def evaluate(self, iteration: int) -> dict[str, Any]:
+        t = self.training
+        assert self.valid_factory is not None  # evaluates is False without validation data
+        self.valid_loss = share_from_last_stage(
+            eval_step(
+                self.chunks, self.valid_factory(), t.eval_iters, t.seq_length, t.micro_batch_size
+            )
+        )
+        return {"valid_loss": self.valid_loss}
+
+    def write(self, iteration: int, record: dict[str, Any]) -> None:
+        record = {"iteration": iteration, **record}
+        self.history.append(record)
+        if "throughput" in record:
+            self.last_rate = record["throughput"]
+        if is_rank0():
+            with self.metrics_path.open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+    def postfix(self, record: dict[str, Any]) -> dict[str, str] | None:
+        return {
+            "loss": f"{self.train_loss:.3f}" if self.train_loss is not None else "-",
+            "val": f"{self.valid_loss:.3f}" if self.valid_loss is not None else "-",
+            **progress_postfix(self.last_rate),
+        }
+
+    def save(self, iteration: int) -> Path:
+        meta = {
+            **self.meta,
+            "iteration": iteration,
+            "consumed_samples": self.consumed,
+            "final_train_loss": self.train_loss,
+            "final_valid_loss": self.valid_loss,
+            "scheduler": self.scheduler.state_dict(),
+        }
+        return save_checkpoint(
+            self.chunks,
+            self.save_to,
+            meta,
+            optimizer=self.optimizer,
+            iteration=iteration,
+            keep_last=self.keep_last,
+        )
