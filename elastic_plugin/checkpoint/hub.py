@@ -21,11 +21,13 @@ import json
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from elastic_plugin.checkpoint.meta import EXPORT_META
 from elastic_plugin.models.config import ConfigError
+
+if TYPE_CHECKING:  # the export command's parser reads this module's constants: no torch there
+    import torch
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
@@ -118,6 +120,8 @@ def from_hub(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             raise ConfigError(
                 f"{head}.*.{proj}.weight: experts of different shapes {sorted(shapes)}"
             )
+        import torch
+
         out[f"{head}.{proj}"] = torch.stack(parts)
     return out
 

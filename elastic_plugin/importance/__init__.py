@@ -6,8 +6,9 @@ The names are resolved on first use, so that ``elastic-plugin``'s argument parsi
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from elastic_plugin.compat.lazy import lazy_exports
 
 _EXPORTS = {
     "AXES": "hooks",
@@ -46,7 +47,4 @@ if TYPE_CHECKING:
     )
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'elastic_plugin.importance' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"elastic_plugin.importance.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

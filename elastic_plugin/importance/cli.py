@@ -20,9 +20,9 @@ from elastic_plugin.cli_args import (
     start_ranks,
 )
 from elastic_plugin.cli_errors import report_bad_input
-from elastic_plugin.importance.hooks import AXES
-from elastic_plugin.importance.methods import parse_methods
+from elastic_plugin.models.axes import IMPORTANCE_AXES
 from elastic_plugin.models.config import ConfigError, ParallelConfig
+from elastic_plugin.models.context_parallel import check_context_parallel
 
 
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
@@ -49,7 +49,7 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "--axes",
         nargs="+",
         default=None,
-        choices=list(AXES) + ["shared_ffn"],
+        choices=list(IMPORTANCE_AXES) + ["shared_ffn"],
         help="axes that must be present (default: all the model has)",
     )
     imp.add_argument(
@@ -120,6 +120,8 @@ def _start(args: argparse.Namespace):
     cfg = config_from_dict(meta["config"], source=f"--ckpt {args.ckpt}")
     layout = layout_from_args(args, ParallelConfig())  # layout from flags; default one rank
     cfg.model.check_parallel(layout.tp, layout.pp, layout.ep)
+    seq = getattr(args, "seq_length", None) or cfg.training.seq_length
+    check_context_parallel(cfg.model, layout.cp, layout.tp, seq if args.func is not run_reorder else None)
     layout.check_world(int(os.environ.get("WORLD_SIZE", "1")))
     return meta, cfg, layout
 
@@ -168,7 +170,7 @@ def run_importance(args: argparse.Namespace) -> int:
     seq_length = args.seq_length or cfg.training.seq_length
     try:
         dataset = _calibration(args, meta, cfg, seq_length)
-        dp = dist.get_world_size() // (layout.tp * layout.pp)
+        dp = layout.data_parallel(dist.get_world_size())
         check_calibration(
             len(dataset) // dp if dataset is not None else None,
             args.num_samples,
@@ -237,6 +239,8 @@ def run_reorder(args: argparse.Namespace) -> int:
             )
         if meta.get("reordered"):
             raise ConfigError(f"--ckpt {args.ckpt} is already reordered")
+        from elastic_plugin.importance.methods import parse_methods
+
         methods = parse_methods(args.method)
         from elastic_plugin.importance.scores import ImportanceScores
 

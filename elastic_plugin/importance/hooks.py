@@ -30,13 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from elastic_plugin.models.axes import IMPORTANCE_AXES
+
 if TYPE_CHECKING:  # Megatron ships no types: these annotate what a method takes
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.ssm.mamba_mixer import MambaMixer
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-AXES = ("embedding", "ffn", "attention_heads", "mamba", "experts")
+AXES = IMPORTANCE_AXES
 MAMBA_SOURCES = {"x_proj": "mamba", "out_proj_input": "mamba_out"}
 # alternative statistics: replicated over TP like the embedding / sharded over TP like their axis
 EMBEDDING_VARIANTS = ("embedding_sq", "embedding_in")

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from elastic_plugin.inference.generate import GenerationResult, generate
+from elastic_plugin.inference.generation import GenerationResult, generate
 from elastic_plugin.inference.steps import check_model
 from elastic_plugin.models.config import ConfigError
 

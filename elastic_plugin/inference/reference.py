@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from elastic_plugin.inference.generate import (
+from elastic_plugin.inference.generation import (
     GenerationResult,
     check_generation_input,
     stop_reason,

@@ -28,7 +28,7 @@ from typing import Any
 
 from elastic_plugin.models.config import ConfigError, ModelConfig
 
-__all__ = ["ELASTIC_AXES", "MODEL_FIELD", "model_axes", "model_for_choice", "multiple_name"]
+__all__ = ["ELASTIC_AXES", "IMPORTANCE_AXES", "MODEL_FIELD", "model_axes", "model_for_choice", "multiple_name"]
 
 ELASTIC_AXES: tuple[str, ...] = (
     "embedding",
@@ -50,6 +50,11 @@ MODEL_FIELD: dict[str, str] = {
     "experts": "num_moe_experts",
 }  # axis -> the ModelConfig field it scales
 assert tuple(MODEL_FIELD) == ELASTIC_AXES
+
+# the axes importance scores are collected for (``importance.hooks``); one Mamba statistic
+# ranks both Mamba axes (heads and head channels), and the shared expert's FFN is asked for by
+# name; here, torch-free, so ``importance --axes`` is checked while parsing
+IMPORTANCE_AXES: tuple[str, ...] = ("embedding", "ffn", "attention_heads", "mamba", "experts")
 
 
 def model_axes(
