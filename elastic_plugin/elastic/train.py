@@ -33,12 +33,13 @@ from elastic_plugin.elastic.schedule import ElasticSchedule
 from elastic_plugin.elastic.step import ElasticStep
 from elastic_plugin.models.config import ConfigError
 from elastic_plugin.models.runtime import Runtime
-from elastic_plugin.parallel import Layout, build_optimizer, initialize_layout, is_rank0
+from elastic_plugin.parallel import Layout, initialize_layout, is_rank0
 from elastic_plugin.training.batching import microbatches_per_step
 from elastic_plugin.training.loop import Cadence, run_iterations
+from elastic_plugin.training.optimizer import optimizer_and_scheduler
 from elastic_plugin.training.profile import StepProfile
 from elastic_plugin.training.recovery import check_resumable_state, restart_metrics
-from elastic_plugin.training.step import cosine_lr_scheduler, eval_step, share_from_last_stage
+from elastic_plugin.training.step import eval_step, share_from_last_stage
 from elastic_plugin.training.throughput import progress_postfix
 
 ELASTIC_CKPT = "elastic"
@@ -124,17 +125,6 @@ def evaluate_budgets(
     return out
 
 
-def _scheduler(optimizer, sched: ElasticSchedule):
-    return cosine_lr_scheduler(
-        optimizer,
-        sched.lr,
-        sched.min_lr,
-        sched.lr_warmup_iters,
-        sched.train_iters,
-        sched.weight_decay,
-    )
-
-
 def _save(chunks, optimizer, scheduler, stage: Path, meta: dict[str, Any], keep_last: int) -> Path:
     """One save into the stage's history (``iter_NNNNNNN``; ``checkpoint.history``)."""
     from elastic_plugin.checkpoint.io import save_checkpoint
@@ -199,7 +189,7 @@ def train_elastic(
     out_dir = Path(out_dir)
     ckpt_dir = out_dir / "checkpoints" / ELASTIC_CKPT
     world = dist.get_world_size() if dist.is_initialized() else 1
-    dp = world // (layout.tp * layout.pp)
+    dp = layout.data_parallel(world)
     num_microbatches = microbatches_per_step(sched.global_batch_size, sched.micro_batch_size, dp)
     start_iter, consumed = 1, 0
     source = Path(student_ckpt)
@@ -223,16 +213,12 @@ def train_elastic(
         )
         for chunk in teacher_chunks:
             chunk.requires_grad_(False)
-    optimizer = build_optimizer(
+    optimizer, scheduler = optimizer_and_scheduler(
         chunks,
-        lr=sched.lr,
-        min_lr=sched.min_lr,
-        weight_decay=sched.weight_decay,
-        clip_grad=sched.clip_grad,
-        distributed_optimizer=layout.distributed_optimizer,
+        sched,
+        layout,
         config_overrides=router_param_groups(sched.lr, sched.min_lr, ecfg.router.lr_mult),
     )
-    scheduler = _scheduler(optimizer, sched)
     if resumed is not None:
         load_optimizer(chunks, optimizer, resumed)
         scheduler.load_state_dict(meta_src["scheduler"])

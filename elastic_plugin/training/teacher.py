@@ -33,19 +33,18 @@ from elastic_plugin.models.runtime import Runtime
 from elastic_plugin.parallel import (
     Layout,
     build_model_chunks,
-    build_optimizer,
     initialize_layout,
     is_rank0,
 )
 from elastic_plugin.training.batching import microbatches_per_step
 from elastic_plugin.training.loop import Cadence, run_iterations
+from elastic_plugin.training.optimizer import optimizer_and_scheduler
 from elastic_plugin.training.recovery import (
     check_resumable_training,
     read_metrics,
     restart_metrics,
 )
 from elastic_plugin.training.step import (
-    cosine_lr_scheduler,
     eval_step,
     share_from_last_stage,
     train_step,
@@ -66,13 +65,6 @@ class TeacherRun:
     seconds: float
     history: list[dict[str, Any]] = field(default_factory=list)
     preempted_by: str | None = None  # the signal that stopped the run early (it saved first)
-
-
-def _lr_scheduler(optimizer, cfg: ExperimentConfig):
-    t = cfg.training
-    return cosine_lr_scheduler(
-        optimizer, t.lr, t.min_lr, t.lr_warmup_iters, t.train_iters, t.weight_decay
-    )
 
 
 def plot_losses(history: list[dict[str, Any]], path: Path, title: str) -> Path | None:
@@ -136,7 +128,7 @@ def train_teacher(
     stage = out_dir.joinpath(*TEACHER_SUBDIR)
     model_cfg = cfg.model if vocab_size is None else replace(cfg.model, vocab_size=vocab_size)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    dp = world // (layout.tp * layout.pp)
+    dp = layout.data_parallel(world)
     num_microbatches = microbatches_per_step(
         t.global_batch_size,
         t.micro_batch_size,
@@ -155,15 +147,7 @@ def train_teacher(
     chunks, _ = build_model_chunks(
         model_cfg, layout, runtime.params_dtype, **runtime.transformer_overrides()
     )
-    optimizer = build_optimizer(
-        chunks,
-        lr=t.lr,
-        weight_decay=t.weight_decay,
-        clip_grad=t.clip_grad,
-        min_lr=t.min_lr,
-        distributed_optimizer=layout.distributed_optimizer,
-    )
-    scheduler = _lr_scheduler(optimizer, cfg)
+    optimizer, scheduler = optimizer_and_scheduler(chunks, t, layout)
     if resumed is not None:
         load_checkpoint(chunks, resumed)
         load_optimizer(chunks, optimizer, resumed)
