@@ -33,6 +33,14 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tensor-model-parallel-size", type=int, default=None)
     group.add_argument("--pipeline-model-parallel-size", type=int, default=None)
     group.add_argument("--expert-model-parallel-size", type=int, default=None)
+    group.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split every sequence over N ranks (each holds two mirrored chunks of 1/(2N), "
+        "Megatron's causal load balance; the sequence length must divide by 2N)",
+    )
     group.add_argument("--sequence-parallel", action="store_true", default=None)
     group.add_argument("--use-distributed-optimizer", action="store_true", default=None)
     group.add_argument(
@@ -65,6 +73,7 @@ def layout_from_args(args: argparse.Namespace, parallel: Any) -> Layout:
         distributed_optimizer=pick(
             args.use_distributed_optimizer, parallel.use_distributed_optimizer
         ),
+        cp=pick(getattr(args, "context_parallel_size", None), parallel.context_parallel_size),
     )
 
 

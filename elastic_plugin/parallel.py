@@ -24,30 +24,46 @@ if TYPE_CHECKING:  # Megatron ships no types: this annotates Megatron model chun
 
 @dataclass(frozen=True)
 class Layout:
-    """A parallel layout: tensor, pipeline and expert parallel sizes (data parallel is the rest)."""
+    """A parallel layout: tensor, pipeline, expert and context parallel sizes (data parallel is
+    the rest). ``cp`` is last so that positional constructions stay valid."""
 
     tp: int = 1
     pp: int = 1
     ep: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
+    cp: int = 1
 
     def as_parallel_config(self) -> ParallelConfig:
         return ParallelConfig(
-            self.tp, self.pp, self.ep, self.sequence_parallel, self.distributed_optimizer
+            self.tp,
+            self.pp,
+            self.ep,
+            self.sequence_parallel,
+            self.distributed_optimizer,
+            self.cp,
         )
 
+    def data_parallel(self, world_size: int) -> int:
+        """The data-parallel size: the ranks left after TP x PP x CP (each holds whole
+        sequences' rows; a CP group shares its rows)."""
+        return world_size // (self.tp * self.pp * self.cp)
+
     def check_world(self, world_size: int) -> None:
-        if world_size % (self.tp * self.pp):
+        if self.cp < 1:
+            raise ConfigError(f"--context-parallel-size={self.cp} must be >= 1")
+        if world_size % (self.tp * self.pp * self.cp):
             raise ConfigError(
                 f"world size {world_size} is not divisible by --tensor-model-parallel-size "
-                f"({self.tp}) x --pipeline-model-parallel-size ({self.pp})"
+                f"({self.tp}) x --pipeline-model-parallel-size ({self.pp}) x "
+                f"--context-parallel-size ({self.cp})"
             )
-        dp = world_size // (self.tp * self.pp)
-        if dp % self.ep:
+        dp = self.data_parallel(world_size)
+        # Megatron carves expert parallelism out of data x context parallelism
+        if (dp * self.cp) % self.ep:
             raise ConfigError(
-                f"--expert-model-parallel-size={self.ep} must divide the data-parallel size {dp} "
-                f"(world {world_size} / TP / PP)"
+                f"--expert-model-parallel-size={self.ep} must divide the data-parallel x "
+                f"context-parallel size {dp * self.cp} (world {world_size} / TP / PP)"
             )
 
 
@@ -136,6 +152,7 @@ def initialize_layout(layout: Layout, seed: int = 1234) -> None:
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
+        context_parallel_size=layout.cp,
         distributed_timeout_minutes=_timeout_s / 60,  # a float works (a timedelta of it)
     )
     model_parallel_cuda_manual_seed(seed)

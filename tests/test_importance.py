@@ -41,15 +41,17 @@ def test_reap_matches_direct_formula(reference):
         {"tp": 2, "sequence_parallel": True},
         {"pp": 2},
         {"ep": 2},
+        {"cp": 2},
     ],
-    ids=["tp2-sp", "pp2", "ep2"],
+    ids=["tp2-sp", "pp2", "ep2", "cp2"],
 )
 def test_scores_and_rankings_independent_of_layout(reference, layout, rank_pools):
-    workdir, _ = reference
+    workdir, info = reference
     pool = rank_pools.get(2)
     reports = pool.run(f"{CASES}:layout_importance", config_path=CONFIG, workdir=workdir, **layout)
     for report in reports:
         assert report["axes"] == ALL_AXES
+        assert report["tokens"] == info["tokens"]  # each token counted once (CP: per chunk)
         assert "mamba_out" in report["max_rel_diff"]
         assert {"embedding_in", "attention_heads_out", "mamba_weight", "experts_weight"} <= set(
             report["max_rel_diff"]

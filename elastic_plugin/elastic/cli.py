@@ -51,6 +51,7 @@ from elastic_plugin.models.config import (
     config_from_dict,
     load_config,
 )
+from elastic_plugin.models.context_parallel import check_context_parallel
 from elastic_plugin.models.runtime import Runtime
 from elastic_plugin.training.batching import microbatches_per_step
 from elastic_plugin.training.recovery import (
@@ -331,18 +332,21 @@ def _check_schedule(sched: dict[str, Any], cfg: ExperimentConfig, ecfg, layout, 
                 f"--seq-length={seq}; stages train on a prefix of each sequence, so "
                 f"raise --seq-length to the longest stage"
             )
-    dp = world // (layout.tp * layout.pp)
+    for stage_seq in [seq] + [s.seq_length for s in ecfg.curriculum if s.seq_length]:
+        check_context_parallel(cfg.model, layout.cp, layout.tp, stage_seq)
+    dp = layout.data_parallel(world)
     microbatches_per_step(
         sched["global_batch_size"],
         sched["micro_batch_size"],
         dp,
         names=("--global-batch-size", "--micro-batch-size"),
-        context=f" (world {world} / TP {layout.tp} / PP {layout.pp})",
+        context=f" (world {world} / TP {layout.tp} / PP {layout.pp} / CP {layout.cp})",
     )
 
 
 def _check_layout(cfg: ExperimentConfig, layout, meta: dict[str, Any], ckpt: str) -> None:
     cfg.model.check_parallel(layout.tp, layout.pp, layout.ep)
+    check_context_parallel(cfg.model, layout.cp, layout.tp)
     if layout.tp > 1 and cfg.model.count("moe") and not layout.sequence_parallel:
         raise ConfigError(
             "MoE layers with --tensor-model-parallel-size > 1 need "

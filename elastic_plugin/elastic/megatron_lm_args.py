@@ -15,6 +15,7 @@ from typing import Any
 
 from elastic_plugin.elastic.args import add_elastic_args, elastic_config_from_args
 from elastic_plugin.models.config import ConfigError, ModelConfig
+from elastic_plugin.models.context_parallel import check_context_parallel
 
 VPP_ERROR = (
     "Elastic training inside megatron.training.pretrain runs one model chunk per pipeline "
@@ -251,6 +252,8 @@ def elastic_setup(args: argparse.Namespace):
     tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
     pp = args.pipeline_model_parallel_size or 1
     cfg.model.check_parallel(tp, pp, ep)  # names the field and the layout that does not divide
+    cp = getattr(args, "context_parallel_size", None) or 1
+    check_context_parallel(cfg.model, cp, tp, getattr(args, "seq_length", None))
     if (tp > 1 or ep > 1) and not meta.get("reordered"):
         raise ConfigError(
             f"--elastic-ckpt {args.elastic_ckpt} is not importance-reordered; run "
@@ -275,6 +278,13 @@ def elastic_setup(args: argparse.Namespace):
         ecfg = dataclasses.replace(ecfg, router=router)
     resolved = ecfg.resolve(cfg.model, tp, ep)
     for i, stage in enumerate(ecfg.curriculum):
+        if cp > 1 and stage.seq_length and stage.seq_length != args.seq_length:
+            raise ConfigError(
+                f"elastic.curriculum[{i}].seq_length={stage.seq_length} with "
+                f"--context-parallel-size={cp}: inside megatron.training.pretrain the batch is "
+                "already split over the CP ranks when a stage would cut it; train each stage as "
+                "its own run with --seq-length, or use `elastic-plugin elastic-train`"
+            )
         if stage.seq_length and args.seq_length and stage.seq_length > args.seq_length:
             raise ConfigError(
                 f"elastic.curriculum[{i}].seq_length={stage.seq_length} exceeds "

@@ -26,6 +26,7 @@ from elastic_plugin.elastic.losses import budget_loss, vocab_parallel_kl
 from elastic_plugin.elastic.model import finalize_router_grads, router_of
 from elastic_plugin.elastic.router import AnnealSchedule, budget_encoding, expected_sizes
 from elastic_plugin.elastic.sampling import BudgetSampler
+from elastic_plugin.models.context_parallel import loss_scale as cp_loss_scale
 from elastic_plugin.training.step import get_batch, run_schedule, train_step
 
 
@@ -216,6 +217,7 @@ class ElasticStep:
         cost = self.cost(sizes)
         b_loss = budget_loss(cost, budget, self.cost.full).to(kd_sum.dtype)
         total = total + cfg.budget_loss_weight * b_loss * num_tokens.detach()
+        total = total * cp_loss_scale(num_tokens)  # CP: this rank's share of the sequence mean
         report = torch.stack(
             [
                 kd_sum.detach(),

@@ -121,7 +121,9 @@ def _start(args: argparse.Namespace):
     layout = layout_from_args(args, ParallelConfig())  # layout from flags; default one rank
     cfg.model.check_parallel(layout.tp, layout.pp, layout.ep)
     seq = getattr(args, "seq_length", None) or cfg.training.seq_length
-    check_context_parallel(cfg.model, layout.cp, layout.tp, seq if args.func is not run_reorder else None)
+    check_context_parallel(
+        cfg.model, layout.cp, layout.tp, seq if args.func is not run_reorder else None
+    )
     layout.check_world(int(os.environ.get("WORLD_SIZE", "1")))
     return meta, cfg, layout
 

@@ -122,6 +122,7 @@ def collect_importance(
     error before any forward pass. With ``resume_dir``, partial per-rank statistics are kept
     there and picked up by a later call with the same arguments.
     """
+    from elastic_plugin.models.context_parallel import cp_size
     from elastic_plugin.training.step import run_schedule
 
     num_batches = check_calibration(num_available, num_samples, micro_batch_size)
@@ -153,7 +154,8 @@ def collect_importance(
                 chunk.eval()
             for index in range(done, num_batches):
                 run_schedule(chunks, batches, 1, seq_length, micro_batch_size, forward_only=True)
-                stats.tokens_seen += micro_batch_size * seq_length
+                # this rank's tokens (under CP its share of each sequence), summed over DP x CP
+                stats.tokens_seen += micro_batch_size * seq_length // cp_size()
                 if bar is not None:
                     bar.update(1)
                 if partial is not None and ((index + 1) % save_every == 0):

@@ -110,11 +110,15 @@ class SDPAAttention(MegatronModule):
         self.attention_type = attention_type
 
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            required = ["tp", "cp"] if config.context_parallel_size > 1 else ["tp"]
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=required)
         elif not hasattr(pg_collection, "tp"):
             raise ValueError("SDPAAttention: pg_collection must have a 'tp' process group")
         self.pg_collection = pg_collection
         self.tp_group = pg_collection.tp
+        self.cp_group = getattr(pg_collection, "cp", None)
+        if config.context_parallel_size > 1 and self.cp_group is None:
+            raise ValueError("SDPAAttention: context parallelism needs a 'cp' process group")
         world_size = pg_collection.tp.size()
 
         # The same attributes as DotProductAttention: the elastic attention and the cached
@@ -145,10 +149,11 @@ class SDPAAttention(MegatronModule):
     def _refuse_unsupported(
         config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType
     ) -> None:
-        if config.context_parallel_size != 1:
+        if config.context_parallel_size != 1 and attn_mask_type != AttnMaskType.causal:
             raise ValueError(
-                "SDPAAttention: context_parallel_size must be 1 (context parallelism needs "
-                f"Transformer Engine's attention), got {config.context_parallel_size}"
+                "SDPAAttention: context parallelism (--context-parallel-size="
+                f"{config.context_parallel_size}) supports causal attention only, got "
+                f"{attn_mask_type.name}"
             )
         if config.softmax_type != "vanilla":
             raise ValueError(
@@ -200,6 +205,9 @@ class SDPAAttention(MegatronModule):
                 f"groups ({groups}, value {value.shape[2]})"
             )
 
+        if self.cp_group is not None and self.cp_group.size() > 1:
+            return self._context_parallel(query, key, value, attention_mask, mask_type)
+
         # [s, b, n, d] -> [b, n, s, d]: views, SDPA takes the strides.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         allowed, causal, dead = self._sdpa_mask(attention_mask, mask_type, sq, sk)
@@ -237,6 +245,85 @@ class SDPAAttention(MegatronModule):
             context = torch.where(dead, uniform, context)
 
         # [b, np, sq, hn] -> [sq, b, np * hn]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, heads * context.shape[-1])
+
+    def _context_parallel(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        mask_type: AttnMaskType,
+    ) -> Tensor:
+        """Causal attention of this CP rank's two query chunks over the whole sequence.
+
+        All-gather K/V over the CP group (autograd: the backward reduce-scatters their
+        gradients), put the chunks back in sequence order, and attend query chunk ``c`` (global
+        chunk index) to keys ``[0, (c + 1) L)`` with the causal mask aligned to the bottom right
+        (its last query row sees every key). Why all-gather and not a ring: under GQA K/V are a
+        fraction of the activations (Nano v3: 2 groups for 32 heads), so one all-gather moves
+        little, is exact (no running softmax merge) and runs on every backend; the memory is one
+        sequence's K/V per layer."""
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+        from torch.nn.attention.bias import causal_lower_right
+
+        from elastic_plugin.models.context_parallel import chunk_order
+
+        cp, rank = self.cp_group.size(), self.cp_group.rank()
+        if mask_type != AttnMaskType.causal:
+            raise ValueError(
+                f"SDPAAttention: context parallelism supports causal attention only, got "
+                f"{mask_type.name}"
+            )
+        sq, b, heads, _ = query.shape
+        if attention_mask is not None and not _is_standard_causal(attention_mask, sq, sq):
+            raise ValueError(
+                "SDPAAttention: context parallelism takes no explicit attention_mask (causal "
+                "only; in Megatron-LM pass --no-create-attention-mask-in-dataloader)"
+            )
+        if sq % 2:
+            raise ValueError(f"SDPAAttention: a CP rank holds two equal chunks, got {sq} rows")
+        groups, chunk = key.shape[2], sq // 2
+        order = chunk_order(cp)
+        natural = sorted(range(2 * cp), key=order.__getitem__)  # gathered index of chunk c
+
+        def whole(t: Tensor) -> Tensor:  # [2L, b, g, d] per rank -> [2 cp L, b, g, d] in order
+            gathered = gather_from_sequence_parallel_region(
+                t.contiguous(), tensor_parallel_output_grad=True, group=self.cp_group
+            )
+            parts = gathered.chunk(2 * cp, dim=0)
+            return torch.cat([parts[i] for i in natural], dim=0)
+
+        keys, values = whole(key), whole(value)
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        outputs = []
+        for local, c in enumerate((order[2 * rank], order[2 * rank + 1])):
+            q = query[local * chunk : (local + 1) * chunk].permute(1, 2, 0, 3)
+            end = (c + 1) * chunk
+            k = keys[:end].permute(1, 2, 0, 3)
+            v = values[:end].permute(1, 2, 0, 3)
+            if heads != groups and not _NATIVE_GQA:
+                k = k.repeat_interleave(heads // groups, dim=1)
+                v = v.repeat_interleave(heads // groups, dim=1)
+            kwargs = {"enable_gqa": True} if heads != groups and _NATIVE_GQA else {}
+
+            def attend(q=q, k=k, v=v, end=end, kwargs=kwargs) -> Tensor:
+                return F.scaled_dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    attn_mask=causal_lower_right(chunk, end),
+                    dropout_p=dropout_p,
+                    scale=self._scale,
+                    **kwargs,
+                )
+
+            if dropout_p > 0.0 and not self.config.sequence_parallel:
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    outputs.append(attend())
+            else:
+                outputs.append(attend())
+        context = torch.cat(outputs, dim=2)  # [b, np, sq, hn]
         return context.permute(2, 0, 1, 3).reshape(sq, b, heads * context.shape[-1])
 
     @staticmethod

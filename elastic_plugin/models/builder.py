@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from elastic_plugin.models.config import ConfigError, ModelConfig, ParallelConfig
+from elastic_plugin.models.context_parallel import check_context_parallel
 from elastic_plugin.models.specs import add_head_norms, have_transformer_engine, hybrid_stack_spec
 
 
@@ -45,6 +46,9 @@ def transformer_config(
         parallel.tensor_model_parallel_size,
         parallel.pipeline_model_parallel_size,
         parallel.expert_model_parallel_size,
+    )
+    check_context_parallel(
+        model, parallel.context_parallel_size, parallel.tensor_model_parallel_size
     )
     activation, gated = _activation(model.activation)
     has_moe = model.count("moe") > 0
@@ -78,6 +82,7 @@ def transformer_config(
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size if has_moe else 1,
         sequence_parallel=parallel.sequence_parallel and parallel.tensor_model_parallel_size > 1,
+        context_parallel_size=parallel.context_parallel_size,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,

@@ -254,6 +254,7 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
+    context_parallel_size: int = 1
 
 
 @dataclass

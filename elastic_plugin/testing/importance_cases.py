@@ -125,13 +125,14 @@ def layout_importance(
     ep: int = 1,
     sequence_parallel: bool = False,
     seed: int = 1234,
+    cp: int = 1,
 ) -> dict[str, Any]:
     """Collect under a layout from the reference's weights; compare with the reference file."""
     from elastic_plugin.importance import rankings_agree
 
     work = Path(workdir)
     model_cfg = tiny_model(config_path)
-    layout = Layout(tp, pp, ep, sequence_parallel)
+    layout = Layout(tp, pp, ep, sequence_parallel, cp=cp)
     initialize_layout(layout, seed=seed + 3)
     (model,), _ = build_model_chunks(model_cfg, layout, wrap_ddp=False)
     load_dist(model, work / "init")

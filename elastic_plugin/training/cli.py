@@ -29,6 +29,7 @@ from elastic_plugin.cli_args import (
 )
 from elastic_plugin.cli_errors import EXIT_BAD_INPUT, report_bad_input
 from elastic_plugin.models.config import ConfigError, load_config
+from elastic_plugin.models.context_parallel import check_context_parallel
 from elastic_plugin.training.recovery import (
     check_resumable_training,
     save_failed_message,
@@ -126,6 +127,7 @@ def _checked_inputs(args: argparse.Namespace):
     cfg = dataclasses.replace(cfg, training=training, data=data)
     layout = layout_from_args(args, cfg.parallel)
     cfg.model.check_parallel(layout.tp, layout.pp, layout.ep)
+    check_context_parallel(cfg.model, layout.cp, layout.tp, cfg.training.seq_length)
     cfg = dataclasses.replace(
         cfg, training=runtime_from_args(args, cfg.training, cfg.model, layout.pp)
     )

@@ -26,21 +26,27 @@ def masked_lm_loss(loss_mask: torch.Tensor | None, output_tensor: torch.Tensor):
         raise ValueError(
             "masked_lm_loss: no loss_mask (the batch has neither loss_mask nor tokens)"
         )
+    from elastic_plugin.models.context_parallel import loss_scale
+
     losses = output_tensor.float()
     mask = loss_mask.reshape(-1).float()
     loss_sum = torch.sum(losses.reshape(-1) * mask)
     num_tokens = mask.sum().to(torch.int)
     report = torch.stack([loss_sum.detach(), mask.sum().detach()])
-    return loss_sum, num_tokens, {"lm loss": report}
+    # under CP: this rank's share of the whole sequence's token mean
+    return loss_sum * loss_scale(mask.sum()), num_tokens, {"lm loss": report}
 
 
 def get_batch(data_iterator: Iterator[dict] | None) -> dict[str, Any]:
-    """Next batch, moved to the model's device; stages without data get ``None`` fields."""
+    """Next batch, moved to the model's device and, under context parallelism, cut to this CP
+    rank's two mirrored chunks; stages without data get ``None`` fields."""
+    from elastic_plugin.models.context_parallel import split_batch
+
     if data_iterator is None:
         return {}
     batch = next(data_iterator)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+    return split_batch({k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()})
 
 
 def forward_step(data_iterator: Iterator[dict] | None, model: torch.nn.Module):

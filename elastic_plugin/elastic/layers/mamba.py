@@ -35,7 +35,12 @@ import torch.nn.functional as F
 
 from elastic_plugin.elastic.layers.linear import column_parallel_forward, row_parallel_forward
 from elastic_plugin.models.config import ConfigError
-from elastic_plugin.models.prefix import check_size, local_mamba_dims, mamba_active_rows
+from elastic_plugin.models.prefix import (
+    check_size,
+    local_mamba_dims,
+    mamba_active_rows,
+    mamba_rows,
+)
 
 __all__ = ["elastic_mamba_forward"]
 
@@ -68,11 +73,15 @@ def _check_training_call(mixer, inference_context, packed_seq_params) -> bool:
             "elastic_mamba_forward is the training forward: inference with a cache "
             "(inference_context) is not supported; extract the nested model and run it instead"
         )
-    if mixer.cp.cp_size != 1:
-        raise NotImplementedError(
-            f"elastic_mamba_forward does not support context parallelism (cp size "
-            f"{mixer.cp.cp_size}); use context_parallel_size=1"
-        )
+    cp = mixer.cp.cp_size
+    if cp != 1:
+        if mixer.ngroups_local_tp % cp:
+            raise ConfigError(
+                f"--context-parallel-size={cp} must divide the Mamba groups per tensor-parallel "
+                f"rank ({mixer.ngroups_local_tp}): each CP rank scans whole groups"
+            )
+        if packed_seq_params is not None:
+            raise NotImplementedError("packed sequences under context parallelism need TE")
     unfused = in_inference or not mixer.use_mem_eff_path
     if packed_seq_params is not None:
         if unfused:  # the same restriction as MambaMixer.forward
@@ -93,14 +102,16 @@ def _ssm(
     head_dim: int,
     unfused: bool,
     seq_idx: torch.Tensor | None,
+    groups: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Conv + SSD scan on ``zxbcdt`` [l, b, z|x|B|C|dt] of the active part.
+    """Conv + SSD scan on ``zxbcdt`` [l, b, z|x|B|C|dt] of the active part (of ``groups``
+    groups: this TP rank's, or under CP this CP rank's share of them).
 
     Returns ``(y [l, b, heads*head_dim], gate)``: ``gate`` is the ``z`` still to be applied by
     the gated norm (Megatron's prefill path), or None when ``y`` is already gated (fused path).
     """
     mm = _mixer_module()
-    groups, state = mixer.ngroups_local_tp, mixer.d_state
+    groups, state = groups or mixer.ngroups_local_tp, mixer.d_state
     d = heads * head_dim
     sel = (lambda name: None) if rows is None else rows.__getitem__
     conv_w = _pick(mixer.conv1d_weight, sel("conv")).squeeze(1)  # "d 1 w -> d w"
@@ -168,6 +179,46 @@ def _ssm(
     y = y.reshape(b, length, d).transpose(0, 1).contiguous()
     gate = z.reshape(b, length, d).transpose(0, 1).contiguous() if mixer.rmsnorm else None
     return y, gate
+
+
+def _cp_rows(mixer, k: int, p: int) -> dict[str, torch.Tensor]:
+    """Under CP: the heads, channels and conv channels (this TP rank's indices) of the groups
+    this CP rank scans, ``[r G/cp, (r+1) G/cp)``, at ``k`` heads per group of ``p`` channels.
+    Megatron's ``MambaContextParallel`` gives CP rank ``r`` the same groups."""
+    cache = mixer.__dict__.setdefault("_elastic_cp_rows", {})
+    device = mixer.in_proj.weight.device
+    if (k, p, device) not in cache:
+        _, groups, per_group, hd, state = local_mamba_dims(mixer)
+        cp, rank = mixer.cp.cp_size, mixer.cp.cp_rank
+        mine = groups // cp
+        first = rank * mine
+        full = mamba_rows(groups, per_group, hd, state, k, p)
+        heads = full["heads"].view(groups, k)[first : first + mine].reshape(-1)
+        channels = full["channels"].view(groups, k * p)[first : first + mine].reshape(-1)
+        d_inner = groups * per_group * hd
+        bc = torch.arange(first * state, (first + mine) * state)
+        conv = torch.cat([channels, d_inner + bc, d_inner + groups * state + bc])
+        cache[(k, p, device)] = {
+            "heads": heads.to(device),
+            "channels": channels.to(device),
+            "conv": conv.to(device),
+        }
+    return cache[(k, p, device)]
+
+
+def _cp_to_heads(mixer, zxbcdt: torch.Tensor, groups: int, k: int, p: int) -> torch.Tensor:
+    """[l/cp, b, z|x|B|C|dt] (this rank's two chunks, every active group) -> [l, b, the same
+    parts of this rank's groups] in sequence order: Megatron's all-to-alls and chunk reorder
+    (``megatron.core.ssm.mamba_context_parallel``), on the active widths."""
+    from megatron.core.ssm.mamba_context_parallel import (
+        _all_to_all_cp2hp,
+        _undo_attention_load_balancing,
+    )
+
+    d, bc = groups * k * p, groups * mixer.d_state
+    parts = torch.split(zxbcdt, [d, d, bc, bc, groups * k], dim=-1)
+    moved = [_all_to_all_cp2hp(t.contiguous(), mixer.cp.cp_group) for t in parts]
+    return _undo_attention_load_balancing(torch.cat(moved, dim=-1), mixer.cp.cp_size)
 
 
 def _norm_sliced(
@@ -265,17 +316,30 @@ def elastic_mamba_forward(
         mixer.in_proj, hidden_states, None if rows is None else rows["in_proj"], out_h
     )
     seq_idx = None if packed_seq_params is None else packed_seq_params.seq_idx
-    y, gate = _ssm(mixer, zxbcdt, rows, groups * k, p, unfused, seq_idx)
+    cp = mixer.cp.cp_size
+    scan_rows, scan_groups, scan_channels = rows, groups, channels
+    if cp > 1:  # sequence-sharded -> this rank's groups over the whole sequence
+        scan_rows = _cp_rows(mixer, k, p)
+        scan_groups, scan_channels = groups // cp, scan_rows["channels"]
+        zxbcdt = _cp_to_heads(mixer, zxbcdt, groups, k, p)
+    y, gate = _ssm(mixer, zxbcdt, scan_rows, scan_groups * k, p, unfused, seq_idx, scan_groups)
 
     if head_mask is not None or channel_mask is not None:
         unit = y.new_ones(())
         hm = unit.expand(k) if head_mask is None else head_mask.to(y.dtype)
         cm = unit.expand(p) if channel_mask is None else channel_mask.to(y.dtype)
-        y = (y.reshape(*y.shape[:-1], groups, k, p) * hm[:, None] * cm).reshape(y.shape)
+        y = (y.reshape(*y.shape[:-1], scan_groups, k, p) * hm[:, None] * cm).reshape(y.shape)
         if mixer.rmsnorm:  # (without the norm, y is already gated: gate is None)
-            y = _norm_masked(mixer, y, gate, channels, groups, hm.sum() * cm.sum())
+            y = _norm_masked(mixer, y, gate, scan_channels, scan_groups, hm.sum() * cm.sum())
     elif mixer.rmsnorm:
-        y = _norm_sliced(mixer, y, gate, channels, k * p)
+        y = _norm_sliced(mixer, y, gate, scan_channels, k * p)
+    if cp > 1:  # back to this rank's two sequence chunks, every active channel
+        from megatron.core.ssm.mamba_context_parallel import (
+            _all_to_all_hp2cp,
+            _redo_attention_load_balancing,
+        )
+
+        y = _all_to_all_hp2cp(_redo_attention_load_balancing(y, cp), mixer.cp.cp_group)
 
     out, out_bias = row_parallel_forward(mixer.out_proj, y, out_h, channels)
     if hidden_mask is not None:
