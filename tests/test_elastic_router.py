@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
+from elastic_plugin.elastic.config import CurriculumStage
 from elastic_plugin.elastic.router import (
     AnnealSchedule,
     BudgetRouter,
@@ -17,7 +18,7 @@ from elastic_plugin.elastic.router import (
     hard_sizes,
     prefix_masks,
 )
-from elastic_plugin.elastic.sampling import BudgetSampler, Stage
+from elastic_plugin.elastic.sampling import BudgetSampler
 from elastic_plugin.models.config import ConfigError
 
 BUDGETS = (1.0, 0.75, 0.5)
@@ -282,9 +283,9 @@ def _chi_square(counts: Counter, probs, n: int) -> float:
 
 def test_sampler_stages_and_frequencies():
     stages = [
-        Stage(10, None, 512),
-        Stage(20, (0.5, 0.3, 0.2), 1024),
-        Stage(5, (0.0, 0.0, 1.0), None),
+        CurriculumStage(10, None, 512),
+        CurriculumStage(20, (0.5, 0.3, 0.2), 1024),
+        CurriculumStage(5, (0.0, 0.0, 1.0), None),
     ]
     s = BudgetSampler(BUDGETS, stages, seed=0, total_iters=100)
     assert s.stage(1)[0] == 0 and s.stage(10)[0] == 0 and s.stage(11)[0] == 1
@@ -304,12 +305,20 @@ def test_sampler_stages_and_frequencies():
 
 
 def test_sampler_validation():
-    with pytest.raises(ConfigError, match=r"stage 0: budget_probs has 2 entries"):
-        BudgetSampler(BUDGETS, [Stage(5, (0.5, 0.5), None)], 0, 10)
-    with pytest.raises(ConfigError, match=r"stage 1: budget_probs must be >= 0 and sum to 1"):
-        BudgetSampler(BUDGETS, [Stage(5, None, None), Stage(5, (0.5, 0.3, 0.3), None)], 0, 10)
+    # one stage type (elastic.config.CurriculumStage): the sampler checks it against its budgets
+    with pytest.raises(
+        ConfigError, match=r"curriculum\[0\]\.budget_probs=\[0.5, 0.5\] has 2 entries"
+    ):
+        BudgetSampler(BUDGETS, [CurriculumStage(5, (0.5, 0.5), None)], 0, 10)
+    with pytest.raises(ConfigError, match=r"budget_probs=\[0.5, 0.3, 0.3\] sums to 1.1"):
+        BudgetSampler(
+            BUDGETS,
+            [CurriculumStage(5, None, None), CurriculumStage(5, (0.5, 0.3, 0.3), None)],
+            0,
+            10,
+        )
     with pytest.raises(ConfigError, match="iters"):
-        BudgetSampler(BUDGETS, [Stage(0, None, None)], 0, 10)
+        BudgetSampler(BUDGETS, [CurriculumStage(0, None, None)], 0, 10)
     with pytest.raises(ConfigError, match="1-based"):
         BudgetSampler(BUDGETS, None, 0, 10).stage(0)
 

@@ -143,7 +143,7 @@ def _start_session(margs, model, teacher, teacher_dir, cfg, ecfg, resolved, sour
     from elastic_plugin.elastic.cost import ElasticCost
     from elastic_plugin.elastic.model import attach_elastic, finalize_router_grads
     from elastic_plugin.elastic.router import AnnealSchedule
-    from elastic_plugin.elastic.sampling import BudgetSampler, Stage
+    from elastic_plugin.elastic.sampling import BudgetSampler
     from elastic_plugin.elastic.step import ElasticStep
 
     load_checkpoint([model], margs.elastic_ckpt)
@@ -167,7 +167,7 @@ def _start_session(margs, model, teacher, teacher_dir, cfg, ecfg, resolved, sour
         teacher = Float16Module(teacher.config, teacher)
     total = margs.train_iters or max(1, (margs.train_samples or 1) // margs.global_batch_size)
     anneal = ecfg.router.anneal_iters or total
-    stages = [Stage(s.iters, s.budget_probs, s.seq_length) for s in ecfg.curriculum] or None
+    stages = list(ecfg.curriculum) or None
     step = ElasticStep(
         state=state,
         sampler=BudgetSampler(resolved.budgets, stages, margs.seed, total),

@@ -10,25 +10,14 @@ micro-batch index ``dp_rank * num_microbatches + local_index``).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from elastic_plugin.elastic.config import CurriculumStage
 from elastic_plugin.models.config import ConfigError
-
-PROB_SUM_TOL = 1e-3
-
-
-@dataclass(frozen=True)
-class Stage:
-    """A curriculum stage: ``iters`` iterations, budget probabilities (None = uniform), sequence length (None = default)."""
-
-    iters: int
-    budget_probs: tuple[float, ...] | None = None
-    seq_length: int | None = None
 
 
 def _hash64(seed: int, iteration: int, microbatch: int, stream: str) -> int:
@@ -45,7 +34,11 @@ class BudgetSampler:
     """
 
     def __init__(
-        self, budgets: Sequence[float], stages: Sequence[Stage] | None, seed: int, total_iters: int
+        self,
+        budgets: Sequence[float],
+        stages: Sequence[CurriculumStage] | None,
+        seed: int,
+        total_iters: int,
     ):
         self.budgets = tuple(float(b) for b in budgets)
         if not self.budgets:
@@ -54,8 +47,10 @@ class BudgetSampler:
             raise ConfigError(f"total_iters must be >= 1, got {total_iters}")
         self.seed = int(seed)
         self.total_iters = int(total_iters)
-        stages = list(stages or [Stage(iters=total_iters)])
-        self.stages: tuple[Stage, ...] = tuple(self._checked(i, s) for i, s in enumerate(stages))
+        stages = list(stages or [CurriculumStage(iters=total_iters)])
+        self.stages: tuple[CurriculumStage, ...] = tuple(
+            self._checked(i, s) for i, s in enumerate(stages)
+        )
         self._cumulative = [self._cdf(s) for s in self.stages]
         ends, total = [], 0
         for s in self.stages:
@@ -63,33 +58,16 @@ class BudgetSampler:
             ends.append(total)
         self._stage_ends = ends
 
-    def _checked(self, index: int, stage: Stage) -> Stage:
-        field = f"curriculum stage {index}"
-        if not isinstance(stage.iters, int) or stage.iters < 1:
-            raise ConfigError(f"{field}: iters must be an integer >= 1, got {stage.iters!r}")
-        if stage.seq_length is not None and (
-            not isinstance(stage.seq_length, int) or stage.seq_length < 1
-        ):
-            raise ConfigError(
-                f"{field}: seq_length must be None or an integer >= 1, got {stage.seq_length!r}"
-            )
+    def _checked(self, index: int, stage: CurriculumStage) -> CurriculumStage:
+        """The stage (checked when it was made) against these budgets, its probabilities
+        normalised to sum to exactly 1."""
+        stage.check(f"curriculum[{index}]", len(self.budgets))
         if stage.budget_probs is None:
             return stage
-        probs = tuple(float(p) for p in stage.budget_probs)
-        if len(probs) != len(self.budgets):
-            raise ConfigError(
-                f"{field}: budget_probs has {len(probs)} entries but there are {len(self.budgets)} "
-                f"budgets {list(self.budgets)}"
-            )
-        if (
-            any(not math.isfinite(p) or p < 0 for p in probs)
-            or abs(sum(probs) - 1.0) > PROB_SUM_TOL
-        ):
-            raise ConfigError(f"{field}: budget_probs must be >= 0 and sum to 1, got {list(probs)}")
-        total = sum(probs)
-        return Stage(stage.iters, tuple(p / total for p in probs), stage.seq_length)
+        total = sum(stage.budget_probs)
+        return dataclasses.replace(stage, budget_probs=tuple(p / total for p in stage.budget_probs))
 
-    def _cdf(self, stage: Stage) -> list[float]:
+    def _cdf(self, stage: CurriculumStage) -> list[float]:
         n = len(self.budgets)
         probs = stage.budget_probs or tuple(1.0 / n for _ in range(n))
         cdf, acc = [], 0.0
@@ -98,7 +76,7 @@ class BudgetSampler:
             cdf.append(acc)
         return cdf
 
-    def stage(self, iteration: int) -> tuple[int, Stage]:
+    def stage(self, iteration: int) -> tuple[int, CurriculumStage]:
         """(index, stage) for a 1-based ``iteration``; the last stage continues past the covered iterations."""
         if iteration < 1:
             raise ConfigError(f"iteration is 1-based, got {iteration}")

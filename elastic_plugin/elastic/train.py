@@ -28,7 +28,7 @@ from elastic_plugin.elastic.layers.fp8 import fp8_gemm
 from elastic_plugin.elastic.layers.state import ElasticState
 from elastic_plugin.elastic.model import build_elastic_chunks, router_of, router_param_groups
 from elastic_plugin.elastic.router import AnnealSchedule
-from elastic_plugin.elastic.sampling import BudgetSampler, Stage
+from elastic_plugin.elastic.sampling import BudgetSampler
 from elastic_plugin.elastic.schedule import ElasticSchedule
 from elastic_plugin.elastic.step import ElasticStep
 from elastic_plugin.models.config import ConfigError
@@ -223,7 +223,7 @@ def train_elastic(
         load_optimizer(chunks, optimizer, resumed)
         scheduler.load_state_dict(meta_src["scheduler"])
     anneal = ecfg.router.anneal_iters or sched.train_iters
-    stages = [Stage(s.iters, s.budget_probs, s.seq_length) for s in ecfg.curriculum] or None
+    stages = list(ecfg.curriculum) or None
     step = ElasticStep(
         state=state,
         sampler=BudgetSampler(resolved.budgets, stages, sched.seed, sched.train_iters),

@@ -145,7 +145,8 @@ def elastic_iteration(
     """``elastic_cases._setup`` (sliced, one rank) with ``runtime`` (``Runtime`` fields) from
     ``workdir/init`` (written here when absent), every micro-batch drawing ``budget`` (one of
     ``elastic_cases.ELASTIC``'s budgets). The caller has joined a process group."""
-    from elastic_plugin.elastic.sampling import BudgetSampler, Stage
+    from elastic_plugin.elastic.config import CurriculumStage
+    from elastic_plugin.elastic.sampling import BudgetSampler
     from elastic_plugin.parallel import Layout
     from elastic_plugin.testing.elastic_cases import _experiment, _setup, write_init_checkpoint
 
@@ -160,7 +161,7 @@ def elastic_iteration(
         raise ValueError(f"budget={budget}; allowed: {', '.join(map(str, budgets))}")
     probs = tuple(1.0 if b == budget else 0.0 for b in budgets)
     step.sampler = BudgetSampler(
-        budgets, [Stage(iters=1, budget_probs=probs)], seed=5, total_iters=1
+        budgets, [CurriculumStage(iters=1, budget_probs=probs)], seed=5, total_iters=1
     )
     step.num_microbatches = num_microbatches
     step.trace = None

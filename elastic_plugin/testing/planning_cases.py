@@ -219,7 +219,8 @@ def measure_step(
     step (teacher pass, student forward/backward, gradient reduction, optimizer)."""
     from megatron.core import parallel_state as ps
 
-    from elastic_plugin.elastic.sampling import BudgetSampler, Stage
+    from elastic_plugin.elastic.config import CurriculumStage
+    from elastic_plugin.elastic.sampling import BudgetSampler
     from elastic_plugin.parallel import Layout
     from elastic_plugin.testing.elastic_cases import MICRO_BATCH, SEQ_LEN, _iteration_batches
 
@@ -233,7 +234,7 @@ def measure_step(
     )  # fmt: skip
     budgets = step.sampler.budgets
     probs = tuple(1.0 if b == budget else 0.0 for b in budgets)
-    step.sampler = BudgetSampler(budgets, [Stage(iters=1, budget_probs=probs)], 5, 1)
+    step.sampler = BudgetSampler(budgets, [CurriculumStage(iters=1, budget_probs=probs)], 5, 1)
     step.num_microbatches = num_microbatches
     step.iteration = 1
     batches = _iteration_batches(cfg.model.vocab_size, 1)[:num_microbatches]
@@ -320,7 +321,8 @@ def pipeline_activation_peak(
     and is not counted), to compare with the 1F1B schedule's in-flight micro-batches."""
     from megatron.core import parallel_state as ps
 
-    from elastic_plugin.elastic.sampling import BudgetSampler, Stage
+    from elastic_plugin.elastic.config import CurriculumStage
+    from elastic_plugin.elastic.sampling import BudgetSampler
     from elastic_plugin.parallel import Layout
     from elastic_plugin.testing.memory import clear_megatron_buffer, peak_bytes, synthetic_batches
 
@@ -331,7 +333,9 @@ def pipeline_activation_peak(
         config_path, work, Layout(pp=2), pattern, "sliced", False, 1234
     )
     budgets = step.sampler.budgets
-    step.sampler = BudgetSampler(budgets, [Stage(iters=1, budget_probs=(1.0, 0.0, 0.0))], 5, 1)
+    step.sampler = BudgetSampler(
+        budgets, [CurriculumStage(iters=1, budget_probs=(1.0, 0.0, 0.0))], 5, 1
+    )
     step.num_microbatches = num_microbatches
     step.iteration = 1
     batches = synthetic_batches(cfg.model.vocab_size, micro_batch, seq_len, num_microbatches)
