@@ -20,16 +20,26 @@ GRAD_ATOL = 2e-6  # as tests/test_elastic_multirank.py bounds the TP/PP/EP layou
 
 
 @pytest.fixture(scope="module")
+def four_group_config(tmp_path_factory) -> str:
+    """tiny.yaml with 4 Mamba groups: under TP=2 x CP=2 each CP rank scans one whole group."""
+    text = Path(CONFIG).read_text()
+    assert "  mamba_num_groups: 2\n" in text
+    path = tmp_path_factory.mktemp("cp_config") / "tiny_4_groups.yaml"
+    path.write_text(text.replace("  mamba_num_groups: 2\n", "  mamba_num_groups: 4\n"))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
 def cp_references(rank_pools, tmp_path_factory):
     made: dict[tuple, str] = {}
 
-    def get(pattern=None, heterogeneous=False) -> str:
-        key = (pattern, heterogeneous)
+    def get(config, pattern=None, heterogeneous=False) -> str:
+        key = (config, pattern, heterogeneous)
         if key not in made:
             work = tmp_path_factory.mktemp("cp_ref")
             rank_pools.get(1).run(
                 f"{CASES}:make_elastic_reference",
-                config_path=CONFIG,
+                config_path=config,
                 workdir=str(work),
                 pattern=pattern,
                 heterogeneous=heterogeneous,
@@ -40,11 +50,13 @@ def cp_references(rank_pools, tmp_path_factory):
     return get
 
 
-def _check(rank_pools, cp_references, world, pattern=None, heterogeneous=False, **layout):
-    work = cp_references(pattern, heterogeneous)
+def _check(
+    rank_pools, cp_references, world, config=CONFIG, pattern=None, heterogeneous=False, **layout
+):
+    work = cp_references(config, pattern, heterogeneous)
     results = rank_pools.get(world).run(
         f"{CASES}:check_elastic",
-        config_path=CONFIG,
+        config_path=config,
         workdir=work,
         pattern=pattern,
         heterogeneous=heterogeneous,
@@ -78,7 +90,15 @@ def test_context_parallel_heterogeneous(rank_pools, cp_references):
     _check(rank_pools, cp_references, 2, heterogeneous=True, cp=2)
 
 
-def test_context_parallel_tensor_parallel(rank_pools, cp_references):
-    """CP=2 x TP=2 + SP on 4 ranks (tiny's 2 Mamba groups: one per TP rank, so CP needs 4
-    groups: the pattern without Mamba keeps attention, MoE and MLP under CP x TP)."""
-    _check(rank_pools, cp_references, 4, pattern="*E-*E-", cp=2, tp=2, sequence_parallel=True)
+def test_context_parallel_tensor_parallel(rank_pools, cp_references, four_group_config):
+    """CP=2 x TP=2 + SP on 4 ranks, every layer kind (the rank pools stop at 4 ranks, so not
+    CP x TP x PP on 8)."""
+    _check(
+        rank_pools,
+        cp_references,
+        4,
+        config=four_group_config,
+        cp=2,
+        tp=2,
+        sequence_parallel=True,
+    )

@@ -164,6 +164,26 @@ def _bad_cases(f: dict) -> list[tuple[list[str], dict, str]]:
             "need --sequence-parallel",
         ),
         (
+            ["--ckpt", ck, "--context-parallel-size", "0"],
+            {},
+            "--context-parallel-size=0: must be an int >= 1",
+        ),
+        (
+            ["--ckpt", ck, "--context-parallel-size", "2"],
+            {},
+            "x --context-parallel-size (2)",
+        ),
+        (
+            ["--ckpt", ck, "--context-parallel-size", "4"],
+            {"WORLD_SIZE": "4"},
+            "--context-parallel-size=4 must divide the Mamba groups per tensor-parallel rank",
+        ),
+        (
+            ["--ckpt", ck, "--context-parallel-size", "2", "--seq-length", "30"],
+            {"WORLD_SIZE": "2"},
+            "--context-parallel-size=2 needs a sequence length divisible by 2 x 2 = 4",
+        ),
+        (
             ["--ckpt", ck, "--elastic-budgets", "1.0", "0.1"],
             {},
             "--elastic-budgets: elastic.budgets: budget 0.1 is not reachable",
