@@ -100,12 +100,71 @@ def test_distillation_loss_func_masks_tokens_and_accepts_transposed_mask():
         distillation_loss_func(torch.ones(3, 3), student, teacher, 1.0)
 
 
+# ---------------------------------------------------------------- chunked KD loss, one rank
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64])
+def test_chunked_kl_equals_unchunked_loss_and_gradient(dtype, chunk):
+    """Chunk sizes that divide the tokens, leave a remainder, and exceed them; [s, b, V] logits."""
+    student, teacher = random_logits((7, 3, 50), seed=21)
+    student, teacher = student.to(dtype), teacher.to(dtype)
+    upstream = torch.rand((7, 3), generator=torch.Generator().manual_seed(22))
+    results = []
+    for chunk_tokens in (None, chunk):
+        s = student.clone().requires_grad_(True)
+        kl = vocab_parallel_kl(s, teacher, 1.7, chunk_tokens=chunk_tokens)
+        (kl * upstream).sum().backward()
+        results.append((kl, s.grad))
+    (ref, ref_grad), (kl, grad) = results
+    assert kl.shape == (7, 3) and kl.dtype == torch.float32 and grad.dtype == dtype
+    assert ref.min() > 0.1 and ref_grad.abs().max() > 1e-3
+    torch.testing.assert_close(kl, ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=1e-6, atol=1e-9)
+
+
+def test_chunked_kl_masked_teacher_vocab_and_identical_logits():
+    student, teacher = random_logits((5, 12), seed=23)
+    teacher[:, -3:] = float("-inf")
+    s = student.clone().requires_grad_(True)
+    kl = vocab_parallel_kl(s, teacher, 1.0, chunk_tokens=2)
+    kl.sum().backward()
+    assert torch.isfinite(kl).all() and torch.isfinite(s.grad).all()
+    torch.testing.assert_close(kl, vocab_parallel_kl(student, teacher, 1.0), rtol=1e-6, atol=0)
+    assert vocab_parallel_kl(student, student.clone(), 1.3, chunk_tokens=2).abs().max() == 0
+
+
+@pytest.mark.parametrize("bad", [0, -4, 2.5, True, "1024"])
+def test_chunked_kl_rejects_bad_chunk_sizes(bad):
+    s, t = random_logits((2, 5), seed=0)
+    with pytest.raises(ConfigError, match=r"kd_chunk_tokens=.*allowed: a positive integer"):
+        vocab_parallel_kl(s, t, 1.0, chunk_tokens=bad)
+
+
+def test_chunk_size_knob_in_config_and_flag():
+    import argparse
+
+    from elastic_plugin.elastic.args import add_elastic_args, elastic_config_from_args
+    from elastic_plugin.elastic.config import ElasticConfig
+
+    assert ElasticConfig().kd_chunk_tokens == 1024
+    cfg = ElasticConfig.from_dict({"kd_chunk_tokens": 256})
+    assert cfg.kd_chunk_tokens == 256 and ElasticConfig.from_dict(cfg.to_dict()) == cfg
+    parser = add_elastic_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--elastic-kd-chunk-tokens", "512"])
+    assert elastic_config_from_args(args).kd_chunk_tokens == 512
+    bad = parser.parse_args(["--elastic-kd-chunk-tokens", "0"])
+    with pytest.raises(ConfigError, match=r"--elastic-kd-chunk-tokens.*positive integer"):
+        elastic_config_from_args(bad)
+
+
 # ---------------------------------------------------------------- vocab_parallel_kl, TP=2
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("use_default_group", [True, False])
-def test_kl_under_tensor_parallel_matches_single_rank(rank_pools, use_default_group):
+@pytest.mark.parametrize("use_default_group,chunk_tokens", [(True, None), (False, None), (True, 4)])
+def test_kl_under_tensor_parallel_matches_single_rank(rank_pools, use_default_group, chunk_tokens):
+    """Unchunked, and chunked (4 tokens of 15: a remainder) with its batched collectives."""
     shape = (3, 5, 16)
     results = rank_pools.get(2).run(
         f"{CASES}:tp_kl_matches_reference",
@@ -114,6 +173,7 @@ def test_kl_under_tensor_parallel_matches_single_rank(rank_pools, use_default_gr
         temperature=2.0,
         seed=7,
         use_default_group=use_default_group,
+        chunk_tokens=chunk_tokens,
     )
     assert sorted(r["tp_rank"] for r in results) == [0, 1]
     for r in results:

@@ -169,6 +169,16 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--elastic-mode", "mode", dict(metavar="|".join(MODES))),
     ("--elastic-teacher", "teacher", dict(metavar="|".join(TEACHERS))),
     ("--elastic-kd-temperature", "kd_temperature", dict(type=float, metavar="T")),
+    (
+        "--elastic-kd-chunk-tokens",
+        "kd_chunk_tokens",
+        dict(
+            type=int,
+            metavar="N",
+            help="the distillation loss runs N tokens at a time (default 1024): its FP32 "
+            "[tokens, vocab/TP] temporaries are one chunk's, with the same loss and gradient",
+        ),
+    ),
     ("--elastic-budget-loss-weight", "budget_loss_weight", dict(type=float, metavar="W")),
     (
         "--elastic-ce-weight-full",

@@ -214,6 +214,7 @@ class ElasticConfig:
     mode: str = "sliced"
     teacher: str = "frozen"
     kd_temperature: float = 1.0
+    kd_chunk_tokens: int = 1024  # the KD loss's tokens per chunk (elastic/losses.py)
     budget_loss_weight: float = 1.0
     ce_weight_full: float = 0.0
     interpolate: bool = False
@@ -270,6 +271,7 @@ class ElasticConfig:
         object.__setattr__(
             self, "kd_temperature", _number("kd_temperature", self.kd_temperature, 0.0, True)
         )
+        _positive_int("kd_chunk_tokens", self.kd_chunk_tokens)
         object.__setattr__(
             self,
             "budget_loss_weight",
@@ -343,6 +345,7 @@ class ElasticConfig:
             "mode": self.mode,
             "teacher": self.teacher,
             "kd_temperature": self.kd_temperature,
+            "kd_chunk_tokens": self.kd_chunk_tokens,
             "budget_loss_weight": self.budget_loss_weight,
             "ce_weight_full": self.ce_weight_full,
             "interpolate": self.interpolate,

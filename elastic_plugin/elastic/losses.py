@@ -14,6 +14,11 @@ import torch.distributed as dist
 
 from elastic_plugin.models.config import ConfigError
 
+# Tokens per chunk of the chunked KD loss. Its FP32 temporaries are ~5 x chunk x (vocab / TP) x 4
+# bytes: 1,280 MiB at 1024 tokens of Nano v3's 131,072-entry vocabulary under TP=2, against
+# 10 GiB for an unchunked 8K-token micro-batch (bench/bench_kd_loss.py measures it).
+DEFAULT_KD_CHUNK_TOKENS = 1024
+
 
 def _default_tp_group():
     """Megatron's TP group when model parallel is initialised with TP > 1, else ``None``."""
@@ -75,11 +80,93 @@ class _VocabParallelKL(torch.autograd.Function):
         return grad.to(ctx.student_dtype), None, None, None
 
 
+def check_chunk_tokens(chunk_tokens: object, name: str = "kd_chunk_tokens") -> int:
+    """``chunk_tokens`` as a positive int, or a ConfigError naming ``name`` (flag or field)."""
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
+        raise ConfigError(
+            f"{name}={chunk_tokens!r}: allowed: a positive integer (tokens per chunk of the "
+            f"distillation loss; default {DEFAULT_KD_CHUNK_TOKENS})"
+        )
+    return chunk_tokens
+
+
+def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``x`` in FP32 divided by T, always a new tensor (callers modify it in place)."""
+    return torch.div(x.float(), temperature)
+
+
+class _ChunkedVocabParallelKL(torch.autograd.Function):
+    """``_VocabParallelKL`` computed ``chunk`` tokens at a time, forward and backward.
+
+    The same formula and the same two collectives (the per-token maxima of every chunk in one
+    MAX, then ``[Z_s, Z_t, A]`` of every chunk in one SUM), but no ``[tokens, V/tp]`` FP32 tensor
+    ever exists: the forward keeps four FP32 numbers per token (maxima, log-normalisers) and
+    references to the logits; the backward recomputes ``p_s - p_t`` chunk by chunk into a gradient
+    in the student's dtype. Peak extra memory: one chunk's temporaries plus that gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, student, teacher, temperature: float, group, chunk: int):
+        vocab = student.shape[-1]
+        s_all = student.reshape(-1, vocab)
+        t_all = teacher.reshape(-1, vocab)
+        n = s_all.shape[0]
+        spans = [slice(a, min(a + chunk, n)) for a in range(0, n, chunk)]
+        maxima = torch.empty(2, n, dtype=torch.float32, device=student.device)
+        for sl in spans:
+            maxima[0, sl] = _scaled(s_all[sl], temperature).amax(-1)
+            maxima[1, sl] = _scaled(t_all[sl], temperature).amax(-1)
+        if _active(group):
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+        sums = torch.empty(3, n, dtype=torch.float32, device=student.device)
+        for sl in spans:
+            s = _scaled(s_all[sl], temperature)
+            t = _scaled(t_all[sl], temperature)
+            cross = torch.sub(t, s)
+            e_s = s.sub_(maxima[0, sl].unsqueeze(-1)).exp_()
+            e_t = t.sub_(maxima[1, sl].unsqueeze(-1)).exp_()
+            # e_t == 0 (teacher logit -inf) contributes 0, not 0 * inf = nan
+            cross.mul_(e_t).masked_fill_(e_t == 0, 0.0)
+            sums[0, sl] = e_s.sum(-1)
+            sums[1, sl] = e_t.sum(-1)
+            sums[2, sl] = cross.sum(-1)
+            del s, t, cross, e_s, e_t
+        if _active(group):
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        z_s, z_t, a = sums[0], sums[1], sums[2]
+        kl = a / z_t - (maxima[1] + torch.log(z_t)) + (maxima[0] + torch.log(z_s))
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(student, teacher, maxima, sums[:2].clone())
+        ctx.temperature = temperature
+        ctx.chunk = chunk
+        return (kl * (temperature**2)).reshape(student.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        student, teacher, maxima, norms = ctx.saved_tensors
+        temperature = ctx.temperature
+        vocab = student.shape[-1]
+        s_all = student.reshape(-1, vocab)
+        t_all = teacher.reshape(-1, vocab)
+        scale = grad_out.float().reshape(-1) * temperature
+        grad = torch.empty_like(s_all)
+        for a in range(0, s_all.shape[0], ctx.chunk):
+            sl = slice(a, a + ctx.chunk)
+            p_s = _scaled(s_all[sl], temperature).sub_(maxima[0, sl].unsqueeze(-1)).exp_()
+            p_s.div_(norms[0, sl].unsqueeze(-1))
+            p_t = _scaled(t_all[sl], temperature).sub_(maxima[1, sl].unsqueeze(-1)).exp_()
+            p_t.div_(norms[1, sl].unsqueeze(-1))
+            grad[sl] = p_s.sub_(p_t).mul_(scale[sl].unsqueeze(-1))
+            del p_s, p_t
+        return grad.reshape(student.shape), None, None, None, None
+
+
 def vocab_parallel_kl(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
     temperature: float = 1.0,
     tp_group=None,
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """Per-token ``T² · KL(p_teacher ‖ p_student)`` for vocab-parallel logit shards.
 
@@ -88,6 +175,8 @@ def vocab_parallel_kl(
     split over; default Megatron's TP group when model parallel is initialised with TP > 1, else
     no communication. Math in fp32; the teacher is detached; returns shape ``student_logits.shape[:-1]``.
     The T² factor keeps gradient magnitudes independent of T (Hinton et al.).
+    ``chunk_tokens``: compute ``chunk_tokens`` tokens at a time (``_ChunkedVocabParallelKL``: the
+    same loss and gradient without the FP32 ``[tokens, V/tp]`` temporaries); None: all at once.
     """
     if not temperature > 0:
         raise ConfigError(
@@ -103,6 +192,11 @@ def vocab_parallel_kl(
             f"logits need a non-empty last (vocab) dim, got {tuple(student_logits.shape)}"
         )
     group = tp_group if tp_group is not None else _default_tp_group()
+    if chunk_tokens is not None:
+        chunk = check_chunk_tokens(chunk_tokens)
+        return _ChunkedVocabParallelKL.apply(
+            student_logits, teacher_logits.detach(), float(temperature), group, chunk
+        )
     return _VocabParallelKL.apply(
         student_logits, teacher_logits.detach(), float(temperature), group
     )
@@ -128,13 +222,14 @@ def distillation_loss_func(
     temperature: float = 1.0,
     tp_group=None,
     report_key: str = "kd loss",
+    chunk_tokens: int | None = DEFAULT_KD_CHUNK_TOKENS,
 ):
     """Megatron ``loss_func`` convention: ``(kl_sum over masked tokens, num_tokens, {key: [sum, n]})``.
 
     ``loss_mask`` has the logits' leading shape, or its transpose (``[b, s]`` mask with ``[s, b]``
     logits, as Megatron's output layer produces), so callers need not care which they hold.
     """
-    kl = vocab_parallel_kl(student_logits, teacher_logits, temperature, tp_group)
+    kl = vocab_parallel_kl(student_logits, teacher_logits, temperature, tp_group, chunk_tokens)
     mask = loss_mask.float()
     if mask.shape != kl.shape:
         if mask.dim() == 2 and mask.t().shape == kl.shape:

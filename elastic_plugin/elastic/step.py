@@ -196,7 +196,12 @@ class ElasticStep:
         cfg = self.cfg
         budget = self.sampler.budgets[budget_index]
         loss_mask = batch["loss_mask"].float()
-        kd = vocab_parallel_kl(output_tensor, self._teacher_logits[local], cfg.kd_temperature)
+        kd = vocab_parallel_kl(
+            output_tensor,
+            self._teacher_logits[local],
+            cfg.kd_temperature,
+            chunk_tokens=cfg.kd_chunk_tokens,
+        )
         num_tokens = loss_mask.sum()
         kd_sum = (kd * loss_mask).sum()
         total = kd_sum

@@ -47,7 +47,13 @@ from __future__ import annotations
 from elastic_plugin.models.config import ModelConfig
 from elastic_plugin.models.runtime import Runtime
 
-__all__ = ["MAMBA_SCANS", "layer_activation_elements", "stage_activation_bytes"]
+__all__ = [
+    "MAMBA_SCANS",
+    "kd_loss_bytes",
+    "kd_loss_peak_bytes",
+    "layer_activation_elements",
+    "stage_activation_bytes",
+]
 
 FP32 = 4
 
@@ -92,6 +98,40 @@ def layer_activation_elements(
 def _mlp(model: ModelConfig, ffn: int) -> float:
     rows = ffn * (2 if model.gated_mlp else 1)
     return rows + ffn + (ffn if model.gated_mlp else 0)
+
+
+def kd_loss_bytes(
+    tokens: int, vocab_shard: float, dtype_bytes: int, chunk_tokens: int | None
+) -> dict[str, float]:
+    """The distillation loss's own bytes on the last stage for one micro-batch (logits given):
+    ``stored`` from its forward to its backward, ``transient`` on top of that while it runs.
+
+    Unchunked (``chunk_tokens`` None, ``_VocabParallelKL``): stores ``p_s - p_t`` in FP32; its
+    forward holds seven FP32 ``[tokens, V / t]`` tensors and a boolean mask at once.
+    Chunked (``_ChunkedVocabParallelKL``): stores the student's logits (model dtype; the output
+    layer's result, which the unchunked loss lets go) and four FP32 numbers per token; a chunk's
+    forward holds three FP32 tensors and a mask, its backward two FP32 ones and a conversion
+    copy, next to the logits' gradient (model dtype, whole).
+    """
+    elements = tokens * vocab_shard
+    if chunk_tokens is None:
+        return {"stored": FP32 * elements, "transient": (7 * FP32 + 1) * elements}
+    chunk = min(chunk_tokens, tokens) * vocab_shard
+    stored = dtype_bytes * elements + 4 * FP32 * tokens
+    transient = max((3 * FP32 + 1) * chunk, dtype_bytes * elements + 3 * FP32 * chunk)
+    return {"stored": stored, "transient": transient}
+
+
+def kd_loss_peak_bytes(
+    tokens: int, vocab_shard: float, dtype_bytes: int, chunk_tokens: int | None
+) -> float:
+    """Peak bytes the loss's forward + backward allocate beyond the logits it is given (what
+    ``bench/bench_kd_loss.py`` measures): its stored bytes plus its transient."""
+    loss = kd_loss_bytes(tokens, vocab_shard, dtype_bytes, chunk_tokens)
+    if chunk_tokens is None:  # the stored p_s - p_t is one of the forward's seven, made in place
+        return loss["transient"]
+    # the student's logits it stores are the caller's, not allocated here
+    return loss["stored"] - dtype_bytes * tokens * vocab_shard + loss["transient"]
 
 
 def stage_activation_bytes(

@@ -29,6 +29,7 @@ def tp_kl_matches_reference(
     temperature: float = 2.0,
     seed: int = 7,
     use_default_group: bool = True,
+    chunk_tokens: int | None = None,
 ) -> dict:
     """Each TP rank holds a contiguous vocab slice of the same full logits; compare its per-token KL
     and its gradient shard with the full-vocab reference computed locally."""
@@ -54,7 +55,7 @@ def tp_kl_matches_reference(
     my_student = student[..., sl].clone().requires_grad_(True)
     my_teacher = teacher[..., sl].clone().requires_grad_(True)
     group = None if use_default_group else parallel_state.get_tensor_model_parallel_group()
-    kl = vocab_parallel_kl(my_student, my_teacher, temperature, tp_group=group)
+    kl = vocab_parallel_kl(my_student, my_teacher, temperature, group, chunk_tokens)
     (kl * weights).sum().backward()
     student_grad, ref_grad = my_student.grad, ref_student.grad
     assert student_grad is not None and ref_grad is not None  # both took part in backward()
@@ -75,7 +76,9 @@ def tp_kl_matches_reference(
         "grad_max_abs": float(ref_grad.abs().max()),
         "teacher_grad_is_none": my_teacher.grad is None,
         "self_kl_max_abs": float(
-            vocab_parallel_kl(my_student.detach(), my_student.detach(), temperature, tp_group=group)
+            vocab_parallel_kl(
+                my_student.detach(), my_student.detach(), temperature, group, chunk_tokens
+            )
             .abs()
             .max()
         ),
