@@ -49,17 +49,18 @@ def init_checkpoint(config_path: str, out: str) -> str:
     return out
 
 
-def pick_faults(seed: str, world: int, count: int) -> list[str]:
-    """``count`` seeded ``ELASTIC_PLUGIN_FAULT`` specs, alternating a kill of one random rank at
-    a random training step and a kill of every rank at a random point of a random checkpoint
-    save. ``save.pointer`` runs on rank 0 only, so a one-rank kill there targets rank 0."""
+def pick_faults(seed: str, world: int, count: int, first: str = "step") -> list[str]:
+    """``count`` seeded ``ELASTIC_PLUGIN_FAULT`` specs, alternating (from ``first``: "step" or
+    "save") a kill of one random rank at a random training step and a kill of every rank at a
+    random point of a random checkpoint save. ``save.pointer`` runs on rank 0 only, so a
+    one-rank kill there targets rank 0."""
     from elastic_plugin.compat.faults import POINTS
 
     rng = random.Random(seed)
     save_points = [p for p in POINTS if p.startswith("save.")]
     specs = []
     for i in range(count):
-        if i % 2 == 0:
+        if (i + (first == "save")) % 2 == 0:
             specs.append(f"train.step@{rng.randint(2, TRAIN_ITERS)}:rank={rng.randrange(world)}")
         else:
             point = rng.choice(save_points)
