@@ -61,6 +61,11 @@ def test_a_resume_must_be_the_same_run():
         with pytest.raises(ConfigError) as err:
             check_resumable_training(meta, changed, layout, "resume: X")
         assert str(err.value).startswith("resume: X") and needle in str(err.value), err.value
+    # a save from before context parallelism (no "cp" in its layout) resumes at CP=1 only
+    older = {**meta, "layout": {k: v for k, v in meta["layout"].items() if k != "cp"}}
+    check_resumable_training(older, cfg, Layout(), "resume: X")
+    with pytest.raises(ConfigError, match="written with layout"):
+        check_resumable_training(older, cfg, Layout(cp=2), "resume: X")
     # logging and evaluation may change on resume
     relogged = dataclasses.replace(
         cfg, training=dataclasses.replace(cfg.training, log_interval=1, eval_interval=7)

@@ -412,6 +412,7 @@ def checkpoint_meta_for_save(iteration: int, chunks: list) -> dict[str, Any]:
         args.expert_model_parallel_size,
         bool(args.sequence_parallel),
         bool(args.use_distributed_optimizer),
+        int(getattr(args, "context_parallel_size", 1) or 1),
     )
     training = dataclasses.replace(run.cfg.training, bf16=bool(getattr(args, "bf16", False)))
     meta = checkpoint_meta(

@@ -48,6 +48,8 @@ def check_resumable_state(meta: Mapping[str, Any], runtime: Runtime, layout, whe
     """The optimizer state of a save loads only into the layout (it is not resharded) and the
     precision (FP32 main weights or none) that wrote it."""
     saved_layout = meta.get("layout") or {}
+    if saved_layout:  # a field added since (context parallelism) has its default in older saves
+        saved_layout = {**dataclasses.asdict(type(layout)()), **saved_layout}
     if saved_layout != dataclasses.asdict(layout):
         raise ConfigError(
             f"{where} was written with layout {saved_layout}; resume with the same layout "
