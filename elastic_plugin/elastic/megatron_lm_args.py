@@ -16,6 +16,7 @@ from typing import Any
 from elastic_plugin.elastic.args import add_elastic_args, elastic_config_from_args
 from elastic_plugin.models.config import ConfigError, ModelConfig
 from elastic_plugin.models.context_parallel import check_context_parallel
+from elastic_plugin.models.megatron_fields import architecture_fields
 
 VPP_ERROR = (
     "Elastic training inside megatron.training.pretrain runs one model chunk per pipeline "
@@ -71,30 +72,30 @@ class ArchFlag:
 
 
 def arch_flags(model: ModelConfig) -> list[ArchFlag]:
-    """The Megatron-LM flags that describe ``model`` (the checkpoint's architecture)."""
+    """The Megatron-LM flags that describe ``model`` (the checkpoint's architecture); their
+    values are the ``TransformerConfig`` fields the builder uses (``models.megatron_fields``)."""
+    f = architecture_fields(model)
     flags = [
         ArchFlag("--hybrid-layer-pattern", "hybrid_layer_pattern", model.hybrid_layer_pattern),
-        ArchFlag("--num-layers", "num_layers", model.num_layers),
-        ArchFlag("--hidden-size", "hidden_size", model.hidden_size),
-        ArchFlag("--num-attention-heads", "num_attention_heads", max(model.num_attention_heads, 1)),
+        ArchFlag("--num-layers", "num_layers", f["num_layers"]),
+        ArchFlag("--hidden-size", "hidden_size", f["hidden_size"]),
+        ArchFlag("--num-attention-heads", "num_attention_heads", f["num_attention_heads"]),
         ArchFlag("--max-position-embeddings", "max_position_embeddings", model.max_sequence_length),
         ArchFlag(
             "--position-embedding-type", "position_embedding_type", model.position_embedding_type
         ),
-        ArchFlag("--normalization", "normalization", model.normalization),
-        ArchFlag("--norm-epsilon", "layernorm_epsilon", model.layernorm_epsilon),
-        ArchFlag("--init-method-std", "init_method_std", model.init_method_std),
+        ArchFlag("--normalization", "normalization", f["normalization"]),
+        ArchFlag("--norm-epsilon", "layernorm_epsilon", f["layernorm_epsilon"]),
+        ArchFlag("--init-method-std", "init_method_std", f["init_method_std"]),
         ArchFlag(
             "--untie-embeddings-and-output-weights",
             "untie_embeddings_and_output_weights",
             model.untie_embeddings_and_output_weights,
             "store_true",
         ),
-        ArchFlag("--disable-bias-linear", "add_bias_linear", model.add_bias_linear, "store_false"),
-        # the plugin's models run without dropout (Megatron-LM's default is 0.1): a student with
-        # dropout would not be the function its teacher and elastic-train's student are
-        ArchFlag("--hidden-dropout", "hidden_dropout", 0.0),
-        ArchFlag("--attention-dropout", "attention_dropout", 0.0),
+        ArchFlag("--disable-bias-linear", "add_bias_linear", f["add_bias_linear"], "store_false"),
+        ArchFlag("--hidden-dropout", "hidden_dropout", f["hidden_dropout"]),
+        ArchFlag("--attention-dropout", "attention_dropout", f["attention_dropout"]),
     ]
     if model.position_embedding_type == "rope":
         flags.append(ArchFlag("--rotary-base", "rotary_base", model.rotary_base))
@@ -119,13 +120,13 @@ def arch_flags(model: ModelConfig) -> list[ArchFlag]:
         )
     if model.count("attention"):
         flags += [
-            ArchFlag("--kv-channels", "kv_channels", model.head_dim),
-            ArchFlag("--qk-layernorm", "qk_layernorm", model.qk_layernorm, "store_true"),
+            ArchFlag("--kv-channels", "kv_channels", f["kv_channels"]),
+            ArchFlag("--qk-layernorm", "qk_layernorm", f["qk_layernorm"], "store_true"),
             # Megatron-LM's validate_args sets add_qkv_bias whenever add_bias_linear is on
             ArchFlag(
                 "--add-qkv-bias",
                 "add_qkv_bias",
-                model.add_qkv_bias or model.add_bias_linear,
+                f["add_qkv_bias"] or f["add_bias_linear"],
                 "store_true",
             ),
         ]
@@ -135,28 +136,28 @@ def arch_flags(model: ModelConfig) -> list[ArchFlag]:
                 ArchFlag("--num-query-groups", "num_query_groups", model.query_groups),
             ]
     if model.count("mlp"):
-        flags.append(ArchFlag("--ffn-hidden-size", "ffn_hidden_size", model.ffn_hidden_size))
+        flags.append(ArchFlag("--ffn-hidden-size", "ffn_hidden_size", f["ffn_hidden_size"]))
     if model.count("mamba"):
         flags += [
             ArchFlag("--mamba-num-heads", "mamba_num_heads", model.mamba_num_heads),
-            ArchFlag("--mamba-head-dim", "mamba_head_dim", model.mamba_head_dim),
-            ArchFlag("--mamba-num-groups", "mamba_num_groups", model.mamba_num_groups),
-            ArchFlag("--mamba-state-dim", "mamba_state_dim", model.mamba_state_dim),
+            ArchFlag("--mamba-head-dim", "mamba_head_dim", f["mamba_head_dim"]),
+            ArchFlag("--mamba-num-groups", "mamba_num_groups", f["mamba_num_groups"]),
+            ArchFlag("--mamba-state-dim", "mamba_state_dim", f["mamba_state_dim"]),
         ]
     if model.count("moe"):
         flags += [
-            ArchFlag("--num-experts", "num_experts", model.num_moe_experts),
-            ArchFlag("--moe-router-topk", "moe_router_topk", model.moe_router_topk),
-            ArchFlag("--moe-ffn-hidden-size", "moe_ffn_hidden_size", model.moe_ffn_hidden_size),
+            ArchFlag("--num-experts", "num_experts", f["num_moe_experts"]),
+            ArchFlag("--moe-router-topk", "moe_router_topk", f["moe_router_topk"]),
+            ArchFlag("--moe-ffn-hidden-size", "moe_ffn_hidden_size", f["moe_ffn_hidden_size"]),
             ArchFlag(
                 "--moe-router-score-function",
                 "moe_router_score_function",
-                model.moe_router_score_function,
+                f["moe_router_score_function"],
             ),
             ArchFlag(
                 "--moe-router-enable-expert-bias",
                 "moe_router_enable_expert_bias",
-                model.moe_router_enable_expert_bias,
+                f["moe_router_enable_expert_bias"],
                 "store_true",
             ),
         ]
@@ -164,30 +165,30 @@ def arch_flags(model: ModelConfig) -> list[ArchFlag]:
             ArchFlag(
                 "--moe-token-dispatcher-type",
                 "moe_token_dispatcher_type",
-                model.moe_token_dispatcher_type,
+                f["moe_token_dispatcher_type"],
             ),
-            ArchFlag("--moe-router-dtype", "moe_router_dtype", "fp32"),
+            ArchFlag("--moe-router-dtype", "moe_router_dtype", f["moe_router_dtype"]),
             ArchFlag(
                 "--moe-router-load-balancing-type",
                 "moe_router_load_balancing_type",
-                "aux_loss" if model.moe_aux_loss_coeff else "none",
+                f["moe_router_load_balancing_type"],
             ),
-            ArchFlag("--moe-aux-loss-coeff", "moe_aux_loss_coeff", model.moe_aux_loss_coeff),
+            ArchFlag("--moe-aux-loss-coeff", "moe_aux_loss_coeff", f["moe_aux_loss_coeff"]),
         ]
-        if model.moe_router_topk_scaling_factor is not None:
+        if f["moe_router_topk_scaling_factor"] is not None:
             flags.append(
                 ArchFlag(
                     "--moe-router-topk-scaling-factor",
                     "moe_router_topk_scaling_factor",
-                    model.moe_router_topk_scaling_factor,
+                    f["moe_router_topk_scaling_factor"],
                 )
             )
-        if model.moe_shared_expert_intermediate_size:
+        if f["moe_shared_expert_intermediate_size"]:
             flags.append(
                 ArchFlag(
                     "--moe-shared-expert-intermediate-size",
                     "moe_shared_expert_intermediate_size",
-                    model.moe_shared_expert_intermediate_size,
+                    f["moe_shared_expert_intermediate_size"],
                 )
             )
     return flags

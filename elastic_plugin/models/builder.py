@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from elastic_plugin.models.config import ConfigError, ModelConfig, ParallelConfig
 from elastic_plugin.models.context_parallel import check_context_parallel
+from elastic_plugin.models.megatron_fields import architecture_fields
 from elastic_plugin.models.specs import add_head_norms, have_transformer_engine, hybrid_stack_spec
 
 
@@ -57,27 +58,9 @@ def transformer_config(
             "MoE layers with tensor_model_parallel_size > 1 need parallel.sequence_parallel=true "
             "(--sequence-parallel); Megatron-Core refuses to train them otherwise"
         )
-    kwargs: dict[str, Any] = dict(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        num_attention_heads=max(model.num_attention_heads, 1),
-        num_query_groups=model.num_query_groups,
-        kv_channels=model.head_dim,
-        ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
+    kwargs: dict[str, Any] = architecture_fields(model) | dict(
         activation_func=activation,
         gated_linear_unit=gated,
-        normalization=model.normalization,
-        layernorm_epsilon=model.layernorm_epsilon,
-        add_bias_linear=model.add_bias_linear,
-        add_qkv_bias=model.add_qkv_bias,
-        qk_layernorm=model.qk_layernorm,
-        init_method_std=model.init_method_std,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        mamba_num_heads=model.mamba_num_heads or None,
-        mamba_head_dim=model.mamba_head_dim,
-        mamba_num_groups=model.mamba_num_groups,
-        mamba_state_dim=model.mamba_state_dim,
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size if has_moe else 1,
@@ -95,20 +78,7 @@ def transformer_config(
         persist_layer_norm=False,
     )
     if has_moe:
-        kwargs.update(
-            num_moe_experts=model.num_moe_experts,
-            moe_router_topk=model.moe_router_topk,
-            moe_ffn_hidden_size=model.moe_ffn_hidden_size,
-            moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size or None,
-            moe_router_score_function=model.moe_router_score_function,
-            moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
-            moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
-            moe_aux_loss_coeff=model.moe_aux_loss_coeff,
-            moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff else "none",
-            moe_token_dispatcher_type=model.moe_token_dispatcher_type,
-            moe_grouped_gemm=False,
-            moe_router_dtype="fp32",
-        )
+        kwargs["moe_grouped_gemm"] = False
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
