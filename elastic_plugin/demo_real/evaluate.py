@@ -1,0 +1,135 @@
+"""The last stage of ``make demo-real``: measure every model (``measure``) into ``report.json``,
+then write ``report.md`` and the plots (``report``).
+
+    python -m elastic_plugin.demo_real.evaluate --out OUT --hf-dir DIR --test-data PREFIX
+
+``report.json`` keeps the per-window numbers each figure is computed from (``windows``), so the
+printed figures can be recomputed from it (``report.recompute``; tested).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from elastic_plugin.demo_real import measure
+from elastic_plugin.demo_real.report import build_report, plot, write_markdown
+
+PARENT = "parent"
+
+
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    from elastic_plugin.checkpoint.meta import budget_label, read_elastic_meta, trained_budgets
+    from elastic_plugin.export.tokens import token_windows
+
+    out = Path(args.out)
+    started = time.time()
+
+    def log(message: str) -> None:
+        print(f"[demo-real evaluate {time.time() - started:6.1f}s] {message}", flush=True)
+
+    elastic = out / "checkpoints" / "elastic"
+    meta = read_elastic_meta(elastic)
+    budgets = sorted(trained_budgets(meta), reverse=True)
+    tokens = token_windows(args.test_data, args.windows, args.seq_length, "--test-data")
+    windows: dict[str, Any] = {}
+    windows[PARENT] = measure.measure_hf_dir(Path(args.hf_dir), tokens, args.batch_size)
+    log(f"parent (HF, fp32): {measure.summarize(windows[PARENT])}")
+    orders = {
+        name: out / "checkpoints" / ckpt
+        for name, ckpt in (("ours", "reordered"), ("magnitude", "reordered_magnitude"))
+        if (out / "checkpoints" / ckpt / "latest_checkpointed_iteration.txt").is_file()
+    }
+    mega = measure.measure_megatron(elastic, orders, budgets, tokens, args.batch_size, log)
+    for label, stats in mega["elastic"].items():
+        windows[f"elastic/fp32/{label}"] = stats
+    for order, per_budget in mega["zero_shot"].items():
+        for label, stats in per_budget.items():
+            windows[f"zero_shot/{order}/{label}"] = stats
+    exports = json.loads((out / "exports" / "exports.json").read_text())["exports"]
+    bf16_dirs: dict[str, Path] = {}
+    for row in exports:
+        if row["precision"] not in ("bf16", "fp8", "nvfp4"):
+            continue
+        label, key = budget_label(row["budget"]), f"elastic/{row['precision']}/"
+        key += budget_label(row["budget"])
+        windows[key] = measure.measure_hf_dir(Path(row["path"]), tokens, args.batch_size)
+        log(f"export {key}: {measure.summarize(windows[key])}")
+        if row["precision"] == "bf16":
+            bf16_dirs[label] = Path(row["path"])
+    prompts = list(measure.PROMPTS[: args.prompts])
+    answers = {PARENT: measure.answer_prompts(Path(args.hf_dir), Path(args.hf_dir), prompts,
+                                              args.answer_tokens)}  # fmt: skip
+    for label, path in bf16_dirs.items():
+        answers[label] = measure.answer_prompts(
+            path, Path(args.hf_dir), prompts, args.answer_tokens
+        )
+    log("prompts answered")
+    speed = {PARENT: measure.decode_speed(Path(args.hf_dir), (1, 4), args.decode_tokens)}
+    for label, path in bf16_dirs.items():
+        speed[label] = measure.decode_speed(path, (1, 4), args.decode_tokens)
+    log(f"decode tokens/s: {speed}")
+    from elastic_plugin.models.config import config_from_dict
+    from elastic_plugin.models.counting import count_parameters
+
+    parent_params = count_parameters(config_from_dict(meta["config"]).model).total
+    report = build_report(
+        windows=windows,
+        params={PARENT: parent_params, **mega["params"]},
+        choices=mega["choices"],
+        budgets=[budget_label(b) for b in budgets],
+        prompts=prompts,
+        answers=answers,
+        decode=speed,
+        data={
+            "test_data": args.test_data,
+            "windows": int(tokens.shape[0]),
+            "seq_length": args.seq_length,
+            "tokens": int(tokens[:, 1:].numel()),
+        },
+        training=_training_summary(out, meta),
+    )
+    report["seconds"] = round(time.time() - started, 1)
+    report["plots"] = [str(p) for p in plot(report, out)]
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_markdown(report, out / "report.md")
+    return report
+
+
+def _training_summary(out: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """Tokens the elastic run trained on (iterations x global batch x sequence length), from its
+    metrics file when there is one."""
+    summary: dict[str, Any] = {}
+    metrics = out / "elastic_metrics.jsonl"
+    if metrics.is_file():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        tokens = [r["tokens"] for r in rows if isinstance(r.get("tokens"), (int, float))]
+        iters = [r["iteration"] for r in rows if isinstance(r.get("iteration"), int)]
+        if iters:
+            summary["iterations"] = max(iters)
+        if tokens:
+            summary["tokens"] = int(max(tokens))
+    summary["schedule"] = (meta.get("elastic") or {}).get("schedule")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m elastic_plugin.demo_real.evaluate")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--hf-dir", required=True, help="the converted parent (HF directory)")
+    parser.add_argument("--test-data", required=True, help="indexed prefix of the test split")
+    parser.add_argument("--windows", type=int, default=64)
+    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--answer-tokens", type=int, default=24)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=len(measure.PROMPTS))
+    evaluate(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

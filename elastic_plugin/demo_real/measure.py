@@ -1,0 +1,198 @@
+"""What one elastic run on a real pretrained model buys, measured on held-out text (``make demo-real``).
+
+Every model is scored on the *same* test windows (the corpus' test split, documents no training
+or validation step read): per window the summed next-token NLL, the number of tokens whose
+greedy (argmax) prediction is the next token, and the token count. From those come perplexity,
+next-token accuracy, retention against the parent, and paired standard errors between any two
+models (the per-window differences' spread / sqrt(windows): the windows' own difficulty cancels).
+
+Models measured:
+- the parent: the converted Hugging Face directory in stock transformers (fp32);
+- each trained budget cut out of the elastic checkpoint (fp32, our Megatron nested model);
+- each budget of the HF exports in BF16 / FP8 / NVFP4, as a runtime computes it (stock
+  transformers; quantized weights dequantized, calibrated activation scales applied);
+- zero-shot pruning: the same architecture (the budget's stored choice) cut from the
+  importance-reordered parent, no training; and from parents reordered by weight magnitude
+  (and at random) when those checkpoints exist: which importance order prunes best.
+It also answers instruction prompts greedily with every budget's BF16 export (chat template)
+and times greedy decoding at batch 1 and batched per budget.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Name three primary colours.",
+    "What is the opposite of hot?",
+    "Write one sentence about the sea.",
+    "How many days are in a week?",
+)
+
+
+# ------------------------------------------------------------------------------ per-window stats
+def window_stats(
+    logits_of: Callable[[Any], Any], tokens: Any, batch_size: int
+) -> dict[str, list[float]]:
+    """``nll`` (summed, nats), ``correct`` (argmax == next token) and ``count`` per window of
+    ``tokens`` ``[n, s + 1]``; logits in fp32."""
+    import torch
+    import torch.nn.functional as F
+
+    out: dict[str, list[float]] = {"nll": [], "correct": [], "count": []}
+    with torch.no_grad():
+        for batch in tokens.split(batch_size):
+            inputs, labels = batch[:, :-1], batch[:, 1:]
+            logits = logits_of(inputs).float()
+            nll = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
+            ).reshape(labels.shape)
+            out["nll"] += nll.double().sum(1).tolist()
+            out["correct"] += (logits.argmax(-1) == labels).sum(1).double().tolist()
+            out["count"] += [float(labels.shape[1])] * labels.shape[0]
+    return out
+
+
+def summarize(stats: dict[str, list[float]]) -> dict[str, float]:
+    """Perplexity and next-token accuracy over all windows (token-weighted)."""
+    tokens = sum(stats["count"])
+    loss = sum(stats["nll"]) / tokens
+    return {"loss": loss, "perplexity": math.exp(loss), "accuracy": sum(stats["correct"]) / tokens}
+
+
+def paired(a: dict[str, list[float]], b: dict[str, list[float]]) -> dict[str, Any]:
+    """``a`` minus ``b`` on the same windows: mean per-window difference of loss (nats/token)
+    and accuracy, each with its standard error."""
+    out: dict[str, Any] = {}
+    for metric, key in (("loss", "nll"), ("accuracy", "correct")):
+        diffs = [(x - y) / n for x, y, n in zip(a[key], b[key], a["count"])]
+        se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
+        out[metric] = {"diff": statistics.fmean(diffs), "se": se, "windows": len(diffs)}
+    return out
+
+
+# ------------------------------------------------------------------------------ the models
+def hf_logits(model: Any) -> Callable[[Any], Any]:
+    return lambda inputs: model(inputs).logits
+
+
+def megatron_logits(model: Any) -> Callable[[Any], Any]:
+    import torch
+
+    def run(inputs: Any) -> Any:
+        position = torch.arange(inputs.shape[1]).unsqueeze(0).expand_as(inputs)
+        return model(inputs, position, None)
+
+    return run
+
+
+def measure_hf_dir(path: Path, tokens: Any, batch_size: int) -> dict[str, list[float]]:
+    """An HF export (or the converted parent) as a runtime computes it."""
+    import torch
+
+    from elastic_plugin.export.calibrate import activation_fake_quant
+    from elastic_plugin.export.hf import export_input_amax, load_hf_model
+
+    model = load_hf_model(path, dtype=torch.float32).eval()
+    fmt, amax = export_input_amax(path)
+    if amax and fmt is not None:
+        with activation_fake_quant(model, amax, fmt):
+            return window_stats(hf_logits(model), tokens, batch_size)
+    return window_stats(hf_logits(model), tokens, batch_size)
+
+
+def measure_megatron(
+    elastic_ckpt: Path,
+    reordered: dict[str, Path],
+    budgets: Sequence[float],
+    tokens: Any,
+    batch_size: int,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """fp32 budgets of the elastic checkpoint, and the same choices cut zero-shot from each
+    reordered parent (``reordered``: order name -> checkpoint)."""
+    from elastic_plugin.checkpoint.meta import budget_label, read_elastic_meta, stored_choice
+    from elastic_plugin.models.config import config_from_dict
+    from elastic_plugin.models.counting import count_parameters
+    from elastic_plugin.nested.model import load_nested_models, nested_model
+
+    meta = read_elastic_meta(elastic_ckpt)
+    cfg = config_from_dict(meta["config"], source=str(elastic_ckpt))
+    out: dict[str, Any] = {"elastic": {}, "zero_shot": {}, "params": {}, "choices": {}}
+    for budget, (model, small) in zip(budgets, load_nested_models(elastic_ckpt, list(budgets))):
+        label = budget_label(budget)
+        out["params"][label] = count_parameters(small).total
+        out["choices"][label] = stored_choice(meta, budget, elastic_ckpt)
+        out["elastic"][label] = window_stats(megatron_logits(model), tokens, batch_size)
+        log(f"elastic {label}: {summarize(out['elastic'][label])}")
+        del model
+    for order, ckpt in reordered.items():
+        ((full, _),) = load_nested_models(ckpt, [None])
+        out["zero_shot"][order] = {}
+        for budget in budgets:
+            label = budget_label(budget)
+            model, _ = nested_model(full, cfg.model, out["choices"][label])
+            out["zero_shot"][order][label] = window_stats(
+                megatron_logits(model), tokens, batch_size
+            )
+            log(f"zero-shot ({order}) {label}: {summarize(out['zero_shot'][order][label])}")
+            del model
+        del full
+    return out
+
+
+def answer_prompts(
+    path: Path, tokenizer_dir: Path, prompts: Sequence[str], max_new_tokens: int
+) -> list[str]:
+    """Greedy answers (chat template) of an HF directory in stock transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok: Any = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    answers = []
+    for prompt in prompts:
+        ids: Any = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt"
+        )
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        with torch.no_grad():
+            out = model.generate(
+                ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id
+            )
+        text: str = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        answers.append(text.strip())
+    return answers
+
+
+def decode_speed(path: Path, batch_sizes: Sequence[int], new_tokens: int) -> dict[str, float]:
+    """Greedy decode tokens/s (generated tokens per second, cache on, fp32) per batch size,
+    from a fixed 16-token prompt, best of two runs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    speeds = {}
+    for batch in batch_sizes:
+        ids = torch.arange(100, 116).repeat(batch, 1)
+        best = float("inf")
+        for _ in range(2):
+            start = time.perf_counter()
+            with torch.no_grad():
+                model.generate(
+                    ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+                )
+            best = min(best, time.perf_counter() - start)
+        speeds[str(batch)] = batch * new_tokens / best
+    return speeds
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(Path(path).read_text())

