@@ -22,7 +22,7 @@ from elastic_plugin.models.config import ConfigError, ModelConfig
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Cut", "Family", "ImportLayout", "Target", "refuse"]
+__all__ = ["Cut", "Family", "ImportLayout", "QuantLayout", "Target", "refuse"]
 
 # (dim, prefix length or index set) per cut dimension of one tensor
 Cut = tuple[tuple[int, "int | torch.Tensor"], ...]
@@ -49,6 +49,26 @@ class ImportLayout:
     table: dict[str, Target]
     zero_filled: list[str]
     notes: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantLayout:
+    """How a family's in-memory tensors become ModelOpt's quantized HF layout (the shared
+    ``export/quantize.py`` asks, so it names no family).
+
+    ``expert_stacks``: an in-memory 3-D fused-experts leaf (``…experts.<leaf>``, [E, out, in])
+    -> the per-expert projections it is written as, its rows split evenly in that order
+    (NemotronH ``up_proj`` -> ``up_proj``; a gated ``gate_up_proj`` -> ``gate_proj``,
+    ``up_proj``). The parts of one expert share its weight scale(s): ModelOpt quantizes the
+    fused parameter per expert. ``fused``: sibling projections a runtime runs as one GEMM, so
+    NVFP4 gives them one global weight scale (ModelOpt's ``preprocess_linear_fusion``)."""
+
+    expert_stacks: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    fused: tuple[tuple[str, ...], ...] = ()
+
+    def merged(self, other: QuantLayout) -> QuantLayout:
+        """Both layouts' rules (leaf names of different families do not collide)."""
+        return QuantLayout({**self.expert_stacks, **other.expert_stacks}, self.fused + other.fused)
 
 
 def refuse(source: str, field: str, value: Any, allowed: str, why: str) -> ConfigError:
@@ -118,6 +138,18 @@ class Family(abc.ABC):
     def memory_name(self, name: str) -> str:
         """A module or tensor name as transformers holds it."""
         return name
+
+    #: the quantized layout (:class:`QuantLayout`) of this family's tensors
+    quant_layout: QuantLayout = QuantLayout()
+
+    def megatron_input(self, module: str) -> tuple[int, str] | None:
+        """``(Megatron layer index, role)`` of the Megatron module that reads what the in-memory
+        HF linear ``module`` reads, for activation quantization of a Megatron model with an
+        export's ``input_scale`` (``evaluation/models.py``). Roles: ``qkv``, ``proj`` (attention
+        output), ``fc1`` / ``fc2`` (dense MLP), ``shared_fc1`` / ``shared_fc2``, ``experts_fc1`` /
+        ``experts_fc2`` (every local expert), ``mamba_in`` / ``mamba_out``; None: not a linear
+        this family quantizes."""
+        return None
 
     def keep_fp32(self, name: str) -> bool:
         """Tensors stored in float32 whatever the export dtype (quantization scales always)."""

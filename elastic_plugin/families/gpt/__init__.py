@@ -8,11 +8,12 @@ slicing (``slicing.py``) and the transformers builder (``builder.py``) are commo
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from elastic_plugin.families.base import Cut, Family, ImportLayout
+from elastic_plugin.families.base import Cut, Family, ImportLayout, QuantLayout
 from elastic_plugin.families.gpt.config import GptSpec, gpt_model_config
 from elastic_plugin.families.gpt.keys import GptKeys
 from elastic_plugin.models.config import ModelConfig
@@ -127,6 +128,32 @@ class GptFamily(Family):
 
     def memory_name(self, name: str) -> str:
         return self.keys.memory_name(name)
+
+    # ------------------------------------------------------------------ quantized layout
+    # transformers' fused gate_up_proj is written per expert as gate_proj + up_proj (ModelOpt's
+    # export: one weight quantizer per expert of the fused parameter, so they share its scales)
+    quant_layout = QuantLayout(
+        expert_stacks={"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)},
+        fused=(("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")),
+    )
+
+    def megatron_input(self, module: str) -> tuple[int, str] | None:
+        """HF layer i's attention is Megatron layer 2i, its MLP / MoE layer 2i+1."""
+        match = re.fullmatch(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(.+)", module)
+        if match is None:
+            return None
+        i, block, leaf = int(match[1]), match[2], match[3]
+        if block == "self_attn":
+            role = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "proj"}
+            return (2 * i, role[leaf]) if leaf in role else None
+        roles = {
+            "gate_proj": "fc1",
+            "up_proj": "fc1",
+            "down_proj": "fc2",
+            "experts.gate_up_proj": "experts_fc1",
+            "experts.down_proj": "experts_fc2",
+        }
+        return (2 * i + 1, roles[leaf]) if leaf in roles else None
 
     # ------------------------------------------------------------------ slicing
     def tensor_cuts(

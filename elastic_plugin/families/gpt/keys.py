@@ -32,6 +32,8 @@ GLOBAL = (
     ("output_layer.weight", "lm_head.weight"),
 )
 _ROLES = ("gate", "up", "down")
+# transformers' own per-expert names (Qwen3-MoE's on disk; quantized experts in memory)
+_PARTS = ("gate_proj", "up_proj", "down_proj")
 
 
 def check_pairs(model: ModelConfig) -> None:
@@ -183,19 +185,27 @@ class GptKeys:
         )
 
     def hub_name(self, name: str) -> str:
-        """A module name on disk: an MoE layer's ``mlp.`` is the family's MoE module."""
+        """A module name on disk: an MoE layer's ``mlp.`` is the family's MoE module, and a
+        per-expert projection (quantized experts stay per expert in memory) its disk name."""
         if self.moe_module != "mlp":
             name = re.sub(
                 r"^(model\.layers\.\d+)\.mlp\.(gate|experts)\b", rf"\1.{self.moe_module}.\2", name
             )
-        return name
+        return self._expert_proj(name, dict(zip(_PARTS, self.expert_names)))
 
     def memory_name(self, name: str) -> str:
         if self.moe_module != "mlp":
             name = re.sub(
                 rf"^(model\.layers\.\d+)\.{re.escape(self.moe_module)}\.", r"\1.mlp.", name
             )
-        return name
+        return self._expert_proj(name, dict(zip(self.expert_names, _PARTS)))
+
+    @staticmethod
+    def _expert_proj(name: str, rename: Mapping[str, str]) -> str:
+        match = re.fullmatch(r"(model\.layers\.\d+\.\w+\.experts\.\d+)\.(\w+)((\.\w+)?)", name)
+        if match is None or match[2] not in rename:
+            return name
+        return f"{match[1]}.{rename[match[2]]}{match[3]}"
 
     def to_hub(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """In-memory names -> on disk: fused experts become one tensor per expert and projection
@@ -233,22 +243,26 @@ class GptKeys:
         experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
         for key, value in tensors.items():
             match = self._disk_expert(key)
-            if match is None or match["leaf"] != "weight":
+            quantized = key.removesuffix("weight") + "weight_scale" in tensors
+            if match is None or match["leaf"] != "weight" or quantized:
+                # quantized experts stay per expert (their scales go with them)
                 out[self.memory_name(key)] = value
                 continue
             found = experts.setdefault(match["layer"], {r: {} for r in _ROLES})
             found[roles[match["proj"]]][int(match["e"])] = value
         for layer, parts in experts.items():
-            ids = sorted(parts["gate"])
-            if ids != list(range(len(ids))) or any(sorted(parts[r]) != ids for r in _ROLES):
-                raise ConfigError(
-                    f"{layer}.{self.moe_module}.experts: gate/up/down of experts "
-                    f"{[sorted(parts[r]) for r in _ROLES]}; expected 0..E-1 of each"
-                )
-            out[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack(
-                [torch.cat([parts["gate"][e], parts["up"][e]]) for e in ids]
-            )
-            out[f"{layer}.mlp.experts.down_proj"] = torch.stack([parts["down"][e] for e in ids])
+            # gate + up stack together, down alone (one may be quantized, the other not)
+            for stacked, members in (("gate_up_proj", ("gate", "up")), ("down_proj", ("down",))):
+                ids = sorted(parts[members[0]])
+                if any(sorted(parts[r]) != ids for r in members) or ids != list(range(len(ids))):
+                    raise ConfigError(
+                        f"{layer}.{self.moe_module}.experts: {'/'.join(members)} of experts "
+                        f"{[sorted(parts[r]) for r in members]}; expected 0..E-1 of each"
+                    )
+                if ids:
+                    out[f"{layer}.mlp.experts.{stacked}"] = torch.stack(
+                        [torch.cat([parts[r][e] for r in members]) for e in ids]
+                    )
         return out
 
     # ------------------------------------------------------------------ import table

@@ -5,11 +5,12 @@ tensor each (``checkpoint/hub.py``'s Nemotron-H layout)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from elastic_plugin.families.base import Cut, Family, ImportLayout
+from elastic_plugin.families.base import Cut, Family, ImportLayout, QuantLayout
 from elastic_plugin.families.nemotron_h.config import (
     HF_ARCHITECTURE,
     HF_MODEL_TYPE,
@@ -112,6 +113,33 @@ class NemotronH(Family):
         from elastic_plugin.checkpoint.hub import memory_name
 
         return memory_name(name)
+
+    quant_layout = QuantLayout(
+        expert_stacks={"up_proj": ("up_proj",), "down_proj": ("down_proj",)},
+        fused=(("q_proj", "k_proj", "v_proj"),),
+    )
+
+    def megatron_input(self, module: str) -> tuple[int, str] | None:
+        """HF layer i is Megatron layer i; every linear sits under ``mixer``."""
+        match = re.fullmatch(r"model\.layers\.(\d+)\.mixer\.(.+)", module)
+        if match is None:
+            return None
+        roles = {
+            "q_proj": "qkv",
+            "k_proj": "qkv",
+            "v_proj": "qkv",
+            "o_proj": "proj",
+            "in_proj": "mamba_in",
+            "out_proj": "mamba_out",
+            "up_proj": "fc1",
+            "down_proj": "fc2",
+            "shared_experts.up_proj": "shared_fc1",
+            "shared_experts.down_proj": "shared_fc2",
+            "experts.up_proj": "experts_fc1",
+            "experts.down_proj": "experts_fc2",
+        }
+        role = roles.get(match[2])
+        return None if role is None else (int(match[1]), role)
 
     def keep_fp32(self, name: str) -> bool:
         """NemotronH keeps its router and expert score bias in float32 whatever the dtype."""
