@@ -6,7 +6,6 @@ calibrated ``input_scale`` the activations fake-quantized as a runtime quantizes
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -90,31 +89,38 @@ def load_export_model(export_dir: str | Path) -> tuple[torch.nn.Module, dict[str
     return model.eval(), meta
 
 
+def _megatron_input(key: str) -> tuple[int, str]:
+    """(Megatron layer index, role) of an HF module name, from the family that names it
+    (``Family.megatron_input``; the families' module names do not overlap)."""
+    from elastic_plugin.families import all_families
+
+    for family in all_families():
+        found = family.megatron_input(key)
+        if found is not None:
+            return found
+    raise ConfigError(f"calibrated input {key!r}: no Megatron module for it in any family")
+
+
 def _input_modules(model: Any, key: str) -> tuple[str, list[torch.nn.Module]]:
     """(group, the Megatron modules whose input is HF module ``key``'s input). q/k/v share one
-    group: Megatron computes them as one ``linear_qkv``."""
-    match = re.fullmatch(r"model\.layers\.(\d+)\.mixer\.(.+)", key)
-    if match is None:
-        raise ConfigError(f"calibrated input {key!r}: not a NemotronH layer module")
-    layer = model.decoder.layers[int(match[1])]
-    rest = match[2]
-    if rest in ("q_proj", "k_proj", "v_proj"):
-        return f"{match[1]}.qkv", [layer.self_attention.linear_qkv]
+    group, as do a gated MLP's gate/up: Megatron computes each as one linear."""
+    index, role = _megatron_input(key)
+    layer = model.decoder.layers[index]
     single = {
-        "in_proj": lambda: layer.mixer.in_proj,
-        "out_proj": lambda: layer.mixer.out_proj,
-        "o_proj": lambda: layer.self_attention.linear_proj,
-        "up_proj": lambda: layer.mlp.linear_fc1,
-        "down_proj": lambda: layer.mlp.linear_fc2,
-        "shared_experts.up_proj": lambda: layer.mlp.shared_experts.linear_fc1,
-        "shared_experts.down_proj": lambda: layer.mlp.shared_experts.linear_fc2,
-        "experts.up_proj": lambda: [e.linear_fc1 for e in layer.mlp.experts.local_experts],
-        "experts.down_proj": lambda: list(layer.mlp.experts.local_experts),
+        "qkv": lambda: layer.self_attention.linear_qkv,
+        "proj": lambda: layer.self_attention.linear_proj,
+        "mamba_in": lambda: layer.mixer.in_proj,
+        "mamba_out": lambda: layer.mixer.out_proj,
+        "fc1": lambda: layer.mlp.linear_fc1,
+        "fc2": lambda: layer.mlp.linear_fc2,
+        "shared_fc1": lambda: layer.mlp.shared_experts.linear_fc1,
+        "shared_fc2": lambda: layer.mlp.shared_experts.linear_fc2,
+        "experts_fc1": lambda: [e.linear_fc1 for e in layer.mlp.experts.local_experts],
+        "experts_fc2": lambda: list(layer.mlp.experts.local_experts),
     }
-    if rest not in single:
-        raise ConfigError(f"calibrated input {key!r}: no Megatron module for it")
-    found = single[rest]()
-    return key, found if isinstance(found, list) else [found]
+    found = single[role]()
+    # one group per Megatron module set: q/k/v (and a gated MLP's gate/up) read one input
+    return f"{index}.{role}", found if isinstance(found, list) else [found]
 
 
 class _Hooks:
@@ -153,7 +159,7 @@ def megatron_activation_quant(
         quant = input_fake_quant(amax[group], fmt, group)
         hooks.calls[group] = 0
         for module in modules[group]:
-            if group.endswith(".mixer.experts.down_proj"):
+            if group.endswith(".experts_fc2"):
                 hooks.handles += _expert_down_hooks(module, quant, hooks.calls, group)
             else:
                 hooks.handles.append(

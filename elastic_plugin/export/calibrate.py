@@ -11,10 +11,11 @@ algorithm) and ModelOpt's own pre-export unification, so the numbers are those M
 ``amax / (6 * 448)`` (NVFP4, the global scale of its dynamic 16-value blocks), computed in fp32.
 
 Keys are transformers' in-memory module names without ``.weight``
-(``model.layers.1.mixer.q_proj``); a fused-experts stack is named by its 3-D parameter
-(``model.layers.2.mixer.experts.up_proj`` / ``….experts.down_proj``): ModelOpt has one input
-quantizer per stack, shared by all experts, so every ``…experts.{e}.up_proj.input_scale`` is
-the same number. The dict is what :func:`elastic_plugin.export.quantize.quantize_state_dict`
+(``model.layers.1.mixer.q_proj``, ``model.layers.0.self_attn.q_proj``); a fused-experts stack
+is named by its 3-D parameter (NemotronH's ``….mixer.experts.up_proj`` / ``….experts.down_proj``,
+a gated family's ``….mlp.experts.gate_up_proj`` / ``….experts.down_proj``): ModelOpt has one
+input quantizer per stack, shared by all experts (and by a gated expert's gate and up), so every
+``…experts.{e}.<part>.input_scale`` of a stack is the same number. The dict is what :func:`elastic_plugin.export.quantize.quantize_state_dict`
 takes as ``input_amax``.
 
 :func:`activation_fake_quant` puts ModelOpt's input fake quant (``TensorQuantizer`` built from
@@ -152,7 +153,7 @@ def calibrate_input_amax(
 ) -> dict[str, float]:
     """Calibrated activation |x|max per input-quantized module, as ModelOpt exports it.
 
-    ``model`` is a transformers ``NemotronHForCausalLM`` (any causal LM ModelOpt quantizes);
+    ``model`` is a transformers causal LM of any supported family (any ModelOpt quantizes);
     it is left untouched: ModelOpt's ``mtq.quantize`` replaces modules in place, so it runs on
     a deep copy. ``batches`` are LongTensor [b, s] token batches, ``fmt`` is ``"fp8"`` or
     ``"nvfp4"``. After calibration the copy gets the same pre-export passes as ModelOpt's
@@ -299,7 +300,8 @@ class ActivationFakeQuant:
 
 def _resolve(model: nn.Module, key: str) -> tuple[str, nn.Module]:
     """``("linear", module)`` for a Linear, ``("experts_up" | "experts_down", experts)`` for a
-    non-gated fused-experts stack named by its 3-D parameter; else a ConfigError."""
+    fused-experts stack named by its 3-D parameter (its first projection, ``up_proj`` or a gated
+    ``gate_up_proj``, or its ``down_proj``); else a ConfigError."""
     head, _, attr = key.rpartition(".")
     try:
         module = model.get_submodule(key)
@@ -312,21 +314,64 @@ def _resolve(model: nn.Module, key: str) -> tuple[str, nn.Module]:
     except AttributeError:
         parent = None
     param = getattr(parent, attr, None) if parent is not None else None
-    if isinstance(param, nn.Parameter) and param.dim() == 3 and attr in ("up_proj", "down_proj"):
-        # NemotronHExperts: down_proj(act_fn(up_proj(x))) per expert, no gate
-        if getattr(parent, "has_gate", False) or not isinstance(
-            getattr(parent, "act_fn", None), nn.Module
+    first = "gate_up_proj" if getattr(parent, "has_gate", False) else "up_proj"
+    if isinstance(param, nn.Parameter) and param.dim() == 3 and attr in (first, "down_proj"):
+        assert parent is not None
+        if (
+            attr == "down_proj"
+            and first == "up_proj"
+            and not isinstance(getattr(parent, "act_fn", None), nn.Module)
         ):
             raise ConfigError(
-                f"input_amax names {key!r}: only non-gated fused experts with an act_fn module "
-                "(NemotronHExperts) are supported"
+                f"input_amax names {key!r}: non-gated fused experts need an act_fn module"
             )
-        assert parent is not None
-        return ("experts_up" if attr == "up_proj" else "experts_down"), parent
+        return ("experts_up" if attr == first else "experts_down"), parent
     raise ConfigError(
         f"input_amax names {key!r}, which is neither an nn.Linear of the model nor a fused "
-        "experts.up_proj / experts.down_proj stack"
+        "experts stack (up_proj / gate_up_proj / down_proj)"
     )
+
+
+class _DownInputs(torch.overrides.TorchFunctionMode):
+    """Quantizes the input of every ``F.linear`` whose weight is a view of one 3-D parameter:
+    a gated expert's ``down_proj`` reads ``act(gate) * up``, which no module returns, so the
+    call transformers' eager experts make (and ModelOpt intercepts the same way) is caught."""
+
+    def __init__(self, param: torch.Tensor, quant: Callable[[torch.Tensor], torch.Tensor]):
+        super().__init__()
+        self.storage = param.untyped_storage().data_ptr()
+        self.quant = quant
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is nn.functional.linear and len(args) >= 2:
+            weight = args[1]
+            if isinstance(weight, torch.Tensor) and (
+                weight.untyped_storage().data_ptr() == self.storage
+            ):
+                args = (self.quant(args[0]), *args[1:])
+        return func(*args, **kwargs)
+
+
+class _Restore:
+    """A handle that puts back the ``_experts_implementation`` :func:`_eager_experts` changed."""
+
+    def __init__(self, saved: dict[int, tuple[Any, Any]]) -> None:
+        self.saved = saved
+
+    def remove(self) -> None:
+        for config, value in self.saved.values():
+            config._experts_implementation = value
+        self.saved.clear()
+
+
+def _eager_experts(module: nn.Module, saved: dict[int, tuple[Any, Any]]) -> None:
+    """Run a fused-experts module on transformers' eager path (one ``F.linear`` per expert and
+    projection) while the hooks are on; the old setting is saved for :class:`_Restore`."""
+    config = getattr(module, "config", None)
+    if config is not None and hasattr(config, "_experts_implementation"):
+        saved.setdefault(id(config), (config, config._experts_implementation))
+        config._experts_implementation = "eager"
 
 
 def input_fake_quant(amax: float, fmt: str, key: str = "input") -> _InputQuant:
@@ -357,10 +402,13 @@ def activation_fake_quant(
     scales under the global scale ``amax / (6 * 448)``. The quantizers are ModelOpt's
     ``TensorQuantizer`` built from its default ``*input_quantizer`` config (NVFP4 on CPU uses
     :func:`nvfp4_fake_quant`, a port of ModelOpt's CUDA kernel). A Linear gets a forward
-    pre-hook; a fused-experts stack gets a pre-hook on the experts module (``up_proj``'s
-    input is its ``hidden_states``; a per-tensor / per-row-block quant of all tokens equals
-    ModelOpt's per-expert one) and a forward hook on its ``act_fn`` (whose output is
-    ``down_proj``'s input). Returns the hooks' handle: a context manager, or call ``remove()``.
+    pre-hook; a fused-experts stack gets a pre-hook on the experts module (the first
+    projection's input is its ``hidden_states``; a per-tensor / per-row-block quant of all
+    tokens equals ModelOpt's per-expert one) and, for ``down_proj``, a forward hook on a
+    non-gated stack's ``act_fn`` (whose output is ``down_proj``'s input) or, gated, a torch
+    function mode during the experts' forward catching the ``F.linear`` on ``down_proj``
+    (``act(gate) * up`` is no module's output; such experts run on transformers' eager path
+    while hooked). Returns the hooks' handle: a context manager, or call ``remove()``.
     """
     check_format(fmt)
     _modelopt("activation fake quantization")  # refused up front, even for an empty plan
@@ -369,7 +417,9 @@ def activation_fake_quant(
         kind, module = _resolve(model, key)
         plan.append((key, kind, module, input_fake_quant(input_amax[key], fmt, key)))
 
-    handles: list[torch.utils.hooks.RemovableHandle] = []
+    handles: list[Any] = []
+    restore: dict[int, tuple[Any, Any]] = {}
+    handles.append(_Restore(restore))
     fake = ActivationFakeQuant(handles, [p[0] for p in plan])
 
     def pre_hook(key: str, fq: _InputQuant) -> Callable[..., Any]:
@@ -391,9 +441,26 @@ def activation_fake_quant(
 
         return hook
 
+    def mode_hooks(key: str, module: nn.Module, fq: _InputQuant) -> list[Any]:
+        active: list[_DownInputs] = []
+
+        def enter(_module: nn.Module, _args: tuple[Any, ...]) -> None:
+            fake.calls[key] += 1
+            mode = _DownInputs(module.down_proj, fq)
+            mode.__enter__()
+            active.append(mode)
+
+        def leave(_module: nn.Module, _args: tuple[Any, ...], _output: Any) -> None:
+            active.pop().__exit__(None, None, None)
+
+        return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+
     try:
         for key, kind, module, fq in plan:
-            if kind == "experts_down":
+            if kind == "experts_down" and getattr(module, "has_gate", False):
+                _eager_experts(module, restore)  # F.linear per expert, as ModelOpt quantizes
+                handles.extend(mode_hooks(key, module, fq))
+            elif kind == "experts_down":
                 act = module.get_submodule("act_fn")
                 handles.append(act.register_forward_hook(out_hook(key, fq)))
             else:

@@ -12,10 +12,13 @@ quantization, cut to the budget. What that means per tensor:
   multiple of 16, or an index set made of such blocks. :func:`unaligned_weights` finds the weights
   a budget would cut through a block, before anything is written, so the caller can refuse them
   (naming the axis) or keep them in high precision for every budget.
-* Routed experts are per expert (``…experts.{e}.up_proj.weight`` + scales): experts past the
-  budget's count are dropped, the rest cut like the stacked plain weight.
+* Routed experts are per expert (``…experts.{e}.up_proj.weight`` + scales; a gated stack's
+  ``gate_proj`` / ``up_proj`` parts each): experts past the budget's count are dropped, the
+  rest cut like the stacked plain weight.
 
-Tensors use transformers' in-memory names (``checkpoint.hub.from_hub`` of the stored files).
+Tensors use transformers' in-memory names (the family's ``from_hub`` of the stored files); which
+per-expert projections make up which stack is the families' ``QuantLayout`` (through
+``export.quantize``), so nothing here names a family.
 """
 
 from __future__ import annotations
@@ -29,7 +32,13 @@ from typing import Any
 import torch
 
 from elastic_plugin.export.hf_slicing import Cut, cut_tensor, read_cut, tensor_cuts
-from elastic_plugin.export.quantize import DEFAULT_QUANTIZED, NVFP4_BLOCK, check_format
+from elastic_plugin.export.quantize import (
+    DEFAULT_QUANTIZED,
+    NVFP4_BLOCK,
+    check_format,
+    expert_parts,
+    expert_stacks,
+)
 from elastic_plugin.models.config import ConfigError, ModelConfig
 
 __all__ = [
@@ -47,7 +56,7 @@ UNALIGNED_POLICIES = ("error", "high-precision")
 ChoiceT = Mapping[str, int | Sequence[int]]
 
 _PER_EXPERT = re.compile(
-    r"^(?P<head>.*\.mixer\.experts)\.(?P<e>\d+)\.(?P<proj>up_proj|down_proj)"
+    r"^(?P<head>.*\.experts)\.(?P<e>\d+)\.(?P<proj>[a-z_]*proj)"
     r"\.(?P<leaf>weight|weight_scale|weight_scale_2|input_scale)$"
 )
 _LEAF = re.compile(r"^(?P<module>.*)\.(?P<leaf>weight_scale_2|weight_scale|input_scale)$")
@@ -142,15 +151,19 @@ class _Piece:
     keep: bool = True
 
 
-def _piece(key: str, cuts: Mapping[str, Cut]) -> _Piece | None:
+def _piece(key: str, cuts: Mapping[str, Cut], stacks: Mapping[str, str]) -> _Piece | None:
     expert = _PER_EXPERT.match(key)
     if expert is not None:
-        stacked = cuts.get(f"{expert['head']}.{expert['proj']}")
+        module = f"{expert['head']}.{expert['e']}.{expert['proj']}"
+        stack = stacks.get(module)
+        stacked = cuts.get(stack) if stack is not None else None
         if stacked is None:
             return None
         (_, count), *rest = stacked  # the expert axis, then the expert's own dims
+        if len(expert_parts(stack.rsplit(".", 1)[1])) > 1 and any(dim == 1 for dim, _ in rest):
+            raise ConfigError(f"{stack}: a cut of its rows has no per-expert form")
         return _Piece(
-            f"{expert['head']}.{expert['e']}.{expert['proj']}",
+            module,
             expert["leaf"],
             tuple((dim - 1, index) for dim, index in rest),
             int(expert["e"]) < int(count),
@@ -186,9 +199,10 @@ def _plan(
     keys: Iterable[str], cuts: Mapping[str, Cut]
 ) -> tuple[dict[str, _Piece], set[str], list[str]]:
     keys = list(keys)
+    stacks = expert_stacks(keys)
     pieces, unknown = {}, []
     for key in keys:
-        piece = _piece(key, cuts)
+        piece = _piece(key, cuts, stacks)
         if piece is None:
             unknown.append(key)
         else:
@@ -231,16 +245,17 @@ def slice_quantized_files(
     ``checkpoint.hub.from_hub`` gives them."""
     from safetensors import safe_open
 
-    from elastic_plugin.checkpoint.hub import HUB_PREFIX, MEMORY_PREFIX, from_hub, hub_weight_files
+    from elastic_plugin.checkpoint.hub import hub_weight_files
+    from elastic_plugin.families import family_for_model
 
     check_format(fmt)
+    family = family_for_model(model, "slice")
     files = hub_weight_files(path)
     names: dict[str, tuple[Path, str]] = {}
     for file in files:
         with safe_open(str(file), "pt") as handle:
             for key in handle.keys():
-                name = MEMORY_PREFIX + key[len(HUB_PREFIX) :] if key.startswith(HUB_PREFIX) else key
-                names[name] = (file, key)
+                names[family.memory_name(key)] = (file, key)
     pieces, quantized, unknown = _plan(names, tensor_cuts(model, choice))
     _refuse(unknown)
     out: dict[str, torch.Tensor] = {}
@@ -252,22 +267,31 @@ def slice_quantized_files(
                 piece = pieces[name]
                 ndim = len(handle.get_slice(key).get_shape())
                 cut = _tensor_cut(piece, ndim, piece.module in quantized, fmt)
-                out[name] = read_cut(handle, key, cut) if cut else handle.get_tensor(key)
-    return from_hub(out)  # unquantized experts (no scales) are stacked again
+                out[key] = read_cut(handle, key, cut) if cut else handle.get_tensor(key)
+    return family.from_hub(out)  # unquantized experts (no scales) are stacked again
 
 
 def slice_quant_config(quant_config: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict:
     """``hf_quant_config.json`` of a sliced model: ``exclude_modules`` less the modules the
-    budget dropped (experts past its count)."""
+    budget dropped (experts past its count; ``tensors`` in-memory names)."""
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in quant_config.items()}
     quantization = out.get("quantization") or {}
     kept = {k.removesuffix(".weight") for k in tensors}
-    stacked = {k for k in kept if re.search(r"\.experts\.(up|down)_proj$", k)}
-    quantization["exclude_modules"] = [
-        m
-        for m in quantization.get("exclude_modules", [])
-        if m in kept or re.sub(r"\.experts\.\d+\.", ".experts.", m) in stacked
-    ]
+    excluded = list(quantization.get("exclude_modules", []))
+    stacks = expert_stacks(m + ".weight" for m in excluded)
+
+    def still_there(module: str) -> bool:
+        """A budget drops routed experts only (every layer and projection stays; a tied
+        ``lm_head`` has no tensor but is listed for the runtime)."""
+        stack = stacks.get(module)
+        if stack is None or module in kept:
+            return True
+        if stack not in tensors:  # an expert past the budget (kept ones are per expert)
+            return False
+        e = int(module[len(stack.rsplit(".", 1)[0]) + 1 :].split(".", 1)[0])
+        return e < tensors[stack].shape[0]  # an expert of an unquantized (restacked) stack
+
+    quantization["exclude_modules"] = [m for m in excluded if still_there(m)]
     out["quantization"] = quantization
     return out
 
@@ -287,9 +311,18 @@ def quantize_nested(
 
     check_unaligned(model, fmt, choices, unaligned)
     if fmt != "nvfp4":
-        return quantize_state_dict(full, fmt)
-    skip = unaligned_weights(model, choices)
-    return quantize_state_dict(full, fmt, lambda n: DEFAULT_QUANTIZED(n) and n not in skip)
+        tensors, config = quantize_state_dict(full, fmt)
+    else:
+        skip = unaligned_weights(model, choices)
+        tensors, config = quantize_state_dict(
+            full, fmt, lambda n: DEFAULT_QUANTIZED(n) and n not in skip
+        )
+    excluded = config["quantization"]["exclude_modules"]
+    if not model.untie_embeddings_and_output_weights and "lm_head" not in excluded:
+        # tied: no lm_head tensor, but the runtime's output layer stays unquantized (ModelOpt
+        # lists it too, so that vLLM does not quantize the embedding it reuses)
+        config["quantization"]["exclude_modules"] = sorted([*excluded, "lm_head"])
+    return tensors, config
 
 
 def check_unaligned(
@@ -322,26 +355,15 @@ def with_input_scales(
     from elastic_plugin.export.quantize import input_scale
 
     out = dict(tensors)
+    stacks = expert_stacks(tensors)
     for module, amax in input_amax.items():
-        stack = re.match(r"^(?P<head>.*\.experts)\.(?P<proj>up_proj|down_proj)$", module)
-        targets = (
-            [
-                k.removesuffix(".weight_scale")
-                for k in tensors
-                if re.fullmatch(
-                    rf"{re.escape(stack['head'])}\.\d+\.{stack['proj']}\.weight_scale", k
-                )
-            ]
-            if stack is not None
-            else [module] * (module + ".weight_scale" in tensors)
-        )
-        pattern = (
-            rf"{re.escape(stack['head'])}(\.\d+)?\.{stack['proj']}(\.weight)?"
-            if stack is not None
-            else rf"{re.escape(module)}\.weight"
-        )
-        if not targets and not any(re.fullmatch(pattern, k) for k in tensors):
-            raise ConfigError(f"calibrated module {module!r} is not a module of this model")
+        if module + ".weight" in tensors or module in tensors:  # a linear, or a plain stack
+            targets = [module] * (module + ".weight_scale" in tensors)
+        else:  # an expert stack, quantized per expert (and part)
+            targets = [m for m, stack in stacks.items() if stack == module]
+            if not targets:
+                raise ConfigError(f"calibrated module {module!r} is not a module of this model")
+            targets = [m for m in targets if m + ".weight_scale" in tensors]
         for target in targets:
             out[target + ".input_scale"] = input_scale(amax, fmt)
     return out

@@ -1,5 +1,6 @@
-"""FP8 and NVFP4 weight quantization of an exported (Hugging Face NemotronH) state dict, laid out
-as NVIDIA ModelOpt's "unified HF checkpoint" so that vLLM / TensorRT-LLM read it.
+"""FP8 and NVFP4 weight quantization of an exported Hugging Face state dict (any family in
+``elastic_plugin/families/``), laid out as NVIDIA ModelOpt's "unified HF checkpoint" so that
+vLLM / TensorRT-LLM read it.
 
 Conventions (matched to ModelOpt 0.47, ``modelopt/torch/quantization/qtensor/{fp8,nvfp4}_tensor.py``
 and ``modelopt/torch/export/{quant_utils,moe_utils,unified_export_hf}.py``):
@@ -14,19 +15,25 @@ and ``modelopt/torch/export/{quant_utils,moe_utils,unified_export_hf}.py``):
   E2M1 grid {0, .5, 1, 1.5, 2, 3, 4, 6} (nearest, ties to the even code, |x| > 6 saturates
   to 6), code = magnitude index | sign << 3 (sign set for every x < 0, so tiny negatives
   become code 8, "-0"). Two codes per uint8: the **even** element in the **low** nibble.
-* **Experts**: the stacked 3-D ``…experts.up_proj`` / ``…experts.down_proj`` (experts x out x
-  in) are written per expert, ``…experts.{e}.up_proj.weight`` (+ scales), each expert with its
-  own scale(s) — what ModelOpt's fused-experts export does and what the hub NemotronH
-  checkpoints (and transformers' NemotronH conversion mapping) use. :func:`quantize_fp8` /
-  :func:`quantize_nvfp4` on a 3-D tensor likewise give one per-tensor scale per expert.
+* **Experts**: a stacked 3-D ``…experts.<stack>`` (experts x out x in) is written per expert
+  as the projections its family's ``QuantLayout.expert_stacks`` names (NemotronH
+  ``experts.up_proj`` -> ``experts.{e}.up_proj.weight``; a gated ``experts.gate_up_proj`` ->
+  ``experts.{e}.gate_proj`` + ``experts.{e}.up_proj``, its rows split in two), each expert
+  with its own scale(s), shared by the parts of one expert — what ModelOpt's fused-experts
+  export does (one weight quantizer per expert of the fused parameter) and what the Hub
+  checkpoints use. :func:`quantize_fp8` / :func:`quantize_nvfp4` on a 3-D tensor likewise
+  give one per-tensor scale per expert.
 * ``exclude_modules``: module names (the weight name less ``.weight``) of matrix-shaped weights
   left in high precision — the embeddings, ``lm_head``, Mamba ``conv1d``, the MoE router
   ``gate`` and any projection not quantized — as ModelOpt 0.47's export lists them (tested
   against it); 1-D tensors (norms, ``A_log``, ``D``, ``dt_bias``, biases) are not listed.
-  On disk the names are the Hub's (``backbone.…``, ``export.hf.write_hf_checkpoint``).
+  On disk the names are the family's Hub names (``Family.to_hub``,
+  ``export.hf.write_hf_checkpoint``).
 
-NVFP4 q/k/v projections of one attention layer share one global scale (the max of their
-amaxes), as ModelOpt's export and the runtimes' fused QKV GEMM have it. Scales are all computed
+NVFP4 projections a runtime fuses into one GEMM (``QuantLayout.fused``: q/k/v of one attention
+layer; a dense gated MLP's gate/up) share one global scale (the max of their amaxes), as
+ModelOpt's export has it. The layouts are the families' (``families.all_families()``, merged:
+their leaf names do not collide), so nothing here names a family. Scales are all computed
 in fp32 from the (exact) fp32 image of the weight; ModelOpt's FP8
 export divides a bf16 weight by a 0-d fp32 scale in bf16 (type promotion), which can differ by
 one E4M3 step where that extra rounding lands on a tie. Zero tensors (amax 0) get scale 1
@@ -38,11 +45,13 @@ algorithms also quantize activations with calibrated static scales (``X.input_sc
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from functools import cache
 
 import torch
 
 from elastic_plugin import __version__
+from elastic_plugin.families.base import QuantLayout
 from elastic_plugin.models.config import ConfigError
 from elastic_plugin.ops import (
     E2M1_MAX,
@@ -71,6 +80,10 @@ __all__ = [
     "DEFAULT_QUANTIZED",
     "check_format",
     "quantize_state_dict",
+    "quant_layout",
+    "expert_parts",
+    "expert_stacks",
+    "stack_of",
     "input_scale",
     "stored_input_amax",
     "same_bits",
@@ -87,11 +100,42 @@ NVFP4_BLOCK = BLOCK
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 WEIGHT, SCALE, SCALE_2, INPUT_SCALE = ".weight", ".weight_scale", ".weight_scale_2", ".input_scale"
-_PROJ = r"(q_proj|k_proj|v_proj|o_proj|in_proj|out_proj|up_proj|down_proj)"
+_PROJ = r"(q_proj|k_proj|v_proj|o_proj|in_proj|out_proj|gate_proj|up_proj|down_proj)"
 _LINEAR = re.compile(rf"(^|\.){_PROJ}\.weight$")
-_EXPERT_STACK = re.compile(rf"\.experts\.{_PROJ}$")
-_EXPERT_ONE = re.compile(rf"^(?P<head>.*\.experts)\.(?P<e>\d+)\.(?P<proj>{_PROJ})\.weight$")
+_EXPERT_STACK = re.compile(r"^(?P<head>.*\.experts)\.(?P<proj>[a-z_]*proj)$")
+_EXPERT_ONE = re.compile(r"^(?P<head>.*\.experts)\.(?P<e>\d+)\.(?P<proj>[a-z_]*proj)\.weight$")
 _NEVER = re.compile(r"(^|\.)(embeddings|embed_tokens|lm_head|norm[^.]*|gate|conv1d)\.")
+
+
+@cache
+def quant_layout() -> QuantLayout:
+    """Every family's quantized layout, merged (``families.base.QuantLayout``)."""
+    from elastic_plugin.families import all_families
+
+    out = QuantLayout()
+    for family in all_families():
+        out = out.merged(family.quant_layout)
+    return out
+
+
+def expert_parts(stack: str) -> tuple[str, ...]:
+    """The per-expert projections a 3-D ``…experts.<stack>`` is written as (rows split evenly)."""
+    return tuple(quant_layout().expert_stacks.get(stack, (stack,)))
+
+
+def stack_of(parts: Iterable[str]) -> list[tuple[str, tuple[str, ...]]]:
+    """``(stack, its parts)`` for the per-expert projections ``parts`` of one expert: the stacks
+    with the most parts first, each taken when all its parts are there (a gated expert's
+    ``gate_proj`` + ``up_proj`` -> ``gate_up_proj``; NemotronH's lone ``up_proj`` ->
+    ``up_proj``); a projection no stack names is its own."""
+    left = set(parts)
+    found = []
+    stacks = sorted(quant_layout().expert_stacks.items(), key=lambda kv: -len(kv[1]))
+    for stack, members in stacks:
+        if set(members) <= left:
+            found.append((stack, tuple(members)))
+            left -= set(members)
+    return found + [(p, (p,)) for p in sorted(left)]
 
 
 def check_format(fmt: str) -> str:
@@ -132,10 +176,14 @@ def _rows(w: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 # ------------------------------------------------------------------------------ FP8
-def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(
+    w: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q float8_e4m3fn, scale fp32)`` with ``scale = amax / 448`` (0-d; shape [E] for a 3-D
-    expert stack, one per expert) and ``q = w / scale`` rounded to nearest even E4M3."""
-    scale = _positive(_amax(w) / E4M3_MAX)
+    expert stack, one per expert) and ``q = w / scale`` rounded to nearest even E4M3. ``amax``
+    defaults to ``w``'s own; the parts of one fused parameter (a gated expert's gate and up)
+    share the whole parameter's."""
+    scale = _positive((_amax(w) if amax is None else amax.float()) / E4M3_MAX)
     rows, row_scale = _rows(w, scale)
     return fp8_quantize(rows, row_scale).reshape(w.shape), scale
 
@@ -205,24 +253,34 @@ def dequantize_nvfp4(
 
 # ------------------------------------------------------------------------------ state dicts
 def DEFAULT_QUANTIZED(name: str) -> bool:  # noqa: N802 (a constant-like default predicate)
-    """Linear projection weights (q/k/v/o_proj, in_proj, out_proj, up_proj, down_proj, shared
-    experts and the 3-D ``experts.{up,down}_proj`` stacks); never embeddings, lm_head, norms,
-    the router gate, conv1d, A_log, D, dt_bias or biases."""
+    """Linear projection weights (q/k/v/o_proj, in_proj, out_proj, gate_proj, up_proj,
+    down_proj, shared experts and the 3-D ``experts.*_proj`` stacks); never embeddings,
+    lm_head, norms, the router gate, conv1d, A_log, D, dt_bias or biases."""
     if _NEVER.search(name):
         return False
     return bool(_LINEAR.search(name) or _EXPERT_STACK.search(name))
 
 
+def _is_stack(name: str, t: torch.Tensor) -> bool:
+    return t.dim() == 3 and _EXPERT_STACK.search(name) is not None
+
+
 def _entries(state: Mapping[str, torch.Tensor]):
-    """(module name, weight) per output weight, expert stacks split into one module per expert;
+    """(source name, module name, weight, amax) per output weight: expert stacks split into
+    one module per expert and part (the parts of one expert with that expert's whole amax);
     ``None`` module for tensors that are not a module's weight matrix."""
     for name, t in state.items():
-        if _EXPERT_STACK.search(name) and t.dim() == 3:
-            head, proj = name.rsplit(".", 1)
-            for e in range(t.shape[0]):
-                yield name, f"{head}.{e}.{proj}", t[e]
-        else:
-            yield name, None, t
+        if not _is_stack(name, t):
+            yield name, None, t, None
+            continue
+        head, stack = name.rsplit(".", 1)
+        parts = expert_parts(stack)
+        if t.shape[1] % len(parts):
+            raise ConfigError(f"{name}: {t.shape[1]} rows do not split into {parts}")
+        for e in range(t.shape[0]):
+            amax = _amax(t[e]) if len(parts) > 1 else None
+            for part, rows in zip(parts, t[e].chunk(len(parts))):
+                yield name, f"{head}.{e}.{part}", rows, amax
 
 
 def quantize_state_dict(
@@ -245,11 +303,11 @@ def quantize_state_dict(
     picked = {n for n, t in state.items() if quantize(n)}
     for n in sorted(picked):
         t = state[n]
-        stack = bool(_EXPERT_STACK.search(n)) and t.dim() == 3
+        stack = _is_stack(n, t)
         if not (stack or (n.endswith(WEIGHT) and t.dim() == 2)) or not t.is_floating_point():
             raise ConfigError(
                 f"--quantize {fmt}: {n!r} (shape {tuple(t.shape)}, {t.dtype}) is not a "
-                "2-D linear weight or a 3-D experts.{up,down}_proj stack"
+                "2-D linear weight or a 3-D experts.*_proj stack"
             )
     amax = dict(input_amax or {})
     unknown = sorted(set(amax) - {n.removesuffix(WEIGHT) for n in picked})
@@ -258,7 +316,7 @@ def quantize_state_dict(
     shared = _fused_amax(state, picked) if fmt == "nvfp4" else {}
     out: dict[str, torch.Tensor] = {}
     exclude: list[str] = []
-    for source, module, t in _entries(state):
+    for source, module, t, part_amax in _entries(state):
         if module is None and source not in picked:
             out[source] = t
             if source.endswith(WEIGHT) and t.dim() >= 2:
@@ -271,10 +329,10 @@ def quantize_state_dict(
             exclude.append(module)
             continue
         if fmt == "fp8":
-            out[module + WEIGHT], out[module + SCALE] = quantize_fp8(t)
+            out[module + WEIGHT], out[module + SCALE] = quantize_fp8(t, part_amax)
         else:
             out[module + WEIGHT], out[module + SCALE], out[module + SCALE_2] = quantize_nvfp4(
-                t, shared.get(source)
+                t, part_amax if part_amax is not None else shared.get(source)
             )
         key = source.removesuffix(WEIGHT)
         if key in amax:
@@ -291,20 +349,22 @@ def quantize_state_dict(
 
 
 def _fused_amax(state: Mapping[str, torch.Tensor], picked: set[str]) -> dict[str, torch.Tensor]:
-    """One weight amax for each attention layer's q/k/v projections (weight name -> amax), so
-    they share NVFP4's global ``weight_scale_2``: runtimes run them as one fused QKV GEMM with
-    one global scale, and ModelOpt's export unifies them the same way (its
-    ``preprocess_linear_fusion``, NVFP4 only). Only when all three are quantized."""
-    groups: dict[str, list[str]] = {}
-    for name in picked:
-        match = re.match(r"^(?P<head>.*\.mixer)\.[qkv]_proj\.weight$", name)
-        if match is not None and state[name].shape[-1] % NVFP4_BLOCK == 0:
-            groups.setdefault(match["head"], []).append(name)
+    """One weight amax per group of sibling projections a runtime fuses into one GEMM
+    (``QuantLayout.fused``: an attention layer's q/k/v, a gated MLP's gate/up; weight name ->
+    amax), so they share NVFP4's global ``weight_scale_2``, as ModelOpt's export unifies them
+    (its ``preprocess_linear_fusion``, NVFP4 only). Only when every member is quantized."""
     out: dict[str, torch.Tensor] = {}
-    for names in groups.values():
-        if len(names) == 3:
-            amax = torch.stack([_amax(state[n]) for n in names]).amax()
-            out.update(dict.fromkeys(names, amax))
+    for group in quant_layout().fused:
+        members: dict[str, list[str]] = {}
+        for name in picked:
+            head, _, leaf = name.removesuffix(WEIGHT).rpartition(".")
+            if name.endswith(WEIGHT) and leaf in group and state[name].dim() == 2:
+                if state[name].shape[-1] % NVFP4_BLOCK == 0:
+                    members.setdefault(head, []).append(name)
+        for names in members.values():
+            if len(names) == len(group):
+                amax = torch.stack([_amax(state[n]) for n in names]).amax()
+                out.update(dict.fromkeys(names, amax))
     return out
 
 
@@ -318,18 +378,48 @@ def input_scale(amax: float | torch.Tensor, fmt: str) -> torch.Tensor:
 def stored_input_amax(tensors: Mapping[str, torch.Tensor], fmt: str) -> dict[str, float]:
     """The calibrated activation |x|max that a quantized state's ``X.input_scale`` stand for
     (the inverse of :func:`input_scale`), per module; experts' per-expert scales under their
-    stack's name (``…experts.up_proj``: the largest, ModelOpt writes one value for all)."""
+    stack's name (``…experts.up_proj`` / ``…experts.gate_up_proj``: the largest, ModelOpt
+    writes one value for all)."""
     act_max = E4M3_MAX if check_format(fmt) == "fp8" else E2M1_MAX * E4M3_MAX
+    stacks = _expert_modules(
+        [n.removesuffix(INPUT_SCALE) + WEIGHT for n in tensors if n.endswith(INPUT_SCALE)]
+    )
     out: dict[str, float] = {}
     for name, scale in tensors.items():
         if not name.endswith(INPUT_SCALE):
             continue
         module = name.removesuffix(INPUT_SCALE)
-        one = _EXPERT_ONE.match(module + WEIGHT)
-        if one is not None:
-            module = f"{one['head']}.{one['proj']}"
+        module = stacks.get(module + WEIGHT, module)
         out[module] = max(out.get(module, 0.0), float(scale.float()) * act_max)
     return out
+
+
+_EXPERT_MODULE = re.compile(
+    r"^(?P<head>.*\.experts)\.(?P<e>\d+)\.(?P<proj>[a-z_]*proj)(\.(weight|weight_scale|"
+    r"weight_scale_2|input_scale))?$"
+)
+
+
+def expert_stacks(names: Iterable[str]) -> dict[str, str]:
+    """Per-expert module (``…experts.{e}.<part>``, from any of its tensor names or its module
+    name) -> its in-memory stack (``…experts.<stack>``), the stack found from the parts each
+    expert has (:func:`stack_of`)."""
+    parts: dict[tuple[str, int], set[str]] = {}
+    for name in names:
+        one = _EXPERT_MODULE.match(name)
+        if one is not None:
+            parts.setdefault((one["head"], int(one["e"])), set()).add(one["proj"])
+    out: dict[str, str] = {}
+    for (head, e), present in parts.items():
+        for stack, members in stack_of(present):
+            for part in members:
+                out[f"{head}.{e}.{part}"] = f"{head}.{stack}"
+    return out
+
+
+def _expert_modules(names: Iterable[str]) -> dict[str, str]:
+    """Per-expert weight name -> its in-memory stack (:func:`expert_stacks`)."""
+    return {m + WEIGHT: stack for m, stack in expert_stacks(names).items()}
 
 
 def dequantize_state_dict(
@@ -360,25 +450,35 @@ def dequantize_state_dict(
 
 
 def _restack_experts(plain: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``…experts.{e}.{proj}.weight`` (e = 0..E-1) -> one 3-D ``…experts.{proj}``, in place of
-    expert 0 so the key order stays that of the export."""
-    groups: dict[str, dict[int, str]] = {}
+    """``…experts.{e}.<part>.weight`` (e = 0..E-1) -> one 3-D ``…experts.<stack>`` (a stack of
+    several parts has each expert's parts concatenated by rows, :func:`stack_of`), in place of
+    expert 0's first part so the key order stays that of the export."""
+    stacks = _expert_modules(plain)
+    groups: dict[str, dict[int, list[str]]] = {}
     for name in plain:
-        m = _EXPERT_ONE.match(name)
-        if m:
-            groups.setdefault(f"{m['head']}.{m['proj']}", {})[int(m["e"])] = name
+        if name in stacks:
+            e = int(_EXPERT_ONE.match(name)["e"])  # type: ignore[index]  # a stacks key matches
+            groups.setdefault(stacks[name], {}).setdefault(e, []).append(name)
     out: dict[str, torch.Tensor] = {}
     for name, t in plain.items():
-        m = _EXPERT_ONE.match(name)
-        if not m:
+        stacked = stacks.get(name)
+        if stacked is None:
             out[name] = t
             continue
-        stacked = f"{m['head']}.{m['proj']}"
         members = groups[stacked]
         if sorted(members) != list(range(len(members))):
             raise ValueError(f"{stacked}: experts {sorted(members)} are not 0..E-1")
-        if int(m["e"]) == 0:
-            out[stacked] = torch.stack([plain[members[e]] for e in range(len(members))])
+        if name == members[0][0]:
+            order = expert_parts(stacked.rsplit(".", 1)[1])
+
+            def part(n: str) -> int:
+                return order.index(n.removesuffix(WEIGHT).rsplit(".", 1)[1])
+
+            rows = [
+                torch.cat([plain[n] for n in sorted(members[e], key=part)])
+                for e in range(len(members))
+            ]
+            out[stacked] = torch.stack(rows)
     return out
 
 
