@@ -86,6 +86,13 @@ def test_tensor_parallel_without_sequence_parallel(pools, references):
     _check(pools, references, 2, pattern=NO_MOE_PATTERN, tp=2)
 
 
+@pytest.mark.parametrize("position", ["none", "rope"])
+def test_context_parallel(pools, references, position):
+    """CP=2 (two mirrored chunks per rank): Mamba, attention (RoPE at the global positions),
+    MoE, MLP; the loss is the whole sequence's token mean."""
+    _check(pools, references, 2, overrides={"position_embedding_type": position}, cp=2)
+
+
 def test_pipeline_parallel_1f1b(pools, references):
     results = _check(pools, references, 2, pp=2)
     # only the last stage computes the loss

@@ -103,6 +103,8 @@ def _remap_device_kwarg(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         if "device" in kwargs:
             kwargs["device"] = _cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):  # page-locking needs a CUDA driver (RoPE's CP slicing asks)
+            kwargs["pin_memory"] = False
         return fn(*args, **kwargs)
 
     return wrapper

@@ -269,7 +269,9 @@ class SDPAAttention(MegatronModule):
 
         from elastic_plugin.models.context_parallel import chunk_order
 
-        cp, rank = self.cp_group.size(), self.cp_group.rank()
+        group = self.cp_group
+        assert group is not None  # forward calls this only under CP
+        cp, rank = group.size(), group.rank()
         if mask_type != AttnMaskType.causal:
             raise ValueError(
                 f"SDPAAttention: context parallelism supports causal attention only, got "
@@ -289,7 +291,7 @@ class SDPAAttention(MegatronModule):
 
         def whole(t: Tensor) -> Tensor:  # [2L, b, g, d] per rank -> [2 cp L, b, g, d] in order
             gathered = gather_from_sequence_parallel_region(
-                t.contiguous(), tensor_parallel_output_grad=True, group=self.cp_group
+                t.contiguous(), tensor_parallel_output_grad=True, group=group
             )
             parts = gathered.chunk(2 * cp, dim=0)
             return torch.cat([parts[i] for i in natural], dim=0)

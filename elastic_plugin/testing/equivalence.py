@@ -174,10 +174,11 @@ def check_layout(
     pattern: str | None = None,
     overrides: dict[str, Any] | None = None,
     seed: int = 1234,
+    cp: int = 1,
 ) -> dict[str, Any]:
     """Run the reference step under a layout; return loss and max grad/param differences."""
     work = Path(workdir)
-    layout = Layout(tp, pp, ep, sequence_parallel, distributed_optimizer)
+    layout = Layout(tp, pp, ep, sequence_parallel, distributed_optimizer, cp)
     model_cfg = tiny_model(config_path, pattern, overrides)
     initialize_layout(layout, seed=seed + 17)  # a different seed: weights must come from disk
     chunks, _ = build_model_chunks(model_cfg, layout)
