@@ -51,6 +51,7 @@ FEATURES = {
     "attention_sinks": "attention sinks",
     "num_sink_tokens": "attention sinks",
     "sliding_window_pattern": "sliding-window attention",
+    "no_rope_layers": "layers without RoPE (NoPE)",
     "attn_logit_softcapping": "attention logit soft-capping",
     "final_logit_softcapping": "output logit soft-capping",
     "n_shared_experts": "shared experts (this architecture has none in transformers)",
@@ -210,7 +211,18 @@ def _check_known(spec: GptSpec, raw: Mapping[str, Any], source: str) -> None:
     for field, what in FEATURES.items():
         if field in raw and raw[field] not in (None, False, 0, []):
             raise refuse(source, field, raw[field], "absent", f"{what} is not supported")
-    known = spec.read | set(COMMON_NO_EFFECT) | set(spec.extra_no_effect)
+    # layer_types is checked entry by entry (_check_attention) whatever the family
+    known = spec.read | set(COMMON_NO_EFFECT) | set(spec.extra_no_effect) | {"layer_types"}
+    if "sliding_window" not in known:  # a family without the field: named as the feature
+        if raw.get("sliding_window") is not None:
+            raise refuse(
+                source,
+                "sliding_window",
+                raw["sliding_window"],
+                "null or absent",
+                "sliding-window attention is not supported",
+            )
+        known = known | {"sliding_window"}
     unknown = sorted(set(raw) - known)
     if unknown:
         shown = ", ".join(f"{k}={raw[k]!r}" for k in unknown[:5])
@@ -235,24 +247,26 @@ def _check_attention(spec: GptSpec, c: Mapping[str, Any], n_layers: int, source:
         rules.append(
             ("sliding_window", c.get("sliding_window") is None, "null", "global attention only")
         )
-    layer_types = c.get("layer_types")
-    if layer_types is not None:
-        bad = (
-            [t for t in layer_types if t != "full_attention"]
-            if isinstance(layer_types, list)
-            else [layer_types]
-        )
-        rules.append(
-            (
-                "layer_types",
-                not bad and len(layer_types) == n_layers,
-                f"{n_layers} x 'full_attention'",
-                "global attention in every layer",
-            )
-        )
     for field, ok, allowed, why in rules:
         if not ok:
             raise refuse(source, field, c.get(field), allowed, why)
+    layer_types = c.get("layer_types")
+    if layer_types is None:
+        return
+    if not isinstance(layer_types, list) or len(layer_types) != n_layers:
+        raise ConfigError(
+            f"{source}: layer_types={str(layer_types)[:80]} must list num_hidden_layers="
+            f"{n_layers} entries, each 'full_attention'"
+        )
+    for i, kind in enumerate(layer_types):  # the first layer that is not global, by index
+        if kind != "full_attention":
+            raise refuse(
+                source,
+                f"layer_types[{i}]",
+                kind,
+                "'full_attention'",
+                "sliding-window attention is not supported; global attention in every layer",
+            )
 
 
 def gpt_model_config(spec: GptSpec, config_json: Mapping[str, Any], source: str) -> ModelConfig:
