@@ -2,19 +2,16 @@
 of the ranks (``start_ranks``).
 
 Parsing and checking import no torch, so a bad command line fails in milliseconds; only
-``layout_from_args`` (the ``Layout`` it returns) and ``start_ranks`` load torch and Megatron.
+``start_ranks`` loads torch and Megatron.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from elastic_plugin.models.config import ConfigError
-
-if TYPE_CHECKING:
-    from elastic_plugin.parallel import Layout
+from elastic_plugin.models.config import ConfigError, Layout
 
 __all__ = [
     "add_layout_args",
@@ -53,10 +50,8 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def layout_from_args(args: argparse.Namespace, parallel: Any) -> Layout:
-    """The layout the flags name, each flag left out taken from ``parallel`` (a
-    ``ParallelConfig``)."""
-    from elastic_plugin.parallel import Layout
+def layout_from_args(args: argparse.Namespace, parallel: Layout) -> Layout:
+    """The layout the flags name, each flag left out taken from ``parallel`` (the config's)."""
 
     def pick(flag: Any, default: Any) -> Any:
         return default if flag is None else flag
@@ -66,14 +61,12 @@ def layout_from_args(args: argparse.Namespace, parallel: Any) -> Layout:
         raise ConfigError(f"--distributed-timeout-minutes={timeout} must be > 0")
 
     return Layout(
-        tp=pick(args.tensor_model_parallel_size, parallel.tensor_model_parallel_size),
-        pp=pick(args.pipeline_model_parallel_size, parallel.pipeline_model_parallel_size),
-        ep=pick(args.expert_model_parallel_size, parallel.expert_model_parallel_size),
+        tp=pick(args.tensor_model_parallel_size, parallel.tp),
+        pp=pick(args.pipeline_model_parallel_size, parallel.pp),
+        ep=pick(args.expert_model_parallel_size, parallel.ep),
         sequence_parallel=pick(args.sequence_parallel, parallel.sequence_parallel),
-        distributed_optimizer=pick(
-            args.use_distributed_optimizer, parallel.use_distributed_optimizer
-        ),
-        cp=pick(getattr(args, "context_parallel_size", None), parallel.context_parallel_size),
+        distributed_optimizer=pick(args.use_distributed_optimizer, parallel.distributed_optimizer),
+        cp=pick(getattr(args, "context_parallel_size", None), parallel.cp),
     )
 
 

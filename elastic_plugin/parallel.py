@@ -8,7 +8,6 @@ and the CLI, on CPU (gloo) and GPU (NCCL) alike.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -16,55 +15,10 @@ import torch
 import torch.distributed as dist
 
 from elastic_plugin.compat.rendezvous import free_port
-from elastic_plugin.models.config import ConfigError, ModelConfig, ParallelConfig
+from elastic_plugin.models.config import Layout, ModelConfig
 
 if TYPE_CHECKING:  # Megatron ships no types: this annotates Megatron model chunks
     from megatron.core.transformer.module import MegatronModule
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A parallel layout: tensor, pipeline, expert and context parallel sizes (data parallel is
-    the rest). ``cp`` is last so that positional constructions stay valid."""
-
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    sequence_parallel: bool = False
-    distributed_optimizer: bool = False
-    cp: int = 1
-
-    def as_parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(
-            self.tp,
-            self.pp,
-            self.ep,
-            self.sequence_parallel,
-            self.distributed_optimizer,
-            self.cp,
-        )
-
-    def data_parallel(self, world_size: int) -> int:
-        """The data-parallel size: the ranks left after TP x PP x CP (each holds whole
-        sequences' rows; a CP group shares its rows)."""
-        return world_size // (self.tp * self.pp * self.cp)
-
-    def check_world(self, world_size: int) -> None:
-        if self.cp < 1:
-            raise ConfigError(f"--context-parallel-size={self.cp} must be >= 1")
-        if world_size % (self.tp * self.pp * self.cp):
-            raise ConfigError(
-                f"world size {world_size} is not divisible by --tensor-model-parallel-size "
-                f"({self.tp}) x --pipeline-model-parallel-size ({self.pp}) x "
-                f"--context-parallel-size ({self.cp})"
-            )
-        dp = self.data_parallel(world_size)
-        # Megatron carves expert parallelism out of data x context parallelism
-        if (dp * self.cp) % self.ep:
-            raise ConfigError(
-                f"--expert-model-parallel-size={self.ep} must divide the data-parallel x "
-                f"context-parallel size {dp * self.cp} (world {world_size} / TP / PP)"
-            )
 
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -171,9 +125,7 @@ def build_model_chunks(
 
     from elastic_plugin.models.builder import build_hybrid_model, transformer_config
 
-    tconf = transformer_config(
-        model_cfg, layout.as_parallel_config(), params_dtype, **config_overrides
-    )
+    tconf = transformer_config(model_cfg, layout, params_dtype, **config_overrides)
     model = build_hybrid_model(
         model_cfg,
         tconf,

@@ -74,10 +74,10 @@ def test_layout_that_does_not_divide(tp, pp, ep, field):
 
 def test_moe_with_tp_needs_sequence_parallel():
     from elastic_plugin.models.builder import transformer_config
-    from elastic_plugin.models.config import ParallelConfig
+    from elastic_plugin.models.config import Layout
 
     with pytest.raises(ConfigError, match="sequence_parallel"):
-        transformer_config(load_config(TINY).model, ParallelConfig(tensor_model_parallel_size=2))
+        transformer_config(load_config(TINY).model, Layout(tp=2))
 
 
 def test_missing_file():

@@ -21,7 +21,7 @@ from elastic_plugin.cli_args import (
 )
 from elastic_plugin.cli_errors import report_bad_input
 from elastic_plugin.models.axes import IMPORTANCE_AXES
-from elastic_plugin.models.config import ConfigError, ParallelConfig
+from elastic_plugin.models.config import ConfigError, Layout
 from elastic_plugin.models.context_parallel import check_context_parallel
 
 
@@ -118,7 +118,7 @@ def _start(args: argparse.Namespace):
 
     meta = read_checkpoint_meta(args.ckpt)
     cfg = config_from_dict(meta["config"], source=f"--ckpt {args.ckpt}")
-    layout = layout_from_args(args, ParallelConfig())  # layout from flags; default one rank
+    layout = layout_from_args(args, Layout())  # layout from flags; default one rank
     cfg.model.check_parallel(layout.tp, layout.pp, layout.ep)
     seq = getattr(args, "seq_length", None) or cfg.training.seq_length
     check_context_parallel(

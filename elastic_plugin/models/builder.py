@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from elastic_plugin.models.config import ConfigError, ModelConfig, ParallelConfig
+from elastic_plugin.models.config import ConfigError, Layout, ModelConfig
 from elastic_plugin.models.context_parallel import check_context_parallel
 from elastic_plugin.models.megatron_fields import architecture_fields
 from elastic_plugin.models.specs import add_head_norms, have_transformer_engine, hybrid_stack_spec
@@ -35,25 +35,19 @@ def _activation(name: str) -> tuple[Any, bool]:
 
 def transformer_config(
     model: ModelConfig,
-    parallel: ParallelConfig | None = None,
+    parallel: Layout | None = None,
     params_dtype: torch.dtype = torch.float32,
     **overrides: Any,
 ):
     """The Megatron ``TransformerConfig`` for a model config and a parallel layout."""
     from megatron.core.transformer import TransformerConfig
 
-    parallel = parallel or ParallelConfig()
-    model.check_parallel(
-        parallel.tensor_model_parallel_size,
-        parallel.pipeline_model_parallel_size,
-        parallel.expert_model_parallel_size,
-    )
-    check_context_parallel(
-        model, parallel.context_parallel_size, parallel.tensor_model_parallel_size
-    )
+    parallel = parallel or Layout()
+    model.check_parallel(parallel.tp, parallel.pp, parallel.ep)
+    check_context_parallel(model, parallel.cp, parallel.tp)
     activation, gated = _activation(model.activation)
     has_moe = model.count("moe") > 0
-    if has_moe and parallel.tensor_model_parallel_size > 1 and not parallel.sequence_parallel:
+    if has_moe and parallel.tp > 1 and not parallel.sequence_parallel:
         raise ConfigError(
             "MoE layers with tensor_model_parallel_size > 1 need parallel.sequence_parallel=true "
             "(--sequence-parallel); Megatron-Core refuses to train them otherwise"
@@ -61,11 +55,11 @@ def transformer_config(
     kwargs: dict[str, Any] = architecture_fields(model) | dict(
         activation_func=activation,
         gated_linear_unit=gated,
-        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-        expert_model_parallel_size=parallel.expert_model_parallel_size if has_moe else 1,
-        sequence_parallel=parallel.sequence_parallel and parallel.tensor_model_parallel_size > 1,
-        context_parallel_size=parallel.context_parallel_size,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        expert_model_parallel_size=parallel.ep if has_moe else 1,
+        sequence_parallel=parallel.sequence_parallel and parallel.tp > 1,
+        context_parallel_size=parallel.cp,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,

@@ -245,16 +245,69 @@ class ModelConfig:
             )
 
 
-@dataclass
-class ParallelConfig:
-    """Default layout for the main job (flags override it)."""
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout: tensor, pipeline, expert and context parallel sizes (data parallel is
+    the rest). The one layout type: the YAML ``parallel:`` section (Megatron-LM's names,
+    :data:`LAYOUT_KEYS`), the command-line flags, the process groups and checkpoint metadata
+    (``asdict``: these short names). ``cp`` is last so that positional constructions stay
+    valid."""
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
     sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
-    context_parallel_size: int = 1
+    distributed_optimizer: bool = False
+    cp: int = 1
+
+    @classmethod
+    def from_section(cls, values: Mapping[str, Any] | None) -> Layout:
+        """The layout a config's ``parallel:`` section (Megatron-LM's names) describes."""
+        values = dict(values or {})
+        unknown = sorted(set(values) - set(LAYOUT_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"unknown key(s) in section 'parallel': {', '.join(unknown)}; "
+                f"allowed: {', '.join(sorted(LAYOUT_KEYS))}"
+            )
+        return cls(**{LAYOUT_KEYS[key]: value for key, value in values.items()})
+
+    def to_section(self) -> dict[str, Any]:
+        """The ``parallel:`` section (Megatron-LM's names) that describes this layout."""
+        return {key: getattr(self, name) for key, name in LAYOUT_KEYS.items()}
+
+    def data_parallel(self, world_size: int) -> int:
+        """The data-parallel size: the ranks left after TP x PP x CP (each holds whole
+        sequences' rows; a CP group shares its rows)."""
+        return world_size // (self.tp * self.pp * self.cp)
+
+    def check_world(self, world_size: int) -> None:
+        if self.cp < 1:
+            raise ConfigError(f"--context-parallel-size={self.cp} must be >= 1")
+        if world_size % (self.tp * self.pp * self.cp):
+            raise ConfigError(
+                f"world size {world_size} is not divisible by --tensor-model-parallel-size "
+                f"({self.tp}) x --pipeline-model-parallel-size ({self.pp}) x "
+                f"--context-parallel-size ({self.cp})"
+            )
+        dp = self.data_parallel(world_size)
+        # Megatron carves expert parallelism out of data x context parallelism
+        if (dp * self.cp) % self.ep:
+            raise ConfigError(
+                f"--expert-model-parallel-size={self.ep} must divide the data-parallel x "
+                f"context-parallel size {dp * self.cp} (world {world_size} / TP / PP)"
+            )
+
+
+# the YAML ``parallel:`` section's keys (Megatron-LM's argument names) -> ``Layout`` fields
+LAYOUT_KEYS = {
+    "tensor_model_parallel_size": "tp",
+    "pipeline_model_parallel_size": "pp",
+    "expert_model_parallel_size": "ep",
+    "sequence_parallel": "sequence_parallel",
+    "use_distributed_optimizer": "distributed_optimizer",
+    "context_parallel_size": "cp",
+}
 
 
 @dataclass
@@ -296,7 +349,7 @@ class DataConfig:
 @dataclass
 class ExperimentConfig:
     model: ModelConfig
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: Layout = field(default_factory=Layout)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     # the raw `elastic:` section; validated by elastic_plugin.elastic.config.ElasticConfig
@@ -306,6 +359,7 @@ class ExperimentConfig:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out.pop("source")
+        out["parallel"] = self.parallel.to_section()
         return out
 
 
@@ -365,20 +419,18 @@ def config_from_dict(raw: Mapping[str, Any], source: str = "<dict>") -> Experime
         raise ConfigError(f"{source}: missing the 'model' section")
     cfg = ExperimentConfig(
         model=_build(ModelConfig, "model", raw["model"]).validate(),
-        parallel=_build(ParallelConfig, "parallel", raw.get("parallel")),
+        parallel=Layout.from_section(_mapping("parallel", raw.get("parallel"))),
         training=_build(TrainingConfig, "training", raw.get("training")),
         data=_build(DataConfig, "data", raw.get("data")),
         elastic=_mapping("elastic", raw.get("elastic")),
         source=source,
     )
     p = cfg.parallel
-    cfg.model.check_parallel(
-        p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
-    )
+    cfg.model.check_parallel(p.tp, p.pp, p.ep)
     from elastic_plugin.models.runtime import Runtime
 
     try:
-        Runtime.of(cfg.training).check(cfg.model, p.pipeline_model_parallel_size)
+        Runtime.of(cfg.training).check(cfg.model, p.pp)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     return cfg

@@ -40,7 +40,7 @@ def build_mixer(
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
 
-    tconf = transformer_config(cfg, layout.as_parallel_config(), torch.float32, **config_overrides)
+    tconf = transformer_config(cfg, layout, torch.float32, **config_overrides)
     spec = stack_spec_for(cfg).submodules.mamba_layer.submodules.mixer
     mixer = build_module(
         spec,
