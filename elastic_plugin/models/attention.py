@@ -265,7 +265,6 @@ class SDPAAttention(MegatronModule):
         little, is exact (no running softmax merge) and runs on every backend; the memory is one
         sequence's K/V per layer."""
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-        from torch.nn.attention.bias import causal_lower_right
 
         from elastic_plugin.models.context_parallel import chunk_order
 
@@ -285,7 +284,6 @@ class SDPAAttention(MegatronModule):
             )
         if sq % 2:
             raise ValueError(f"SDPAAttention: a CP rank holds two equal chunks, got {sq} rows")
-        groups, chunk = key.shape[2], sq // 2
         order = chunk_order(cp)
         natural = sorted(range(2 * cp), key=order.__getitem__)  # gathered index of chunk c
 
@@ -298,35 +296,11 @@ class SDPAAttention(MegatronModule):
 
         keys, values = whole(key), whole(value)
         dropout_p = self.attention_dropout.p if self.training else 0.0
-        outputs = []
-        for local, c in enumerate((order[2 * rank], order[2 * rank + 1])):
-            q = query[local * chunk : (local + 1) * chunk].permute(1, 2, 0, 3)
-            end = (c + 1) * chunk
-            k = keys[:end].permute(1, 2, 0, 3)
-            v = values[:end].permute(1, 2, 0, 3)
-            if heads != groups and not _NATIVE_GQA:
-                k = k.repeat_interleave(heads // groups, dim=1)
-                v = v.repeat_interleave(heads // groups, dim=1)
-            kwargs = {"enable_gqa": True} if heads != groups and _NATIVE_GQA else {}
-
-            def attend(q=q, k=k, v=v, end=end, kwargs=kwargs) -> Tensor:
-                return F.scaled_dot_product_attention(
-                    q,
-                    k,
-                    v,
-                    attn_mask=causal_lower_right(chunk, end),
-                    dropout_p=dropout_p,
-                    scale=self._scale,
-                    **kwargs,
-                )
-
-            if dropout_p > 0.0 and not self.config.sequence_parallel:
-                with tensor_parallel.get_cuda_rng_tracker().fork():
-                    outputs.append(attend())
-            else:
-                outputs.append(attend())
-        context = torch.cat(outputs, dim=2)  # [b, np, sq, hn]
-        return context.permute(2, 0, 1, 3).reshape(sq, b, heads * context.shape[-1])
+        chunks = (order[2 * rank], order[2 * rank + 1])
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return attend_chunks(query, keys, values, chunks, self._scale, dropout_p)
+        return attend_chunks(query, keys, values, chunks, self._scale, dropout_p)
 
     @staticmethod
     def _sdpa_mask(
@@ -359,3 +333,49 @@ class SDPAAttention(MegatronModule):
         if not bool(dead.any()):
             return allowed, False, None
         return allowed | dead, False, dead  # unmask dead rows for SDPA (else NaN); fixed after
+
+
+def attend_chunks(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    chunks: tuple[int, int],
+    scale: float,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """Causal attention of two query chunks over the whole sequence's keys (context parallelism).
+
+    ``query`` [2L, b, np, hn]: sequence chunks ``chunks[0]`` then ``chunks[1]`` (global chunk
+    indices, L rows each); ``keys`` / ``values`` [S, b, ng, hn] in sequence order. Chunk ``c``
+    attends to keys ``[0, (c + 1) L)`` with the causal mask aligned to the bottom right (its
+    row ``i`` sees key ``c L + i`` and every earlier one): the rows of full causal attention
+    that the chunk holds. Returns ``[2L, b, np * hn]``."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    rows, b, heads, _ = query.shape
+    groups, chunk = keys.shape[2], rows // 2
+    outputs = []
+    for local, c in enumerate(chunks):
+        end = (c + 1) * chunk
+        q = query[local * chunk : (local + 1) * chunk].permute(1, 2, 0, 3)
+        k, v = keys[:end].permute(1, 2, 0, 3), values[:end].permute(1, 2, 0, 3)
+        kwargs = {}
+        if heads != groups:
+            if _NATIVE_GQA:
+                kwargs = {"enable_gqa": True}
+            else:
+                k = k.repeat_interleave(heads // groups, dim=1)
+                v = v.repeat_interleave(heads // groups, dim=1)
+        outputs.append(
+            F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=causal_lower_right(chunk, end),
+                dropout_p=dropout_p,
+                scale=scale,
+                **kwargs,
+            )
+        )
+    context = torch.cat(outputs, dim=2)  # [b, np, 2L, hn]
+    return context.permute(2, 0, 1, 3).reshape(rows, b, heads * context.shape[-1])
