@@ -1,7 +1,7 @@
 """Cross-check: Megatron-Bridge's NemotronH bridge reads our Hugging Face exports.
 
 Megatron-Bridge converts Hub Nemotron-H checkpoints to Megatron-Core and back; serving runtimes read
-the same layout. It cannot be installed with our pins (``../shared/notes/megatron-bridge.md``), so
+the same layout. It cannot be installed with our pins (its torch and megatron-core requirements differ), so
 this is a script, not a test or a dependency: install it beside the project, without its
 dependencies, and put it on the path for this run only::
 
