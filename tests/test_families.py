@@ -46,9 +46,20 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, int]]] = {
         {**_BASE, "rope_theta": 5000.0},
         {"embedding": 32, "attention_heads": 4, "ffn": 24},
     ),
-    "llama_tied": (
+    "llama_tied": (  # tied, with Llama 3.1's RoPE scaling (a scaled-down factor)
         "LlamaForCausalLM",
-        {**_BASE, "tie_word_embeddings": True},
+        {
+            **_BASE,
+            "tie_word_embeddings": True,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        },
         {"embedding": 32, "attention_heads": 4, "ffn": 24},
     ),
     "llama31": (
@@ -163,14 +174,31 @@ def _load_stock(path: Path):
     return model
 
 
+@pytest.fixture(scope="module")
+def imported_families(tmp_path_factory):
+    """``get(name)``: one family imported once per module (the per-family tests and the
+    multi-rank test share the imports)."""
+    cache: dict[str, dict[str, Any]] = {}
+
+    def get(name: str) -> dict[str, Any]:
+        if name not in cache:
+            cache[name] = _import_family(name, tmp_path_factory)
+        return cache[name]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family_case(request, tmp_path_factory):
+def family_case(request, imported_families):
+    return imported_families(request.param)
+
+
+def _import_family(name: str, tmp_path_factory) -> dict[str, Any]:
     """One family: the transformers model saved sharded, imported in-process; our model."""
     from elastic_plugin.checkpoint.io import build_from_checkpoint
     from elastic_plugin.cli import main
     from elastic_plugin.parallel import Layout
 
-    name = request.param
     architecture, kwargs, choice = FAMILIES[name]
     work = tmp_path_factory.mktemp(name)
     reference = _hf_model(architecture, kwargs)
@@ -220,6 +248,44 @@ def test_import_gives_transformers_logits_and_greedy_tokens(family_case):
         assert getattr(model, field) == value
     if family_case["name"].startswith("qwen3"):
         assert model.qk_layernorm
+
+
+def test_every_family_under_tp2_sp_and_ep2_gives_transformers_logits(
+    imported_families, rank_pools, tmp_path
+):
+    """Each import (written at TP=1) loaded under TP=2 + sequence parallel, MoE families also
+    under EP=2 (4 ranks; dense families run 2 data-parallel replicas): transformers' logits
+    (fp32, <= 1e-4) and greedy tokens on every rank, in one rank-pool case."""
+    cases = []
+    for name in sorted(FAMILIES):
+        case = imported_families(name)
+        tokens, reference = _tokens(), case["reference"]
+        with torch.no_grad():
+            logits = reference(tokens).logits
+        greedy = _greedy(lambda t: reference(t).logits, tokens)
+        path = tmp_path / f"{name}.pt"
+        torch.save({"tokens": tokens, "logits": logits, "greedy": greedy}, path)
+        moe = case["model"].num_moe_experts > 0
+        cases.append(
+            {
+                "name": name,
+                "ckpt": str(case["work"] / "teacher"),
+                "reference": str(path),
+                "ep": 2 if moe else 1,
+            }
+        )
+    ranks = rank_pools.get(4).run(
+        "elastic_plugin.testing.family_cases:families_tp_sp_case", cases=cases
+    )
+    for rank, results in enumerate(ranks):
+        for result, case in zip(results, cases, strict=True):
+            name = result["name"]
+            print(f"rank {rank} {name}: max |ours - transformers| = {result['max_abs_diff']:.2e}")
+            assert result["max_abs_diff"] <= TOL, (rank, name)
+            assert result["greedy_equal"], (rank, name)
+            assert result["tp"] == 2 and result["sequence_parallel"], (rank, name)
+            experts = imported_families(name)["model"].num_moe_experts
+            assert result["local_experts"] == experts // case["ep"], (rank, name)
 
 
 @pytest.mark.integration  # the import saves through Megatron's spawned checkpoint writer
@@ -301,6 +367,28 @@ def test_params_hf_counts_released_configs_as_transformers(fixture, capsys):
     assert (counts["total"], counts["active"]) == RELEASED[fixture]
 
 
+@pytest.mark.parametrize("fixture", sorted(RELEASED))
+def test_released_counts_are_transformers_own(fixture):
+    """RELEASED is what transformers counts: its model built on the meta device (no memory),
+    total = its parameters (a tied head once), active = total less the routed experts that
+    top-k leaves idle ((E - k) / E of each layer's expert stack)."""
+    import transformers
+
+    raw = json.loads((FIXTURES / fixture).read_text())
+    cls = getattr(transformers, raw["architectures"][0])
+    config = cls.config_class.from_dict(raw)
+    with torch.device("meta"):
+        model = cls(config)
+    total = sum(p.numel() for p in model.parameters())
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
+    idle = 0
+    for name, module in model.named_modules():
+        if experts and name.endswith(".experts"):
+            stack = sum(p.numel() for p in module.parameters())
+            idle += stack - stack // experts * config.num_experts_per_tok
+    assert (total, total - idle) == RELEASED[fixture]
+
+
 def test_released_configs_map_their_options():
     from elastic_plugin.families import model_config_from_hf
 
@@ -359,9 +447,61 @@ QWEN_BAD = {
     "sliding": ({"use_sliding_window": True}, "use_sliding_window=True is not supported"),
     "norm_topk": ({"norm_topk_prob": False}, "norm_topk_prob=False is not supported"),
 }
+_SLIDING_TYPES = ["full_attention", "sliding_attention"]
+# the unsupported features in each other family's released config: (fixture, changes, message)
+OTHER_BAD = {
+    "llama_window": (
+        "llama_3_1_8b_config.json",
+        {"sliding_window": 4096},
+        "sliding_window=4096 is not supported (sliding-window attention",
+    ),
+    "llama_layer_types": (
+        "llama_3_1_8b_config.json",
+        {"layer_types": _SLIDING_TYPES * 16},
+        "layer_types[1]='sliding_attention' is not supported (sliding-window attention",
+    ),
+    "llama_nope": (
+        "llama_3_1_8b_config.json",
+        {"no_rope_layers": [1, 0] * 16},
+        "no_rope_layers=[1, 0, 1",
+    ),
+    "qwen3_mla": ("qwen3_8b_config.json", {"kv_lora_rank": 512}, "kv_lora_rank=512 is not supp"),
+    "qwen3_dynamic_rope": (
+        "qwen3_8b_config.json",
+        {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+        "rope_scaling.rope_type='dynamic' is not supported",
+    ),
+    "qwen3_layer_types": (
+        "qwen3_8b_config.json",
+        {"layer_types": ["full_attention"] * 35 + ["sliding_attention"]},
+        "layer_types[35]='sliding_attention' is not supported",
+    ),
+    "qwen3_moe_layer_types": (
+        "qwen3_30b_a3b_config.json",
+        {"layer_types": _SLIDING_TYPES * 24},
+        "layer_types[1]='sliding_attention' is not supported",
+    ),
+    "qwen3_moe_sinks": (
+        "qwen3_30b_a3b_config.json",
+        {"attention_sinks": True},
+        "attention_sinks=True is not supported (attention sinks",
+    ),
+    "mixtral_window": (
+        "mixtral_8x7b_config.json",
+        {"sliding_window": 4096},
+        "sliding_window=4096 is not supported",
+    ),
+    "mixtral_mla": ("mixtral_8x7b_config.json", {"q_lora_rank": 64}, "q_lora_rank=64 is not supp"),
+    "mixtral_yarn": (
+        "mixtral_8x7b_config.json",
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+        "rope_scaling.rope_type='yarn' is not supported",
+    ),
+    "mixtral_sinks": ("mixtral_8x7b_config.json", {"sinks": True}, "sinks=True is not supported"),
+}
 
 
-@pytest.mark.parametrize("kind", sorted(BAD) + sorted(QWEN_BAD))
+@pytest.mark.parametrize("kind", sorted(BAD) + sorted(QWEN_BAD) + sorted(OTHER_BAD))
 def test_bad_configs_are_refused_naming_the_field(kind, tmp_path, monkeypatch):
     """Refused by plan_import before any weight is read (the weights here are not even
     there), with the field and value; nothing written."""
@@ -371,6 +511,9 @@ def test_bad_configs_are_refused_naming_the_field(kind, tmp_path, monkeypatch):
 
     if kind in BAD:
         raw, message = BAD[kind]
+    elif kind in OTHER_BAD:
+        fixture, changes, message = OTHER_BAD[kind]
+        raw = {**json.loads((FIXTURES / fixture).read_text()), **changes}
     else:
         raw = json.loads((FIXTURES / "qwen3_30b_a3b_config.json").read_text())
         raw.update(QWEN_BAD[kind][0])
