@@ -446,7 +446,8 @@ def activation_fake_quant(
 
         def enter(_module: nn.Module, _args: tuple[Any, ...]) -> None:
             fake.calls[key] += 1
-            mode = _DownInputs(module.down_proj, fq)
+            down = module.get_parameter("down_proj")
+            mode = _DownInputs(down, fq)
             mode.__enter__()
             active.append(mode)
 

@@ -157,7 +157,7 @@ def _piece(key: str, cuts: Mapping[str, Cut], stacks: Mapping[str, str]) -> _Pie
         module = f"{expert['head']}.{expert['e']}.{expert['proj']}"
         stack = stacks.get(module)
         stacked = cuts.get(stack) if stack is not None else None
-        if stacked is None:
+        if stack is None or stacked is None:
             return None
         (_, count), *rest = stacked  # the expert axis, then the expert's own dims
         if len(expert_parts(stack.rsplit(".", 1)[1])) > 1 and any(dim == 1 for dim, _ in rest):
