@@ -1,9 +1,10 @@
-"""Context parallelism (``--context-parallel-size``): elastic training steps under CP (alone and
-with TP + SP) reproduce one rank on the same tokens: the same budgets and router choices, the
+"""Context parallelism (``--context-parallel-size``): elastic training steps under CP (alone,
+with PP and with TP + SP) reproduce one rank on the same tokens: the same budgets and router choices, the
 same per-budget losses and the same model and router gradients, through the Mamba layers
 (Megatron's all-to-all between sequence and head shards), the attention layers (our SDPA
-attention over K/V gathered from the CP group) and the MoE / MLP layers; a heterogeneous
-(per-layer) choice included."""
+attention over K/V gathered from the CP group, RoPE at the global positions) and the MoE / MLP
+layers; a heterogeneous (per-layer) choice included. The rank pools stop at 4 ranks, so CP x TP x
+PP on 8 is not here: CP x PP and CP x TP are each checked on 4."""
 
 from __future__ import annotations
 
@@ -19,14 +20,32 @@ LOSS_RTOL = 1e-5
 GRAD_ATOL = 2e-6  # as tests/test_elastic_multirank.py bounds the TP/PP/EP layouts
 
 
+def _variant(tmp_path_factory, name: str, old: str, new: str) -> str:
+    """tiny.yaml with one line changed."""
+    text = Path(CONFIG).read_text()
+    assert old in text
+    path = tmp_path_factory.mktemp("cp_config") / f"{name}.yaml"
+    path.write_text(text.replace(old, new))
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def four_group_config(tmp_path_factory) -> str:
-    """tiny.yaml with 4 Mamba groups: under TP=2 x CP=2 each CP rank scans one whole group."""
-    text = Path(CONFIG).read_text()
-    assert "  mamba_num_groups: 2\n" in text
-    path = tmp_path_factory.mktemp("cp_config") / "tiny_4_groups.yaml"
-    path.write_text(text.replace("  mamba_num_groups: 2\n", "  mamba_num_groups: 4\n"))
-    return str(path)
+    """4 Mamba groups: under TP=2 x CP=2 each CP rank scans one whole group."""
+    return _variant(
+        tmp_path_factory, "four_groups", "  mamba_num_groups: 2\n", "  mamba_num_groups: 4\n"
+    )
+
+
+@pytest.fixture(scope="module")
+def rope_config(tmp_path_factory) -> str:
+    """RoPE: each CP rank's chunks rotate at their global positions."""
+    return _variant(
+        tmp_path_factory,
+        "rope",
+        "  position_embedding_type: none\n",
+        "  position_embedding_type: rope\n",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +104,9 @@ def test_context_parallel(rank_pools, cp_references):
     _check(rank_pools, cp_references, 2, cp=2)
 
 
-def test_context_parallel_heterogeneous(rank_pools, cp_references):
-    """CP=2 with a per-layer choice of every axis."""
-    _check(rank_pools, cp_references, 2, heterogeneous=True, cp=2)
+def test_context_parallel_pipeline_heterogeneous_rope(rank_pools, cp_references, rope_config):
+    """CP=2 x PP=2 on 4 ranks, a per-layer choice of every axis, RoPE."""
+    _check(rank_pools, cp_references, 4, config=rope_config, heterogeneous=True, cp=2, pp=2)
 
 
 def test_context_parallel_tensor_parallel(rank_pools, cp_references, four_group_config):
