@@ -234,9 +234,9 @@ def _predicted(kw: dict, r: dict, world: int = 2):
     state = state_bytes(stages[stage], dp, ep, bf16, dist_opt)
     state["teacher_weights"] = stages[stage].model * (2 if bf16 else 4)  # rank_memory's
     tokens = r["micro_batch"] * r["seq_length"]
-    num_mb = kw.get("num_microbatches", 2)
     last = stage == pp - 1
-    state["teacher_logits"] = teacher_logit_bytes(model, tokens, tp, num_mb, bf16) if last else 0
+    # the teacher runs inside the schedule: one micro-batch's logits at a time on the last stage
+    state["teacher_logits"] = teacher_logit_bytes(model, tokens, tp, 1, bf16) if last else 0
     nested = model_for_choice(model, r["choice"]) if r["choice"] else model
     comm = step_comm_bytes(
         model, nested, stage, stages, tp, pp, ep, dp, kw.get("sequence_parallel", False),

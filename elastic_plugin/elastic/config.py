@@ -197,6 +197,12 @@ class MemorySpec:
         _choice("memory.precision", self.precision, PRECISIONS)
 
 
+# Tokens per chunk of the chunked KD loss (elastic/losses.py). Its FP32 temporaries are ~13 bytes x
+# chunk x (vocab / TP): 832 MiB at 1024 tokens of Nano v3's 131,072-entry vocabulary under TP=2,
+# against 14.5 GiB unchunked for an 8K-token micro-batch (bench/bench_kd_loss.py measures it).
+DEFAULT_KD_CHUNK_TOKENS = 1024
+
+
 # ------------------------------------------------------------------------------ ElasticConfig
 @dataclass(frozen=True)
 class ElasticConfig:
@@ -214,7 +220,7 @@ class ElasticConfig:
     mode: str = "sliced"
     teacher: str = "frozen"
     kd_temperature: float = 1.0
-    kd_chunk_tokens: int = 1024  # the KD loss's tokens per chunk (elastic/losses.py)
+    kd_chunk_tokens: int = DEFAULT_KD_CHUNK_TOKENS  # the KD loss's tokens per chunk (losses.py)
     budget_loss_weight: float = 1.0
     ce_weight_full: float = 0.0
     interpolate: bool = False

@@ -12,12 +12,16 @@ import sys
 import torch
 import torch.distributed as dist
 
+from elastic_plugin.elastic.config import DEFAULT_KD_CHUNK_TOKENS
 from elastic_plugin.models.config import ConfigError
 
-# Tokens per chunk of the chunked KD loss. Its FP32 temporaries are ~5 x chunk x (vocab / TP) x 4
-# bytes: 1,280 MiB at 1024 tokens of Nano v3's 131,072-entry vocabulary under TP=2, against
-# 10 GiB for an unchunked 8K-token micro-batch (bench/bench_kd_loss.py measures it).
-DEFAULT_KD_CHUNK_TOKENS = 1024
+__all__ = [
+    "DEFAULT_KD_CHUNK_TOKENS",
+    "budget_loss",
+    "check_chunk_tokens",
+    "distillation_loss_func",
+    "vocab_parallel_kl",
+]
 
 
 def _default_tp_group():

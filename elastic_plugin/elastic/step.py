@@ -1,17 +1,22 @@
 """One elastic training step through Megatron-Core's pipeline schedules.
 
-Per iteration: (1) a forward-only pass of the teacher (the frozen original model, or the model
-itself at full budget) over the iteration's micro-batches stores its vocab-parallel logits on the
-last stage; (2) the student pass: every stage draws the micro-batch's budget and router noise from
+Per micro-batch, inside the student's schedule: (1) the teacher (the frozen original model, or
+the model itself at full budget) runs forward-only on this stage; under PP its hidden states
+travel with the student's through the same p2p tensor (``[2, s, b, h]``: student, teacher; the
+shape set by Megatron's ``adjust_tensor_shapes_fn``), so the last stage holds the teacher's
+logits of one micro-batch, never the whole iteration's; (2) the student: every stage draws the micro-batch's budget and router noise from
 ``BudgetSampler`` (a pure function of seed, iteration and micro-batch index, so all ranks agree
 without talking; data-parallel replicas share the draw, which expert parallelism requires), activates the router's choice, and the last stage computes
-``KL(teacher || student)`` + the budget loss (+ CE at budget 1.0). Megatron's schedule runs both
-passes (1F1B under PP) and ``finalize_router_grads`` completes the router's gradients.
+``KL(teacher || student)`` + the budget loss (+ CE at budget 1.0). Megatron's schedule runs it
+(1F1B under PP) and ``finalize_router_grads`` completes the router's gradients.
+``teacher_in_schedule=False`` (or an interleaved / variable-length schedule, which has no shape
+hook) runs the teacher first, forward-only over every micro-batch, keeping all their logits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -79,7 +84,11 @@ class ElasticStep:
     _mb: int = 0
     _shape: tuple[int, int] = (0, 0)  # (sequence length, micro-batch size) of this iteration
     _flop_cache: dict = field(default_factory=dict)
-    _teacher_logits: list[torch.Tensor] = field(default_factory=list)
+    _teacher_logits: Any = field(default_factory=list)  # micro-batch index -> teacher logits
+    teacher_in_schedule: bool = True  # the teacher runs micro-batch by micro-batch (see above)
+    teacher_logit_peak: int = 0  # most bytes of teacher logits this rank held at once (measured)
+    _carry: bool = False  # this step's teacher runs inside the student's schedule
+    _stage_input: Any = None  # the p2p tensor Megatron handed this stage: [2, s, b, h] or None
 
     @property
     def cfg(self):
@@ -176,6 +185,8 @@ class ElasticStep:
     def teacher_pass(
         self, student_chunks, batches: list[dict] | None, seq_length: int, micro_batch_size: int
     ) -> None:
+        """The teacher forward-only over every micro-batch first (``teacher_in_schedule=False``):
+        the last stage keeps all their logits until the student pass has used them."""
         self._teacher_logits = []
         chunks = self.teacher_chunks
         if chunks is None:
@@ -190,6 +201,53 @@ class ElasticStep:
             forward_only=True,
             forward_step_func=self._teacher_forward_step,
         )
+        self._note_teacher_bytes()
+
+    def _note_teacher_bytes(self) -> None:
+        held = self._teacher_logits
+        tensors = held.values() if isinstance(held, dict) else held
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        self.teacher_logit_peak = max(self.teacher_logit_peak, total)
+
+    # ------------------------------------------------------- teacher inside the schedule
+    @torch.no_grad()
+    def _teacher_in_step(self, student_model, batch: dict, teacher_input) -> torch.Tensor:
+        """This stage's teacher forward on one micro-batch: the frozen teacher's chunk, or the
+        student at full budget; under PP fed the teacher half of the received p2p tensor."""
+        if self.teacher_chunks is None:
+            teacher = student_model
+            self.state.clear()
+        else:
+            teacher = self.teacher_chunks[0]
+        if _pipeline_size() > 1:
+            _set_input(teacher, teacher_input)
+        out = teacher(batch.get("tokens"), batch.get("position_ids"), batch.get("attention_mask"))
+        return out.detach()
+
+    @contextmanager
+    def _capturing_stage_input(self, chunks):
+        """Megatron hands each stage its received p2p tensor through ``set_input_tensor``; keep
+        it whole (student and teacher halves) for the forward step to split."""
+        inner = _inner(chunks[0])
+
+        def capture(input_tensor) -> None:
+            tensors = input_tensor if isinstance(input_tensor, list) else [input_tensor]
+            self._stage_input = tensors[0]
+
+        inner.set_input_tensor = capture
+        try:
+            yield
+        finally:
+            del inner.set_input_tensor  # the class's method again
+            self._stage_input = None
+
+    def _can_carry_teacher(self, chunks) -> bool:
+        """Megatron's shape hook exists in the non-interleaved 1F1B schedule with fixed shapes."""
+        if not self.teacher_in_schedule:
+            return False
+        if _pipeline_size() == 1:
+            return True
+        return len(chunks) == 1 and not getattr(chunks[0].config, "variable_seq_lengths", False)
 
     # ------------------------------------------------------------------ student
     def _loss(self, local: int, budget_index: int, probs, batch: dict, output_tensor):
@@ -268,6 +326,16 @@ class ElasticStep:
         local = self._mb
         self._mb += 1
         batch = get_batch(data_iterator)
+        teacher_out = None
+        if self._carry:
+            pipelined = _pipeline_size() > 1
+            received = self._stage_input if pipelined else None
+            student_in = None if received is None else received[0]
+            teacher_out = self._teacher_in_step(
+                model, batch, None if received is None else received[1]
+            )
+            if pipelined:
+                _set_input(model, student_in)
         index, probs = self.route(model, local)
         if torch.is_grad_enabled():  # a training micro-batch (not a forward-only evaluation)
             self.flops += self.choice_flops(None if not self.state.is_active else probs)
@@ -275,7 +343,23 @@ class ElasticStep:
             output = model(
                 batch.get("tokens"), batch.get("position_ids"), batch.get("attention_mask")
             )
-        return output, partial(self._loss, local, index, probs, batch)
+        if teacher_out is None:
+            return output, partial(self._loss, local, index, probs, batch)
+        if not _is_last_stage():  # both hidden states to the next stage, in one p2p tensor
+            return torch.stack([output, teacher_out]), partial(
+                self._loss, local, index, probs, batch
+            )
+        self._teacher_logits = {local: teacher_out}
+        self._note_teacher_bytes()
+        return output, partial(self._loss_then_release, local, index, probs, batch)
+
+    def _loss_then_release(self, local: int, index: int, probs, batch: dict, output_tensor):
+        """``_loss``, then drop this micro-batch's teacher logits (the loss keeps what its
+        backward needs)."""
+        try:
+            return self._loss(local, index, probs, batch, output_tensor)
+        finally:
+            self._teacher_logits.pop(local, None)
 
     def train_step(
         self,
@@ -296,25 +380,68 @@ class ElasticStep:
             batches = [
                 truncate_batch(next(data_iterator), stage_seq) for _ in range(self.num_microbatches)
             ]
-        self.teacher_pass(chunks, batches, stage_seq, micro_batch_size)
+        self.teacher_logit_peak = 0
+        self._carry = self._can_carry_teacher(chunks)
+        if not self._carry:
+            self.teacher_pass(chunks, batches, stage_seq, micro_batch_size)
+        pipelined = self._carry and _pipeline_size() > 1
         self._mb = 0
         try:
-            result = train_step(
-                chunks,
-                optimizer,
-                Replay(batches) if batches is not None else None,
-                self.num_microbatches,
-                stage_seq,
-                micro_batch_size,
-                step_optimizer=step_optimizer,
-                forward_step_func=self._student_forward_step,
-                finalize_grads_func=finalize_router_grads,
-                reduce_reports=reduce_elastic_reports,
-            )
+            with self._capturing_stage_input(chunks) if pipelined else _nothing():
+                result = train_step(
+                    chunks,
+                    optimizer,
+                    Replay(batches) if batches is not None else None,
+                    self.num_microbatches,
+                    stage_seq,
+                    micro_batch_size,
+                    step_optimizer=step_optimizer,
+                    forward_step_func=self._student_forward_step,
+                    finalize_grads_func=finalize_router_grads,
+                    reduce_reports=reduce_elastic_reports,
+                    adjust_tensor_shapes_fn=_with_teacher_shapes if pipelined else None,
+                )
         finally:
             self.state.clear()
             self._teacher_logits = []
+            self._carry = False
         return result
+
+
+def _pipeline_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_world_size()
+
+
+def _is_last_stage() -> bool:
+    from megatron.core import parallel_state
+
+    return parallel_state.is_pipeline_last_stage()
+
+
+def _inner(module):
+    """The Megatron model inside DDP / Float16Module wrappers (it owns ``set_input_tensor``)."""
+    while hasattr(module, "module") and not hasattr(module, "decoder"):
+        module = module.module
+    return module
+
+
+def _set_input(module, tensor) -> None:
+    """The model's own ``set_input_tensor`` (not the capture ``train_step`` installs)."""
+    inner = _inner(module)
+    type(inner).set_input_tensor(inner, [tensor])
+
+
+def _with_teacher_shapes(recv_shapes: list, send_shapes: list) -> tuple[list, list]:
+    """Megatron's ``adjust_tensor_shapes_fn``: every p2p tensor carries the student's and the
+    teacher's hidden states stacked, ``[2, s, b, h]``."""
+    return [(2, *shape) for shape in recv_shapes], [(2, *shape) for shape in send_shapes]
+
+
+@contextmanager
+def _nothing():
+    yield
 
 
 def reduce_elastic_reports(reports: list[dict]) -> dict[int, dict[str, float]] | None:

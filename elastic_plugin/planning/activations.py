@@ -32,11 +32,16 @@ Measured on the tiny model (CPU, FP32, saved-tensor hooks, weights excluded): at
 MLP and MoE layers keep what the first three items say to within 2%.
 
 The first stage adds the embedding output ``h / sp``; the last stage the output layer's input
-``h / sp`` and the loss' saved ``p_s - p_t`` (``V / t``, FP32), plus a transient while the loss'
-forward runs (``elastic.losses._VocabParallelKL``) of ``[tokens, V / t]`` tensors: the student's
-logits (model dtype) and seven FP32 ones at once (the scaled logits ``s``, ``t``, their
-exponentials, ``e_t (t - s)``, the zeros and the result of ``where``) and its boolean mask,
-``a + 29`` bytes per element (measured: 8.4 FP32 copies on the tiny model with a 2048 vocabulary).
+``h / sp`` and the distillation loss (``kd_loss_bytes``). Chunked (the default,
+``elastic.losses._ChunkedVocabParallelKL``): it keeps the student's logits (``V / t``, model
+dtype) and four FP32 numbers per token; while it runs, a chunk of ``c`` tokens holds three FP32
+``[c, V / t]`` tensors and a mask (forward), or the logits' gradient (``V / t`` per token, model
+dtype) and two FP32 chunks plus a BF16 -> FP32 conversion (backward). Unchunked
+(``_VocabParallelKL``): the saved ``p_s - p_t`` (``V / t``, FP32) and a transient of
+``[tokens, V / t]`` tensors: the student's logits and seven FP32 ones at once (the scaled logits
+``s``, ``t``, their exponentials, ``e_t (t - s)``, the zeros and the result of ``where``) and
+its boolean mask, ``a + 29`` bytes per element (measured: 8.4 FP32 copies on the tiny model with
+a 2048 vocabulary). ``bench/bench_kd_loss.py`` measures both at 8K tokens against this model.
 Recomputation: ``full`` keeps each
 recomputed chunk's input (``h / sp``) and re-creates one chunk's activations at a time;
 ``selective`` recomputes core attention, which SDPA does not store anyway: no change.
@@ -44,6 +49,7 @@ recomputed chunk's input (``h / sp``) and re-creates one chunk's activations at 
 
 from __future__ import annotations
 
+from elastic_plugin.elastic.config import DEFAULT_KD_CHUNK_TOKENS
 from elastic_plugin.models.config import ModelConfig
 from elastic_plugin.models.runtime import Runtime
 
@@ -115,11 +121,12 @@ def kd_loss_bytes(
     """
     elements = tokens * vocab_shard
     if chunk_tokens is None:
-        return {"stored": FP32 * elements, "transient": (7 * FP32 + 1) * elements}
+        return {"stored": FP32 * elements, "transient": (dtype_bytes + 7 * FP32 + 1) * elements}
     chunk = min(chunk_tokens, tokens) * vocab_shard
     stored = dtype_bytes * elements + 4 * FP32 * tokens
-    transient = max((3 * FP32 + 1) * chunk, dtype_bytes * elements + 3 * FP32 * chunk)
-    return {"stored": stored, "transient": transient}
+    converted = FP32 if dtype_bytes != FP32 else 0  # .float() of a BF16 chunk before / T
+    backward = dtype_bytes * elements + (2 * FP32 + converted) * chunk
+    return {"stored": stored, "transient": max((3 * FP32 + 1) * chunk, backward)}
 
 
 def kd_loss_peak_bytes(
@@ -128,8 +135,8 @@ def kd_loss_peak_bytes(
     """Peak bytes the loss's forward + backward allocate beyond the logits it is given (what
     ``bench/bench_kd_loss.py`` measures): its stored bytes plus its transient."""
     loss = kd_loss_bytes(tokens, vocab_shard, dtype_bytes, chunk_tokens)
-    if chunk_tokens is None:  # the stored p_s - p_t is one of the forward's seven, made in place
-        return loss["transient"]
+    if chunk_tokens is None:  # the stored p_s - p_t is one of the forward's seven, made in place;
+        return loss["transient"] - dtype_bytes * tokens * vocab_shard  # the logits are given
     # the student's logits it stores are the caller's, not allocated here
     return loss["stored"] - dtype_bytes * tokens * vocab_shard + loss["transient"]
 
@@ -144,10 +151,12 @@ def stage_activation_bytes(
     sequence_parallel: bool,
     runtime: Runtime,
     mamba_scan: str = "fused",
+    kd_chunk_tokens: int | None = DEFAULT_KD_CHUNK_TOKENS,
 ) -> dict[str, float]:
     """Bytes of one micro-batch on one rank of a stage with layers ``kinds``: ``stored`` (kept
     until its backward), ``transient`` (the largest short-lived extra: one recomputed chunk,
-    the loss' forward) for ``tokens = micro_batch_size x seq_length``."""
+    the loss) for ``tokens = micro_batch_size x seq_length``; ``kd_chunk_tokens``: the KD
+    loss's chunk (``elastic.kd_chunk_tokens``; None: the unchunked loss)."""
     dtype_bytes = 2 if runtime.bf16 else 4
     sp = tp if sequence_parallel and tp > 1 else 1
     h = model.hidden_size
@@ -173,7 +182,7 @@ def stage_activation_bytes(
     if first:
         stored += h / sp * tokens * dtype_bytes
     if last:
-        vocab = model.vocab_size / tp
-        stored += h / sp * tokens * dtype_bytes + vocab * tokens * FP32
-        transient = max(transient, (dtype_bytes + 7 * FP32 + 1) * vocab * tokens)
+        loss = kd_loss_bytes(tokens, model.vocab_size / tp, dtype_bytes, kd_chunk_tokens)
+        stored += h / sp * tokens * dtype_bytes + loss["stored"]
+        transient = max(transient, loss["transient"])
     return {"stored": stored, "transient": transient}

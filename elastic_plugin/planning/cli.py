@@ -55,6 +55,9 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--elastic-budgets", type=float, nargs="+", default=None, metavar="B")
     parser.add_argument("--teacher", default=None, metavar="|".join(TEACHERS))
+    parser.add_argument("--kd-chunk-tokens", type=int, default=None, metavar="N",
+                        help="the distillation loss's tokens per chunk (elastic.kd_chunk_tokens, "
+                        "--elastic-kd-chunk-tokens; default the config's, else 1024)")  # fmt: skip
     parser.add_argument("--mamba-scan", default="fused", choices=MAMBA_SCANS,
                         help="the Mamba scan the run uses: mamba_ssm's fused kernels (default) or "
                         "the plugin's pure-PyTorch scan, which keeps more activations (without "
@@ -206,6 +209,9 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     if args.teacher is not None:
         elastic_raw["teacher"] = args.teacher
         origins["teacher"] = "--teacher"
+    if args.kd_chunk_tokens is not None:
+        elastic_raw["kd_chunk_tokens"] = args.kd_chunk_tokens
+        origins["kd_chunk_tokens"] = "--kd-chunk-tokens"
     where = str(args.config) if args.config else "<dict>"
     elastic = ElasticConfig.from_dict(elastic_raw, source=where, origins=origins)
     elastic.resolve(model)  # the budgets are reachable with TP = EP = 1

@@ -25,9 +25,11 @@ sequence parallelism else 1:
   probabilities ``4 k T / sp``, and the combine ``k (T / sp) h a`` (per rank it varies with the
   routing; the sum over the EP group is exact); three passes (teacher, student, backward). The
   token counts per expert are all-gathered over TP x EP in each forward (``8 E t e``).
-* **PP**: every stage but the last sends ``T / sp x H x a`` forward per micro-batch in the
-  teacher and the student pass (buffers keep the full hidden size ``H``); every stage but the
-  first sends the gradient back. Once per step the budget router's FP32 gradients are summed
+* **PP**: the teacher runs inside the student's schedule (``elastic.step``): every stage but
+  the last sends ``2 x T / sp x H x a`` forward per micro-batch (the student's and the teacher's
+  hidden states stacked in one p2p tensor; buffers keep the full hidden size ``H``), every stage
+  but the first the gradient of that tensor back (same size; the teacher's half is zeros).
+  Without a teacher each direction sends ``T / sp x H x a``. Once per step the budget router's FP32 gradients are summed
   over the stages.
 * **DP** once per step: an all-reduce of the FP32 gradient buffer, or with the distributed
   optimizer a reduce-scatter of it and an all-gather of the updated weights (padded buffers,
@@ -143,8 +145,9 @@ def step_comm_bytes(
         _add(out, "tp", "all_reduce", m * 5 * 4 * tokens)  # the distillation loss
     if pp > 1:
         p2p = tokens // (tp if sp else 1) * model.hidden_size * a
-        # teacher + student forward, student backward
-        sends = (0 if last else 1 + int(teacher)) + (0 if first else 1)
+        # [student; teacher] stacked forward, and its gradient backward
+        per_direction = 2 if teacher else 1
+        sends = (0 if last else per_direction) + (0 if first else per_direction)
         _add(out, "pp", "p2p", m * sends * p2p)
         _add(out, "pp", "all_reduce", 4 * stages[stage].router)
     params = stages[stage]

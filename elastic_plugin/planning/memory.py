@@ -19,9 +19,14 @@ nothing is padded or split. These are the buffers of one bucket per buffer (``bu
 as ``parallel.wrap_ddp_chunk`` builds them); Megatron-LM's bucketed default pads a little more.
 
 The frozen teacher (``--teacher frozen``) is a second copy of the model's weights in the model
-dtype, sharded like the student, with no gradients or optimizer state. The teacher pass keeps
-its vocab-parallel logits for every micro-batch of the step on the last stage (``[tokens, V / t]``
-each, model dtype) until the student pass has used them.
+dtype, sharded like the student, with no gradients or optimizer state. The teacher runs inside
+the student's schedule, micro-batch by micro-batch (``elastic.step``), so the last stage holds
+the vocab-parallel logits (``[tokens, V / t]``, model dtype) of the micro-batches in flight
+there (one under 1F1B, and without PP), whatever the number of micro-batches; under PP every
+stage but the first also keeps, per in-flight micro-batch, the teacher's half of the received
+p2p tensor (``T / sp x H``, model dtype) with the student's. (Megatron-LM's own loop,
+``elastic.megatron_lm_pretrain``, still runs its teacher pass first under PP: there the last
+stage holds every micro-batch's logits.)
 
 Under the non-interleaved 1F1B schedule stage ``i`` of ``p`` holds ``min(p - i, m)`` micro-batches'
 activations at once (``m`` micro-batches per step and DP rank).
@@ -32,6 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from elastic_plugin.elastic.config import DEFAULT_KD_CHUNK_TOKENS
 from elastic_plugin.models.config import ModelConfig
 from elastic_plugin.models.runtime import Runtime
 from elastic_plugin.planning.activations import stage_activation_bytes
@@ -81,8 +87,9 @@ def state_bytes(
 def teacher_logit_bytes(
     model: ModelConfig, tokens: int, tp: int, num_microbatches: int, bf16: bool
 ) -> float:
-    """What the teacher pass leaves on the last stage for the student pass: every micro-batch's
-    vocab-parallel logits, ``[tokens, V / t]`` in the model dtype."""
+    """Teacher logits the last stage holds at once: ``num_microbatches`` micro-batches'
+    vocab-parallel logits, ``[tokens, V / t]`` in the model dtype (``rank_memory`` passes the
+    micro-batches in flight there: the teacher runs inside the student's schedule)."""
     return num_microbatches * tokens * model.vocab_size / tp * (2 if bf16 else 4)
 
 
@@ -136,6 +143,7 @@ def rank_memory(
     num_microbatches: int,
     frozen_teacher: bool,
     mamba_scan: str = "fused",
+    kd_chunk_tokens: int | None = DEFAULT_KD_CHUNK_TOKENS,
 ) -> RankMemory:
     """Memory of the busiest rank. ``model``: the full model (weights); ``nested``: the plain
     config of the widths a micro-batch runs (activations; the full model in masked mode)."""
@@ -156,11 +164,13 @@ def rank_memory(
             sequence_parallel,
             runtime,
             mamba_scan,
+            kd_chunk_tokens,
         )
         count = in_flight(index, pp, num_microbatches)
-        logits = (
-            teacher_logit_bytes(model, tokens, tp, num_microbatches, runtime.bf16) if last else 0.0
-        )
+        logits = teacher_logit_bytes(model, tokens, tp, count, runtime.bf16) if last else 0.0
+        if index > 0:  # the teacher's half of each kept p2p input
+            sp = tp if sequence_parallel and tp > 1 else 1
+            act["stored"] += tokens / sp * model.hidden_size * dtype_bytes
         memory = RankMemory(
             stage=index,
             teacher_weights=stage.model * dtype_bytes if frozen_teacher else 0.0,

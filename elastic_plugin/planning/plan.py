@@ -189,7 +189,7 @@ def evaluate_layout(
         memory = rank_memory(
             model, run.nested, stages, tp, pp, ep, dp, layout.sequence_parallel,
             layout.distributed_optimizer, inputs.runtime, inputs.micro_batch_size, seq_length,
-            num_mb, inputs.frozen_teacher, inputs.mamba_scan,
+            num_mb, inputs.frozen_teacher, inputs.mamba_scan, inputs.elastic.kd_chunk_tokens,
         )  # fmt: skip
         student = stage_flops(model, run.train_flops, pp)
         teacher = stage_flops(model, run.teacher_flops, pp)

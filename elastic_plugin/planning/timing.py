@@ -8,8 +8,9 @@
   A group uses NVLink when its ranks fit one NVLink domain (Megatron orders ranks TP, EP, DP,
   PP from the inside), the network otherwise;
 * the 1F1B schedule runs ``m + p - 1`` slots of the slowest stage for ``m`` micro-batches on
-  ``p`` stages (the bubble is ``(p - 1) / (m + p - 1)`` of it), once for the teacher's forward
-  and once for the student's forward + backward; p2p sends add per micro-batch;
+  ``p`` stages (the bubble is ``(p - 1) / (m + p - 1)`` of it), a slot being one micro-batch's
+  teacher forward and student forward + backward (the teacher runs inside the student's
+  schedule); p2p sends add per micro-batch;
 * the gradient reduction over DP is not overlapped (``overlap_grad_reduce=False``), and the
   optimizer step reads and writes every state byte once at HBM bandwidth.
 """

@@ -97,9 +97,10 @@ class ElasticIteration:
         """One iteration: teacher pass (unless ``teacher=False``: the logits of the last
         ``teacher_pass`` are reused), the student's forward/backward, the optimizer step."""
         step = self.step
-        if not teacher:
+        if not teacher:  # the teacher pass first (not inside the schedule), replayed
             logits = step._teacher_logits
             step.teacher_pass = lambda *args, **kwargs: setattr(step, "_teacher_logits", logits)
+            step.teacher_in_schedule = False
         try:
             return step.train_step(
                 self.chunks,
@@ -111,6 +112,7 @@ class ElasticIteration:
             )
         finally:
             step.__dict__.pop("teacher_pass", None)
+            step.teacher_in_schedule = True
 
     def teacher_pass(self) -> None:
         """The teacher's logits of this iteration's micro-batches (for ``run(teacher=False)``)."""

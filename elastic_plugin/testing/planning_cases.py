@@ -240,14 +240,6 @@ def measure_step(
     batches = _iteration_batches(cfg.model.vocab_size, 1)[:num_microbatches]
     optimizer.zero_grad()
     log: list | None = [] if calls else None
-    logits: list[int] = []
-    teacher_pass = step.teacher_pass
-
-    def recorded_teacher_pass(*args, **kwargs):  # the logits the student pass will read
-        teacher_pass(*args, **kwargs)
-        logits.append(sum(t.numel() * t.element_size() for t in step._teacher_logits))
-
-    step.teacher_pass = recorded_teacher_pass
     with count_comm(log) as comm:
         step.train_step(chunks, optimizer, iter(batches), SEQ_LEN, batches[0]["tokens"].shape[0])
     teacher = sum(
@@ -264,7 +256,7 @@ def measure_step(
         "state": {
             **_state_bytes(chunks, optimizer),
             "teacher_weights": teacher,
-            "teacher_logits": logits[0],
+            "teacher_logits": step.teacher_logit_peak,  # held at once on this rank
         },
         "comm": comm,
         "calls": log,
@@ -342,6 +334,7 @@ def pipeline_activation_peak(
     step.teacher_pass(chunks, batches, seq_len, micro_batch)
     logits = step._teacher_logits
     step.teacher_pass = lambda *a, **k: setattr(step, "_teacher_logits", logits)
+    step.teacher_in_schedule = False  # the student's pass alone (the teacher's replayed)
     clear_megatron_buffer()
     peak, _ = peak_bytes(
         lambda: step.train_step(
@@ -418,3 +411,52 @@ def allreduce_bus_bandwidth(nbytes: int = 8 << 20, reps: int = 5) -> float:
         dist.all_reduce(tensor)
         times.append(time.perf_counter() - start)
     return nbytes * 2 * (n - 1) / n / statistics.median(times)
+
+
+def pipeline_teacher_peak(
+    config_path: str,
+    workdir: str,
+    pattern: str,
+    seq_len: int,
+    micro_batch: int,
+    num_microbatches: int,
+    teacher_in_schedule: bool,
+) -> dict[str, Any]:
+    """PP = 2 (2 ranks): the peak bytes each stage allocates in one whole elastic step at budget
+    1.0 (FP32), the frozen teacher's forward included: inside the student's schedule or, with
+    ``teacher_in_schedule=False``, over every micro-batch first; and the most teacher-logit bytes
+    the stage held at once, the losses and the gradient norm."""
+    from megatron.core import parallel_state as ps
+
+    from elastic_plugin.elastic.config import CurriculumStage
+    from elastic_plugin.elastic.sampling import BudgetSampler
+    from elastic_plugin.parallel import Layout
+    from elastic_plugin.testing.memory import clear_megatron_buffer, peak_bytes, synthetic_batches
+
+    work = Path(workdir)
+    if not (work / "init" / "elastic_meta.json").is_file():
+        write_init_checkpoint(_experiment(config_path, pattern), work / "init")
+    cfg, chunks, optimizer, step = _setup(
+        config_path, work, Layout(pp=2), pattern, "sliced", False, 1234
+    )
+    budgets = step.sampler.budgets
+    step.sampler = BudgetSampler(
+        budgets, [CurriculumStage(iters=1, budget_probs=(1.0, 0.0, 0.0))], 5, 1
+    )
+    step.num_microbatches = num_microbatches
+    step.iteration = 1
+    step.teacher_in_schedule = teacher_in_schedule
+    batches = synthetic_batches(cfg.model.vocab_size, micro_batch, seq_len, num_microbatches)
+    clear_megatron_buffer()
+    peak, result = peak_bytes(
+        lambda: step.train_step(chunks, optimizer, iter(batches), seq_len, micro_batch),
+        torch.device("cpu"),
+    )
+    table = result["loss"] or {}
+    return {
+        "stage": ps.get_pipeline_model_parallel_rank(),
+        "peak": peak,
+        "teacher_logits": step.teacher_logit_peak,
+        "kd": {i: a["kd_sum"] / a["tokens"] for i, a in table.items()},
+        "grad_norm": float(result["grad_norm"]),
+    }

@@ -94,10 +94,17 @@ def run_schedule(
     micro_batch_size: int,
     forward_only: bool,
     forward_step_func=forward_step,
+    adjust_tensor_shapes_fn=None,
 ) -> list[dict]:
-    """Megatron's schedule for this layout (1F1B under PP) over ``num_microbatches``."""
+    """Megatron's schedule for this layout (1F1B under PP) over ``num_microbatches``;
+    ``adjust_tensor_shapes_fn``: Megatron's hook for other p2p shapes (1F1B only)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    extra = (
+        {}
+        if adjust_tensor_shapes_fn is None
+        else {"adjust_tensor_shapes_fn": adjust_tensor_shapes_fn}
+    )
     return get_forward_backward_func()(
         forward_step_func=forward_step_func,
         data_iterator=_batch_iterator_for_stage(data_iterator),
@@ -106,6 +113,7 @@ def run_schedule(
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
         forward_only=forward_only,
+        **extra,
     )
 
 
@@ -120,6 +128,7 @@ def train_step(
     forward_step_func=forward_step,
     finalize_grads_func=None,
     reduce_reports=None,
+    adjust_tensor_shapes_fn=None,
 ) -> dict[str, Any]:
     """Forward+backward over ``num_microbatches`` micro-batches, then one optimizer step.
 
@@ -142,6 +151,7 @@ def train_step(
         micro_batch_size,
         forward_only=False,
         forward_step_func=forward_step_func,
+        adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
     )
     result: dict[str, Any] = {
         "loss": (reduce_reports or reduce_loss_reports)(reports),
