@@ -6,7 +6,13 @@ an expert bias and a top-k scaling factor) and ``megatron.training.checkpointing
 save_checkpoint`` writes iteration 10 (``testing.megatron_import_cases``, in its own process),
 once with Transformer Engine's fused norm names and once with the local specs' separate ones.
 Both import to a teacher whose logits are the source model's; bad input exits 2 naming it
-before any weight is read, and writes nothing."""
+before any weight is read, and writes nothing.
+
+The same process writes two checkpoints of Megatron-LM's own ``GPTModel`` built as
+``pretrain_gpt.py`` builds it (Llama-like: Llama 3.1 RoPE scaling, untied, layers stored stacked
+under TE's fused norm names; Qwen-like: QK layernorm, q/k/v bias, free kv_channels, tied, MoE and
+dense layers mixed with a shared expert, per-layer keys under the local norm names): imported as
+our ``*-`` / ``*E`` pattern they give the GPTModel's logits."""
 
 from __future__ import annotations
 
@@ -59,23 +65,27 @@ def _logits(ckpt: Path, tokens: torch.Tensor):
     [
         ("te", "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"),
         ("local", "decoder.layers.1.input_layernorm.weight"),
+        ("gpt_dense", "decoder.layers.self_attention.linear_qkv.layer_norm_weight"),  # stacked
+        ("gpt_moe", "decoder.layers.2.pre_mlp_layernorm.weight"),
     ],
 )
 def test_imported_teacher_gives_the_source_logits(megatron_dirs, form, norm_key, tmp_path):
     from elastic_plugin.cli import main
-    from elastic_plugin.testing.megatron_import_cases import source_model_config
+    from elastic_plugin.testing.megatron_import_cases import gpt_model_config, source_model_config
 
     source = megatron_dirs / form
     keys = _stored_keys(source)
     assert norm_key in keys, sorted(k for k in keys if "norm" in k)
     out = tmp_path / "teacher"
     assert main(["import", "--megatron", str(source), "--out", str(out), "--no-progress"]) == 0
-    ref = torch.load(megatron_dirs / "reference.pt")
+    gpt = form.startswith("gpt")
+    ref = torch.load(megatron_dirs / (f"reference_{form}.pt" if gpt else "reference.pt"))
     logits, cfg, meta = _logits(out, ref["tokens"])
     diff = float((logits - ref["logits"]).abs().max())
     print(f"{form}: max |imported - source| = {diff:.3g}")
     assert diff <= TOL
-    assert cfg.model == source_model_config()
+    assert cfg.model == (gpt_model_config(form) if gpt else source_model_config())
+    assert meta["imported_from"]["model_class"] == ("GPTModel" if gpt else "HybridModel")
     assert meta["kind"] == "teacher"
     assert meta["imported_from"]["iteration"] == 10
     assert meta["imported_from"]["megatron"] == str(source.resolve())
@@ -110,6 +120,47 @@ def test_saved_args_defaults_map_as_megatron_builds_them():
     assert model.mamba_num_heads == 8 and model.query_groups == 4 and model.gated_mlp
     assert model.position_embedding_type == "rope" and model.rotary_base == 500000
     assert not model.untie_embeddings_and_output_weights and model.num_moe_experts == 0
+
+
+def test_gpt_args_map_as_megatron_builds_them():
+    """GPTModel args (no hybrid pattern): layers as ``*-`` / ``*E`` pairs by moe_layer_freq,
+    QK layernorm, q/k/v bias (implied by add_bias_linear), RoPE scaling, the norm epsilon."""
+    from elastic_plugin.export.megatron_import import model_config_from_megatron_args
+
+    args = {
+        "num_layers": 4,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "group_query_attention": True,
+        "num_query_groups": 2,
+        "kv_channels": 24,
+        "ffn_hidden_size": 96,
+        "swiglu": True,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": 1e-6,
+        "position_embedding_type": "rope",
+        "rotary_base": 500000,
+        "use_rope_scaling": True,
+        "rope_scaling_factor": 32.0,
+        "qk_layernorm": True,
+        "add_qkv_bias": True,
+        "add_bias_linear": False,
+        "padded_vocab_size": 256,
+        "untie_embeddings_and_output_weights": True,
+        "num_experts": 8,
+        "moe_router_topk": 2,
+        "moe_ffn_hidden_size": 32,
+        "moe_layer_freq": 2,
+    }
+    model = model_config_from_megatron_args(args)
+    assert model.hybrid_layer_pattern == "*E*-*E*-" and model.head_dim == 24
+    assert model.qk_layernorm and model.add_qkv_bias and not model.add_bias_linear
+    assert (model.rope_scaling, model.rope_scaling_factor) == (True, 32.0)
+    assert model.layernorm_epsilon == 1e-6 and model.query_groups == 2
+    dense = model_config_from_megatron_args({**args, "num_experts": None, "add_bias_linear": True})
+    assert dense.hybrid_layer_pattern == "*-" * 4 and not dense.add_qkv_bias
+    mixed = model_config_from_megatron_args({**args, "moe_layer_freq": [0, 1, 1, 0]})
+    assert mixed.hybrid_layer_pattern == "*-*E*E*-"
 
 
 def _write_args(iter_dir: Path, **changes) -> None:
@@ -161,10 +212,20 @@ def _bad(kind: str):
             args(position_embedding_type="learned_absolute"),
             "position_embedding_type='learned_absolute' is not supported",
         ),
-        "not_hybrid": (
+        "not_hybrid": (  # read as a GPTModel: its tensors are not there
             args(hybrid_layer_pattern=None, hybrid_override_pattern=None),
-            "not a hybrid (Mamba) model",
+            "so it is read as a GPTModel checkpoint",
         ),
+        "sinks": (
+            args(softmax_type="learnable"),
+            "softmax_type='learnable' is not supported (attention sinks",
+        ),
+        "no_rope_layers": (args(no_rope_freq=4), "no_rope_freq=4 is not supported"),
+        "capacity": (
+            args(moe_expert_capacity_factor=1.0),
+            "moe_expert_capacity_factor=1.0 is not supported",
+        ),
+        "hybrid_qk_norm": (args(qk_layernorm=True), "qk_layernorm=True is not supported"),
         "mtp_pattern": (
             args(hybrid_layer_pattern="M*-E/*-", hybrid_override_pattern=None),
             "hybrid_layer_pattern='M*-E/*-' is not supported",
@@ -173,6 +234,17 @@ def _bad(kind: str):
         "shape_contradicts": (
             args(ffn_hidden_size=64),
             "'decoder.layers.2.mlp.linear_fc1.weight' is stored with (48, 32)",
+        ),
+        "gpt_moe_freq": (
+            args(moe_layer_freq=[1, 0]),
+            "moe_layer_freq=[1, 0] must be a positive integer or a list of num_layers=3",
+        ),
+        "gpt_qk_l2": (args(qk_l2_norm=True), "qk_l2_norm=True is not supported"),
+        "gpt_mla": (args(multi_latent_attention=True), "multi_latent_attention=True is not supp"),
+        "gpt_window": (args(window_size=(128, 0)), "window_size=(128, 0) is not supported"),
+        "gpt_shape": (
+            args(kv_channels=16),
+            "'decoder.layers.0.self_attention.linear_proj.weight' is stored with (48, 72)",
         ),
     }
     return table[kind]
@@ -193,6 +265,15 @@ BAD = [
     "mtp_pattern",
     "no_padded_vocab",
     "shape_contradicts",
+    "sinks",
+    "no_rope_layers",
+    "capacity",
+    "hybrid_qk_norm",
+    "gpt_moe_freq",
+    "gpt_qk_l2",
+    "gpt_mla",
+    "gpt_window",
+    "gpt_shape",
 ]
 
 
@@ -219,7 +300,7 @@ def test_bad_input_exits_2_before_any_weight_is_read(
     kind, megatron_dirs, tmp_path, capsys, request
 ):
     source = tmp_path / "megatron"
-    shutil.copytree(megatron_dirs / "te", source)
+    shutil.copytree(megatron_dirs / ("gpt_moe" if kind.startswith("gpt") else "te"), source)
     mutate, message = _bad(kind)
     mutate(source)
     request.getfixturevalue("no_weight_reads")

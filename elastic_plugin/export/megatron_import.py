@@ -6,6 +6,13 @@ dist-checkpoint files, and the run's ``args`` in the common state (``common.pt``
 checkpoints, the ``common_state`` object of the torch_dist files in newer ones; Megatron-Core's
 ``load_common_state_dict`` reads both without touching a weight).
 
+Two model classes are read: Megatron-LM's hybrid model (``pretrain_hybrid.py``, the args carry
+``hybrid_layer_pattern``) and its ``GPTModel`` (``pretrain_gpt.py``: no pattern, ``num_layers``
+transformer layers, MoE where ``moe_layer_freq`` says, QK layernorm, q/k/v bias, Llama 3.1 RoPE
+scaling). A GPT layer i is our pattern's ``*-`` (or ``*E``) pair: its attention half is our
+layer 2i, its MLP / MoE half our layer 2i+1, and its ``final_layernorm`` our ``final_norm``
+(:func:`gpt_sharded_state`); the tensors are the same Megatron modules, so nothing is converted.
+
 The architecture comes from the saved args alone (:func:`model_config_from_megatron_args`):
 every arg that decides what the model computes maps onto our ModelConfig or is checked against
 what our Megatron model computes; anything else is refused with a ConfigError naming the arg and
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -37,6 +45,7 @@ __all__ = [
     "MegatronSource",
     "check_megatron_source",
     "find_iteration_dir",
+    "gpt_sharded_state",
     "import_megatron",
     "model_config_from_megatron_args",
     "norm_aliases",
@@ -54,6 +63,9 @@ _NORM_NAMES = (
     (".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight"),
     (".mixer.in_proj.layer_norm_weight", ".norm.weight"),
 )
+GPT_MODEL = "GPTModel"  # pretrain_gpt.py's model (no hybrid_layer_pattern in the args)
+HYBRID_MODEL = "HybridModel"  # pretrain_hybrid.py's model
+_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
 @dataclasses.dataclass
@@ -66,6 +78,8 @@ class MegatronSource:
     args: dict[str, Any]
     model: ModelConfig
     notes: list[str]
+    #: the Megatron-LM model class that wrote it: GPT_MODEL or HYBRID_MODEL
+    model_class: str = HYBRID_MODEL
 
 
 @dataclasses.dataclass
@@ -150,14 +164,16 @@ def _int(a: Mapping[str, Any], arg: str, source: str, default: Any = None) -> in
     return value
 
 
+def _is_gpt(a: Mapping[str, Any]) -> bool:
+    """Megatron-LM's GPTModel wrote it: neither hybrid pattern arg is set."""
+    return not any(a.get(n) for n in ("hybrid_layer_pattern", "hybrid_override_pattern"))
+
+
 def _pattern(a: Mapping[str, Any], source: str) -> str:
+    if _is_gpt(a):
+        return _gpt_pattern(a, source)
     names = ("hybrid_layer_pattern", "hybrid_override_pattern")
     given = {n: a[n] for n in names if a.get(n)}
-    if not given:
-        raise ConfigError(
-            f"{source}: hybrid_layer_pattern / hybrid_override_pattern is not set: not a hybrid "
-            "(Mamba) model; only Megatron-LM hybrid models (--hybrid-layer-pattern) are imported"
-        )
     if len(set(given.values())) > 1:
         raise ConfigError(f"{source}: {given} disagree; they must describe the same layers")
     arg, pattern = next(iter(given.items()))
@@ -179,6 +195,32 @@ def _pattern(a: Mapping[str, Any], source: str) -> str:
     return pattern
 
 
+def _gpt_pattern(a: Mapping[str, Any], source: str) -> str:
+    """GPTModel's layers as ``*-`` / ``*E`` pairs: with ``num_experts`` set, layer i is MoE where
+    ``moe_layer_freq`` says (an int N: every N-th layer from 0; a list: 1 = MoE, 0 = dense), as
+    Megatron-Core's ``get_gpt_decoder_block_spec`` builds it; without, every layer is dense."""
+    layers = _int(a, "num_layers", source)
+    if layers > 10_000:
+        raise ConfigError(f"{source}: num_layers={layers} must be at most 10000")
+    if not a.get("num_experts"):
+        return "*-" * layers
+    freq = a.get("moe_layer_freq", 1)
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq > 0:
+        moe = [i % freq == 0 for i in range(layers)]
+    elif (
+        isinstance(freq, list | tuple)
+        and len(freq) == layers
+        and all(v in (0, 1) and not isinstance(v, bool) for v in freq)
+    ):
+        moe = [v == 1 for v in freq]
+    else:
+        raise ConfigError(
+            f"{source}: moe_layer_freq={freq!r} must be a positive integer or a list of "
+            f"num_layers={layers} entries, each 0 (dense) or 1 (MoE)"
+        )
+    return "".join("*E" if m else "*-" for m in moe)
+
+
 def _activation(a: Mapping[str, Any], source: str) -> str:
     for arg in ("quick_geglu", "openai_gelu", "onnx_safe", "use_te_activation_func"):
         if a.get(arg):
@@ -196,15 +238,15 @@ def _activation(a: Mapping[str, Any], source: str) -> str:
 _MUST: tuple[tuple[str, Any, str], ...] = (
     ("multi_latent_attention", False, "multi-latent attention is not built"),
     ("mtp_num_layers", None, "multi-token prediction layers are not built"),
-    ("qk_layernorm", False, "no q/k layer norms"),
-    ("qk_l2_norm", False, "no q/k norms"),
-    ("add_qkv_bias", False, "no attention biases"),
+    ("qk_l2_norm", False, "no q/k L2 norms"),
     ("apply_layernorm_1p", False, "zero-centred norm weights are not built"),
     ("layernorm_zero_centered_gamma", False, "zero-centred norm weights are not built"),
     ("apply_residual_connection_post_layernorm", False, "pre-norm residuals only"),
     ("rotary_interleaved", False, "rotary embeddings are not interleaved"),
-    ("use_rope_scaling", False, "no rotary scaling"),
     ("mrope_section", None, "no multimodal rotary embedding"),
+    ("no_rope_freq", None, "rotary embeddings in every attention layer"),
+    ("rotary_seq_len_interpolation_factor", None, "no rotary position interpolation"),
+    ("softmax_type", "vanilla", "attention sinks (off-by-one or learnable softmax) are not built"),
     ("window_size", None, "attention is global (no sliding window)"),
     ("softmax_scale", None, "attention uses 1/sqrt(kv_channels)"),
     ("heterogeneous_layers_config_path", None, "every layer of a kind has the same shape"),
@@ -217,11 +259,18 @@ _MUST: tuple[tuple[str, Any, str], ...] = (
     ("moe_shared_expert_gate", False, "the shared expert is not gated"),
     ("moe_latent_size", None, "no latent MoE"),
     ("moe_use_upcycling", False, "upcycling is a training-time conversion"),
+    ("moe_expert_capacity_factor", None, "no token is dropped (no expert capacity)"),
+)
+# What GPTModel builds from these and the local hybrid spec does not: refused for hybrid models,
+# mapped for GPT models (model_config_from_megatron_args)
+_HYBRID_MUST: tuple[tuple[str, Any, str], ...] = (
+    ("qk_layernorm", False, "no q/k layer norms in Megatron-LM's hybrid model"),
+    ("use_rope_scaling", False, "Megatron-LM's hybrid model builder does not scale RoPE"),
 )
 
 
 def _check_must(a: Mapping[str, Any], kinds: set[str], source: str) -> None:
-    for arg, wanted, why in _MUST:
+    for arg, wanted, why in _MUST + (() if _is_gpt(a) else _HYBRID_MUST):
         if arg.startswith("moe_") and "moe" not in kinds:
             continue
         value = a.get(arg, wanted)
@@ -263,7 +312,8 @@ def model_config_from_megatron_args(args: Mapping[str, Any], source: str = "args
         vocab_size=_int({"padded_vocab_size": vocab}, "padded_vocab_size", source),
         activation=_activation(a, source),
         normalization="RMSNorm",
-        layernorm_epsilon=float(a.get("norm_epsilon", 1e-5)),
+        # --norm-epsilon's dest is layernorm_epsilon (TransformerConfig's field name)
+        layernorm_epsilon=float(a.get("layernorm_epsilon", a.get("norm_epsilon", 1e-5))),
         position_embedding_type=position,
         rotary_base=int(a.get("rotary_base", 10000)),
         max_sequence_length=int(max_seq),
@@ -271,6 +321,7 @@ def model_config_from_megatron_args(args: Mapping[str, Any], source: str = "args
         add_bias_linear=bool(a.get("add_bias_linear", True)),
         init_method_std=float(a.get("init_method_std", 0.02)),
     )
+    _map_attention_options(model, a, source)
     if "attention" in kinds:
         heads = _int(a, "num_attention_heads", source)
         model.num_attention_heads = heads
@@ -299,6 +350,25 @@ def model_config_from_megatron_args(args: Mapping[str, Any], source: str = "args
         return model.validate()
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def _map_attention_options(model: ModelConfig, a: Mapping[str, Any], source: str) -> None:
+    """QK layernorm, q/k/v bias and Llama 3.1 RoPE scaling, as GPTModel builds them (the hybrid
+    model refuses the first and ignores the last: ``_HYBRID_MUST``). Megatron-LM sets
+    ``add_qkv_bias`` whenever ``add_bias_linear`` is set; then every linear has its bias."""
+    model.add_qkv_bias = bool(a.get("add_qkv_bias")) and not model.add_bias_linear
+    if not _is_gpt(a):
+        if model.add_qkv_bias:
+            raise _refuse(
+                source, "add_qkv_bias", True, "False", "no q/k/v-only bias in the hybrid model"
+            )
+        return
+    model.qk_layernorm = bool(a.get("qk_layernorm"))
+    if a.get("use_rope_scaling") and model.position_embedding_type == "rope":
+        factor = a.get("rope_scaling_factor", 8.0)
+        if not isinstance(factor, int | float) or isinstance(factor, bool) or not factor > 0:
+            raise ConfigError(f"{source}: rope_scaling_factor={factor!r} must be a number > 0")
+        model.rope_scaling, model.rope_scaling_factor = True, float(factor)
 
 
 def _map_moe(model: ModelConfig, a: Mapping[str, Any], source: str) -> None:
@@ -347,7 +417,8 @@ def check_megatron_source(megatron_dir: str | Path) -> MegatronSource:
     args = read_megatron_args(iter_dir)
     source = f"{iter_dir} (saved args)"
     model = model_config_from_megatron_args(args, source)
-    return MegatronSource(path, iteration, iter_dir, args, model, _notes(args))
+    model_class = GPT_MODEL if _is_gpt(args) else HYBRID_MODEL
+    return MegatronSource(path, iteration, iter_dir, args, model, _notes(args), model_class)
 
 
 def check_megatron_out(out: str | Path, megatron_dir: str | Path) -> Path:
@@ -385,6 +456,67 @@ def norm_aliases(key: str) -> list[str]:
     return names
 
 
+def gpt_sharded_state(model, stacked: bool) -> dict[str, Any]:
+    """Our model's sharded state dict under the keys GPTModel stores: our layers 2i (attention)
+    and 2i+1 (MLP / MoE) are its layer i, built by each layer's own ``sharded_state_dict`` as
+    Megatron-Core's ``TransformerBlock`` does it: ``decoder.layers.{i}.*`` (non-homogeneous
+    layers: MoE mixed with dense, or newer saves) or, ``stacked``, one ``decoder.layers.*``
+    tensor per name with the layer as a leading axis; our ``final_norm`` is its
+    ``final_layernorm``. The dict keys stay ours, so the loaded state loads into our model."""
+    from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+
+    full = model.sharded_state_dict()
+    base = next(k for k in full if "decoder.layers." in k).split("decoder.layers.")[0]
+    out: dict[str, Any] = {}
+    for name, item in full.items():
+        if name.startswith(base + "decoder.layers."):
+            continue
+        if getattr(item, "key", None) == "decoder.final_norm.weight":
+            item = dataclasses.replace(item, key="decoder.final_layernorm.weight")
+        out[name] = item
+    layers = model_layers(model)  # Float16Module and the like wrap it
+    count = len(layers) // 2
+    for j, layer in enumerate(layers):
+        ours = f"{base}decoder.layers.{j}."
+        offsets = [(0, j // 2, count)] if stacked else []
+        part = layer.sharded_state_dict(ours, offsets, None)
+        replace_prefix_for_sharding(
+            part, ours, "decoder.layers." if stacked else f"decoder.layers.{j // 2}."
+        )
+        out.update(part)
+    return out
+
+
+def model_layers(model) -> Any:
+    """The decoder layers of our (possibly wrapped) model."""
+    inner = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    return inner.decoder.layers
+
+
+def _stacked(stored: Mapping[str, Any]) -> bool:
+    """Whether GPTModel stored its layers stacked (``decoder.layers.<name>``, layer axis first)."""
+    return any(re.match(r"decoder\.layers\.\D", key) for key in stored)
+
+
+def _global_shapes(item) -> dict[str, tuple[int, ...]]:
+    """The global shape of each tensor ``item`` stores, by key: a ShardedTensor's own, or what a
+    factory builds (SwiGLU's fc1 builds its gate and up halves as one key; the expert axis and
+    a stacked layer axis are in the built shapes)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if isinstance(item, ShardedTensor):
+        return {item.key: tuple(item.global_shape)}
+    built = item.build()
+    shapes: dict[str, tuple[int, ...]] = {}
+    for tensor in nested_values(built) if isinstance(built, dict | list) else [built]:
+        if isinstance(tensor, ShardedTensor):
+            shapes.setdefault(tensor.key, tuple(tensor.global_shape))
+    return shapes
+
+
 def _stored_numel(stored: Mapping[str, Any], key: str) -> int:
     """Elements stored under ``key`` or its factory's sub-keys (``in_proj.weight.z`` ...)."""
     if key in stored:
@@ -393,15 +525,19 @@ def _stored_numel(stored: Mapping[str, Any], key: str) -> int:
     return sum(math.prod(p.global_shape) for p in parts)
 
 
-def _matched_state(model, iter_dir: Path) -> tuple[dict[str, Any], dict[str, int]]:
+def _matched_state(
+    model, iter_dir: Path, model_class: str = HYBRID_MODEL
+) -> tuple[dict[str, Any], dict[str, int]]:
     """Our model's sharded state dict with each tensor's key set to the stored one it loads
-    from; every tensor must have one of the same global shape. Returns it and the count of
-    tensors by key form (own / renamed norm)."""
+    from (GPTModel's layer numbering for a GPT checkpoint); every tensor must have one of the
+    same global shape. Returns it and the count of tensors by key form (own / renamed norm)."""
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     stored = dist_checkpointing.load_tensors_metadata(str(iter_dir))
-    sharded = model.sharded_state_dict()
+    gpt = model_class == GPT_MODEL
+    stacked = gpt and _stacked(stored)
+    sharded = gpt_sharded_state(model, stacked) if gpt else model.sharded_state_dict()
     matched: dict[str, Any] = {}
     forms = {"same_key": 0, "renamed_norm": 0}
     for name, item in sharded.items():
@@ -410,37 +546,39 @@ def _matched_state(model, iter_dir: Path) -> tuple[dict[str, Any], dict[str, int
         key = item.key
         found = next((k for k in norm_aliases(key) if _stored_numel(stored, k)), None)
         if found is None:
+            read_as = (
+                " (its args set no hybrid_layer_pattern, so it is read as a GPTModel checkpoint)"
+                if model_class == GPT_MODEL
+                else ""
+            )
             raise ConfigError(
                 f"{iter_dir}: holds no tensor {key!r} (nor {norm_aliases(key)[1:]}), which the "
-                "saved args' model has; the checkpoint's layers differ from its args"
+                f"saved args' model has; the checkpoint's layers differ from its args{read_as}"
             )
-        want = (
-            math.prod(item.global_shape) if isinstance(item, ShardedTensor) else item.data.numel()
-        )
-        if isinstance(item, ShardedTensor) and found in stored:
-            have: Any = tuple(stored[found].global_shape)
-            ok = have == tuple(item.global_shape)
-            want_text: Any = tuple(item.global_shape)
-        else:
-            have = _stored_numel(stored, found)
-            ok, want_text = have == want, f"{want} elements"
-        if not ok:
-            raise ConfigError(
-                f"{iter_dir}: {found!r} is stored with {have}, but the saved args imply {want_text}"
-            )
+        for part, shape in _global_shapes(item).items():
+            stored_key = found + part[len(key) :]
+            want: Any = shape
+            have: Any = tuple(stored[stored_key].global_shape) if stored_key in stored else None
+            if have is None and part == key:  # stored as sub-keys (in_proj.weight.z ...)
+                have, want = _stored_numel(stored, stored_key), math.prod(shape)
+            if have != want:
+                stored_as = "is not stored" if have is None else f"is stored with {have}"
+                raise ConfigError(
+                    f"{iter_dir}: {stored_key!r} {stored_as}, but the saved args imply {want}"
+                )
         forms["same_key" if found == key else "renamed_norm"] += 1
         matched[name] = dataclasses.replace(item, key=found) if found != key else item
     return matched, forms
 
 
-def _load_weights(model, iter_dir: Path) -> dict[str, int]:
+def _load_weights(model, iter_dir: Path, model_class: str = HYBRID_MODEL) -> dict[str, int]:
     """Load every tensor of ``model`` from the checkpoint (any saved layout)."""
     from megatron.core import dist_checkpointing
 
     from elastic_plugin.checkpoint.safe_pickle import check_checkpoint_pickles
 
     check_checkpoint_pickles(iter_dir)  # checked when the args were read: cached unless changed
-    matched, forms = _matched_state(model, iter_dir)
+    matched, forms = _matched_state(model, iter_dir, model_class)
     loaded = dist_checkpointing.load(matched, str(iter_dir))
     wanted = {
         k for k in model.state_dict() if not k.endswith(("_extra_state", "local_tokens_per_expert"))
@@ -472,6 +610,7 @@ def _import_meta(plan: MegatronImportPlan) -> dict[str, Any]:
             "megatron": str(src.path.resolve()),
             "iteration": src.iteration,
             "iter_dir": src.iter_dir.name,
+            "model_class": src.model_class,
             "saved_layout": saved_layout,
             "tokenizer": {k: a.get(k) for k in ("tokenizer_type", "tokenizer_model")},
             "dtype": plan.dtype,
@@ -504,7 +643,7 @@ def run_megatron_import(
         src.model, Layout(), params_dtype=dtype, wrap_ddp=False, perform_initialization=False
     )
     model = chunks[0]
-    forms = _load_weights(model, src.iter_dir)
+    forms = _load_weights(model, src.iter_dir, src.model_class)
     if log is not None:
         log(f"loaded {sum(forms.values())} tensors from {src.iter_dir}")
     save_new_stage([model], final, _import_meta(plan), iteration=IMPORT_ITERATION)  # checked empty
@@ -512,6 +651,7 @@ def run_megatron_import(
         "out": str(final),
         "kind": "teacher",
         "imported_from": str(src.iter_dir),
+        "model_class": src.model_class,
         "hybrid_layer_pattern": src.model.hybrid_layer_pattern,
         "parameters": sum(p.numel() for p in model.parameters()),
         "tensors": forms,
