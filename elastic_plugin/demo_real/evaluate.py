@@ -90,7 +90,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
             "seq_length": args.seq_length,
             "tokens": int(tokens[:, 1:].numel()),
         },
-        training=_training_summary(out, meta),
+        training=_training_summary(out, args),
     )
     report["seconds"] = round(time.time() - started, 1)
     report["plots"] = [str(p) for p in plot(report, out)]
@@ -99,21 +99,23 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def _training_summary(out: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """Tokens the elastic run trained on (iterations x global batch x sequence length), from its
-    metrics file when there is one."""
-    summary: dict[str, Any] = {}
+def _training_summary(out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Iterations the elastic run trained (its metrics file) and the tokens that makes
+    (iterations x global batch x sequence length; the student sees each once, the teacher too)."""
+    iters = 0
     metrics = out / "elastic_metrics.jsonl"
     if metrics.is_file():
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        tokens = [r["tokens"] for r in rows if isinstance(r.get("tokens"), (int, float))]
-        iters = [r["iteration"] for r in rows if isinstance(r.get("iteration"), int)]
-        if iters:
-            summary["iterations"] = max(iters)
-        if tokens:
-            summary["tokens"] = int(max(tokens))
-    summary["schedule"] = (meta.get("elastic") or {}).get("schedule")
-    return summary
+        for line in metrics.read_text().splitlines():
+            row = json.loads(line) if line.strip() else {}
+            if isinstance(row.get("iteration"), int):
+                iters = max(iters, row["iteration"])
+    tokens_per_iter = args.train_global_batch * args.train_seq_length
+    return {
+        "iterations": iters,
+        "global_batch": args.train_global_batch,
+        "seq_length": args.train_seq_length,
+        "tokens": iters * tokens_per_iter,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer-tokens", type=int, default=24)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--prompts", type=int, default=len(measure.PROMPTS))
+    parser.add_argument("--train-global-batch", type=int, default=4)
+    parser.add_argument("--train-seq-length", type=int, default=128)
     evaluate(parser.parse_args(argv))
     return 0
 

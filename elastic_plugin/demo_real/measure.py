@@ -165,7 +165,11 @@ def answer_prompts(
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         with torch.no_grad():
             out = model.generate(
-                ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
             )
         text: str = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         answers.append(text.strip())
@@ -187,7 +191,11 @@ def decode_speed(path: Path, batch_sizes: Sequence[int], new_tokens: int) -> dic
             start = time.perf_counter()
             with torch.no_grad():
                 model.generate(
-                    ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    do_sample=False,
                 )
             best = min(best, time.perf_counter() - start)
         speeds[str(batch)] = batch * new_tokens / best

@@ -140,6 +140,9 @@ def run(out: Path, quick: bool, cache: Path | None = None) -> dict[str, Any]:
             _cli("reorder", "--ckpt", parent, "--scores", out / "importance.pt",
                  "--out", ckpts / order, *methods),
         )  # fmt: skip
+    import yaml
+
+    train_cfg = yaml.safe_load(CONFIG.read_text())["training"]
     train_args: list[Any] = []
     for flag, value in (
         ("--train-iters", s.train_iters),
@@ -173,6 +176,8 @@ def run(out: Path, quick: bool, cache: Path | None = None) -> dict[str, Any]:
             "--hf-dir", hf_dir, "--test-data", test, "--windows", s.test_windows,
             "--seq-length", s.test_seq, "--answer-tokens", s.answer_tokens,
             "--decode-tokens", s.decode_tokens, "--prompts", s.prompts,
+            "--train-global-batch", s.global_batch or train_cfg["global_batch_size"],
+            "--train-seq-length", s.train_seq or train_cfg["seq_length"],
         )],
     )  # fmt: skip
     report = json.loads((out / "report.json").read_text())

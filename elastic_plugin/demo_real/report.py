@@ -19,6 +19,14 @@ PAPER_ANCHOR = (
 PRECISIONS = ("fp32", "bf16", "fp8", "nvfp4")
 
 
+def _ratio(value: float, base: float) -> float | None:
+    return value / base if base else None
+
+
+def _relative(value: float, base: float) -> float | None:
+    return value / base - 1.0 if base else None
+
+
 def derive(report: dict[str, Any]) -> dict[str, Any]:
     """The tables: per model its summary, per budget x precision its retention vs the parent,
     paired gaps (elastic fp32 vs zero-shot; ours vs magnitude order), quantization loss vs BF16."""
@@ -40,7 +48,7 @@ def derive(report: dict[str, Any]) -> dict[str, Any]:
                     "perplexity": s["perplexity"],
                     "accuracy": s["accuracy"],
                     "perplexity_ratio": s["perplexity"] / parent["perplexity"],
-                    "accuracy_retention": s["accuracy"] / parent["accuracy"],
+                    "accuracy_retention": _ratio(s["accuracy"], parent["accuracy"]),
                 }
             )
     routes = []
@@ -75,7 +83,7 @@ def derive(report: dict[str, Any]) -> dict[str, Any]:
                         "budget": label,
                         "precision": precision,
                         "perplexity_vs_bf16": q["perplexity"] / base["perplexity"] - 1.0,
-                        "accuracy_vs_bf16": q["accuracy"] / base["accuracy"] - 1.0,
+                        "accuracy_vs_bf16": _relative(q["accuracy"], base["accuracy"]),
                     }
                 )
     decode = report.get("decode") or {}
