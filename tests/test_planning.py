@@ -144,6 +144,7 @@ def _run(argv: list[str], capsys) -> tuple[int, str, str]:
         (["--gpus", "2", "--stage", "1e9"], "--stage '1e9'; allowed: TOKENS:SEQ"),
         (["--gpus", "2", "--stage", "1e9:128:0.5/0.5"], "allowed: 3 non-negative numbers"),
         (["--gpus", "2", "--elastic-budgets", "0.4", "1.0"], "--elastic-budgets"),
+        (["--gpus", "2", "--kd-chunk-tokens", "0"], "--kd-chunk-tokens"),
         (["--gpus", "2", "--recompute-granularity", "some"], "--recompute-granularity='some'"),
         (["--gpus", "2", "--global-batch-size", "6", "--micro-batch-size", "4"],
          "--global-batch-size=6 is not a multiple of --micro-batch-size=4"),
@@ -154,6 +155,29 @@ def test_bad_input_exits_2_naming_the_flag(argv, message, capsys):
     code, _, err = _run(["--config", TINY, *argv], capsys)
     assert code == 2
     assert message in err, err
+
+
+def test_teacher_and_loss_memory_as_built():
+    """The teacher's logits are those of the in-flight micro-batches (one on the last stage),
+    whatever the global batch; the chunked loss's transient scales with the chunk, not the tokens."""
+    from elastic_plugin.planning.activations import kd_loss_bytes
+    from elastic_plugin.planning.memory import rank_memory
+    from elastic_plugin.testing.elastic_cases import tiny_model
+
+    model = tiny_model(TINY, "*E-*E-")
+    stages = stage_params(model, 1, 2, 1)
+    per_mb = [
+        rank_memory(model, model, stages, 1, 2, 1, 1, False, False, Runtime(), 2, 128, m, True)
+        for m in (2, 8, 32)
+    ]
+    assert per_mb[0].stage == per_mb[-1].stage
+    assert len({(m.total, m.teacher_logits) for m in per_mb}) == 1
+    tokens, vocab = 8192, 65536
+    small, big = (kd_loss_bytes(tokens, vocab, 2, c)["transient"] for c in (256, 1024))
+    grad = 2 * tokens * vocab  # the logits' gradient, whole
+    assert (big - grad) == pytest.approx(4 * (small - grad))
+    unchunked = kd_loss_bytes(tokens, vocab, 2, None)
+    assert unchunked["transient"] > 10 * (big - grad)
 
 
 def test_custom_device_yaml_names_the_field(tmp_path, capsys):
