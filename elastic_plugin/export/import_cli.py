@@ -1,4 +1,5 @@
-"""``elastic-plugin import``: start the pipeline from a pretrained Hugging Face NemotronH model.
+"""``elastic-plugin import``: start the pipeline from a pretrained Hugging Face model of a
+supported family, or from a Megatron-LM checkpoint (hybrid model or GPTModel).
 
     elastic-plugin import --hf ./NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 --out nano_teacher
     elastic-plugin import --megatron ./megatron_run/checkpoints --out my_teacher
@@ -30,10 +31,11 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     [--target-*-parallel-size N]``."""
     parser = subparsers.add_parser(
         "import",
-        help="import a Hugging Face NemotronH model or a Megatron-LM checkpoint as a teacher",
-        description="Convert a Hugging Face NemotronHForCausalLM directory (config.json + "
+        help="import a Hugging Face model or a Megatron-LM checkpoint as a teacher",
+        description="Convert a Hugging Face directory of a supported family (config.json + "
         "safetensors, sharded or not), or a Megatron-LM torch_dist checkpoint of a hybrid model "
-        "(any TP/PP/EP; architecture from its saved args), into a teacher checkpoint that "
+        "or a GPTModel (any TP/PP/EP; architecture from its saved args; GPT layer i becomes a "
+        "'*-' or '*E' pair), into a teacher checkpoint that "
         "importance, reorder and elastic-train start from. Runs as one process at TP=PP=EP=1; later stages load it in "
         "any layout.",
     )
