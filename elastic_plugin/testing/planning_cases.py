@@ -448,10 +448,11 @@ def pipeline_teacher_peak(
     step.teacher_in_schedule = teacher_in_schedule
     batches = synthetic_batches(cfg.model.vocab_size, micro_batch, seq_len, num_microbatches)
     clear_megatron_buffer()
-    peak, result = peak_bytes(
+    peak, got = peak_bytes(
         lambda: step.train_step(chunks, optimizer, iter(batches), seq_len, micro_batch),
         torch.device("cpu"),
     )
+    result: dict[str, Any] = got  # type: ignore[assignment]  # ElasticStep.train_step's dict
     table = result["loss"] or {}
     return {
         "stage": ps.get_pipeline_model_parallel_rank(),
