@@ -80,3 +80,20 @@ def test_checks_name_the_flag(tiny):
         assert needle in str(err.value), err.value
     no_mamba = dataclasses.replace(tiny, hybrid_layer_pattern="*E-*E-").validate()
     check_context_parallel(no_mamba, 4, tp=2, seq_length=128)  # attention alone: any CP
+
+
+def test_only_plain_causal_masks_pass():
+    """What the batch split drops (and the SDPA path accepts as Megatron-LM's split rows): plain
+    causal masks only; a document-boundary mask or a float mask is refused."""
+    from elastic_plugin.models.context_parallel import is_causal_mask
+
+    seq = 8
+    causal = torch.ones(seq, seq, dtype=torch.bool).triu(1).expand(2, 1, seq, seq)
+    assert is_causal_mask(causal)
+    rows = torch.tensor([0, 1, 6, 7])  # CP=2, rank 0's chunks of 2 rows: 0 and 3
+    assert is_causal_mask(causal[..., rows, :], rows)
+    assert not is_causal_mask(causal[..., rows, :])  # the wrong positions
+    documents = causal.clone()
+    documents[..., 4:, :4] = True  # a second document starts at 4
+    assert not is_causal_mask(documents)
+    assert not is_causal_mask(causal.float())

@@ -266,7 +266,7 @@ class SDPAAttention(MegatronModule):
         sequence's K/V per layer."""
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-        from elastic_plugin.models.context_parallel import chunk_order
+        from elastic_plugin.models.context_parallel import chunk_order, is_causal_mask
 
         group = self.cp_group
         assert group is not None  # forward calls this only under CP
@@ -276,15 +276,20 @@ class SDPAAttention(MegatronModule):
                 f"SDPAAttention: context parallelism supports causal attention only, got "
                 f"{mask_type.name}"
             )
-        sq, b, heads, _ = query.shape
-        if attention_mask is not None and not _is_standard_causal(attention_mask, sq, sq):
-            raise ValueError(
-                "SDPAAttention: context parallelism takes no explicit attention_mask (causal "
-                "only; in Megatron-LM pass --no-create-attention-mask-in-dataloader)"
-            )
+        sq = query.shape[0]
         if sq % 2:
             raise ValueError(f"SDPAAttention: a CP rank holds two equal chunks, got {sq} rows")
         order = chunk_order(cp)
+        if attention_mask is not None:  # Megatron-LM's split keeps this rank's causal rows
+            chunk = sq // 2
+            rows = torch.cat(
+                [torch.arange(c * chunk, (c + 1) * chunk) for c in order[2 * rank : 2 * rank + 2]]
+            )
+            if not is_causal_mask(attention_mask, rows):
+                raise ValueError(
+                    "SDPAAttention: context parallelism supports causal attention only; the "
+                    f"attention_mask {tuple(attention_mask.shape)} is another mask"
+                )
         natural = sorted(range(2 * cp), key=order.__getitem__)  # gathered index of chunk c
 
         def whole(t: Tensor) -> Tensor:  # [2L, b, g, d] per rank -> [2 cp L, b, g, d] in order

@@ -76,18 +76,23 @@ def chunk_order(cp: int) -> list[int]:
 def split_batch(batch: dict[str, Any]) -> dict[str, Any]:
     """This CP rank's two mirrored chunks of every sequence-shaped tensor (Megatron's split).
 
-    A batch with an explicit ``attention_mask`` is refused: the SDPA path builds the causal mask
-    of each chunk itself, and a per-token mask would need its keys gathered too."""
+    The SDPA path builds the causal mask of each chunk itself: a batch's ``attention_mask`` that
+    is the plain causal mask (Megatron's datasets make one) is dropped; any other (document
+    boundaries: ``reset_attention_mask``) is refused, since its keys would need gathering too."""
     import torch
 
     cp = cp_size()
     if cp == 1:
         return batch
-    if batch.get("attention_mask") is not None:
-        raise ConfigError(
-            f"{FLAG}={cp}: batches with an explicit attention_mask are not supported under "
-            "context parallelism (causal attention only)"
-        )
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        if not is_causal_mask(mask):
+            raise ConfigError(
+                f"{FLAG}={cp}: only causal attention is supported under context parallelism; "
+                f"the batch's attention_mask {tuple(mask.shape)} is another mask (document "
+                "boundaries?)"
+            )
+        batch = {**batch, "attention_mask": None}
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
 
@@ -104,6 +109,21 @@ def split_batch(batch: dict[str, Any]) -> dict[str, Any]:
     )
     split.pop("cu_seqlens", None)
     return {**rest, **split}
+
+
+def is_causal_mask(mask: torch.Tensor, query_positions: torch.Tensor | None = None) -> bool:
+    """Whether a boolean ``mask`` [..., sq, sk] (True = masked) is plain causal attention for
+    queries at ``query_positions`` (default ``0 .. sq-1``) over keys ``0 .. sk-1``."""
+    import torch
+
+    if mask.dtype != torch.bool:
+        return False
+    sq, sk = mask.shape[-2:]
+    rows = torch.arange(sq, device=mask.device) if query_positions is None else query_positions
+    if rows.numel() != sq:
+        return False
+    causal = torch.arange(sk, device=mask.device)[None, :] > rows.to(mask.device)[:, None]
+    return bool(torch.equal(mask, causal.expand_as(mask)))
 
 
 def loss_scale(num_tokens: torch.Tensor) -> torch.Tensor:
