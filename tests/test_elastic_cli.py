@@ -308,7 +308,7 @@ def test_bad_input_in_a_fresh_process_imports_no_megatron(fake):
 def _write_elastic_run(f: dict, iteration: int, train_iters: int, **layout) -> Path:
     """An elastic checkpoint's metadata in --out as train_elastic writes it."""
     from elastic_plugin.elastic.config import ElasticConfig
-    from elastic_plugin.elastic.schedule import ElasticSchedule
+    from elastic_plugin.elastic.schedule import STUDENT_DEFAULTS
     from elastic_plugin.parallel import Layout
 
     out = Path(f["out"])
@@ -321,8 +321,8 @@ def _write_elastic_run(f: dict, iteration: int, train_iters: int, **layout) -> P
         "elastic": {"choices": {"1": {"ffn": 256}}},
         "teacher_valid_loss": 1.5,
         "scheduler": {
-            "max_lr": ElasticSchedule().lr,
-            "min_lr": ElasticSchedule().min_lr,
+            "max_lr": STUDENT_DEFAULTS["lr"],
+            "min_lr": STUDENT_DEFAULTS["min_lr"],
             "lr_decay_steps": train_iters,
         },
     }

@@ -18,7 +18,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from elastic_plugin.models.config import ConfigError
+from elastic_plugin.models.config import DEFAULT_KEEP_LAST, ConfigError
 
 __all__ = [
     "DEFAULT_KEEP_LAST",
@@ -34,7 +34,6 @@ __all__ = [
 ]
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's name, read by its tools
-DEFAULT_KEEP_LAST = 2  # saves a stage keeps (--keep-last); older ones go after a new one verified
 IMPORT_ITERATION = 0  # an imported parent's save: no iteration of ours has trained it yet
 _ITER = re.compile(r"^iter_(\d{7,})$")
 

@@ -44,10 +44,11 @@ from elastic_plugin.cli_args import (
 )
 from elastic_plugin.cli_errors import report_bad_input
 from elastic_plugin.elastic.args import add_elastic_args, elastic_config_from_args
-from elastic_plugin.elastic.schedule import DATALOADER_TYPES, ElasticSchedule
+from elastic_plugin.elastic.schedule import DATALOADER_TYPES, student_schedule
 from elastic_plugin.models.config import (
     ConfigError,
     ExperimentConfig,
+    TrainingConfig,
     config_from_dict,
     load_config,
 )
@@ -66,7 +67,7 @@ if TYPE_CHECKING:  # parsing imports no torch (parallel.py does)
 PROG = "elastic-plugin elastic-train"
 QUICK_ITERS = 30
 
-# --flag -> ElasticSchedule field, for flags whose default comes from ElasticSchedule
+# --flag -> schedule field, for flags whose default is the student's (elastic.schedule)
 _SCHEDULE_FLAGS: tuple[tuple[str, str], ...] = (
     ("--train-iters", "train_iters"),
     ("--lr", "lr"),
@@ -117,7 +118,7 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", default="demo_out", metavar="DIR", help="output folder")
     sched = parser.add_argument_group(
         "schedule (defaults: the config's training: section for "
-        "sequence length and batch sizes, else ElasticSchedule)"
+        "sequence length and batch sizes, else the student's defaults: elastic/schedule.py)"
     )
     sched.add_argument("--train-iters", type=int, default=None)
     sched.add_argument(
@@ -224,7 +225,7 @@ class ElasticInputs:
     ecfg: Any  # ElasticConfig
     resolved: Any  # ResolvedElastic
     layout: Layout
-    schedule: dict[str, Any]  # ElasticSchedule fields
+    schedule: dict[str, Any]  # the student's TrainingConfig fields
     student: Path
     teacher: Path | None
     out: Path
@@ -292,8 +293,9 @@ def _positive_flags(args: argparse.Namespace) -> None:
 
 
 def _schedule(args: argparse.Namespace, cfg: ExperimentConfig) -> dict[str, Any]:
-    """ElasticSchedule fields: flags > --quick > config training: (sizes, seed) > ElasticSchedule."""
-    values = dataclasses.asdict(ElasticSchedule())
+    """The student's schedule fields: flags > --quick > config training: (sizes, seed) > the
+    student's defaults (``elastic.schedule``)."""
+    values = dataclasses.asdict(student_schedule())
     t = cfg.training
     values.update(
         seq_length=t.seq_length,
@@ -614,10 +616,10 @@ def _train(inputs: ElasticInputs, args: argparse.Namespace) -> int:
     from elastic_plugin.elastic.train import train_elastic
 
     layout = inputs.layout
-    sched = ElasticSchedule(**inputs.schedule)
+    sched = TrainingConfig(**inputs.schedule)
     progress = not args.no_progress
     try:
-        sched.check()
+        sched.check("elastic training")
         feed = _data_feed(inputs, layout, progress)
         if feed.vocab_size > inputs.cfg.model.vocab_size:
             raise ConfigError(

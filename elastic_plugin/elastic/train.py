@@ -29,9 +29,8 @@ from elastic_plugin.elastic.layers.state import ElasticState
 from elastic_plugin.elastic.model import build_elastic_chunks, router_of, router_param_groups
 from elastic_plugin.elastic.router import AnnealSchedule
 from elastic_plugin.elastic.sampling import BudgetSampler
-from elastic_plugin.elastic.schedule import ElasticSchedule
 from elastic_plugin.elastic.step import ElasticStep
-from elastic_plugin.models.config import ConfigError
+from elastic_plugin.models.config import ConfigError, TrainingConfig
 from elastic_plugin.models.runtime import Runtime
 from elastic_plugin.parallel import Layout, initialize_layout, is_rank0
 from elastic_plugin.training.batching import microbatches_per_step
@@ -103,7 +102,7 @@ def evaluate_budgets(
     state: ElasticState,
     table: dict[str, dict[str, Any]],
     valid_factory: Callable[[], Iterator[dict] | None],
-    sched: ElasticSchedule,
+    sched: TrainingConfig,
 ) -> dict[str, float | None]:
     """Validation LM loss of every budget's nested model (sliced, the router's hard choice),
     with the GEMM precision the student trains in (``elastic.fp8_gemm``)."""
@@ -147,7 +146,7 @@ def train_elastic(
     out_dir: str | Path,
     make_train_iterator: Callable[[int], Iterator[dict] | None],
     valid_factory: Callable[[], Iterator[dict] | None] | None,
-    sched: ElasticSchedule,
+    sched: TrainingConfig,
     teacher_ckpt: str | Path | None = None,
     resume: bool = False,
     progress: bool = True,
@@ -172,7 +171,7 @@ def train_elastic(
     from elastic_plugin.checkpoint.meta import read_checkpoint_meta
     from elastic_plugin.elastic.metrics import ElasticMetrics
 
-    sched.check()
+    sched.check("elastic training")
     model_cfg = cfg.model
     resolved = ecfg.resolve(model_cfg, layout.tp, layout.ep)
     if ecfg.router.freeze_select == "loss" and valid_factory is None:
@@ -362,7 +361,7 @@ class _ElasticIterations:
     router: Any
     ecfg: ElasticConfig
     resolved: ResolvedElastic
-    sched: ElasticSchedule
+    sched: TrainingConfig
     train_iterator: Iterator[dict] | None
     valid_factory: Callable[[], Iterator[dict] | None] | None
     metrics: Any  # ElasticMetrics

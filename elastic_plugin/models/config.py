@@ -310,9 +310,14 @@ LAYOUT_KEYS = {
 }
 
 
+DEFAULT_KEEP_LAST = 2  # saves a stage keeps (--keep-last); older ones go after a new one verified
+DATALOADER_TYPES = ("shuffled", "single")
+
+
 @dataclass
 class TrainingConfig:
-    """Teacher-training settings of the main job."""
+    """A training schedule: the teacher's (the config's ``training:`` section) and the elastic
+    student's (``elastic.schedule.student_schedule``: the same fields, other defaults)."""
 
     seq_length: int = 128
     micro_batch_size: int = 8
@@ -327,11 +332,43 @@ class TrainingConfig:
     eval_interval: int = 50
     eval_iters: int = 5
     log_interval: int = 10
+    save_interval: int = 0  # 0: only at the end
+    keep_last: int = DEFAULT_KEEP_LAST  # saves kept in the stage's iter_*; 0: keep all
+    # "shuffled": each epoch in a seeded random order (our sampler); "single": in the dataset's
+    # order, as Megatron-LM's default ``--dataloader-type single`` reads (GPTDataset has already
+    # shuffled its samples), so a run here and one in Megatron-LM's loop see the same batches
+    dataloader_type: str = "shuffled"
     # precision and activation recomputation (``models.runtime``; Megatron-LM's flags)
     bf16: bool = False
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
+
+    def check(self, what: str = "training") -> None:
+        """Sizes, intervals, LR range and data order; ``what`` names the run in the error."""
+        for name in (
+            "train_iters",
+            "global_batch_size",
+            "micro_batch_size",
+            "seq_length",
+            "log_interval",
+            "eval_interval",
+            "eval_iters",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{what}: {name}={value!r} must be a positive integer")
+        if not isinstance(self.keep_last, int) or self.keep_last < 0:
+            raise ConfigError(f"{what}: keep_last={self.keep_last!r} must be an integer >= 0")
+        if self.dataloader_type not in DATALOADER_TYPES:
+            raise ConfigError(
+                f"{what}: dataloader_type={self.dataloader_type!r} must be one of "
+                f"{', '.join(DATALOADER_TYPES)} (--dataloader-type)"
+            )
+        if not self.lr > 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(
+                f"{what}: need lr > 0 and 0 <= min_lr <= lr (lr={self.lr}, min_lr={self.min_lr})"
+            )
 
 
 @dataclass

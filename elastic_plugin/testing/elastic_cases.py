@@ -173,9 +173,9 @@ def tiny_schedule(
 ):
     """The short schedule the training cases use: LR decays to lr/10, a log line per
     iteration, one validation batch at the end."""
-    from elastic_plugin.elastic.schedule import ElasticSchedule
+    from elastic_plugin.elastic.schedule import student_schedule
 
-    return ElasticSchedule(
+    return student_schedule(
         train_iters=iters,
         lr=lr,
         min_lr=lr / 10,

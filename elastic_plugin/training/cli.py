@@ -69,17 +69,19 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     saves.add_argument(
         "--save-interval",
         type=int,
-        default=0,
+        default=None,
         metavar="N",
-        help="also save every N iterations (default 0: only at the end), for --resume",
+        help="also save every N iterations (default: training.save_interval, 0: only at the "
+        "end), for --resume",
     )
     saves.add_argument(
         "--keep-last",
         type=int,
-        default=DEFAULT_KEEP_LAST,
+        default=None,
         metavar="N",
-        help=f"keep the newest N saves in OUT/checkpoints/teacher/iter_* (default "
-        f"{DEFAULT_KEEP_LAST}; 0: all); older ones are removed only after a new save verified",
+        help=f"keep the newest N saves in OUT/checkpoints/teacher/iter_* (default: "
+        f"training.keep_last, {DEFAULT_KEEP_LAST}; 0: all); older ones are removed only after a "
+        "new save verified",
     )
     saves.add_argument(
         "--resume",
@@ -110,6 +112,10 @@ def _checked_inputs(args: argparse.Namespace):
         if args.train_iters <= 0:
             raise ConfigError(f"--train-iters={args.train_iters} must be > 0")
         training = dataclasses.replace(training, train_iters=args.train_iters)
+    if args.save_interval is not None:  # checked below, with --stop-after
+        training = dataclasses.replace(training, save_interval=args.save_interval)
+    if args.keep_last is not None:
+        training = dataclasses.replace(training, keep_last=args.keep_last)
     if args.quick:
         training = dataclasses.replace(
             training,
@@ -221,13 +227,7 @@ def _train(args: argparse.Namespace, cfg, layout, out: Path) -> int:
             feed.valid_iterator,
             progress=not args.no_progress,
             extra_meta={"tokenizer": feed.tokenizer_path, "data": feed.describe()},
-            saves=SavePolicy(
-                args.save_interval,
-                args.keep_last,
-                args.resume,
-                args.stop_after,
-                exit_signal_from_args(args),
-            ),
+            saves=SavePolicy(args.resume, args.stop_after, exit_signal_from_args(args)),
         )
     except ConfigError as exc:  # found after start-up (a damaged save); every rank alike
         dist.destroy_process_group()

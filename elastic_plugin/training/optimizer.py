@@ -1,6 +1,6 @@
 """Megatron's optimizer and LR schedule, built the same way for every trainer here.
 
-The teacher (``TrainingConfig``) and elastic training (``ElasticSchedule``) read the same
+The teacher's schedule and the elastic student's (both a ``TrainingConfig``) read the same
 fields (``lr``, ``min_lr``, ``lr_warmup_iters``, ``train_iters``, ``weight_decay``,
 ``clip_grad``), so their schedules agree and a resume restores either the same way.
 """

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from elastic_plugin.checkpoint.history import DEFAULT_KEEP_LAST
 from elastic_plugin.checkpoint.io import (
     load_checkpoint,
     load_optimizer,
@@ -95,10 +94,9 @@ def plot_losses(history: list[dict[str, Any]], path: Path, title: str) -> Path |
 
 @dataclass(frozen=True)
 class SavePolicy:
-    """When the teacher run saves and what it keeps (Megatron-LM's ``--save-interval``)."""
+    """How this launch of the teacher run starts and ends (when it saves and what it keeps:
+    ``training.save_interval`` / ``keep_last``, Megatron-LM's ``--save-interval``)."""
 
-    save_interval: int = 0  # 0: only at the end
-    keep_last: int = DEFAULT_KEEP_LAST  # saves kept in checkpoints/teacher/iter_*; 0: all
     resume: bool = False  # continue from the newest save that verifies
     stop_after: int | None = None  # end (with a save) after this many iterations
     exit_signal: signal.Signals | None = signal.SIGTERM  # save at the next step and stop
@@ -181,7 +179,7 @@ def train_teacher(
         metrics_path=metrics_path,
         history=history,
         save_to=stage,
-        keep_last=saves.keep_last,
+        keep_last=t.keep_last,
         meta={
             "kind": "teacher",
             "layout": asdict(layout),
@@ -194,7 +192,7 @@ def train_teacher(
         job,
         start_iter,
         last,
-        Cadence(t.train_iters, t.log_interval, t.eval_interval, saves.save_interval),
+        Cadence(t.train_iters, t.log_interval, t.eval_interval, t.save_interval),
         out_dir,
         world=world,
         data_parallel=dp,
