@@ -15,7 +15,7 @@ import torch
 # key in LocalStats.sums / ImportanceScores.variants -> what it holds
 WEIGHT_KEYS = (
     "embedding_weight",  # [hidden]: word-embedding column (vocab-sharded over TP: summed)
-    "ffn_weight",  # [ffn]: fc1 row
+    "ffn_weight",  # [ffn]: fc1 row (gate + up rows of a gated unit)
     "shared_ffn_weight",
     "attention_heads_weight",  # [heads]: linear_proj columns of the head
     "mamba_weight",  # [heads, head_dim]: in_proj's x rows
@@ -33,6 +33,14 @@ def weight_magnitudes(model: torch.nn.Module) -> dict[str, dict[int, torch.Tenso
 
     def sq(w: torch.Tensor, dims) -> torch.Tensor:
         return w.detach().double().pow(2).sum(dims)
+
+    def fc1_rows(mlp: Any) -> torch.Tensor:
+        """Per neuron: a gated unit (SwiGLU) stores this rank's gate rows then its up rows in
+        fc1, so neuron i is written by rows i and ffn + i."""
+        rows = sq(mlp.linear_fc1.weight, 1)
+        if getattr(mlp.config, "gated_linear_unit", False):
+            rows = rows.view(2, -1).sum(0)
+        return rows
 
     embedding = getattr(inner, "embedding", None)
     if embedding is not None:
@@ -59,7 +67,7 @@ def weight_magnitudes(model: torch.nn.Module) -> dict[str, dict[int, torch.Tenso
                     [sq(e.linear_fc1.weight, (0, 1)) for e in local]
                 )
             if getattr(mlp, "shared_experts", None) is not None:
-                out["shared_ffn_weight"][n] = sq(mlp.shared_experts.linear_fc1.weight, 1)
+                out["shared_ffn_weight"][n] = fc1_rows(mlp.shared_experts)
         elif hasattr(mlp, "linear_fc1"):
-            out["ffn_weight"][n] = sq(mlp.linear_fc1.weight, 1)
+            out["ffn_weight"][n] = fc1_rows(mlp)
     return out
