@@ -40,7 +40,7 @@ class Settings:
 
     importance_samples: int
     importance_seq: int
-    train_iters: int | None  # None: the config's curriculum total
+    train_iters: int | None  # the config's curriculum covers 120
     train_seq: int | None
     micro_batch: int | None
     global_batch: int | None
@@ -54,7 +54,7 @@ class Settings:
     prompts: int
 
 
-FULL = Settings(256, 128, None, None, None, None, 4, 16, 32, 64, 128, 24, 32, 5)
+FULL = Settings(256, 128, 120, None, None, None, 4, 16, 32, 64, 128, 24, 32, 5)
 QUICK = Settings(8, 32, 2, 32, 2, 2, 1, 2, 2, 4, 32, 4, 4, 3)
 
 
