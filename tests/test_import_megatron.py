@@ -91,6 +91,30 @@ def test_imported_teacher_gives_the_source_logits(megatron_dirs, form, norm_key,
     assert meta["imported_from"]["megatron"] == str(source.resolve())
 
 
+def test_a_gpt_checkpoint_saved_under_tp2_imports_with_its_logits(rank_pools, tmp_path):
+    """GPTModel saved by Megatron-LM's save_checkpoint on 2 ranks at TP=2 (stacked layers, each
+    rank its own shards) imports at TP=1 with the logits the 2 ranks computed."""
+    from elastic_plugin.cli import main
+    from elastic_plugin.testing.megatron_import_cases import gpt_model_config
+
+    work = tmp_path / "work"
+    work.mkdir()
+    ranks = rank_pools.get(2).run(
+        "elastic_plugin.testing.megatron_import_cases:write_gpt_tp2_case", work=str(work)
+    )
+    assert [r["local_vocab"] for r in ranks] == [64, 64]  # really split over TP
+    out = tmp_path / "teacher"
+    source = work / "gpt_tp2"
+    assert main(["import", "--megatron", str(source), "--out", str(out), "--no-progress"]) == 0
+    ref = torch.load(work / "reference_gpt_tp2.pt")
+    logits, cfg, meta = _logits(out, ref["tokens"])
+    diff = float((logits - ref["logits"]).abs().max())
+    print(f"gpt TP=2 -> TP=1: max |imported - source| = {diff:.3g}")
+    assert diff <= TOL
+    assert cfg.model == gpt_model_config("gpt_dense")
+    assert meta["imported_from"]["saved_layout"]["tensor_model_parallel_size"] == 2
+
+
 def test_saved_args_defaults_map_as_megatron_builds_them():
     from elastic_plugin.export.megatron_import import model_config_from_megatron_args
 

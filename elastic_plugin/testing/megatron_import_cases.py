@@ -293,6 +293,48 @@ def write_gpt_checkpoints(work: Path, gen: torch.Generator) -> None:
         save_checkpoint(SAVE_ITERATION, [model], None, None, 0)
 
 
+def write_gpt_tp2_case(work: str) -> dict:
+    """Rank-pool case (2 ranks): ``gpt_dense`` saved by Megatron-LM's ``save_checkpoint`` under
+    TP=2 (each rank its own shards: random per rank, the replicated tensors broadcast), to
+    ``WORK/gpt_tp2``; rank 0 writes ``reference_gpt_tp2.pt`` (the vocab shards gathered)."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    from megatron.training import global_vars
+    from megatron.training.checkpointing import save_checkpoint
+
+    from elastic_plugin.compat.megatron_training import enable_cpu_megatron_training
+    from elastic_plugin.parallel import Layout, initialize_layout
+
+    enable_cpu_megatron_training()  # validate_args asks the GPU's architecture when TP > 1
+    initialize_layout(Layout(tp=2))
+    rank = dist.get_rank()
+    argv = [*GPT_ARGV["gpt_dense"], "--tensor-model-parallel-size", "2"]
+    args = _parse(argv, Path(work) / "gpt_tp2", "pretrain_gpt.py")
+    own_rng_state = torch.cuda.get_rng_state
+    try:
+        model = build_gpt_model(args)
+        _randomize(model, torch.Generator().manual_seed(100 + rank))
+        with torch.no_grad():
+            for param in model.parameters():
+                if not getattr(param, "tensor_model_parallel", False):
+                    dist.broadcast(param.data, src=0)
+        model.eval()
+        gen = torch.Generator().manual_seed(7)
+        tokens = torch.randint(0, VOCAB, (2, 12), generator=gen)
+        with torch.no_grad():
+            local = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
+            logits = gather_from_tensor_model_parallel_region(local.contiguous())
+        if rank == 0:
+            torch.save({"tokens": tokens, "logits": logits}, Path(work) / "reference_gpt_tp2.pt")
+        if not torch.cuda.is_available():  # Megatron-LM records the CUDA RNG (--no-save-rng too)
+            torch.cuda.get_rng_state = lambda *a, **k: torch.zeros(0, dtype=torch.uint8)
+        save_checkpoint(SAVE_ITERATION, [model], None, None, 0)
+    finally:
+        torch.cuda.get_rng_state = own_rng_state
+        global_vars.set_args(None)  # later cases of the pool see no Megatron-LM args
+    return {"local_vocab": int(local.shape[-1])}
+
+
 def write_checkpoints(work: Path) -> None:
     from megatron.training.checkpointing import save_checkpoint
 
