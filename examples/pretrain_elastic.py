@@ -63,13 +63,14 @@ def _build(
     import torch
 
     from elastic_plugin.models.builder import build_hybrid_model, transformer_config
-    from elastic_plugin.models.config import ParallelConfig
+    from elastic_plugin.models.config import Layout
 
-    parallel = ParallelConfig(
-        args.tensor_model_parallel_size,
-        args.pipeline_model_parallel_size,
-        args.expert_model_parallel_size,
-        bool(args.sequence_parallel),
+    parallel = Layout(
+        tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        ep=args.expert_model_parallel_size,
+        sequence_parallel=bool(args.sequence_parallel),
+        cp=getattr(args, "context_parallel_size", 1) or 1,
     )
     dtype = getattr(args, "params_dtype", None) or torch.float32
     overrides = {}
