@@ -54,7 +54,7 @@ class Settings:
     prompts: int
 
 
-FULL = Settings(256, 128, 120, None, None, None, 4, 16, 32, 64, 128, 24, 32, 5)
+FULL = Settings(256, 128, 120, None, None, None, 4, 16, 32, 32, 128, 24, 32, 5)
 QUICK = Settings(8, 32, 2, 32, 2, 2, 1, 2, 2, 4, 32, 4, 4, 3)
 
 
