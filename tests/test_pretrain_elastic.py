@@ -88,7 +88,7 @@ LAYOUTS = {
     "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "dp2-distopt": (2, ["--use-distributed-optimizer"]),
     "ep2": (2, ["--expert-model-parallel-size", "2"]),  # world 2: DP=2 for the dense layers
-    # the teacher as a separate forward-only pass through the pipeline (wrapped train_step)
+    # the teacher inside the pipeline schedule (wrapped train_step: both hidden states per p2p)
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
 }
 # Layouts that see the same micro-batches and budgets log the same losses (up to reduction

@@ -76,7 +76,9 @@ class ElasticSession:
     cfg: Any  # ExperimentConfig of --elastic-ckpt
     ecfg: Any  # ElasticConfig (the checkpoint's elastic: section, then the --elastic-* flags)
     source_meta: dict  # --elastic-ckpt's metadata (its data and tokenizer, for our tools)
-    pipelined: bool = False  # PP > 1: the teacher runs as a separate pass (wrapped train_step)
+    pipelined: bool = False  # PP > 1: the teacher runs in the schedule (wrapped train_step)
+    carry: bool = False  # this step's p2p tensors carry the teacher's hidden states too
+    stage_input: Any = None  # the p2p tensor Megatron handed this stage ([2, s, b, h] or None)
     log: Any = None  # ElasticLog: per-budget losses, choices, throughput
     _iteration: int = -1
     _local: int = 0
@@ -273,11 +275,12 @@ def elastic_forward_step(get_batch: Callable[[Any], Any]) -> Callable[[Any, Any]
 
     def forward_step(data_iterator, model):
         import torch
+        from megatron.core import parallel_state
         from megatron.core.num_microbatches_calculator import get_num_microbatches
         from megatron.training import get_args
 
         from elastic_plugin.elastic.model import router_of
-        from elastic_plugin.elastic.step import truncate_batch
+        from elastic_plugin.elastic.step import set_model_input, truncate_batch
         from elastic_plugin.elastic.train import choice_table
 
         run = session()
@@ -307,16 +310,26 @@ def elastic_forward_step(get_batch: Callable[[Any], Any]) -> Callable[[Any, Any]
         run._local += 1
         batch = truncate_batch(batch, step.sampler.seq_length(iteration))
         step._shape = tuple(batch["tokens"].shape[::-1])  # (sequence length, micro-batch size)
-        if not run.pipelined:  # else the wrapped train_step's teacher pass has run
+        teacher_out = None
+        if not run.pipelined or run.carry:  # else the wrapped train_step's teacher pass has run
+            received = run.stage_input if run.carry else None
             with torch.no_grad():
-                step._teacher_logits = [
-                    run.teacher(batch["tokens"], _position_ids(batch), batch.get("attention_mask"))
-                ]
+                if run.carry:
+                    set_model_input(run.teacher, None if received is None else received[1])
+                teacher_out = run.teacher(
+                    batch.get("tokens"), _position_ids(batch), batch.get("attention_mask")
+                ).detach()
+            if run.carry:
+                set_model_input(inner, None if received is None else received[0])
+            step._teacher_logits = [teacher_out]
         index, probs = step.route(inner, local)
         active = step.state.is_active
         step.flops += step.choice_flops(probs if active else None) + step.choice_flops(None, False)
         output = model(batch.get("tokens"), _position_ids(batch), batch.get("attention_mask"))
-        teacher_index = local if run.pipelined else None
+        teacher_index = local if run.pipelined and not run.carry else None
+        if run.carry and not parallel_state.is_pipeline_last_stage():
+            step._teacher_logits = []  # hidden states, sent on with the student's
+            output = torch.stack([output, teacher_out])
         return output, partial(_train_loss, step, teacher_index, index, probs, batch)
 
     forward_step.elastic_get_batch = get_batch  # type: ignore[attr-defined]  # the teacher pass
@@ -356,9 +369,53 @@ def _teacher_pass(run: ElasticSession, get_batch, items, num_microbatches, seq_l
     run.step._teacher_logits = logits
 
 
+def _carrying_teacher(run: ElasticSession, model: list, args: tuple, kwargs: dict):
+    """Megatron-LM's ``train_step`` arguments with a ``forward_backward_func`` whose p2p tensors
+    carry the teacher's hidden states with the student's (``elastic.step.with_teacher_shapes``),
+    and the stage's received tensor captured for the forward step to split; None where the
+    schedule has no shape hook (an interleaved schedule) or the teacher pass is asked for."""
+    import contextlib
+
+    from elastic_plugin.elastic.step import inner_model, with_teacher_shapes
+
+    if not run.step.teacher_in_schedule or len(model) != 1:
+        return None
+    position = 3  # train_step(fs, it, model, optimizer, scheduler, config, forward_backward_func)
+    func = kwargs.get("forward_backward_func", args[position] if len(args) > position else None)
+    if func is None:
+        return None
+
+    def forward_backward(*a: Any, **kw: Any) -> Any:
+        kw["adjust_tensor_shapes_fn"] = with_teacher_shapes
+        return func(*a, **kw)
+
+    if "forward_backward_func" in kwargs:
+        kwargs = {**kwargs, "forward_backward_func": forward_backward}
+    else:
+        args = (*args[:position], forward_backward, *args[position + 1 :])
+    inner = inner_model(model[0])
+
+    def capture(input_tensor: Any) -> None:
+        tensors = input_tensor if isinstance(input_tensor, list) else [input_tensor]
+        run.stage_input = tensors[0]
+
+    @contextlib.contextmanager
+    def carrying():
+        inner.set_input_tensor = capture
+        run.carry = True
+        try:
+            yield
+        finally:
+            del inner.set_input_tensor
+            run.carry, run.stage_input = False, None
+
+    return args, kwargs, carrying()
+
+
 def _wrap_train_step(orig: Callable) -> Callable:
-    """Megatron-LM's ``train_step`` with the teacher pass first when the model is pipelined; the
-    student's schedule then replays the same micro-batches at the curriculum's sequence length."""
+    """Megatron-LM's ``train_step`` under PP with the teacher inside the schedule (its hidden
+    states in the student's p2p tensors, ``_carrying_teacher``), or, where that cannot be, the
+    teacher pass first; the student's schedule runs at the curriculum's sequence length."""
     import functools
 
     @functools.wraps(orig)
@@ -373,6 +430,16 @@ def _wrap_train_step(orig: Callable) -> Callable:
         margs = get_args()
         iteration = int(getattr(margs, "curr_iteration", 0) or 0) + 1
         seq_length = run.step.sampler.seq_length(iteration) or margs.seq_length
+        carried = _carrying_teacher(run, model, args, kwargs)
+        if carried is not None:
+            args, kwargs, carrying = carried
+            full_length, margs.seq_length = margs.seq_length, seq_length  # the p2p tensor shapes
+            try:
+                with carrying:
+                    return orig(forward_step_func, data_iterator, model, *args, **kwargs)
+            finally:
+                margs.seq_length = full_length
+                run.step._teacher_logits = []
         count = get_num_microbatches()
         items = None
         if data_iterator is not None:

@@ -220,7 +220,7 @@ class ElasticStep:
         else:
             teacher = self.teacher_chunks[0]
         if _pipeline_size() > 1:
-            _set_input(teacher, teacher_input)
+            set_model_input(teacher, teacher_input)
         out = teacher(batch.get("tokens"), batch.get("position_ids"), batch.get("attention_mask"))
         return out.detach()
 
@@ -228,7 +228,7 @@ class ElasticStep:
     def _capturing_stage_input(self, chunks):
         """Megatron hands each stage its received p2p tensor through ``set_input_tensor``; keep
         it whole (student and teacher halves) for the forward step to split."""
-        inner = _inner(chunks[0])
+        inner = inner_model(chunks[0])
 
         def capture(input_tensor) -> None:
             tensors = input_tensor if isinstance(input_tensor, list) else [input_tensor]
@@ -335,7 +335,7 @@ class ElasticStep:
                 model, batch, None if received is None else received[1]
             )
             if pipelined:
-                _set_input(model, student_in)
+                set_model_input(model, student_in)
         index, probs = self.route(model, local)
         if torch.is_grad_enabled():  # a training micro-batch (not a forward-only evaluation)
             self.flops += self.choice_flops(None if not self.state.is_active else probs)
@@ -399,7 +399,7 @@ class ElasticStep:
                     forward_step_func=self._student_forward_step,
                     finalize_grads_func=finalize_router_grads,
                     reduce_reports=reduce_elastic_reports,
-                    adjust_tensor_shapes_fn=_with_teacher_shapes if pipelined else None,
+                    adjust_tensor_shapes_fn=with_teacher_shapes if pipelined else None,
                 )
         finally:
             self.state.clear()
@@ -420,20 +420,20 @@ def _is_last_stage() -> bool:
     return parallel_state.is_pipeline_last_stage()
 
 
-def _inner(module):
+def inner_model(module):
     """The Megatron model inside DDP / Float16Module wrappers (it owns ``set_input_tensor``)."""
     while hasattr(module, "module") and not hasattr(module, "decoder"):
         module = module.module
     return module
 
 
-def _set_input(module, tensor) -> None:
+def set_model_input(module, tensor) -> None:
     """The model's own ``set_input_tensor`` (not the capture ``train_step`` installs)."""
-    inner = _inner(module)
+    inner = inner_model(module)
     type(inner).set_input_tensor(inner, [tensor])
 
 
-def _with_teacher_shapes(recv_shapes: list, send_shapes: list) -> tuple[list, list]:
+def with_teacher_shapes(recv_shapes: list, send_shapes: list) -> tuple[list, list]:
     """Megatron's ``adjust_tensor_shapes_fn``: every p2p tensor carries the student's and the
     teacher's hidden states stacked, ``[2, s, b, h]``."""
     return [(2, *shape) for shape in recv_shapes], [(2, *shape) for shape in send_shapes]

@@ -24,9 +24,8 @@ the student's schedule, micro-batch by micro-batch (``elastic.step``), so the la
 the vocab-parallel logits (``[tokens, V / t]``, model dtype) of the micro-batches in flight
 there (one under 1F1B, and without PP), whatever the number of micro-batches; under PP every
 stage but the first also keeps, per in-flight micro-batch, the teacher's half of the received
-p2p tensor (``T / sp x H``, model dtype) with the student's. (Megatron-LM's own loop,
-``elastic.megatron_lm_pretrain``, still runs its teacher pass first under PP: there the last
-stage holds every micro-batch's logits.)
+p2p tensor (``T / sp x H``, model dtype) with the student's (``elastic-train`` and
+Megatron-LM's own loop, ``elastic.megatron_lm_pretrain``, alike).
 
 Under the non-interleaved 1F1B schedule stage ``i`` of ``p`` holds ``min(p - i, m)`` micro-batches'
 activations at once (``m`` micro-batches per step and DP rank).
