@@ -86,8 +86,27 @@ def _check(
     return results
 
 
-def test_tensor_parallel_sequence_parallel(rank_pools, references):
-    _check(rank_pools, references, 2, tp=2, sequence_parallel=True)
+# The layouts, as a table of layout x feature (the way torchtitan's integration tests list their
+# overrides): name -> (ranks, feature overrides, layout overrides). Each row trains three
+# optimizer steps from the same checkpoint and must reproduce one rank (``_check``).
+LAYOUT_SCENARIOS: dict[str, tuple[int, dict, dict]] = {
+    "tp2_sp": (2, {}, dict(tp=2, sequence_parallel=True)),
+    "pp2": (2, {}, dict(pp=2)),
+    "ep2": (2, {}, dict(ep=2)),
+    "dp2_distributed_optimizer": (2, {}, dict(distributed_optimizer=True)),
+    "tp2_masked_no_moe": (2, dict(pattern=NO_MOE_PATTERN, mode="masked"), dict(tp=2)),
+    "tp2_pp2_sp_heterogeneous": (
+        4,
+        dict(heterogeneous=True),
+        dict(tp=2, pp=2, ep=1, sequence_parallel=True),
+    ),
+}
+
+
+@pytest.mark.parametrize("scenario", list(LAYOUT_SCENARIOS))
+def test_layout_reproduces_one_rank(rank_pools, references, scenario):
+    ranks, feature, layout = LAYOUT_SCENARIOS[scenario]
+    _check(rank_pools, references, ranks, **feature, **layout)
 
 
 @pytest.mark.parametrize("scaling", ["tensor", "row"])
@@ -114,27 +133,6 @@ def test_fp8_gemm_tensor_parallel_sequence_parallel(rank_pools, references, scal
         assert first[budget] == pytest.approx(value, rel=1e-5)
         # ... while FP8 moved the loss 100x further from the model-dtype one (measured 1.6e-3)
         assert abs(value / plain_first[budget] - 1) > 1e-4, (fp8_first, plain_first)
-
-
-def test_pipeline_parallel(rank_pools, references):
-    _check(rank_pools, references, 2, pp=2)
-
-
-def test_expert_parallel(rank_pools, references):
-    _check(rank_pools, references, 2, ep=2)
-
-
-def test_data_parallel_distributed_optimizer(rank_pools, references):
-    _check(rank_pools, references, 2, distributed_optimizer=True)
-
-
-def test_masked_mode_tensor_parallel_no_moe(rank_pools, references):
-    _check(rank_pools, references, 2, pattern=NO_MOE_PATTERN, mode="masked", tp=2)
-
-
-@pytest.mark.integration
-def test_heterogeneous_tp_pp_ep_on_4_ranks(rank_pools, references):
-    _check(rank_pools, references, 4, heterogeneous=True, tp=2, pp=2, ep=1, sequence_parallel=True)
 
 
 def _assert_same_trace(result):
