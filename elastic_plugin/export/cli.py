@@ -9,7 +9,7 @@
 ``extract`` cuts one budget out, as one process. The output is an ordinary Megatron dist
 checkpoint (plus ``elastic_meta.json`` with kind "extracted" and the reduced config), so it loads
 under any layout; the ``--target-*`` flags only check that the extracted model's sizes split that
-way. ``--format hf`` writes Hugging Face NemotronH safetensors instead (``transformers`` loads
+way. ``--format hf`` writes the family's Hugging Face safetensors instead (``transformers`` loads
 it; per-layer widths too, through ``elastic_plugin.export.hf.load_hf_model``), optionally with
 FP8 / NVFP4 weights in ModelOpt's unified layout (``--quantize``).
 
@@ -111,7 +111,7 @@ def _register_extract(subparsers: argparse._SubParsersAction) -> None:
         choices=None,
         metavar="{megatron,hf}",
         help="megatron: a plain Megatron-Core dist checkpoint (default); hf: "
-        "Hugging Face NemotronH safetensors + config.json",
+        "the family's Hugging Face safetensors + config.json",
     )
     parser.add_argument(
         "--dtype",
@@ -186,7 +186,7 @@ def _register_export(subparsers: argparse._SubParsersAction) -> None:
         "export",
         help="export every nested model (Megatron + HF in BF16/FP8/NVFP4) and measure it",
         description="Extract every trained budget of an elastic checkpoint as a plain Megatron "
-        "checkpoint and as Hugging Face NemotronH safetensors in each precision; report sizes, "
+        "checkpoint and as the family's Hugging Face safetensors in each precision; report sizes, "
         "validation loss per export, and one nested checkpoint vs separate ones.",
     )
     parser.add_argument("--ckpt", required=True, metavar="DIR", help="the elastic checkpoint")
@@ -256,7 +256,7 @@ def _register_slice(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "slice",
         help="cut one budget out of a nested Hugging Face directory (export --nested)",
-        description="Build one trained budget's Hugging Face NemotronH export from a nested "
+        description="Build one trained budget's Hugging Face export from a nested "
         "directory alone (no elastic checkpoint, no Megatron); it equals that budget's own export.",
     )
     parser.add_argument("--hf", required=True, metavar="DIR", help="the nested directory")

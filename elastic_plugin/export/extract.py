@@ -491,7 +491,7 @@ def extract_nested(
     ``interpolate=True`` (the router's choice). ``target=(tp, pp, ep)`` only checks that the
     extracted model splits that way (and becomes its config's default layout). Written to
     ``<out>.tmp`` and renamed to ``<out>`` at the end: an interrupted run leaves no ``<out>``.
-    ``fmt="hf"`` writes Hugging Face NemotronH safetensors instead (per-layer widths allowed;
+    ``fmt="hf"`` writes the family's Hugging Face safetensors instead (per-layer widths allowed;
     ``dtype`` bf16/fp16/fp32, ``quantize`` "fp8"/"nvfp4" in ModelOpt's layout, made as
     ``quant`` says).
     Returns ``{"out", "format", "dtype", "quantize", "budget", "interpolated", "choice",

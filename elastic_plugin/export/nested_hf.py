@@ -1,6 +1,6 @@
 """One Hugging Face directory that serves every trained budget: the nested checkpoint.
 
-``export --nested`` writes the full importance-ordered model once, in the Hub's Nemotron-H layout,
+``export --nested`` writes the full importance-ordered model once, in its family's Hub layout,
 plus ``nested_config.json``: every trained budget's choice (per axis, per layer), its total and
 active parameters, the budget metric, and the model config the choices refer to. Every budget is
 a prefix of those weights, so ``slice`` (``elastic-plugin slice --hf DIR --budget B --out DIR2``)
@@ -210,7 +210,7 @@ def slice_nested(
 
 
 def load_nested(hf_dir: str | Path, budget: float, dtype: Any = None):
-    """``NemotronHForCausalLM`` of budget ``budget``, built from a nested directory's files
+    """The family's transformers model of budget ``budget``, built from a nested directory's files
     alone (per-layer widths included); ``dtype`` defaults to float32. A quantized directory's
     weights are dequantized to the exact values the quantized model multiplies with (its
     activation scales: :func:`budget_input_amax`)."""

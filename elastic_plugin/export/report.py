@@ -1,7 +1,7 @@
 """Every nested model of an elastic checkpoint, in every precision, measured: ``export_all``.
 
 For each trained budget it writes the plain Megatron checkpoint (homogeneous choices) and the
-Hugging Face NemotronH export in BF16, FP8 and NVFP4, then measures each HF export as a user
+Hugging Face export in BF16, FP8 and NVFP4, then measures each HF export as a user
 would run it (``transformers``, weights as stored; quantized ones dequantized to the exact values
 they hold) on the same validation tokens: validation loss, and its change relative to BF16. It
 also reports the point of the method: one nested checkpoint holds every model, against the sum
