@@ -10,7 +10,7 @@ the peak memory above what was allocated before the step (the inputs) and the ma
 of their outputs and q/k/v gradients. Peak memory: ``torch.cuda.max_memory_allocated`` on a GPU;
 on a CPU the profiler's allocation events (``profile_memory=True``, every allocation and free of
 the CPU allocator, in time order: independent of malloc's caching), replayed to their running
-maximum (``elastic_plugin.testing.memory.peak_bytes``). Megatron's persistent score buffer
+maximum (``tests.support.memory.peak_bytes``). Megatron's persistent score buffer
 (``get_global_memory_buffer``) is emptied before the measured step, so that step allocates it
 like the first step of training does.
 
@@ -28,11 +28,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
 
 import torch  # noqa: E402
 from _timing import interleaved_medians, synchronizer  # noqa: E402
 
-from elastic_plugin.testing.memory import clear_megatron_buffer, peak_bytes  # noqa: E402
+from tests.support.memory import clear_megatron_buffer, peak_bytes  # noqa: E402
 
 TOKENS = (2048, 8192)
 QUICK_TOKENS = (512, 1024)

@@ -81,7 +81,7 @@ def _models(width: int):
     from elastic_plugin.models.axes import model_for_choice
     from elastic_plugin.models.counting import count_parameters
     from elastic_plugin.nested.model import nested_model
-    from elastic_plugin.testing.inference_cases import tiny_config, tiny_inference_model
+    from tests.support.inference_cases import tiny_config, tiny_inference_model
 
     base = tiny_config()
     overrides = dict(
@@ -126,7 +126,7 @@ def run(quick: bool = False, reps: int | None = None, threads: int = 1) -> list[
     from elastic_plugin.inference import InferenceCache, extend, extend_ragged, generate
     from elastic_plugin.inference.budget_control import arithmetic_ratio
     from elastic_plugin.inference.fast_decode import decode_plan
-    from elastic_plugin.testing.inference_cases import random_prompts
+    from tests.support.inference_cases import random_prompts
 
     reps = reps or (2 if quick else 5)
     cases = [(w, b, ("ref", "fast")) for w in (WIDTHS[:2] if quick else WIDTHS) for b in BATCHES]

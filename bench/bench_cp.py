@@ -26,13 +26,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 CONFIG = str(ROOT / "examples" / "configs" / "tiny.yaml")
-CASES = "elastic_plugin.testing.cp_cases"
+CASES = "tests.support.cp_cases"
 STEPS = 3
 
 
 def run(quick: bool = False, reps: int | None = None) -> list[dict]:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from elastic_plugin.testing.multirank import RankPool
+    from tests.support.multirank import RankPool
 
     rounds = reps or (1 if quick else 3)
     seq = 128 if quick else 512

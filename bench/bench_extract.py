@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
 
 from _timing import copy_floor, interleaved_medians  # noqa: E402
 
@@ -83,7 +84,7 @@ def _checkpoint(name: str, work: Path) -> Path:
 
     enable_cpu_megatron()
     from elastic_plugin.parallel import Layout, init_distributed, initialize_layout
-    from elastic_plugin.testing import elastic_cases as ec
+    from tests.support import elastic_cases as ec
 
     init_distributed()
     initialize_layout(Layout())

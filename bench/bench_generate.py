@@ -35,7 +35,7 @@ def _median(values: list[float]) -> float:
 
 def run(quick: bool = False, reps: int | None = None, threads: int = 1) -> list[dict]:
     from elastic_plugin.inference import generate, recompute_generate
-    from elastic_plugin.testing.inference_cases import random_prompts, tiny_inference_model
+    from tests.support.inference_cases import random_prompts, tiny_inference_model
 
     reps = reps or (1 if quick else 3)
     new = 8 if quick else NEW

@@ -9,7 +9,7 @@ the real size where memory allows.
 
 Measured per variant (``elastic.losses.vocab_parallel_kl``, forward + backward of the summed loss,
 the logits allocated outside the measured region): peak bytes allocated above the inputs
-(``testing.memory.peak_bytes``: the CPU allocator's events, or CUDA's peak counter), the
+(``tests.support.memory.peak_bytes``: the CPU allocator's events, or CUDA's peak counter), the
 planner's prediction of that peak (``planning.activations.kd_loss_peak_bytes``), and the
 median time of interleaved repetitions. Ratios: ``chunked / unchunked`` peak and time.
 
@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
 
 from _timing import interleaved_medians  # noqa: E402
 
@@ -43,7 +44,7 @@ def run(
 
     from elastic_plugin.elastic.losses import vocab_parallel_kl
     from elastic_plugin.planning.activations import kd_loss_peak_bytes
-    from elastic_plugin.testing.memory import peak_bytes
+    from tests.support.memory import peak_bytes
 
     tokens = tokens or (2048 if quick else 8192)
     reps = reps or (1 if quick else 3)

@@ -6,7 +6,7 @@ of one process (1024 x 1024 GEMMs, the plan's FP32 peak; efficiency 1), the gloo
 bus bandwidth of two ranks (every link; comm efficiency 1) and a copy's memory bandwidth. Each
 layout of the tiny model (``examples/configs/tiny.yaml``, budgets 1.0/0.77/0.4 drawn uniformly,
 4 x 32-token micro-batches of 2 sequences per rank and step) trains a few iterations the way
-a sweep run does (``testing.planning_cases.profile_layout``, every iteration logged), and
+a sweep run does (``tests.support.planning_cases.profile_layout``, every iteration logged), and
 ``scaling-report``'s reader (``planning.scaling.collect_runs``) gives the median step time after
 the first. Rows: measured and planned step time and ``measured/planned``: how much slower than
 its GEMMs and collectives this machine runs the step (non-GEMM work, dispatch, the Python
@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 TINY = str(ROOT / "examples" / "configs" / "tiny.yaml")
-CASES = "elastic_plugin.testing.planning_cases"
+CASES = "tests.support.planning_cases"
 LAYOUTS: tuple[tuple[int, dict[str, Any]], ...] = (
     (1, {}),
     (2, {}),
@@ -65,7 +65,7 @@ def _planned(world: int, kw: dict[str, Any], device) -> tuple[str, float]:
     from elastic_plugin.models.runtime import Runtime
     from elastic_plugin.planning.layouts import PlanLayout, check_layout
     from elastic_plugin.planning.plan import PlanInputs, _mix, evaluate_layout
-    from elastic_plugin.testing.elastic_cases import _elastic_config, tiny_model
+    from tests.support.elastic_cases import _elastic_config, tiny_model
 
     model = tiny_model(TINY, None)
     elastic = _elastic_config(model, "sliced", False)
@@ -85,7 +85,7 @@ def run(quick: bool = False, reps: int | None = None, device: str | None = None)
         return []
     from elastic_plugin.planning.devices import Device
     from elastic_plugin.planning.scaling import collect_runs
-    from elastic_plugin.testing.multirank import RankPool
+    from tests.support.multirank import RankPool
 
     iters = 3 if quick else (reps or 7) + 1
     flops, copy = _rates()

@@ -40,7 +40,7 @@ _ELAPSED = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration
 
 def _elastic_flags() -> list[str]:
     from elastic_plugin.elastic.args import axis_flag
-    from elastic_plugin.testing.elastic_cases import ELASTIC
+    from tests.support.elastic_cases import ELASTIC
 
     flags = ["--elastic-budgets", *map(str, ELASTIC["budgets"])]
     flags += ["--elastic-router-hidden-size", str(ELASTIC["router"]["hidden_size"])]
@@ -56,7 +56,7 @@ def _setup(work: Path) -> tuple[Path, object]:
         "from elastic_plugin.compat import enable_cpu_megatron; enable_cpu_megatron()\n"
         "from elastic_plugin.parallel import Layout, init_distributed, initialize_layout\n"
         "init_distributed(); initialize_layout(Layout())\n"
-        "from elastic_plugin.testing.elastic_cases import write_init_checkpoint_at\n"
+        "from tests.support.elastic_cases import write_init_checkpoint_at\n"
         f"write_init_checkpoint_at({str(ROOT / 'examples/configs/tiny.yaml')!r}, {str(ckpt)!r})\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env=ENV, capture_output=True)

@@ -2,7 +2,7 @@
 recomputation off vs full vs selective; step time and peak memory, side by side.
 
 The tiny model (examples/configs/tiny.yaml, ``M*E-M*E-``), sliced, one micro-batch drawing
-budget 0.77 (``testing.memory.elastic_iteration``): an iteration is the teacher pass, the
+budget 0.77 (``tests.support.memory.elastic_iteration``): an iteration is the teacher pass, the
 student's forward/backward (distillation + budget loss, router gradients) and Megatron's
 optimizer step (``ElasticStep.train_step(step_optimizer=True)``). Four students load the same
 checkpoint: ``fp32`` (no recomputation: the baseline of both rows), ``bf16`` (Megatron mixed
@@ -12,7 +12,7 @@ rate is 0 (the optimizer still does all its arithmetic), so every repetition com
 nested model (the MoE expert bias still moves a few tokens between experts). First their losses are checked (recomputation: equal to FP32's within 1e-6; BF16:
 within 5%); then the four iterations run interleaved (``interleaved_medians``); then one more
 iteration of each gives its peak memory above what was allocated before it (weights, gradient
-buffers, optimizer state: equal in the recompute row; ``testing.memory.peak_bytes``, the
+buffers, optimizer state: equal in the recompute row; ``tests.support.memory.peak_bytes``, the
 profiler's CPU allocation events).
 
 Rows: ``bf16 vs fp32`` (``bf16/fp32``: time; ``mem bf16/fp32``) and ``recompute``
@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
 
 from _timing import interleaved_medians  # noqa: E402
 
@@ -98,7 +99,7 @@ def measure(
     from elastic_plugin.compat import enable_cpu_megatron
     from elastic_plugin.models.config import ConfigError
     from elastic_plugin.parallel import init_distributed
-    from elastic_plugin.testing.memory import clear_megatron_buffer, elastic_iteration, peak_bytes
+    from tests.support.memory import clear_megatron_buffer, elastic_iteration, peak_bytes
 
     if reps < 1 or warmup < 0 or seq_len < 1 or micro_batch < 1:
         raise ConfigError(

@@ -69,7 +69,7 @@ def _write_exports(work: Path) -> dict[str, Path]:
     from safetensors.torch import save_file
 
     from elastic_plugin.export.hf import hf_config, megatron_to_hf, write_hf_checkpoint
-    from elastic_plugin.testing.inference_cases import tiny_inference_model
+    from tests.support.inference_cases import tiny_inference_model
 
     model, cfg = tiny_inference_model(seed=21)
     hf = megatron_to_hf(model.state_dict(), cfg)

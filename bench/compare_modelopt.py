@@ -7,7 +7,7 @@ Both scorers see the same calibration batches: ours through ``collect_importance
 model, then ModelOpt's own hooks (``ImportanceEstimatorRegistry`` of
 ``modelopt/torch/prune/plugins/mcore_minitron.py``) on the same model converted to its dynamic
 search space (``mcore_minitron`` mode), made to run without TE by
-``elastic_plugin.testing.modelopt_compat``. The LM loss of both passes is printed: equal losses
+``tests.support.modelopt_compat``. The LM loss of both passes is printed: equal losses
 show the conversion did not change the forward. Per axis the script prints Spearman rank
 correlation (mean and min over layers) and top-50% overlap, and how the two definitions differ.
 
@@ -342,7 +342,7 @@ def modelopt_scores(model, batches, seq: int, mbs: int) -> tuple[dict, dict]:
     from megatron.core.ssm.mamba_layer import MambaLayer
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from elastic_plugin.testing.modelopt_compat import load_minitron, local_spec_registry_class
+    from tests.support.modelopt_compat import load_minitron, local_spec_registry_class
 
     _, mm = load_minitron()
     config = mm.get_mcore_minitron_config(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_plugin.testing.multirank import PoolCache
+from tests.support.multirank import PoolCache
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 

@@ -31,10 +31,10 @@ EXPECTED_PASS = {("wrong_kind", "verify")}
 
 @pytest.mark.integration
 def test_every_subcommand_refuses_every_bad_path_cleanly(tmp_path):
-    from elastic_plugin.testing.sweep_cases import commands
+    from tests.support.sweep_cases import commands
 
     proc = subprocess.run(
-        [sys.executable, "-m", "elastic_plugin.testing.sweep_cases", str(tmp_path)],
+        [sys.executable, "-m", "tests.support.sweep_cases", str(tmp_path)],
         capture_output=True,
         text=True,
         cwd=ROOT,

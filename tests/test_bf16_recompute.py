@@ -18,7 +18,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
-CASES = "elastic_plugin.testing.elastic_cases"
+CASES = "tests.support.elastic_cases"
 NO_MOE_PATTERN = "M*-M*-"
 FULL_UNIFORM = {"recompute_granularity": "full", "recompute_method": "uniform",
                 "recompute_num_layers": 1}  # fmt: skip

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastic_plugin.testing.inference_cases import random_prompts, tiny_inference_model
+from tests.support.inference_cases import random_prompts, tiny_inference_model
 
 # the tiny_model model's nested choice, and the one-intra-op-thread fixture, of the generation tests
 from tests.test_inference_generate import SMALL, one_thread  # noqa: F401

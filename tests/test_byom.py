@@ -37,7 +37,7 @@ def test_prepare_data_input_writes_indexed_datasets_with_the_tokenizers_eos(tmp_
     from elastic_plugin.cli import main
     from elastic_plugin.data.indexed import read_indexed_documents
     from elastic_plugin.data.jsonl import open_tokenizer
-    from elastic_plugin.testing.byom_cases import EOS, corpus, write_bpe_tokenizer, write_jsonl
+    from tests.support.byom_cases import EOS, corpus, write_bpe_tokenizer, write_jsonl
 
     texts = corpus(40)
     tok_file = write_bpe_tokenizer(tmp_path / "tok", texts)
@@ -74,7 +74,7 @@ def test_prepare_data_input_writes_indexed_datasets_with_the_tokenizers_eos(tmp_
 )
 def test_prepare_data_input_refuses_bad_input_before_writing(tmp_path, capsys, case, lines, needle):
     from elastic_plugin.cli import main
-    from elastic_plugin.testing.byom_cases import corpus, write_bpe_tokenizer
+    from tests.support.byom_cases import corpus, write_bpe_tokenizer
 
     tok_file = write_bpe_tokenizer(tmp_path / "tok", corpus(8))
     if case == "bad_tokenizer":
@@ -95,7 +95,7 @@ def test_prepare_data_input_refuses_bad_input_before_writing(tmp_path, capsys, c
 
 @pytest.mark.integration
 def test_imported_model_runs_every_stage(tmp_path):
-    from elastic_plugin.testing.byom_cases import (
+    from tests.support.byom_cases import (
         corpus,
         write_elastic_config,
         write_hf_model,

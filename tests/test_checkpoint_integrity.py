@@ -26,9 +26,9 @@ from elastic_plugin.checkpoint.integrity import (
 )
 from elastic_plugin.checkpoint.meta import CHECKPOINT_META
 from elastic_plugin.models.config import ConfigError
-from elastic_plugin.testing.integrity_cases import flip_middle
+from tests.support.integrity_cases import flip_middle
 
-CASES = "elastic_plugin.testing.integrity_cases"
+CASES = "tests.support.integrity_cases"
 
 
 @pytest.fixture(scope="module")

@@ -132,16 +132,16 @@ def test_checkpoint_gives_same_loss_under_other_layouts(trained, rank_pools):
     out, _ = trained
     kwargs = dict(ckpt_dir=str(out / "checkpoints" / "teacher"), data_dir=str(out / "data"))
     pool = rank_pools.get(1)
-    (reference,) = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", **kwargs)
+    (reference,) = pool.run("tests.support.cases:eval_loss_from_checkpoint", **kwargs)
     pool = rank_pools.get(2)
     tp = pool.run(
-        "elastic_plugin.testing.cases:eval_loss_from_checkpoint",
+        "tests.support.cases:eval_loss_from_checkpoint",
         tp=2,
         sequence_parallel=True,
         **kwargs,
     )
-    pp = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", pp=2, **kwargs)
-    ep = pool.run("elastic_plugin.testing.cases:eval_loss_from_checkpoint", ep=2, **kwargs)
+    pp = pool.run("tests.support.cases:eval_loss_from_checkpoint", pp=2, **kwargs)
+    ep = pool.run("tests.support.cases:eval_loss_from_checkpoint", ep=2, **kwargs)
     assert reference is not None and reference < 3.0
     for losses in (tp, pp, ep):
         assert losses == [pytest.approx(reference, rel=1e-5)] * 2
@@ -231,16 +231,16 @@ def test_importance_and_reorder_cli_keep_the_function(trained, tmp_path, rank_po
     data = dict(data_dir=str(out / "data"))
     pool = rank_pools.get(1)
     (teacher,) = pool.run(
-        "elastic_plugin.testing.cases:eval_loss_from_checkpoint",
+        "tests.support.cases:eval_loss_from_checkpoint",
         ckpt_dir=str(out / "checkpoints" / "teacher"),
         **data,
     )
     (same,) = pool.run(
-        "elastic_plugin.testing.cases:eval_loss_from_checkpoint", ckpt_dir=str(reordered), **data
+        "tests.support.cases:eval_loss_from_checkpoint", ckpt_dir=str(reordered), **data
     )
     pool = rank_pools.get(2)
     tp2 = pool.run(
-        "elastic_plugin.testing.cases:eval_loss_from_checkpoint",
+        "tests.support.cases:eval_loss_from_checkpoint",
         ckpt_dir=str(reordered),
         tp=2,
         sequence_parallel=True,
@@ -359,10 +359,10 @@ def test_importance_and_reorder_under_torchrun(trained, tmp_path, rank_pools):
     )
     data = dict(data_dir=str(out / "data"))
     (reference,) = rank_pools.get(1).run(
-        "elastic_plugin.testing.cases:eval_loss_from_checkpoint", ckpt_dir=teacher, **data
+        "tests.support.cases:eval_loss_from_checkpoint", ckpt_dir=teacher, **data
     )
     (loss,) = rank_pools.get(1).run(
-        "elastic_plugin.testing.cases:eval_loss_from_checkpoint", ckpt_dir=str(reordered), **data
+        "tests.support.cases:eval_loss_from_checkpoint", ckpt_dir=str(reordered), **data
     )
     assert loss == pytest.approx(reference, rel=1e-5)
 
@@ -404,7 +404,7 @@ def test_train_saves_history_and_resumes_past_a_damaged_save(tmp_path):
     is then damaged, and the resumed run continues from the save before it and ends exactly
     where an uninterrupted run ends (same loss trace, bit-identical weights and optimizer
     state). (`--stop-after` is covered by test_elastic_cli's TP2 stop-and-resume.)"""
-    from elastic_plugin.testing.integrity_cases import flip_middle
+    from tests.support.integrity_cases import flip_middle
 
     config = _teacher_config(tmp_path)
     base = ["train", "--config", str(config), "--no-progress"]

@@ -87,8 +87,8 @@ def test_environment_variable_opt_in():
 @pytest.mark.integration
 def test_gloo_uneven_all_gather_and_list_reduce_scatter(rank_pools):
     pool = rank_pools.get(2)
-    gathered = pool.run("elastic_plugin.testing.cases:uneven_all_gather")
-    scattered = pool.run("elastic_plugin.testing.cases:list_reduce_scatter")
+    gathered = pool.run("tests.support.cases:uneven_all_gather")
+    scattered = pool.run("tests.support.cases:list_reduce_scatter")
     expected = [[0.0], [1.0, 1.0]]
     assert all(g == expected for g in gathered)
     # piece r summed over senders: (1+2) * (r+1)

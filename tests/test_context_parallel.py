@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
-CASES = "elastic_plugin.testing.elastic_cases"
+CASES = "tests.support.elastic_cases"
 LOSS_RTOL = 1e-5
 GRAD_ATOL = 2e-6  # as tests/test_elastic_multirank.py bounds the TP/PP/EP layouts
 

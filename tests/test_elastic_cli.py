@@ -691,7 +691,7 @@ def pretrain_case(workdir: str) -> dict:
     from elastic_plugin.elastic.model import router_of
     from elastic_plugin.models.config import ConfigError, load_config
     from elastic_plugin.parallel import Layout, initialize_layout
-    from elastic_plugin.testing.elastic_cases import write_init_checkpoint
+    from tests.support.elastic_cases import write_init_checkpoint
 
     sys.path.insert(0, str(PRETRAIN.parent))
     import pretrain_elastic  # the example's model provider and get_batch, wrapped as a user's

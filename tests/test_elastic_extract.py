@@ -75,7 +75,7 @@ def extract_case(workdir: str) -> dict:
     from elastic_plugin.export.extract import extract_nested
     from elastic_plugin.models.config import ConfigError
     from elastic_plugin.parallel import Layout, initialize_layout
-    from elastic_plugin.testing import elastic_cases as ec
+    from tests.support import elastic_cases as ec
 
     work = Path(workdir)
     cfg = ec._experiment(CONFIG, None)
@@ -253,7 +253,7 @@ def test_extracted_checkpoint_loads_under_tensor_parallel(rank_pools, extracted)
 def _fake_ckpt(path: Path, **meta_changes) -> Path:
     """An elastic checkpoint's metadata (no weights: every check happens before loading)."""
     from elastic_plugin.models.config import load_config
-    from elastic_plugin.testing.elastic_cases import ELASTIC
+    from tests.support.elastic_cases import ELASTIC
 
     path.mkdir(parents=True)
     cfg = load_config(CONFIG)

@@ -88,8 +88,8 @@ def test_amax_reduce_hook_sets_the_scale_and_must_keep_its_shape():
 # -------------------------------------------------------------------------- the model
 @pytest.fixture(scope="module")
 def setup():
-    from elastic_plugin.testing.elastic_model import make_elastic
-    from elastic_plugin.testing.inference_cases import tiny_inference_model
+    from tests.support.elastic_model import make_elastic
+    from tests.support.inference_cases import tiny_inference_model
 
     model, model_cfg = tiny_inference_model(seed=5)
     state, resolved = make_elastic(model, model_cfg, SIZES)
@@ -105,7 +105,7 @@ def test_sliced_fp8_model_equals_the_extracted_model_in_fp8(setup, scaling):
     the extracted nested model (holding only those blocks) computes in FP8."""
     from elastic_plugin.elastic.layers.fp8 import fp8_gemm
     from elastic_plugin.nested.model import nested_model
-    from elastic_plugin.testing.elastic_model import make_elastic
+    from tests.support.elastic_model import make_elastic
 
     model, model_cfg, state, resolved, tokens, position = setup
     choice = resolved.smallest_choice()

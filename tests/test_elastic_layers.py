@@ -32,7 +32,7 @@ def setup():
         init_distributed,
         initialize_layout,
     )
-    from elastic_plugin.testing.elastic_model import make_elastic
+    from tests.support.elastic_model import make_elastic
 
     enable_cpu_megatron()
     init_distributed()

@@ -10,9 +10,9 @@ import torch
 from elastic_plugin.elastic.losses import budget_loss, distillation_loss_func, vocab_parallel_kl
 from elastic_plugin.elastic.metrics import ElasticMetrics
 from elastic_plugin.models.config import ConfigError
-from elastic_plugin.testing.loss_cases import random_logits, reference_kl
+from tests.support.loss_cases import random_logits, reference_kl
 
-CASES = "elastic_plugin.testing.loss_cases"
+CASES = "tests.support.loss_cases"
 
 
 # ---------------------------------------------------------------- vocab_parallel_kl, one rank

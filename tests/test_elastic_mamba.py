@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
-CASES = "elastic_plugin.testing.elastic_mamba_cases"
+CASES = "tests.support.elastic_mamba_cases"
 # tiny.yaml: hidden 128, 8 Mamba heads in 2 groups (4 per group), head dim 16
 K, P, H = 3, 10, 80  # active heads per group, head dim, hidden (none of them a power of 2)
 RTOL = 1e-5

@@ -11,7 +11,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
-CASES = "elastic_plugin.testing.elastic_cases"
+CASES = "tests.support.elastic_cases"
 NO_MOE_PATTERN = "M*-M*-"
 LOSS_RTOL = 1e-4
 GRAD_ATOL = 2e-6
@@ -123,7 +123,7 @@ def test_fp8_gemm_tensor_parallel_sequence_parallel(rank_pools, references, scal
         tp=2,
         sequence_parallel=True,
     )
-    from elastic_plugin.testing.elastic_cases import reference_losses
+    from tests.support.elastic_cases import reference_losses
 
     plain = reference_losses(references())
     first = {b: v for r in results for b, v in r["losses"][0].items()}

@@ -64,7 +64,7 @@ def _classes(model: torch.nn.Module) -> dict[str, type]:
 
 def test_a_layer_no_rule_matches_is_refused_before_anything_changes(tiny_elastic):
     from elastic_plugin.models.config import ConfigError
-    from elastic_plugin.testing.elastic_model import make_elastic
+    from tests.support.elastic_model import make_elastic
 
     model_cfg, model = tiny_elastic
     model.decoder.layers[DENSE_MLP_INDEX] = CustomLayer(DENSE_MLP_INDEX + 1)
@@ -77,7 +77,7 @@ def test_a_layer_no_rule_matches_is_refused_before_anything_changes(tiny_elastic
 
 
 def test_one_registered_class_makes_a_new_layer_type_elastic(tiny_elastic, registered):
-    from elastic_plugin.testing.elastic_model import make_elastic
+    from tests.support.elastic_model import make_elastic
 
     model_cfg, model = tiny_elastic
     model.decoder.layers[DENSE_MLP_INDEX] = CustomLayer(DENSE_MLP_INDEX + 1)
@@ -104,7 +104,7 @@ def test_a_later_rule_takes_precedence_over_the_built_in_one(tiny_elastic, regis
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
     from elastic_plugin.models.layers import hybrid_layer_kind
-    from elastic_plugin.testing.elastic_model import make_elastic
+    from tests.support.elastic_model import make_elastic
 
     model_cfg, model = tiny_elastic
     seen = []

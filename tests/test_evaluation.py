@@ -53,7 +53,7 @@ def test_a_setting_runs_what_generate_runs(problems):
         run_setting,
     )
     from elastic_plugin.inference import generate
-    from elastic_plugin.testing.inference_cases import tiny_inference_model
+    from tests.support.inference_cases import tiny_inference_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -129,7 +129,7 @@ def test_bad_models_and_flags_are_refused_naming_the_field(tiny, tmp_path):
 def exported(rank_pools, tmp_path_factory):
     work = tmp_path_factory.mktemp("hf_export")
     (result,) = rank_pools.get(1).run(
-        "elastic_plugin.testing.export_cases:hf_export_case", config_path=CONFIG, workdir=str(work)
+        "tests.support.export_cases:hf_export_case", config_path=CONFIG, workdir=str(work)
     )
     return work, result
 

@@ -19,7 +19,7 @@ CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tin
 def tiny_hub():
     """The tiny_hub Megatron model, perturbed (so a wrong mapping shows), and its HF tensors."""
     from elastic_plugin.export.hf import megatron_to_hf
-    from elastic_plugin.testing.inference_cases import tiny_inference_model
+    from tests.support.inference_cases import tiny_inference_model
 
     model, cfg = tiny_inference_model(seed=13)
     return cfg, model, megatron_to_hf(model.state_dict(), cfg)
@@ -150,7 +150,7 @@ def test_hf_slicing_equals_the_megatron_slicing(tiny_hub):
     from elastic_plugin.export.hf_slicing import slice_hf_state
     from elastic_plugin.models.config import ConfigError
     from elastic_plugin.nested.slicing import sliced_state_dict
-    from elastic_plugin.testing.export_cases import PER_LAYER, SMALL
+    from tests.support.export_cases import PER_LAYER, SMALL
 
     cfg, model, full = tiny_hub
     for choice in (SMALL, PER_LAYER):
@@ -167,7 +167,7 @@ def test_hf_slicing_equals_the_megatron_slicing(tiny_hub):
 def nested_run(rank_pools, tmp_path_factory):
     work = tmp_path_factory.mktemp("nested_export")
     (result,) = rank_pools.get(1).run(
-        "elastic_plugin.testing.export_cases:nested_export_case",
+        "tests.support.export_cases:nested_export_case",
         config_path=CONFIG,
         workdir=str(work),
     )
@@ -213,7 +213,7 @@ def test_slice_refuses_bad_input_before_writing(nested_run):
 def serve_checked(rank_pools, tmp_path_factory):
     work = tmp_path_factory.mktemp("serve_check")
     (result,) = rank_pools.get(1).run(
-        "elastic_plugin.testing.export_cases:serve_check_case",
+        "tests.support.export_cases:serve_check_case",
         config_path=CONFIG,
         workdir=str(work),
     )
@@ -318,7 +318,7 @@ def test_slicing_the_files_reads_the_same_tensors(tiny_hf, tmp_path):
     from elastic_plugin.checkpoint.hub import from_hub
     from elastic_plugin.export.hf import write_hf_checkpoint
     from elastic_plugin.export.hf_slicing import slice_hf_state, slice_hub_files
-    from elastic_plugin.testing.export_cases import PER_LAYER, SMALL
+    from tests.support.export_cases import PER_LAYER, SMALL
 
     cfg, hf, config = tiny_hf
     write_hf_checkpoint(tmp_path, hf, config, "bf16", max_shard_bytes=100_000)

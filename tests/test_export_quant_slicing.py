@@ -16,7 +16,7 @@ from elastic_plugin.export.quantize import same_bits
 @pytest.fixture(scope="module")
 def tiny_megatron():
     from elastic_plugin.export.hf import megatron_to_hf
-    from elastic_plugin.testing.inference_cases import tiny_inference_model
+    from tests.support.inference_cases import tiny_inference_model
 
     model, cfg = tiny_inference_model(seed=17)
     return model, cfg, megatron_to_hf(model.state_dict(), cfg)
@@ -41,7 +41,7 @@ ALIGNED = {
 
 
 def _choices():
-    from elastic_plugin.testing.export_cases import PER_LAYER, SMALL
+    from tests.support.export_cases import PER_LAYER, SMALL
 
     return {"aligned": ALIGNED, "small": SMALL, "per_layer": PER_LAYER}
 
@@ -51,7 +51,7 @@ def test_nvfp4_alignment_is_found_from_the_config(tiny_hf):
     blocks; the policy refuses it naming the axis and the way out, or keeps it in BF16."""
     from elastic_plugin.export.quant_slicing import check_unaligned, unaligned_weights
     from elastic_plugin.models.config import ConfigError
-    from elastic_plugin.testing.export_cases import PER_LAYER, SMALL
+    from tests.support.export_cases import PER_LAYER, SMALL
 
     cfg, _ = tiny_hf
     assert unaligned_weights(cfg, {"aligned": ALIGNED}) == {}
@@ -104,7 +104,7 @@ def test_an_nvfp4_cut_through_a_block_is_refused_naming_the_axis(tiny_hf):
     from elastic_plugin.export.quant_slicing import slice_quantized_state
     from elastic_plugin.export.quantize import quantize_state_dict
     from elastic_plugin.models.config import ConfigError
-    from elastic_plugin.testing.export_cases import SMALL
+    from tests.support.export_cases import SMALL
 
     cfg, full = tiny_hf
     quantized, _ = quantize_state_dict(full, "nvfp4")  # every weight quantized, out_proj too
@@ -175,7 +175,7 @@ def quantized_nested(rank_pools, tmp_path_factory):
 
     config = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
     (result,) = rank_pools.get(1).run(
-        "elastic_plugin.testing.export_cases:quantized_nested_case",
+        "tests.support.export_cases:quantized_nested_case",
         config_path=config,
         workdir=str(tmp_path_factory.mktemp("quantized_nested")),
     )

@@ -274,9 +274,7 @@ def test_every_family_under_tp2_sp_and_ep2_gives_transformers_logits(
                 "ep": 2 if moe else 1,
             }
         )
-    ranks = rank_pools.get(4).run(
-        "elastic_plugin.testing.family_cases:families_tp_sp_case", cases=cases
-    )
+    ranks = rank_pools.get(4).run("tests.support.family_cases:families_tp_sp_case", cases=cases)
     for rank, results in enumerate(ranks):
         for result, case in zip(results, cases, strict=True):
             name = result["name"]

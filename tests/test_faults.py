@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from elastic_plugin.compat.rendezvous import free_port
-from elastic_plugin.testing.fault_cases import (
+from tests.support.fault_cases import (
     TRAIN_ITERS,
     loss_trace,
     pick_faults,
@@ -47,7 +47,7 @@ def start(rank_pools, tmp_path_factory):
     work = tmp_path_factory.mktemp("faults")
     config = write_config(work / "small_elastic.yaml")
     (ckpt,) = rank_pools.get(1).run(
-        "elastic_plugin.testing.fault_cases:init_checkpoint",
+        "tests.support.fault_cases:init_checkpoint",
         config_path=str(config),
         out=str(work / "reordered"),
     )

@@ -197,7 +197,7 @@ def test_heterogeneous_choice_matches_the_sliced_elastic_model(megatron):
     """Per-layer widths on the tiny model: the elastic layers in sliced mode compute exactly the
     counted GEMMs of every layer at its own width (the router over all experts)."""
     from elastic_plugin.nested.choice import choice_sizes
-    from elastic_plugin.testing.elastic_model import make_elastic
+    from tests.support.elastic_model import make_elastic
 
     choice = {
         "embedding": 96,
@@ -288,7 +288,7 @@ def test_causal_scores_count_the_unmasked_pairs():
 
 def test_narrower_choices_count_fewer_flops():
     full = forward_flops(TINY, 128)
-    from elastic_plugin.testing.export_cases import SMALL as halves  # every axis halved
+    from tests.support.export_cases import SMALL as halves  # every axis halved
 
     for axis, size in halves.items():
         assert forward_flops(TINY, 128, choice={axis: size}).total < full.total, axis

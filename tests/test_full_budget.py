@@ -13,7 +13,7 @@ CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tin
 
 def test_budget_one_is_the_parent(rank_pools, tmp_path):
     (r,) = rank_pools.get(1).run(
-        "elastic_plugin.testing.full_budget_cases:full_budget_is_the_parent",
+        "tests.support.full_budget_cases:full_budget_is_the_parent",
         config_path=CONFIG,
         workdir=str(tmp_path),
     )

@@ -77,7 +77,7 @@ def case(request, megatron):
     """(name, ModelConfig, our Megatron model perturbed, its transformers tensors)."""
     from elastic_plugin.export.hf import megatron_to_hf
     from elastic_plugin.parallel import Layout, build_model_chunks
-    from elastic_plugin.testing.inference_cases import perturb_
+    from tests.support.inference_cases import perturb_
 
     cfg = MODELS[request.param]()
     torch.manual_seed(11)

@@ -344,8 +344,8 @@ def test_importance_reorder_elastic_and_extracted(megatron, name):
     from elastic_plugin.importance.reorder import Permutations, apply_permutations
     from elastic_plugin.models.counting import count_parameters
     from elastic_plugin.nested.model import nested_model
-    from elastic_plugin.testing.elastic_model import make_elastic
-    from elastic_plugin.testing.equivalence import (
+    from tests.support.elastic_model import make_elastic
+    from tests.support.equivalence import (
         NUM_MICROBATCHES,
         REF_MICRO_BATCH,
         SEQ_LEN,
@@ -507,7 +507,7 @@ def test_elastic_training_tp2_equals_one_rank(rank_pools, tmp_path):
     embedding (vocab-sharded, used by the elastic output layer) included."""
     import yaml
 
-    cases = "elastic_plugin.testing.elastic_cases"
+    cases = "tests.support.elastic_cases"
     model = dataclasses.replace(MODELS["llama-all"], num_attention_heads=8)  # 0.5 x 8 heads
     config = tmp_path / "llama_all.yaml"
     config.write_text(yaml.safe_dump({"model": dataclasses.asdict(model.validate())}))

@@ -16,7 +16,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
-CASES = "elastic_plugin.testing.gpt_export_cases"
+CASES = "tests.support.gpt_export_cases"
 TOL = 1e-4
 # weight-only (load_hf_model dequantizes) vs the elastic model on these briefly trained random
 # models, measured: fp8 0.03, nvfp4 0.10-0.27 (serve-check adds the activations)

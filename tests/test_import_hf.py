@@ -481,7 +481,7 @@ def test_params_counts_an_hf_config(hf_dir, capsys):
 def test_imported_teacher_loads_under_tp2_ep2(hf_dir, imported, rank_pools):
     """Written at TP=1, the import loads under TP=2 x EP=2 with the same logits."""
     results = rank_pools.get(4).run(
-        "elastic_plugin.testing.import_cases:tp_ep_logits_case",
+        "tests.support.import_cases:tp_ep_logits_case",
         ckpt=str(imported),
         reference=str(hf_dir[3] / "reference.pt"),
     )

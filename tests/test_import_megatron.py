@@ -3,7 +3,7 @@
 The checkpoints are Megatron-LM's own: ``megatron.training.arguments`` parses and validates a
 small hybrid model's command line (every layer kind, GQA, a shared expert, sigmoid routing with
 an expert bias and a top-k scaling factor) and ``megatron.training.checkpointing.
-save_checkpoint`` writes iteration 10 (``testing.megatron_import_cases``, in its own process),
+save_checkpoint`` writes iteration 10 (``tests.support.megatron_import_cases``, in its own process),
 once with Transformer Engine's fused norm names and once with the local specs' separate ones.
 Both import to a teacher whose logits are the source model's; bad input exits 2 naming it
 before any weight is read, and writes nothing.
@@ -34,7 +34,7 @@ def megatron_dirs(tmp_path_factory) -> Path:
     """``te/`` and ``local/`` Megatron-LM save directories and ``reference.pt``."""
     work = tmp_path_factory.mktemp("megatron")
     run = subprocess.run(
-        [sys.executable, "-m", "elastic_plugin.testing.megatron_import_cases", str(work)],
+        [sys.executable, "-m", "tests.support.megatron_import_cases", str(work)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -71,7 +71,7 @@ def _logits(ckpt: Path, tokens: torch.Tensor):
 )
 def test_imported_teacher_gives_the_source_logits(megatron_dirs, form, norm_key, tmp_path):
     from elastic_plugin.cli import main
-    from elastic_plugin.testing.megatron_import_cases import gpt_model_config, source_model_config
+    from tests.support.megatron_import_cases import gpt_model_config, source_model_config
 
     source = megatron_dirs / form
     keys = _stored_keys(source)
@@ -95,12 +95,12 @@ def test_a_gpt_checkpoint_saved_under_tp2_imports_with_its_logits(rank_pools, tm
     """GPTModel saved by Megatron-LM's save_checkpoint on 2 ranks at TP=2 (stacked layers, each
     rank its own shards) imports at TP=1 with the logits the 2 ranks computed."""
     from elastic_plugin.cli import main
-    from elastic_plugin.testing.megatron_import_cases import gpt_model_config
+    from tests.support.megatron_import_cases import gpt_model_config
 
     work = tmp_path / "work"
     work.mkdir()
     ranks = rank_pools.get(2).run(
-        "elastic_plugin.testing.megatron_import_cases:write_gpt_tp2_case", work=str(work)
+        "tests.support.megatron_import_cases:write_gpt_tp2_case", work=str(work)
     )
     assert [r["local_vocab"] for r in ranks] == [64, 64]  # really split over TP
     out = tmp_path / "teacher"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
-CASES = "elastic_plugin.testing.importance_cases"
+CASES = "tests.support.importance_cases"
 ALL_AXES = ["embedding", "ffn", "shared_ffn", "attention_heads", "mamba", "experts"]
 
 
@@ -61,7 +61,7 @@ def test_scores_and_rankings_independent_of_layout(reference, layout, rank_pools
         assert all(report["rankings_agree"].values()), report["rankings_agree"]
 
 
-REORDER = "elastic_plugin.testing.reorder_cases"
+REORDER = "tests.support.reorder_cases"
 
 
 @pytest.mark.integration

@@ -73,7 +73,7 @@ def generate_case(workdir: str) -> dict:
     from elastic_plugin.export.extract import extract_nested
     from elastic_plugin.inference import budget_control_generate, capped_thinking_generate, generate
     from elastic_plugin.nested.model import load_nested_models
-    from elastic_plugin.testing.export_cases import train_checkpoint
+    from tests.support.export_cases import train_checkpoint
 
     work = Path(workdir)
     ckpt = train_checkpoint(CONFIG, work)  # budgets 1, 0.77 (per-layer), 0.4 (homogeneous)
@@ -303,7 +303,7 @@ def test_budget_control_thinks_small_and_answers_with_the_answer_budget(generate
 def _fake_ckpt(path: Path, tokenizer: str | None, **meta_changes) -> Path:
     """A checkpoint's metadata only: every input check happens before loading."""
     from elastic_plugin.models.config import load_config
-    from elastic_plugin.testing.elastic_cases import ELASTIC
+    from tests.support.elastic_cases import ELASTIC
 
     path.mkdir(parents=True)
     small = {

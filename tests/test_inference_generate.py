@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from elastic_plugin.models.config import ConfigError
-from elastic_plugin.testing.inference_cases import random_prompts, tiny_inference_model
+from tests.support.inference_cases import random_prompts, tiny_inference_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:Warning. tp_group is None:DeprecationWarning")
 
@@ -268,7 +268,7 @@ def test_sampler_support():
 # ------------------------------------------------------------------------------ elastic
 @pytest.fixture(scope="module")
 def elastic():
-    from elastic_plugin.testing.elastic_model import make_elastic
+    from tests.support.elastic_model import make_elastic
 
     model, cfg = tiny_inference_model(seed=4)
     state, _ = make_elastic(model, cfg, SIZES)
@@ -308,7 +308,7 @@ def test_load_nested_model_from_checkpoint(elastic, tmp_path):
     from elastic_plugin.models.config import load_config
     from elastic_plugin.nested.model import load_nested_model, nested_model
     from elastic_plugin.parallel import Layout
-    from elastic_plugin.testing.inference_cases import TINY_CONFIG
+    from tests.support.inference_cases import TINY_CONFIG
 
     model, cfg, state = elastic
     state.clear()

@@ -31,7 +31,7 @@ def pool(rank_pools):
 )
 def test_built_model_matches_arithmetic_count(pool, overrides):
     (built,) = pool.run(
-        "elastic_plugin.testing.cases:built_parameter_counts", config_path=TINY, overrides=overrides
+        "tests.support.cases:built_parameter_counts", config_path=TINY, overrides=overrides
     )
     expected = count_parameters(replace(load_config(TINY).model, **overrides))
     assert {k: v for k, v in expected.breakdown.items() if v} == built

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.integration
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
 NO_MOE_PATTERN = "M*-M*-"  # TP without sequence parallel: Megatron requires SP with MoE
-CASES = "elastic_plugin.testing.equivalence"
+CASES = "tests.support.equivalence"
 
 LOSS_RTOL = 1e-5
 GRAD_ATOL = 1e-6  # gradients are O(1e-2) here: this is ~1e-4 relative, fp32 reduction order

@@ -43,7 +43,7 @@ from elastic_plugin.planning.plan import PlanInputs, evaluate_layout
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "configs" / "tiny.yaml")
 NANO = str(ROOT / "examples" / "configs" / "nemotron_nano_v3.yaml")
-CASES = "elastic_plugin.testing.planning_cases"
+CASES = "tests.support.planning_cases"
 
 
 # ----------------------------------------------------------------------------- analytic
@@ -162,7 +162,7 @@ def test_teacher_and_loss_memory_as_built():
     whatever the global batch; the chunked loss's transient scales with the chunk, not the tokens."""
     from elastic_plugin.planning.activations import kd_loss_bytes
     from elastic_plugin.planning.memory import rank_memory
-    from elastic_plugin.testing.elastic_cases import tiny_model
+    from tests.support.elastic_cases import tiny_model
 
     model = tiny_model(TINY, "*E-*E-")
     stages = stage_params(model, 1, 2, 1)
@@ -243,7 +243,7 @@ MEASURED = [
 
 
 def _predicted(kw: dict, r: dict, world: int = 2):
-    from elastic_plugin.testing.elastic_cases import _elastic_config, tiny_model
+    from tests.support.elastic_cases import _elastic_config, tiny_model
 
     model = tiny_model(TINY, kw.get("pattern"))
     tp, pp, ep = kw.get("tp", 1), kw.get("pp", 1), kw.get("ep", 1)
@@ -330,7 +330,7 @@ def test_activations_within_20_percent_of_the_measured_peak(rank_pools, tmp_path
     vs the profiler's peak of the student's forward + backward. With Mamba layers, the model of
     the scan that runs here (``mamba_scan="torch"``, the pure-PyTorch chunked scan) is asserted;
     the fused kernels' (the default) keeps less than this scan and is below the peak."""
-    from elastic_plugin.testing.elastic_cases import tiny_model
+    from tests.support.elastic_cases import tiny_model
 
     big = tmp_path / "vocab2048.yaml"
     raw = yaml.safe_load(Path(TINY).read_text())
@@ -371,7 +371,7 @@ def test_pipeline_in_flight_activations(rank_pools, tmp_path):
     student-pass peak within 20% of in-flight x stored + transient."""
     from elastic_plugin.planning.memory import in_flight
     from elastic_plugin.planning.params import stage_layer_types
-    from elastic_plugin.testing.elastic_cases import tiny_model
+    from tests.support.elastic_cases import tiny_model
 
     pattern = "*E-*E-"
     model = tiny_model(TINY, pattern)

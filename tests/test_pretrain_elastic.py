@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from elastic_plugin.elastic.args import axis_flag
-from elastic_plugin.testing.elastic_cases import ELASTIC
+from tests.support.elastic_cases import ELASTIC
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "configs" / "tiny.yaml"
@@ -228,7 +228,7 @@ def reordered(rank_pools, workdir) -> Path:
     """A random tiny model saved as importance-reordered (examples/configs/tiny.yaml)."""
     path = workdir / "reordered"
     rank_pools.get(1).run(
-        "elastic_plugin.testing.elastic_cases:write_init_checkpoint_at",
+        "tests.support.elastic_cases:write_init_checkpoint_at",
         config_path=str(TINY),
         path=str(path),
     )

@@ -58,7 +58,7 @@ def test_splits_are_disjoint_whole_documents_near_their_fractions():
 def test_prepare_corpus_writes_each_split_with_the_models_tokenizer(tmp_path):
     from elastic_plugin.data.indexed import read_indexed_documents
     from elastic_plugin.data.jsonl import open_tokenizer
-    from elastic_plugin.testing.byom_cases import corpus, write_bpe_tokenizer
+    from tests.support.byom_cases import corpus, write_bpe_tokenizer
 
     tok_file = write_bpe_tokenizer(tmp_path / "tok", corpus(40))
     meta = prepare_corpus(tmp_path / "data", tok_file, max_train_documents=3)

@@ -123,7 +123,7 @@ def test_real_model_elastic_training_tp3_equals_one_rank(rank_pools, smollm2, tm
     _cli("importance", "--ckpt", parent, "--out", scores, "--num-samples", 4, "--seq-length", 16,
          "--micro-batch-size", 4, "--no-progress")  # fmt: skip
     _cli("reorder", "--ckpt", parent, "--scores", scores, "--out", reordered)
-    case = "elastic_plugin.testing.real_model_cases:real_elastic_losses"
+    case = "tests.support.real_model_cases:real_elastic_losses"
     kwargs = {"ckpt": str(reordered), "config_path": str(CONFIG)}
     (ref,) = rank_pools.get(1).run(case, **kwargs)
     results = rank_pools.get(3).run(case, tp=3, **kwargs)

@@ -4,7 +4,7 @@ student step falls as that predicts, and the gradients do not change.
 One micro-batch (2 x 512 tokens) of the tiny model's widths with 12 layers (``M*-M*-M*-M*-``, no
 MoE), sliced, every micro-batch at budget 0.77 (the router chose a 64-wide residual stream);
 forward+backward of the student, peak CPU bytes from the profiler's allocation events
-(``testing.memory.peak_bytes``). The teacher pass runs before the measured step and is not
+(``tests.support.memory.peak_bytes``). The teacher pass runs before the measured step and is not
 counted (its logits are held in both runs). Recomputation: full, uniform, 1 layer per chunk.
 
 Expected factor: without recomputation autograd keeps every layer's intermediates, measured
@@ -32,7 +32,7 @@ GRAD_ATOL = 1e-6
 
 def test_full_recompute_keeps_only_layer_inputs(rank_pools, tmp_path):
     (r,) = rank_pools.get(1).run(
-        "elastic_plugin.testing.memory:recompute_memory",
+        "tests.support.memory:recompute_memory",
         config_path=CONFIG,
         workdir=str(tmp_path),
         pattern=PATTERN,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-CASES = "elastic_plugin.testing.planning_cases"
+CASES = "tests.support.planning_cases"
 TINY = str(Path(__file__).resolve().parents[1] / "examples" / "configs" / "tiny.yaml")
 
 

@@ -28,7 +28,14 @@ from typing import Any
 
 from elastic_plugin.models.config import ConfigError, ModelConfig
 
-__all__ = ["ELASTIC_AXES", "IMPORTANCE_AXES", "MODEL_FIELD", "model_axes", "model_for_choice", "multiple_name"]
+__all__ = [
+    "ELASTIC_AXES",
+    "IMPORTANCE_AXES",
+    "MODEL_FIELD",
+    "model_axes",
+    "model_for_choice",
+    "multiple_name",
+]
 
 ELASTIC_AXES: tuple[str, ...] = (
     "embedding",

@@ -150,7 +150,7 @@ def elastic_iteration(
     from elastic_plugin.elastic.config import CurriculumStage
     from elastic_plugin.elastic.sampling import BudgetSampler
     from elastic_plugin.parallel import Layout
-    from elastic_plugin.testing.elastic_cases import _experiment, _setup, write_init_checkpoint
+    from tests.support.elastic_cases import _experiment, _setup, write_init_checkpoint
 
     work = Path(workdir)
     if not (work / "init" / "elastic_meta.json").is_file():

@@ -1,6 +1,6 @@
 """A sweep of bad inputs over every subcommand: each must exit 2 with a message, never a traceback.
 
-Run in a process of its own (``python -m elastic_plugin.testing.sweep_cases WORKDIR``): a few
+Run in a process of its own (``python -m tests.support.sweep_cases WORKDIR``): a few
 commands start a process group before they find the input bad, which must not leak into a test
 process. Prints one JSON list: per case the command line, exit code, the message and any
 traceback that escaped.

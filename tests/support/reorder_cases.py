@@ -13,7 +13,7 @@ from elastic_plugin.checkpoint.layout import canonical_weights, strided_index
 from elastic_plugin.importance import ImportanceScores
 from elastic_plugin.importance.reorder import Permutations, apply_permutations
 from elastic_plugin.parallel import Layout, build_model_chunks, initialize_layout
-from elastic_plugin.testing.equivalence import load_dist, reference_batches, save_dist, tiny_model
+from tests.support.equivalence import load_dist, reference_batches, save_dist, tiny_model
 
 if TYPE_CHECKING:  # Megatron ships no types: this annotates what a function takes
     from megatron.core.models.hybrid.hybrid_model import HybridModel

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from elastic_plugin.testing import elastic_cases
+from tests.support import elastic_cases
 
 EOS = "</s>"
 PAD = "<pad>"

@@ -31,7 +31,7 @@ def train_case(
     checkpoint."""
     from elastic_plugin.elastic.train import train_elastic
     from elastic_plugin.parallel import Layout
-    from elastic_plugin.testing.elastic_cases import (
+    from tests.support.elastic_cases import (
         _elastic_config,
         _experiment,
         _synthetic_iterator,
@@ -101,7 +101,7 @@ def export_case(ckpt: str, workdir: str, fmt: str) -> dict[str, Any]:
     from elastic_plugin.export.nested_hf import load_nested, write_nested_export
     from elastic_plugin.export.quantize import same_bits
     from elastic_plugin.models.config import config_from_dict
-    from elastic_plugin.testing.export_cases import _cli, _tokens, elastic_references
+    from tests.support.export_cases import _cli, _tokens, elastic_references
 
     work, ckpt_path = Path(workdir), Path(ckpt)
     meta = json.loads((ckpt_path / "elastic_meta.json").read_text())

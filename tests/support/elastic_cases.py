@@ -1,6 +1,6 @@
 """Elastic training under TP/PP/EP/DP vs one rank (rank-pool cases).
 
-Protocol (as ``testing.equivalence``): ``make_elastic_reference`` (1 rank) writes an initial
+Protocol (as ``tests.support.equivalence``): ``make_elastic_reference`` (1 rank) writes an initial
 "reordered" checkpoint of the tiny model (a random model's order is as good as any importance
 order), then runs elastic steps on fixed micro-batches and saves losses per budget, the router's
 choice per micro-batch and all gradients (model + router, as a dist checkpoint). ``check_elastic``
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_plugin.testing.equivalence import (
+from tests.support.equivalence import (
     _max_diff,
     load_dist,
     params_replaced_by,
@@ -263,7 +263,7 @@ def _run(cfg, chunks, optimizer, step, grads_out: Path | None):
                     save_dist(model, grads_out)
             else:
                 if chunks[0].ddp_config.use_distributed_optimizer:
-                    from elastic_plugin.testing.equivalence import gather_sharded_grads
+                    from tests.support.equivalence import gather_sharded_grads
 
                     gather_sharded_grads(chunks[0])
                 with params_replaced_by(model, "main_grad"):
@@ -434,7 +434,7 @@ def train_and_resume(
     from elastic_plugin.checkpoint.history import LATEST_FILE, iteration_dirs
     from elastic_plugin.elastic.train import train_elastic
     from elastic_plugin.parallel import Layout
-    from elastic_plugin.testing.integrity_cases import flip_middle
+    from tests.support.integrity_cases import flip_middle
 
     work = Path(workdir)
     cfg = _experiment(config_path, None)

@@ -69,7 +69,7 @@ def _tokens(vocab: int) -> torch.Tensor:
 
 def train_checkpoint(config_path: str, work: Path) -> Path:
     """Two elastic iterations of the tiny model, with the choice table set to SMALL / PER_LAYER."""
-    from elastic_plugin.testing import elastic_cases as ec
+    from tests.support import elastic_cases as ec
 
     return ec.train_tiny_elastic(
         ec._experiment(config_path, None), work, choices={"0.4": SMALL, "0.77": PER_LAYER}

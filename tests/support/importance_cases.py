@@ -10,7 +10,7 @@ import torch
 
 from elastic_plugin.importance import ImportanceScores, collect_importance
 from elastic_plugin.parallel import Layout, build_model_chunks, initialize_layout
-from elastic_plugin.testing.equivalence import (
+from tests.support.equivalence import (
     NUM_MICROBATCHES,
     REF_MICRO_BATCH,
     SEQ_LEN,

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from elastic_plugin.testing import elastic_cases as ec
+from tests.support import elastic_cases as ec
 
 
 def _plain_state(path: Path) -> dict[str, torch.Tensor]:

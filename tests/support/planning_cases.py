@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_plugin.testing.elastic_cases import _experiment, _setup, write_init_checkpoint
+from tests.support.elastic_cases import _experiment, _setup, write_init_checkpoint
 
 __all__ = ["SCALAR_BYTES", "activation_peak", "count_comm", "measure_step"]
 
@@ -222,7 +222,7 @@ def measure_step(
     from elastic_plugin.elastic.config import CurriculumStage
     from elastic_plugin.elastic.sampling import BudgetSampler
     from elastic_plugin.parallel import Layout
-    from elastic_plugin.testing.elastic_cases import MICRO_BATCH, SEQ_LEN, _iteration_batches
+    from tests.support.elastic_cases import MICRO_BATCH, SEQ_LEN, _iteration_batches
 
     work = Path(workdir)
     if not (work / "init" / "elastic_meta.json").is_file():  # collective: every rank
@@ -278,8 +278,8 @@ def activation_peak(
 ) -> dict[str, Any]:
     """Peak bytes one student forward + backward allocates (one micro-batch at ``budget``,
     sliced, FP32, the teacher's logits computed before and not counted), what autograd saved
-    per layer, and the router's choice; one rank (``testing.memory``)."""
-    from elastic_plugin.testing.memory import (
+    per layer, and the router's choice; one rank (``tests.support.memory``)."""
+    from tests.support.memory import (
         clear_megatron_buffer,
         elastic_iteration,
         peak_bytes,
@@ -316,7 +316,7 @@ def pipeline_activation_peak(
     from elastic_plugin.elastic.config import CurriculumStage
     from elastic_plugin.elastic.sampling import BudgetSampler
     from elastic_plugin.parallel import Layout
-    from elastic_plugin.testing.memory import clear_megatron_buffer, peak_bytes, synthetic_batches
+    from tests.support.memory import clear_megatron_buffer, peak_bytes, synthetic_batches
 
     work = Path(workdir)
     if not (work / "init" / "elastic_meta.json").is_file():
@@ -368,7 +368,7 @@ def profile_layout(
     from elastic_plugin.elastic.config import parse_curriculum
     from elastic_plugin.elastic.train import train_elastic
     from elastic_plugin.parallel import Layout
-    from elastic_plugin.testing.elastic_cases import (
+    from tests.support.elastic_cases import (
         _elastic_config,
         _synthetic_iterator,
         tiny_schedule,
@@ -431,7 +431,7 @@ def pipeline_teacher_peak(
     from elastic_plugin.elastic.config import CurriculumStage
     from elastic_plugin.elastic.sampling import BudgetSampler
     from elastic_plugin.parallel import Layout
-    from elastic_plugin.testing.memory import clear_megatron_buffer, peak_bytes, synthetic_batches
+    from tests.support.memory import clear_megatron_buffer, peak_bytes, synthetic_batches
 
     work = Path(workdir)
     if not (work / "init" / "elastic_meta.json").is_file():

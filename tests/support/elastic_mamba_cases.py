@@ -18,7 +18,7 @@ from elastic_plugin.models.builder import stack_spec_for, transformer_config
 from elastic_plugin.models.config import ConfigError, ModelConfig
 from elastic_plugin.models.prefix import Index, mamba_active_rows
 from elastic_plugin.parallel import Layout, initialize_layout
-from elastic_plugin.testing.equivalence import tiny_model
+from tests.support.equivalence import tiny_model
 
 SEQ, BATCH = 40, 2  # 40: not a multiple of tiny's Mamba chunk (32)
 

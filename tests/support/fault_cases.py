@@ -43,7 +43,7 @@ def write_config(path: Path) -> Path:
 def init_checkpoint(config_path: str, out: str) -> str:
     """1 rank: a random tiny model saved as a reordered checkpoint, the start of every run."""
     from elastic_plugin.models.config import load_config
-    from elastic_plugin.testing.elastic_cases import write_init_checkpoint
+    from tests.support.elastic_cases import write_init_checkpoint
 
     write_init_checkpoint(load_config(config_path), Path(out))
     return out

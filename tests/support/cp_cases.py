@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_plugin.testing import elastic_cases
+from tests.support import elastic_cases
 
 
 def _batches(vocab: int, seq: int, rows: int, count: int, seed: int) -> list[dict[str, Any]]:
@@ -48,7 +48,7 @@ def time_elastic_steps(
     the optimizer) on the same micro-batches at any CP size; per-step seconds (the slowest rank)
     and this rank's peak bytes of one step."""
     from elastic_plugin.parallel import Layout
-    from elastic_plugin.testing.memory import peak_bytes
+    from tests.support.memory import peak_bytes
 
     cfg, chunks, optimizer, step = elastic_cases._setup(
         config_path, Path(workdir), Layout(cp=cp), pattern, "sliced", False, 1234

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from elastic_plugin.testing.elastic_cases import (
+from tests.support.elastic_cases import (
     REF_MICROBATCHES,
     STEPS,
     _gather_losses,

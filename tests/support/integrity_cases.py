@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_plugin.testing.inference_cases import TINY_CONFIG
+from tests.support.inference_cases import TINY_CONFIG
 
 __all__ = ["flip_middle", "load_each", "make_checkpoints", "pipeline_case", "run_cli"]
 
@@ -42,7 +42,7 @@ def make_checkpoints(workdir: str) -> dict[str, str]:
     from elastic_plugin.checkpoint.io import save_checkpoint
     from elastic_plugin.models.config import load_config
     from elastic_plugin.parallel import Layout, build_model_chunks, initialize_layout
-    from elastic_plugin.testing import elastic_cases as ec
+    from tests.support import elastic_cases as ec
 
     work = Path(workdir)
     cfg = load_config(TINY_CONFIG)

@@ -1,6 +1,6 @@
 """Megatron-LM checkpoints for the ``import --megatron`` tests, written by Megatron-LM itself.
 
-Runs as its own process (``python -m elastic_plugin.testing.megatron_import_cases WORK``):
+Runs as its own process (``python -m tests.support.megatron_import_cases WORK``):
 Megatron-LM's ``save_checkpoint`` needs its global args, and its torch_dist writer starts a
 ``spawn`` process, which needs an importable ``__main__``. It parses a small hybrid model's
 Megatron-LM command line (``megatron.training.arguments``: parse_args + validate_args, then
