@@ -12,6 +12,12 @@ QUICK ?=
 CONFIG ?= examples/configs/tiny.yaml
 ELASTIC_CONFIG ?= examples/configs/tiny_elastic.yaml
 PYTEST_ARGS ?=
+# The integration tier runs its test files on this many pytest-xdist workers (one file per worker
+# at a time, so a file's module fixtures are built once). Its scenarios leave a core idle much of
+# the time (one-rank CLI runs, process start-up); every process runs one thread (OMP_NUM_THREADS=1),
+# so two workers do not oversubscribe the 2-core machine. 0: in this process, one test at a time.
+INTEGRATION_WORKERS ?= 2
+INTEGRATION := OMP_NUM_THREADS=1 $(PY) -m pytest -m integration $(if $(filter 0,$(INTEGRATION_WORKERS)),,-n $(INTEGRATION_WORKERS) --dist loadfile)
 STAMPS := $(VENV)/.stamps
 
 .PHONY: demo demo-real compare test test-unit test-integration lint bench venv install clean help
@@ -81,13 +87,13 @@ lint: $(STAMPS)/install
 # two tiers (CONTRIBUTING.md, "Tests"): in-process units first, so a broken unit fails in minutes
 test: $(STAMPS)/install lint
 	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
-	$(PY) -m pytest -m integration $(PYTEST_ARGS)
+	$(INTEGRATION) $(PYTEST_ARGS)
 
 test-unit: $(STAMPS)/install
 	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
 
 test-integration: $(STAMPS)/install
-	$(PY) -m pytest -m integration $(PYTEST_ARGS)
+	$(INTEGRATION) $(PYTEST_ARGS)
 
 bench: $(STAMPS)/install
 	$(PY) bench/run_all.py
