@@ -60,6 +60,8 @@ def smollm2(tmp_path_factory):
         "cache": cache,
         "hf": Path(hf_dir),
         "parent": parent,
+        "tokenizer": tok,
+        "train": prefix(cache / "corpus", "train"),
         "test": prefix(cache / "corpus", "test"),
     }
 
@@ -121,7 +123,8 @@ def test_converted_model_and_our_import_agree_on_real_text_and_chat(smollm2):
 def test_real_model_elastic_training_tp3_equals_one_rank(rank_pools, smollm2, tmp_path):
     parent, scores, reordered = smollm2["parent"], tmp_path / "scores.pt", tmp_path / "reordered"
     _cli("importance", "--ckpt", parent, "--out", scores, "--num-samples", 4, "--seq-length", 16,
-         "--micro-batch-size", 4, "--no-progress")  # fmt: skip
+         "--micro-batch-size", 4, "--data-path", smollm2["train"], "--tokenizer",
+         smollm2["tokenizer"], "--no-progress")  # fmt: skip
     _cli("reorder", "--ckpt", parent, "--scores", scores, "--out", reordered)
     case = "tests.support.real_model_cases:real_elastic_losses"
     kwargs = {"ckpt": str(reordered), "config_path": str(CONFIG)}
