@@ -98,16 +98,6 @@ class LoopEnd:
     seconds: float = 0.0
 
 
-SIGNAL_NAMES = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
-
-
-def exit_signal(name: str | None) -> signal.Signals | None:
-    """The signal a ``--exit-signal`` name stands for (None or "none": no handler)."""
-    if name is None or name.lower() == "none":
-        return None
-    return signal.Signals[name]
-
-
 class _Preemption:
     """Megatron-LM's ``DistributedSignalHandler`` behind one question: did any rank get it?"""
 
