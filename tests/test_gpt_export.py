@@ -279,10 +279,14 @@ def test_megatron_evaluation_quantizes_activations_as_transformers_does(case, fm
         after = model(tokens, position, None).float()
     assert all(n > 0 for n in handle.calls.values()), handle.calls
     assert torch.equal(after, plain)
-    quant_effect = ((reference - plain).norm() / plain.norm()).item()
-    mismatch = ((ours - reference).norm() / reference.norm()).item()
-    assert quant_effect > 1e-3
-    assert mismatch < 0.05 * quant_effect, (mismatch, quant_effect)
+    # per token: the two models agree to float rounding before quantization (~1e-7), so FP8's
+    # coarse grid can round one activation differently now and then, and causal attention carries
+    # that to the rest of its sequence; a missed or wrong quantizer changes every token
+    quant_effect = (reference - plain).norm(dim=-1) / plain.norm(dim=-1)
+    mismatch = (ours - reference).norm(dim=-1) / reference.norm(dim=-1)
+    assert (quant_effect > 1e-3).all(), quant_effect
+    assert (mismatch < 1e-4).float().mean() >= 0.75, mismatch
+    assert mismatch.norm() < 0.25 * quant_effect.norm(), (mismatch, quant_effect)
 
 
 # ------------------------------------------------------------------------------ loading
