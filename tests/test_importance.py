@@ -224,6 +224,24 @@ def test_method_flag_parsing():
         parse_methods(["ffn"])
 
 
+def test_random_order_is_a_seeded_baseline_for_every_axis():
+    """``--method AXIS=random``: scores shaped like the published statistic's, the same in every
+    call (seeded by axis and layer), different across layers, accepted for every axis."""
+    import torch
+
+    from elastic_plugin.importance import ImportanceScores
+    from elastic_plugin.importance.methods import STATISTICS, axis_scores, parse_methods
+
+    assert parse_methods([f"{a}=random" for a in STATISTICS]) == dict.fromkeys(STATISTICS, "random")
+    scores = ImportanceScores(ffn={0: torch.arange(8.0), 3: torch.arange(8.0)})
+    first, again = axis_scores(scores, "ffn", "random"), axis_scores(scores, "ffn", "random")
+    assert set(first) == {0, 3} and first[0].shape == (8,)
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert not torch.equal(first[0], first[3])
+    with pytest.raises(ValueError, match="ffn=bogus is not a statistic; allowed: .*ffn=random"):
+        axis_scores(scores, "ffn", "bogus")
+
+
 def test_old_scores_files_fall_back_to_the_published_statistic():
     import torch
 

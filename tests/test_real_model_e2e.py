@@ -154,20 +154,34 @@ def test_quick_demo_real_end_to_end(smollm2, tmp_path):
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     report = json.loads((out / "report.json").read_text())
     for key in ("windows", "budgets_table", "routes", "importance_orders", "quantization",
-                "decode_table", "answers", "prompts", "stages", "training", "data", "params"):  # fmt: skip
+                "decode_table", "answers", "prompts", "stages", "training", "data", "params",
+                "alone", "budget_control", "control_table"):  # fmt: skip
         assert report.get(key), key
     assert report["budgets"] == ["1", "0.7", "0.5"]
     precisions = {(r["budget"], r["precision"]) for r in report["budgets_table"]}
     assert precisions == {
         (b, p) for b in report["budgets"] for p in ("fp32", "bf16", "fp8", "nvfp4")
     }
-    assert {r["route"] for r in report["routes"]} == {"zero_shot/ours", "zero_shot/magnitude"}
+    assert {r["route"] for r in report["routes"]} == {
+        "zero_shot/ours",
+        "zero_shot/magnitude",
+        "zero_shot/random",
+        "distil_alone",
+    }
+    assert {(r["budget"], r["versus"]) for r in report["importance_orders"]} == {
+        (b, o) for b in ("0.7", "0.5") for o in ("magnitude", "random")
+    }
+    assert set(report["alone"]["sizes"]) == {"0.7", "0.5"}
+    routes = [r["route"] for r in report["control_table"]]
+    assert routes == ["parent", "0.7", "0.7->parent", "0.5", "0.5->parent"], routes
     assert set(report["answers"]) == {"parent", *report["budgets"]}
     stages = [s["stage"] for s in report["stages"]]
-    for stage in ("convert", "corpus", "importance", "elastic-train", "export", "evaluate"):
+    for stage in ("convert", "corpus", "importance", "elastic-train", "distil alone (equal cost)",
+                  "export", "evaluate"):  # fmt: skip
         assert stage in stages
     again = recompute(report)
-    for key in ("budgets_table", "routes", "importance_orders", "quantization", "decode_table"):
+    for key in ("budgets_table", "routes", "importance_orders", "quantization", "decode_table",
+                "curve_table", "control_table"):  # fmt: skip
         assert json.dumps(again[key]) == json.dumps(report[key]), key
     assert (out / "report.md").read_text() == markdown(report)
     assert (out / "perplexity_vs_params.png").stat().st_size > 0

@@ -31,8 +31,10 @@ def report():
     for label, scale in (("1", 2.1), ("0.7", 2.6), ("0.5", 3.2)):
         for precision in ("fp32", "bf16", "fp8", "nvfp4"):
             windows[f"elastic/{precision}/{label}"] = _windows(rng, 8, scale)
-        for order in ("ours", "magnitude"):
+        for order in ("ours", "magnitude", "random"):
             windows[f"zero_shot/{order}/{label}"] = _windows(rng, 8, scale * 1.5)
+        if label != "1":
+            windows[f"distil_alone/{label}"] = _windows(rng, 8, scale * 1.1)
     return build_report(
         windows=windows,
         params={"parent": 1000, "1": 1000, "0.7": 700, "0.5": 500},
@@ -43,7 +45,31 @@ def report():
         decode={"parent": {"1": 10.0, "4": 30.0}, "0.5": {"1": 15.0, "4": 50.0}},
         data={"test_data": "x", "windows": 8, "seq_length": 32, "tokens": 256},
         training={"iterations": 2, "tokens": 128},
+        curve={
+            "parent_loss": 2.0,
+            "points": {
+                "0.7": [[100, 3.0], [200, 2.8], [400, 2.6]],
+                "0.5": [[100, 4.0], [200, 4.1]],
+            },
+        },
+        budget_control=CONTROL,
     )
+
+
+CONTROL = {
+    "questions": ["Q1?", "Q2?"],
+    "accepted": [["a"], ["b"]],
+    "draft_tokens": 4,
+    "answer_tokens": 10,
+    "routes": [
+        {"route": "parent", "correct": [True, True], "replies": ["a", "b"],
+         "prompt_tokens": [20, 30], "new_tokens": [10, 6], "seconds": [1.0, 0.6]},
+        {"route": "0.5", "correct": [False, True], "replies": ["x", "b"],
+         "prompt_tokens": [20, 30], "new_tokens": [10, 10], "seconds": [0.5, 0.5]},
+        {"route": "0.5->parent", "correct": [True, False], "replies": ["a", "y"],
+         "prompt_tokens": [20, 30], "new_tokens": [10, 3], "seconds": [0.9, 0.2]},
+    ],
+}  # fmt: skip
 
 
 def test_summary_and_paired_gap_match_their_formulas():
@@ -77,7 +103,8 @@ def test_every_printed_figure_is_recomputable_from_report_json(report):
     text = json.dumps(report)
     loaded = json.loads(text)
     again = recompute(loaded)
-    for key in ("budgets_table", "routes", "importance_orders", "quantization", "decode_table"):
+    for key in ("budgets_table", "routes", "importance_orders", "quantization", "decode_table",
+                "curve_table", "control_table"):  # fmt: skip
         assert json.dumps(again[key]) == json.dumps(loaded[key]), key
     md = markdown(loaded)
     for row in loaded["budgets_table"]:
@@ -100,3 +127,43 @@ def test_retention_and_speed_rows(report):
     speed = {(r["model"], r["batch"]): r for r in report["decode_table"]}
     assert speed[("0.5", 4)]["speedup"] == pytest.approx(50 / 30)
     assert speed[("0.5", 1)]["param_ratio"] == pytest.approx(0.5)
+
+
+def test_routes_and_orders_cover_every_route_and_order(report):
+    assert {r["route"] for r in report["routes"]} == {
+        "zero_shot/ours", "zero_shot/magnitude", "zero_shot/random", "distil_alone",
+    }  # fmt: skip
+    assert not any(r["route"] == "distil_alone" and r["budget"] == "1" for r in report["routes"])
+    gap = {(r["budget"], r["versus"]): r["ours_minus"] for r in report["importance_orders"]}
+    w = report["windows"]
+    assert gap[("0.5", "random")] == paired(w["zero_shot/ours/0.5"], w["zero_shot/random/0.5"])
+    md = markdown(report)
+    assert "| 0.5 | random |" in md and "| 0.7 | distil_alone |" in md
+
+
+def test_curve_fit_predicts_tokens_to_goal_from_a_log_linear_fit(report):
+    rows = {r["budget"]: r for r in report["curve_table"]}
+    r = rows["0.7"]
+    assert r["x_parent"] == pytest.approx([math.exp(1.0), math.exp(0.8), math.exp(0.6)])
+    # the three points lie on loss = a + b ln(t) with b = -0.2 / ln 2
+    b = -0.2 / math.log(2)
+    assert r["slope_per_e"] == pytest.approx(b)
+    target = 2.0 + math.log(1.5)  # the 0.7 goal: 1.5x the parent's perplexity
+    assert r["tokens_to_goal"] == pytest.approx(400 * math.exp((target - 2.6) / b))
+    # rising: no prediction
+    assert rows["0.5"]["slope_per_e"] > 0 and rows["0.5"]["tokens_to_goal"] is None
+    assert "Validation perplexity against training tokens" in markdown(report)
+
+
+def test_budget_control_rows_count_answers_time_and_arithmetic(report):
+    from elastic_plugin.inference.budget_control import arithmetic_ratio
+
+    rows = {r["route"]: r for r in report["control_table"]}
+    assert (rows["parent"]["correct"], rows["0.5"]["correct"]) == (2, 1)
+    switched = rows["0.5->parent"]
+    assert switched["time_vs_parent"] == pytest.approx(1.1 / 1.6)
+    # prompt 25, draft min(10, 4) and min(3, 4) -> 3.5, answer 6.5 - 3.5; parent alone 8 tokens
+    want = arithmetic_ratio(25, 3.5, 3.0, 0.5, alone_think=0.0, alone_answer=8.0)
+    assert switched["arithmetic_ratio"] == pytest.approx(want)
+    assert rows["parent"]["arithmetic_ratio"] is None
+    assert "| 0.5->parent | 1/2 |" in markdown(report)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_plugin.demo_real import measure
+from elastic_plugin.demo_real.alone import ALONE_FILE
 from elastic_plugin.demo_real.report import build_report, plot, write_markdown
 
 PARENT = "parent"
@@ -40,7 +41,11 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     log(f"parent (HF, fp32): {measure.summarize(windows[PARENT])}")
     orders = {
         name: out / "checkpoints" / ckpt
-        for name, ckpt in (("ours", "reordered"), ("magnitude", "reordered_magnitude"))
+        for name, ckpt in (
+            ("ours", "reordered"),
+            ("magnitude", "reordered_magnitude"),
+            ("random", "reordered_random"),
+        )
         if (out / "checkpoints" / ckpt / "latest_checkpointed_iteration.txt").is_file()
     }
     mega = measure.measure_megatron(elastic, orders, budgets, tokens, args.batch_size, log)
@@ -49,6 +54,13 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     for order, per_budget in mega["zero_shot"].items():
         for label, stats in per_budget.items():
             windows[f"zero_shot/{order}/{label}"] = stats
+    alone_file = out / "alone" / ALONE_FILE
+    alone = json.loads(alone_file.read_text()) if alone_file.is_file() else {"sizes": {}}
+    for label, run in alone["sizes"].items():
+        key = f"distil_alone/{label}"
+        windows[key] = measure.measure_checkpoint(Path(run["checkpoint"]), run["budget"], tokens,
+                                                  args.batch_size)  # fmt: skip
+        log(f"{key} ({run['tokens']:,} tokens): {measure.summarize(windows[key])}")
     exports = json.loads((out / "exports" / "exports.json").read_text())["exports"]
     bf16_dirs: dict[str, Path] = {}
     for row in exports:
@@ -72,6 +84,16 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     for label, path in bf16_dirs.items():
         speed[label] = measure.decode_speed(path, (1, 4), args.decode_tokens)
     log(f"decode tokens/s: {speed}")
+    control = measure.budget_control(
+        Path(args.hf_dir),
+        {label: path for label, path in bf16_dirs.items() if label != "1"},
+        Path(args.hf_dir),
+        measure.CHECKABLE[: args.control_questions],
+        args.draft_tokens,
+        args.answer_tokens,
+    )
+    log("budget control: " + ", ".join(
+        f"{r['route']} {sum(r['correct'])}/{len(r['correct'])}" for r in control["routes"]))  # fmt: skip
     from elastic_plugin.models.config import config_from_dict
     from elastic_plugin.models.counting import count_parameters
 
@@ -91,12 +113,45 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
             "tokens": int(tokens[:, 1:].numel()),
         },
         training=_training_summary(out, args),
+        alone={k: v for k, v in alone.items() if k != "sizes"}
+        | {
+            "sizes": {
+                label: {k: r[k] for k in ("iters", "tokens", "seconds")}
+                for label, r in alone["sizes"].items()
+            }
+        },  # fmt: skip
+        curve=_curve(out, meta),
+        budget_control=control,
     )
     report["seconds"] = round(time.time() - started, 1)
     report["plots"] = [str(p) for p in plot(report, out)]
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     write_markdown(report, out / "report.md")
     return report
+
+
+def _curve(out: Path, meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The elastic run's validation LM loss per budget at every evaluation (its metrics file),
+    against the training tokens seen by then (``comparison.plan.elastic_tokens``), and the
+    parent's on the same validation batches (``teacher_valid_loss``)."""
+    from elastic_plugin.checkpoint.meta import budget_label
+    from elastic_plugin.comparison.plan import elastic_tokens
+
+    metrics = out / "elastic_metrics.jsonl"
+    parent = meta.get("teacher_valid_loss")
+    if parent is None or not metrics.is_file():
+        return None
+    points: dict[str, list[list[float]]] = {}
+    for line in metrics.read_text().splitlines():
+        row = json.loads(line) if line.strip() else {}
+        valid = row.get("valid_loss")
+        if not isinstance(valid, dict) or not isinstance(row.get("iteration"), int):
+            continue
+        tokens = elastic_tokens(meta["config"], row["iteration"])
+        for label, loss in valid.items():
+            if loss is not None:
+                points.setdefault(budget_label(float(label)), []).append([tokens, float(loss)])
+    return {"parent_loss": float(parent), "points": points} if points else None
 
 
 def _training_summary(out: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -129,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer-tokens", type=int, default=24)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--prompts", type=int, default=len(measure.PROMPTS))
+    parser.add_argument("--control-questions", type=int, default=len(measure.CHECKABLE))
+    parser.add_argument("--draft-tokens", type=int, default=8)
     parser.add_argument("--train-global-batch", type=int, default=4)
     parser.add_argument("--train-seq-length", type=int, default=128)
     evaluate(parser.parse_args(argv))

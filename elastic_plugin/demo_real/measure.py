@@ -14,8 +14,9 @@ Models measured:
 - zero-shot pruning: the same architecture (the budget's stored choice) cut from the
   importance-reordered parent, no training; and from parents reordered by weight magnitude
   (and at random) when those checkpoints exist: which importance order prunes best.
-It also answers instruction prompts greedily with every budget's BF16 export (chat template)
-and times greedy decoding at batch 1 and batched per budget.
+It also answers instruction prompts greedily with every budget's BF16 export (chat template),
+times greedy decoding at batch 1 and batched per budget, and runs elastic budget control (a small
+budget drafts, the parent answers) on questions whose answers can be checked.
 """
 
 from __future__ import annotations
@@ -108,6 +109,16 @@ def measure_hf_dir(path: Path, tokens: Any, batch_size: int) -> dict[str, list[f
     return window_stats(hf_logits(model), tokens, batch_size)
 
 
+def measure_checkpoint(
+    ckpt: Path, budget: float, tokens: Any, batch_size: int
+) -> dict[str, list[float]]:
+    """One budget of an elastic checkpoint (a size distilled alone: its one trained budget)."""
+    from elastic_plugin.nested.model import load_nested_models
+
+    ((model, _),) = load_nested_models(ckpt, [budget])
+    return window_stats(megatron_logits(model), tokens, batch_size)
+
+
 def measure_megatron(
     elastic_ckpt: Path,
     reordered: dict[str, Path],
@@ -177,6 +188,110 @@ def answer_prompts(
         text: str = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         answers.append(text.strip())
     return answers
+
+
+# questions whose answer a substring check settles (lower-case; any of the spellings)
+CHECKABLE = (
+    ("What is the capital of France?", ("paris",)),
+    ("What is the capital of Italy?", ("rome",)),
+    ("What is the capital of Japan?", ("tokyo",)),
+    ("What is the capital of Germany?", ("berlin",)),
+    ("What is the capital of Spain?", ("madrid",)),
+    ("How many days are in a week?", ("seven", "7")),
+    ("How many legs does a spider have?", ("eight", "8")),
+    ("What colour is the sky on a clear day?", ("blue",)),
+    ("What is the opposite of hot?", ("cold",)),
+    ("What is the largest planet in our solar system?", ("jupiter",)),
+    ("What do bees make?", ("honey",)),
+    ("What is frozen water called?", ("ice",)),
+)
+
+
+def budget_control(
+    parent_dir: Path,
+    small_dirs: dict[str, Path],
+    tokenizer_dir: Path,
+    questions: Sequence[tuple[str, Sequence[str]]],
+    draft_tokens: int,
+    answer_tokens: int,
+) -> dict[str, Any]:
+    """Elastic budget control on questions whose answers can be checked, batch 1, greedy.
+
+    SmolLM2-Instruct has no thinking block, so the small model's "thinking" is the first
+    ``draft_tokens`` of the reply: it drafts them, the parent re-reads prompt + draft (the
+    switch's re-prefill: the two widths share no cache) and writes the rest, up to
+    ``answer_tokens`` in all. Against: the parent alone and each small model alone. Per route:
+    which answers are right (the reply holds an accepted spelling), the replies, the tokens
+    each model read and wrote, and the wall seconds (cache on, fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok: Any = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+    def load(path: Path) -> Any:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def greedy(model: Any, ids: Any, new: int) -> Any:
+        with torch.no_grad():
+            return model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+            )
+
+    prompts = []
+    for question, _ in questions:
+        ids: Any = tok.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt"
+        )
+        prompts.append(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def record(route: str, runs: list[tuple[Any, Any, float]]) -> dict[str, Any]:
+        replies = [tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True) for ids, out, _
+                   in runs]  # fmt: skip
+        right = [any(a in r.lower() for a in accepted) for r, (_, accepted) in
+                 zip(replies, questions)]  # fmt: skip
+        return {
+            "route": route,
+            "correct": right,
+            "replies": [r.strip() for r in replies],
+            "prompt_tokens": [int(ids.shape[1]) for ids, _, _ in runs],
+            "new_tokens": [int(out.shape[1] - ids.shape[1]) for ids, out, _ in runs],
+            "seconds": [t for _, _, t in runs],
+        }
+
+    def timed(fn: Callable[[Any], Any], ids: Any) -> tuple[Any, Any, float]:
+        start = time.perf_counter()
+        out = fn(ids)
+        return ids, out, time.perf_counter() - start
+
+    def alone(model: Any) -> list[tuple[Any, Any, float]]:
+        return [timed(lambda x: greedy(model, x, answer_tokens), p) for p in prompts]
+
+    def switched(small: Any, parent: Any) -> list[tuple[Any, Any, float]]:
+        def control(ids: Any) -> Any:
+            draft = greedy(small, ids, draft_tokens)
+            if draft.shape[1] - ids.shape[1] < draft_tokens:  # the reply ended in the draft
+                return draft
+            return greedy(parent, draft, answer_tokens - draft_tokens)
+
+        return [timed(control, p) for p in prompts]
+
+    parent = load(parent_dir)
+    routes = [record("parent", alone(parent))]
+    for label, path in small_dirs.items():
+        small = load(path)
+        routes.append(record(label, alone(small)))
+        routes.append(record(f"{label}->parent", switched(small, parent)))
+    return {
+        "questions": [q for q, _ in questions],
+        "accepted": [list(a) for _, a in questions],
+        "draft_tokens": draft_tokens,
+        "answer_tokens": answer_tokens,
+        "routes": routes,
+    }
 
 
 def decode_speed(path: Path, batch_sizes: Sequence[int], new_tokens: int) -> dict[str, float]:

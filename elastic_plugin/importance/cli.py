@@ -104,7 +104,7 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="AXIS=STAT",
         help="the statistic that ranks an axis, e.g. embedding=norm_abs experts=reap (the "
-        "published ones); choices in docs/importance.md ('Statistics per axis'); default: the measured best",
+        "published ones) or AXIS=random (the baseline); choices in docs/importance.md ('Statistics per axis'); default: the measured best",
     )
     add_layout_args(reo)
     reo.set_defaults(func=run_reorder)

@@ -118,6 +118,11 @@ DEFAULTS = dict(
 )
 
 
+# not a statistic but the baseline every statistic must beat (``reorder --method ffn=random``):
+# a seeded random order per layer, the same for every run and layout (seeded by axis and layer)
+RANDOM = "random"
+
+
 def parse_methods(items: Iterable[str] | None) -> dict[str, str]:
     """``["embedding=residual_l2", ...]`` -> ``{"embedding": "residual_l2"}``; clear errors."""
     methods: dict[str, str] = {}
@@ -128,18 +133,32 @@ def parse_methods(items: Iterable[str] | None) -> dict[str, str]:
                 f"--method {item!r}: expected AXIS=STATISTIC with AXIS one of "
                 f"{', '.join(STATISTICS)}"
             )
-        if stat not in STATISTICS[axis]:
+        if stat not in STATISTICS[axis] and stat != RANDOM:
             raise ValueError(
-                f"--method {item!r}: {axis} statistics are {', '.join(STATISTICS[axis])}"
+                f"--method {item!r}: {axis} statistics are "
+                f"{', '.join(STATISTICS[axis])} (or {RANDOM}: the baseline)"
             )
         methods[axis] = stat
     return methods
 
 
+def _random_scores(scores: ImportanceScores, axis: str) -> Layers:
+    import zlib
+
+    out = {}
+    for layer, like in STATISTICS[axis][PUBLISHED[axis]](scores).items():
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{axis}/{layer}".encode()))
+        out[layer] = torch.rand(like.shape, generator=gen, dtype=torch.float64).to(like.dtype)
+    return out
+
+
 def axis_scores(scores: ImportanceScores, axis: str, statistic: str) -> Layers:
-    """Scores per layer for one axis under one statistic (key 0 for the embedding)."""
+    """Scores per layer for one axis under one statistic (key 0 for the embedding), or
+    ``RANDOM``'s seeded random scores shaped like the published statistic's."""
+    if axis in STATISTICS and statistic == RANDOM:
+        return _random_scores(scores, axis)
     if axis not in STATISTICS or statistic not in STATISTICS[axis]:
-        allowed = ", ".join(f"{a}={s}" for a in STATISTICS for s in STATISTICS[a])
+        allowed = ", ".join(f"{a}={s}" for a in STATISTICS for s in (*STATISTICS[a], RANDOM))
         raise ValueError(f"{axis}={statistic} is not a statistic; allowed: {allowed}")
     return STATISTICS[axis][statistic](scores)
 
