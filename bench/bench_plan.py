@@ -70,8 +70,9 @@ def _planned(world: int, kw: dict[str, Any], device) -> tuple[str, float]:
     model = tiny_model(TINY, None)
     elastic = _elastic_config(model, "sliced", False)
     tp, pp, ep = kw.get("tp", 1), kw.get("pp", 1), kw.get("ep", 1)
-    layout = PlanLayout(tp, pp, ep, world // (tp * pp), kw.get("sequence_parallel", False),
-                        kw.get("distributed_optimizer", False))  # fmt: skip
+    layout = PlanLayout(tp=tp, pp=pp, ep=ep, dp=world // (tp * pp),
+                        sequence_parallel=kw.get("sequence_parallel", False),
+                        distributed_optimizer=kw.get("distributed_optimizer", False))  # fmt: skip
     inputs = PlanInputs(model, "tiny", world, device, SEQ, MICRO_BATCH, GLOBAL_BATCH, Runtime(),
                         elastic, efficiency=1.0, comm_efficiency=1.0, reserve_gb=0.0)  # fmt: skip
     resolved = check_layout(model, layout, world, elastic, inputs.runtime, MICRO_BATCH,

@@ -25,11 +25,14 @@ def distil_alone(
     valid_prefix: str,
     tokenizer: str,
     out: Path,
+    batch: dict[str, int],
     seed: int = 1,
 ) -> dict[str, Any]:
     """Train every budget below 1.0 alone at equal cost; write and return ``out/alone.json``:
     label -> {checkpoint, budget (its cost fraction: the one budget it was trained for),
-    iters, tokens, seconds (the steps' own), wall_s}."""
+    iters, tokens, seconds (the steps' own), wall_s}. ``batch``: the elastic run's
+    ``seq_length`` / ``micro_batch_size`` / ``global_batch_size`` as it ran (flags included;
+    its checkpoint's config holds the YAML's)."""
     from elastic_plugin.checkpoint.meta import (
         budget_label,
         read_elastic_meta,
@@ -45,8 +48,8 @@ def distil_alone(
     from elastic_plugin.comparison.runner import CompareData, SizeSource, train_run
 
     meta = read_elastic_meta(elastic_ckpt)
-    config = meta["config"]
-    training = config["training"]
+    training = {**meta["config"]["training"], **batch}
+    config = {**meta["config"], "training": training}
     smaller = sorted((b for b in trained_budgets(meta) if b < 1.0), reverse=True)
     total = elastic_tokens(config, int(meta["iteration"]))
     tokens = route_tokens("equal_cost", total, len(smaller))

@@ -120,7 +120,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                 for label, r in alone["sizes"].items()
             }
         },  # fmt: skip
-        curve=_curve(out, meta),
+        curve=_curve(out, meta, args.train_global_batch, args.train_seq_length),
         budget_control=control,
     )
     report["seconds"] = round(time.time() - started, 1)
@@ -130,10 +130,13 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def _curve(out: Path, meta: dict[str, Any]) -> dict[str, Any] | None:
+def _curve(
+    out: Path, meta: dict[str, Any], global_batch: int, seq_length: int
+) -> dict[str, Any] | None:
     """The elastic run's validation LM loss per budget at every evaluation (its metrics file),
-    against the training tokens seen by then (``comparison.plan.elastic_tokens``), and the
-    parent's on the same validation batches (``teacher_valid_loss``)."""
+    against the training tokens seen by then (``comparison.plan.elastic_tokens`` of the batch
+    the run trained with), and the parent's on the same validation batches
+    (``teacher_valid_loss``)."""
     from elastic_plugin.checkpoint.meta import budget_label
     from elastic_plugin.comparison.plan import elastic_tokens
 
@@ -141,13 +144,15 @@ def _curve(out: Path, meta: dict[str, Any]) -> dict[str, Any] | None:
     parent = meta.get("teacher_valid_loss")
     if parent is None or not metrics.is_file():
         return None
+    training = {"seq_length": seq_length, "global_batch_size": global_batch}
+    config = {**meta["config"], "training": {**meta["config"]["training"], **training}}
     points: dict[str, list[list[float]]] = {}
     for line in metrics.read_text().splitlines():
         row = json.loads(line) if line.strip() else {}
         valid = row.get("valid_loss")
         if not isinstance(valid, dict) or not isinstance(row.get("iteration"), int):
             continue
-        tokens = elastic_tokens(meta["config"], row["iteration"])
+        tokens = elastic_tokens(config, row["iteration"])
         for label, loss in valid.items():
             if loss is not None:
                 points.setdefault(budget_label(float(label)), []).append([tokens, float(loss)])

@@ -170,8 +170,13 @@ def run(out: Path, quick: bool, cache: Path | None = None) -> dict[str, Any]:
     from elastic_plugin.demo_real.alone import distil_alone
 
     wall, cpu = time.time(), _cpu_seconds()
+    batch = {
+        "seq_length": s.train_seq or train_cfg["seq_length"],
+        "micro_batch_size": s.micro_batch or train_cfg["micro_batch_size"],
+        "global_batch_size": s.global_batch or train_cfg["global_batch_size"],
+    }
     alone = distil_alone(ckpts / "elastic", ckpts / "reordered", train, valid, str(tok),
-                         out / "alone")  # fmt: skip
+                         out / "alone", batch)  # fmt: skip
     stages.record(
         "distil alone (equal cost)",
         time.time() - wall,

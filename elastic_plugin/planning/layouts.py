@@ -15,20 +15,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from elastic_plugin.elastic.config import ElasticConfig, ResolvedElastic
-from elastic_plugin.models.config import ConfigError, ModelConfig
+from elastic_plugin.models.config import ConfigError, Layout, ModelConfig
 from elastic_plugin.models.runtime import Runtime
 
 __all__ = ["PlanLayout", "enumerate_layouts"]
 
 
 @dataclass(frozen=True)
-class PlanLayout:
-    tp: int
-    pp: int
-    ep: int
-    dp: int
-    sequence_parallel: bool
-    distributed_optimizer: bool
+class PlanLayout(Layout):
+    """The one layout type (``models.config.Layout``: what elastic-train runs) placed on the
+    planned GPUs: ``dp`` is the data-parallel size left over (built with keywords)."""
+
+    dp: int = 1
 
     @property
     def name(self) -> str:
@@ -66,11 +64,9 @@ def check_layout(
 ) -> ResolvedElastic:
     """The elastic config resolved for ``layout``; ``ConfigError`` when elastic-train would
     refuse the layout (the message says why)."""
-    from elastic_plugin.parallel import Layout
-
     tp, pp, ep, dp = layout.tp, layout.pp, layout.ep, layout.dp
     model.check_parallel(tp, pp, ep)
-    Layout(tp, pp, ep, layout.sequence_parallel, layout.distributed_optimizer).check_world(gpus)
+    layout.check_world(gpus)
     if tp > 1 and model.count("moe") and not layout.sequence_parallel:
         raise ConfigError("MoE layers with TP > 1 need sequence parallelism")
     if model.vocab_size % tp:
@@ -104,7 +100,10 @@ def enumerate_layouts(
             for ep in _divisors(dp):
                 for sp in (False, True) if tp > 1 else (False,):
                     for dist_opt in opt_choices if dp > 1 else (distributed_optimizer or False,):
-                        layout = PlanLayout(tp, pp, ep, dp, sp, dist_opt)
+                        layout = PlanLayout(
+                            tp=tp, pp=pp, ep=ep, sequence_parallel=sp,
+                            distributed_optimizer=dist_opt, dp=dp,
+                        )  # fmt: skip
                         try:
                             resolved = check_layout(
                                 model, layout, gpus, elastic, runtime,
