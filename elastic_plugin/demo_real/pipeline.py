@@ -42,7 +42,7 @@ class Settings:
 
     importance_samples: int
     importance_seq: int
-    train_iters: int | None  # the config's curriculum covers 120
+    train_iters: int | None  # the config's curriculum covers 80
     train_seq: int | None
     micro_batch: int | None
     global_batch: int | None
@@ -58,7 +58,7 @@ class Settings:
     draft_tokens: int
 
 
-FULL = Settings(256, 128, 120, None, None, None, 4, 16, 32, 32, 128, 24, 32, 5, 12, 8)
+FULL = Settings(256, 128, 80, None, None, None, 4, 16, 32, 32, 128, 24, 32, 5, 12, 8)
 QUICK = Settings(8, 32, 2, 32, 2, 2, 1, 2, 2, 4, 32, 4, 4, 3, 2, 2)
 
 
