@@ -149,12 +149,47 @@ def _run(argv: list[str], capsys) -> tuple[int, str, str]:
         (["--gpus", "2", "--global-batch-size", "6", "--micro-batch-size", "4"],
          "--global-batch-size=6 is not a multiple of --micro-batch-size=4"),
         (["--gpus", "3"], "no valid layout of 3 GPUs"),
+        (["--gpus", "2", "--context-parallel-size", "0"],
+         "--context-parallel-size=0; allowed: a positive integer"),
     ],
 )  # fmt: skip
 def test_bad_input_exits_2_naming_the_flag(argv, message, capsys):
     code, _, err = _run(["--config", TINY, *argv], capsys)
     assert code == 2
     assert message in err, err
+
+
+def test_context_parallel_layouts_split_the_tokens_and_keep_the_checks():
+    """CP in the enumerated layouts: a CP rank holds 1/CP of each sequence (activations, teacher
+    logits) plus the K/V gathered from the others, its weights' copies are DP x CP (optimizer
+    shards), compute divides by CP; sizes the model or sequence cannot serve are not listed."""
+    from elastic_plugin.planning.layouts import enumerate_layouts
+    from elastic_plugin.planning.memory import rank_memory
+    from tests.support.elastic_cases import tiny_model
+
+    model = tiny_model(TINY, None)  # M*E-M*E-: 2 Mamba groups, 2 query groups
+    elastic = ElasticConfig.from_dict({"budgets": [1.0, 0.77, 0.4]})
+    args = (model, 8, elastic, Runtime(), 1, 8)
+    valid, rejected = enumerate_layouts(*args, seq_length=256)
+    cps = {layout.cp for layout, _ in valid}
+    assert cps == {1, 2}, cps  # CP 4 / 8 would split a Mamba group
+    assert any("whole" in reason or "Mamba groups" in reason for reason in rejected), rejected
+    assert {lay.cp for lay, _ in enumerate_layouts(*args, seq_length=258)[0]} == {1}  # 2 x CP
+    only = enumerate_layouts(*args, seq_length=256, context_parallel=(2,))[0]
+    assert only and all(lay.cp == 2 and lay.tp * lay.pp * lay.cp * lay.dp == 8 for lay, _ in only)
+    named = next(lay for lay, _ in only if lay.tp == 1 and lay.pp == 1)
+    assert "CP2" in named.name and named.to_dict()["cp"] == 2
+
+    stages = stage_params(model, 1, 1, 1)
+    one = rank_memory(model, model, stages, 1, 1, 1, 4, False, True, Runtime(), 1, 256, 4, True)
+    two = rank_memory(model, model, stages, 1, 1, 1, 2, False, True, Runtime(), 1, 256, 4, True,
+                      cp=2)  # fmt: skip
+    assert two.teacher_logits * 2 == one.teacher_logits
+    assert (two.weights, two.optimizer) == (one.weights, one.optimizer)  # DP 2 x CP 2 = DP 4
+    g, d = model.query_groups, model.head_dim
+    gathered = model.count("attention") * 2 * g * d * 128 * 4  # the other rank's K/V, FP32
+    halves = one.activations_per_microbatch / 2
+    assert two.activations_per_microbatch == pytest.approx(halves + gathered)
 
 
 def test_teacher_and_loss_memory_as_built():
@@ -239,6 +274,10 @@ MEASURED = [
     {"ep": 2},
     # one micro-batch: the router's Gumbel draw may pick another nested model for another one
     {"tp": 2, "sequence_parallel": True, "budget": 0.77, "num_microbatches": 1},
+    # context parallelism: K/V gathered per attention layer, Mamba's all-to-alls, the
+    # gradients reduced over DP x CP; with the distributed optimizer sharded over DP x CP
+    {"cp": 2},
+    {"cp": 2, "distributed_optimizer": True, "bf16": True},
 ]
 
 
@@ -246,8 +285,8 @@ def _predicted(kw: dict, r: dict, world: int = 2):
     from tests.support.elastic_cases import _elastic_config, tiny_model
 
     model = tiny_model(TINY, kw.get("pattern"))
-    tp, pp, ep = kw.get("tp", 1), kw.get("pp", 1), kw.get("ep", 1)
-    dp = world // (tp * pp)
+    tp, pp, ep, cp = kw.get("tp", 1), kw.get("pp", 1), kw.get("ep", 1), kw.get("cp", 1)
+    dp = world // (tp * pp * cp)
     ecfg = _elastic_config(model, "sliced", False)
     resolved = ecfg.resolve(model, tp, ep)
     axes = {name: (len(spec.candidates), 1) for name, spec in resolved.axes.items()}
@@ -255,9 +294,9 @@ def _predicted(kw: dict, r: dict, world: int = 2):
     stages = stage_params(model, tp, pp, ep, router)
     stage = r["stage"]
     bf16, dist_opt = kw.get("bf16", False), kw.get("distributed_optimizer", False)
-    state = state_bytes(stages[stage], dp, ep, bf16, dist_opt)
+    state = state_bytes(stages[stage], dp * cp, ep, bf16, dist_opt)
     state["teacher_weights"] = stages[stage].model * (2 if bf16 else 4)  # rank_memory's
-    tokens = r["micro_batch"] * r["seq_length"]
+    tokens = r["micro_batch"] * r["seq_length"] // cp
     last = stage == pp - 1
     # the teacher runs inside the schedule: one micro-batch's logits at a time on the last stage
     state["teacher_logits"] = teacher_logit_bytes(model, tokens, tp, 1, bf16) if last else 0
@@ -265,6 +304,7 @@ def _predicted(kw: dict, r: dict, world: int = 2):
     comm = step_comm_bytes(
         model, nested, stage, stages, tp, pp, ep, dp, kw.get("sequence_parallel", False),
         dist_opt, bf16, r["micro_batch"], r["seq_length"], kw.get("num_microbatches", 2),
+        cp=cp,
     )  # fmt: skip
     return stages[stage], state, comm
 

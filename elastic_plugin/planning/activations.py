@@ -11,7 +11,10 @@ chunked scan (its inputs, output and the chunk-end states). Per layer:
   (``LocalRMSNorm`` keeps all three; the FP32 reciprocal RMS per token is left out);
 * attention: the fused QKV output ``(a + 2 g) d / t`` (Q, K and V are views of it), SDPA's
   query copy and output ``2 a d / t`` (linear_proj reads the output as a view), its
-  log-sum-exp ``a / t`` (FP32);
+  log-sum-exp ``a / t`` (FP32); under context parallelism (``c`` ranks, each holding ``1 / c``
+  of the sequence: every figure here is per token *this rank holds*) also the K and V gathered
+  from the other CP ranks, ``2 g d (c - 1) / t`` (``models.attention``'s SDPA path keeps them
+  for its backward);
 * dense MLP and the shared expert: fc1's output ``r / t`` (``r`` = 2 f when gated), the
   activation's output ``f / t``, and the gate's product ``f / t`` when gated;
 * MoE: router logits and scores ``2 E`` (FP32); each token's ``k`` routed copies: the
@@ -27,6 +30,8 @@ chunked scan (its inputs, output and the chunk-end states). Per layer:
   ``C B^T`` (``2 H Q / t``), ``C B^T`` itself (``G Q / t``), ``dt x``, its decayed copy and the
   entering states' output (``3 D / t``), two more decay vectors (``2 H / t``) and the states
   twice more (before and after they are passed between chunks, ``2 D N / Q / t``).
+  Under context parallelism Megatron's ``MambaContextParallel`` trades the sequence shard for a
+  head shard around the conv and the scan (all-to-all): the same elements per held token.
 
 Measured on the tiny model (CPU, FP32, saved-tensor hooks, weights excluded): attention, dense
 MLP and MoE layers keep what the first three items say to within 2%.
@@ -68,16 +73,23 @@ MAMBA_SCANS = ("fused", "torch")
 
 
 def layer_activation_elements(
-    model: ModelConfig, kind: str, tp: int, sp: int, dtype_bytes: int, mamba_scan: str = "fused"
+    model: ModelConfig,
+    kind: str,
+    tp: int,
+    sp: int,
+    dtype_bytes: int,
+    mamba_scan: str = "fused",
+    cp: int = 1,
 ) -> float:
-    """Elements (in units of the model dtype) saved per token by one layer of ``kind``;
-    ``mamba_scan``: which Mamba scan runs (``MAMBA_SCANS``)."""
+    """Elements (in units of the model dtype) saved per held token by one layer of ``kind``;
+    ``mamba_scan``: which Mamba scan runs (``MAMBA_SCANS``); ``cp``: context-parallel size."""
     h = model.hidden_size
     fp32 = FP32 / dtype_bytes  # an FP32 value in model-dtype elements
     out = 3 * h / sp
     if kind == "attention":
         a, g, d = model.num_attention_heads, model.query_groups, model.head_dim
         out += (a + 2 * g) * d / tp + 2 * a * d / tp + a / tp * fp32
+        out += 2 * g * d * (cp - 1) / tp  # K and V gathered from the other CP ranks
     elif kind == "mlp":
         out += _mlp(model, model.ffn_hidden_size) / tp
     elif kind == "moe":
@@ -152,16 +164,18 @@ def stage_activation_bytes(
     runtime: Runtime,
     mamba_scan: str = "fused",
     kd_chunk_tokens: int | None = DEFAULT_KD_CHUNK_TOKENS,
+    cp: int = 1,
 ) -> dict[str, float]:
     """Bytes of one micro-batch on one rank of a stage with layers ``kinds``: ``stored`` (kept
     until its backward), ``transient`` (the largest short-lived extra: one recomputed chunk,
-    the loss) for ``tokens = micro_batch_size x seq_length``; ``kd_chunk_tokens``: the KD
-    loss's chunk (``elastic.kd_chunk_tokens``; None: the unchunked loss)."""
+    the loss) for the ``tokens`` the rank holds (``micro_batch_size x seq_length / cp``);
+    ``kd_chunk_tokens``: the KD loss's chunk (``elastic.kd_chunk_tokens``; None: the
+    unchunked loss)."""
     dtype_bytes = 2 if runtime.bf16 else 4
     sp = tp if sequence_parallel and tp > 1 else 1
     h = model.hidden_size
     per_layer = [
-        layer_activation_elements(model, kind, tp, sp, dtype_bytes, mamba_scan)
+        layer_activation_elements(model, kind, tp, sp, dtype_bytes, mamba_scan, cp)
         * tokens
         * dtype_bytes
         for kind in kinds

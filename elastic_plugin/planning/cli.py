@@ -28,7 +28,7 @@ PROG = "elastic-plugin plan"
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "plan",
-        help="rank the TP/PP/EP/DP layouts that fit a model on N GPUs (estimates)",
+        help="rank the TP/PP/CP/EP/DP layouts that fit a model on N GPUs (estimates)",
         description="Enumerate every layout elastic-train accepts, with memory per rank, "
         "FLOPs and communication per budget and an estimated step time; a stated model, "
         "not a measurement.",
@@ -52,6 +52,15 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="only layouts with (or, --no-distributed-optimizer, without) it; default both",
+    )
+    parser.add_argument(
+        "--context-parallel-size",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="CP",
+        help="only layouts with these context-parallel sizes (e.g. 1 2 4); default every size "
+        "the model and sequence length allow (2 x CP chunks; whole Mamba groups per rank)",
     )
     parser.add_argument("--elastic-budgets", type=float, nargs="+", default=None, metavar="B")
     parser.add_argument("--teacher", default=None, metavar="|".join(TEACHERS))
@@ -188,6 +197,8 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     if not args.reserve_gb >= 0:
         raise ConfigError(f"--reserve-gb={args.reserve_gb!r}; allowed: a number >= 0")
     _positive("--separate-tokens", args.separate_tokens, integer=False)
+    for cp in args.context_parallel_size or ():
+        _positive("--context-parallel-size", cp)
     if args.teacher is not None and args.teacher not in TEACHERS:
         raise ConfigError(f"--teacher {args.teacher!r}; allowed: {', '.join(TEACHERS)}")
     if args.plot is not None and not Path(args.plot).parent.resolve().is_dir():
@@ -233,6 +244,9 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         curriculum=stages,
         separate_tokens=args.separate_tokens,
         mamba_scan=args.mamba_scan,
+        context_parallel=(
+            tuple(args.context_parallel_size) if args.context_parallel_size else None
+        ),
     )
 
 

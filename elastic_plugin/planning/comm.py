@@ -31,6 +31,13 @@ sequence parallelism else 1:
   but the first the gradient of that tensor back (same size; the teacher's half is zeros).
   Without a teacher each direction sends ``T / sp x H x a``. Once per step the budget router's FP32 gradients are summed
   over the stages.
+* **CP** (context parallelism, ``c`` ranks; ``T`` is then the ``1 / c`` of the tokens a rank
+  holds): per attention layer and pass, K and V are all-gathered over the CP group
+  (``2 c T g d / t x a``, ``g`` query groups of ``d`` channels), their gradients
+  reduce-scattered in the backward (the same size); per Mamba layer and pass, Megatron's
+  ``MambaContextParallel`` trades the sequence shard for a head shard (all-to-all of z, x, B,
+  C and dt: ``T (2 D + 2 G N + H) / t x a``) and back (``T D / t x a``), mirrored in the
+  backward. Gradients are reduced, and the distributed optimizer sharded, over DP x CP.
 * **DP** once per step: an all-reduce of the FP32 gradient buffer, or with the distributed
   optimizer a reduce-scatter of it and an all-gather of the updated weights (padded buffers,
   ``memory.padded_elements``); expert gradients over the expert-data-parallel group (DP / EP).
@@ -97,6 +104,28 @@ def _tp_pass(
             _add(out, "tp", "all_reduce", dense)
 
 
+def _cp_pass(
+    out: Comm,
+    model: ModelConfig,
+    kinds: list[str],
+    tokens: int,
+    a: int,
+    tp: int,
+    cp: int,
+    backward: bool,
+) -> None:
+    """CP bytes of one pass of one stage at ``model``'s widths; ``tokens``: held here."""
+    attention = kinds.count("attention")
+    if attention:  # K and V gathered (forward) or their gradients reduce-scattered (backward)
+        kv = 2 * model.query_groups * model.head_dim // tp * cp * tokens * a
+        _add(out, "cp", "reduce_scatter" if backward else "all_gather", attention * kv)
+    mamba = kinds.count("mamba")
+    if mamba:
+        d, heads = model.mamba_d_inner, model.mamba_num_heads
+        bc = 2 * model.mamba_num_groups * model.mamba_state_dim
+        _add(out, "cp", "all_to_all", mamba * tokens * (2 * d + bc + heads + d) // tp * a)
+
+
 def _ep_pass(out: Comm, model: ModelConfig, moe: int, h: int, tokens: int, a: int) -> None:
     """EP bytes of one pass over ``moe`` MoE layers (``tokens``: this rank's sequence shard)."""
     k = model.moe_router_topk
@@ -119,26 +148,31 @@ def step_comm_bytes(
     seq_length: int,
     num_microbatches: int,
     teacher: bool = True,
+    cp: int = 1,
 ) -> Comm:
     """Bytes per group and kind that one rank of pipeline stage ``stage`` passes in one step
     (``num_microbatches`` micro-batches, all of the budget whose widths ``nested`` has; the
-    teacher runs ``model``; ``teacher=False``: no teacher pass, as when ``model`` trains alone)."""
+    teacher runs ``model``; ``teacher=False``: no teacher pass, as when ``model`` trains alone).
+    ``cp``: context parallelism (the rank holds ``seq_length / cp`` tokens; ``dp`` excludes it)."""
     out: Comm = {}
     a = 2 if bf16 else 4
-    tokens = micro_batch_size * seq_length
+    tokens = micro_batch_size * seq_length // cp
     sp = tp > 1 and sequence_parallel
     kinds = stage_layer_types(model, pp)[stage]
     first, last = stage == 0, stage == pp - 1
     m = num_microbatches
     moe = kinds.count("moe")
-    passes: list[tuple[int, bool]] = [(model.hidden_size, False)] if teacher else []
-    passes += [(nested.hidden_size, False), (nested.hidden_size, True)]
-    for h, backward in passes:
+    passes: list[tuple[ModelConfig, bool]] = [(model, False)] if teacher else []
+    passes += [(nested, False), (nested, True)]
+    for widths, backward in passes:
+        h = widths.hidden_size
         for _ in range(m):
             if tp > 1:
                 _tp_pass(out, model, kinds, h, tokens, a, tp, sp, first, last, backward)
             if ep > 1:
                 _ep_pass(out, model, moe, h, tokens // (tp if sp else 1), a)
+            if cp > 1:
+                _cp_pass(out, widths, kinds, tokens, a, tp, cp, backward)
             if tp * ep > 1 and not backward:  # the tokens per expert, over TP x EP
                 _add(out, "tp_ep", "all_gather", moe * 8 * model.num_moe_experts * tp * ep)
     if tp > 1 and last:
@@ -156,6 +190,7 @@ def step_comm_bytes(
         norms = len(kinds) + (1 if last else 0)
         routers = moe * model.num_moe_experts * h
         _add(out, "tp", "all_reduce", 4 * (norms * h + routers))
+    dp = dp * cp  # the gradients' group: data x context parallel
     edp = dp // ep
     if model.moe_router_enable_expert_bias and tp * dp > 1:
         _add(out, "tp_dp", "all_reduce", 4 * model.num_moe_experts * moe)

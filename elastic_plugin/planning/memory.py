@@ -143,15 +143,18 @@ def rank_memory(
     frozen_teacher: bool,
     mamba_scan: str = "fused",
     kd_chunk_tokens: int | None = DEFAULT_KD_CHUNK_TOKENS,
+    cp: int = 1,
 ) -> RankMemory:
     """Memory of the busiest rank. ``model``: the full model (weights); ``nested``: the plain
-    config of the widths a micro-batch runs (activations; the full model in masked mode)."""
-    tokens = micro_batch_size * seq_length
+    config of the widths a micro-batch runs (activations; the full model in masked mode).
+    ``cp``: context parallelism; a rank holds ``seq_length / cp`` tokens of each sequence and
+    its weights' copies (gradient reduction, optimizer shards) number ``dp x cp``."""
+    tokens = micro_batch_size * seq_length // cp
     dtype_bytes = 2 if runtime.bf16 else 4
     kinds = stage_layer_types(nested, pp)
     best: RankMemory | None = None
     for index, stage in enumerate(stages):
-        state = state_bytes(stage, dp, ep, runtime.bf16, distributed_optimizer)
+        state = state_bytes(stage, dp * cp, ep, runtime.bf16, distributed_optimizer)
         last = index == pp - 1
         act = stage_activation_bytes(
             nested,
@@ -164,6 +167,7 @@ def rank_memory(
             runtime,
             mamba_scan,
             kd_chunk_tokens,
+            cp,
         )
         count = in_flight(index, pp, num_microbatches)
         logits = teacher_logit_bytes(model, tokens, tp, count, runtime.bf16) if last else 0.0

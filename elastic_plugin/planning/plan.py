@@ -55,6 +55,7 @@ class PlanInputs:
     curriculum: tuple[CurriculumStage, ...] = ()
     separate_tokens: float | None = None
     mamba_scan: str = "fused"  # activations.MAMBA_SCANS: mamba_ssm's kernels, or our torch scan
+    context_parallel: tuple[int, ...] | None = None  # CP sizes to consider; None: every valid one
 
     @property
     def frozen_teacher(self) -> bool:
@@ -146,16 +147,17 @@ def _time(
             model, nested, index, stages, layout.tp, layout.pp, layout.ep, layout.dp,
             layout.sequence_parallel, layout.distributed_optimizer, inputs.runtime.bf16,
             inputs.micro_batch_size, seq_length, num_microbatches, teacher=with_teacher,
+            cp=layout.cp,
         )  # fmt: skip
         state = sum(
             state_bytes(
-                stage, layout.dp, layout.ep, inputs.runtime.bf16, layout.distributed_optimizer
+                stage, layout.dp_cp, layout.ep, inputs.runtime.bf16, layout.distributed_optimizer
             ).values()
         )
         time = step_time(
             inputs.device, layout.tp, layout.pp, layout.ep, layout.dp, student, teacher, comm,
             num_microbatches, state, inputs.peak_tflops, inputs.efficiency,
-            inputs.comm_efficiency,
+            inputs.comm_efficiency, cp=layout.cp,
         )  # fmt: skip
         if best is None or time.seconds > best[0].seconds:
             best = (time, comm)
@@ -190,6 +192,7 @@ def evaluate_layout(
             model, run.nested, stages, tp, pp, ep, dp, layout.sequence_parallel,
             layout.distributed_optimizer, inputs.runtime, inputs.micro_batch_size, seq_length,
             num_mb, inputs.frozen_teacher, inputs.mamba_scan, inputs.elastic.kd_chunk_tokens,
+            layout.cp,
         )  # fmt: skip
         student = stage_flops(model, run.train_flops, pp)
         teacher = stage_flops(model, run.teacher_flops, pp)
@@ -230,7 +233,8 @@ def _rank(inputs: PlanInputs, seq_length: int, probs: tuple[float, ...] | None) 
     the others (smallest shortfall first); and the rejected layouts per reason."""
     valid, rejected = enumerate_layouts(
         inputs.model, inputs.gpus, inputs.elastic, inputs.runtime, inputs.micro_batch_size,
-        inputs.global_batch_size, inputs.distributed_optimizer,
+        inputs.global_batch_size, inputs.distributed_optimizer, seq_length,
+        inputs.context_parallel,
     )  # fmt: skip
     capacity = inputs.device.memory_bytes - inputs.reserve_gb * 1e9
     plans = []

@@ -1,12 +1,12 @@
 """An estimated step time from a stated model (not a measurement):
 
-* compute: each stage's FLOPs per micro-batch / TP at ``efficiency`` x the device's dense peak
+* compute: each stage's FLOPs per micro-batch / (TP x CP) at ``efficiency`` x the device's dense peak
   (BF16; FP32 runs on TF32 tensor cores at half of it; FP8 GEMMs at the FP8 peak);
 * TP and EP collectives sit on the critical path (not overlapped) and take
   ``bytes x bus factor / (link bandwidth x comm_efficiency)``; bus factors as nccl-tests:
   all-reduce ``2 (n - 1) / n``, all-gather / reduce-scatter / all-to-all ``(n - 1) / n``, p2p 1.
-  A group uses NVLink when its ranks fit one NVLink domain (Megatron orders ranks TP, EP, DP,
-  PP from the inside), the network otherwise;
+  A group uses NVLink when its ranks fit one NVLink domain (Megatron orders ranks TP, CP, EP,
+  DP, PP from the inside), the network otherwise; CP's collectives are on the critical path too;
 * the 1F1B schedule runs ``m + p - 1`` slots of the slowest stage for ``m`` micro-batches on
   ``p`` stages (the bubble is ``(p - 1) / (m + p - 1)`` of it), a slot being one micro-batch's
   teacher forward and student forward + backward (the teacher runs inside the student's
@@ -76,14 +76,17 @@ def step_time(
     peak_tflops: float,
     efficiency: float,
     comm_efficiency: float,
+    cp: int = 1,
 ) -> StepTime:
     """Step time of one rank of the slowest stage. ``*_stage_flops``: one micro-batch per
-    stage (whole model, divided by TP here); ``comm``: ``comm.step_comm_bytes`` of the
-    busiest stage; ``state_bytes``: weights + gradients + optimizer state of a rank."""
+    stage (whole model, divided by TP x CP here); ``comm``: ``comm.step_comm_bytes`` of the
+    busiest stage; ``state_bytes``: weights + gradients + optimizer state of a rank; ``dp``
+    without ``cp`` (the gradients' group is DP x CP)."""
     rate = peak_tflops * 1e12 * efficiency
+    dp = dp * cp
     sizes = {"tp": (tp, tp), "tp_ep": (tp * ep, tp * ep), "ep": (ep, tp * ep),
-             "pp": (pp, tp * dp * pp), "dp": (dp, tp * dp), "edp": (dp // ep, tp * dp),
-             "tp_dp": (tp * dp, tp * dp)}  # fmt: skip  # group -> (ranks, span)
+             "cp": (cp, tp * cp), "pp": (pp, tp * dp * pp), "dp": (dp, tp * dp),
+             "edp": (dp // ep, tp * dp), "tp_dp": (tp * dp, tp * dp)}  # fmt: skip  # group -> (ranks, span)
 
     def seconds(groups: tuple[str, ...]) -> float:
         total = 0.0
@@ -97,10 +100,10 @@ def step_time(
     m = num_microbatches
     slots = m + pp - 1
     stage = max(
-        (s + t) / tp / rate for s, t in zip(student_stage_flops, teacher_stage_flops)
+        (s + t) / (tp * cp) / rate for s, t in zip(student_stage_flops, teacher_stage_flops)
     )  # one micro-batch of teacher forward + student forward/backward on the slowest stage
     compute = slots * stage
-    tp_ep = seconds(("tp", "tp_ep", "ep")) * slots / m
+    tp_ep = seconds(("tp", "tp_ep", "ep", "cp")) * slots / m
     pp_comm = seconds(("pp",)) * slots / m
     dp_comm = seconds(("dp", "edp", "tp_dp"))
     optimizer = 2 * state_bytes / (device.hbm_tbps * 1e12)

@@ -68,6 +68,9 @@ def _group_names() -> tuple[dict[int, str], dict[tuple[int, ...], str]]:
         ("tp", ps.get_tensor_model_parallel_group),
         ("pp", ps.get_pipeline_model_parallel_group),
         ("dp", ps.get_data_parallel_group),
+        # under CP the gradients are reduced over data x context parallel: the plan's "dp"
+        ("dp", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
+        ("cp", ps.get_context_parallel_group),
         ("ep", ps.get_expert_model_parallel_group),
         ("edp", ps.get_expert_data_parallel_group),
         ("tp_ep", ps.get_expert_tensor_and_model_parallel_group),
@@ -213,6 +216,7 @@ def measure_step(
     num_microbatches: int = 2,
     pattern: str | None = None,
     calls: bool = False,
+    cp: int = 1,
 ) -> dict[str, Any]:
     """One elastic training step under a layout, every micro-batch at ``budget``: the state
     bytes of this rank after the optimizer has run, and the bytes counted per group during the
@@ -227,7 +231,7 @@ def measure_step(
     work = Path(workdir)
     if not (work / "init" / "elastic_meta.json").is_file():  # collective: every rank
         write_init_checkpoint(_experiment(config_path, pattern), work / "init")
-    layout = Layout(tp, pp, ep, sequence_parallel, distributed_optimizer)
+    layout = Layout(tp, pp, ep, sequence_parallel, distributed_optimizer, cp)
     cfg, chunks, optimizer, step = _setup(
         config_path, work, layout, pattern, "sliced", False, 1234,
         runtime={"bf16": True} if bf16 else None,
