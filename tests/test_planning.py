@@ -405,6 +405,29 @@ def test_activations_within_20_percent_of_the_measured_peak(rank_pools, tmp_path
 
 
 @pytest.mark.integration
+def test_context_parallel_activations_within_20_percent_of_the_measured_peak(rank_pools, tmp_path):
+    """CP=2 on 2 ranks, one micro-batch of 4 x 256 tokens (each rank holds 4 x 128) of an
+    attention / MoE / MLP model: the modelled activations of the held tokens, the gathered K/V
+    included, against the profiler's peak on each rank."""
+    from tests.support.elastic_cases import tiny_model
+
+    ranks = rank_pools.get(2).run(
+        f"{CASES}:activation_peak", config_path=TINY, workdir=str(tmp_path / "cp2"),
+        pattern="*E-*E-", seq_len=256, micro_batch=4, cp=2,
+    )  # fmt: skip
+    model = tiny_model(TINY, "*E-*E-")
+    act = stage_activation_bytes(
+        model, model.layer_types, True, True, 512, 1, False, Runtime(), "fused", cp=2
+    )
+    predicted = act["stored"] + act["transient"]
+    for r in ranks:
+        ratio = predicted / r["peak"]
+        print(f"CP2 rank: predicted {predicted / 2**20:.2f} MiB, measured peak "
+              f"{r['peak'] / 2**20:.2f} MiB, ratio {ratio:.3f}")  # fmt: skip
+        assert 0.8 <= ratio <= 1.2, ratio
+
+
+@pytest.mark.integration
 def test_pipeline_in_flight_activations(rank_pools, tmp_path):
     """PP2 (3 layers of '*E-*E-' per stage), 4 x 256 tokens per micro-batch: with 4
     micro-batches the first stage holds two at once under 1F1B, the last one; each stage's

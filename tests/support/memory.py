@@ -143,8 +143,9 @@ def elastic_iteration(
     num_microbatches: int = 1,
     budget: float = 0.77,
     seed: int = 1234,
+    cp: int = 1,
 ) -> ElasticIteration:
-    """``elastic_cases._setup`` (sliced, one rank) with ``runtime`` (``Runtime`` fields) from
+    """``elastic_cases._setup`` (sliced; one rank, or ``cp`` context-parallel ones) with ``runtime`` (``Runtime`` fields) from
     ``workdir/init`` (written here when absent), every micro-batch drawing ``budget`` (one of
     ``elastic_cases.ELASTIC``'s budgets). The caller has joined a process group."""
     from elastic_plugin.elastic.config import CurriculumStage
@@ -156,7 +157,7 @@ def elastic_iteration(
     if not (work / "init" / "elastic_meta.json").is_file():
         write_init_checkpoint(_experiment(config_path, pattern), work / "init", seed)
     cfg, chunks, optimizer, step = _setup(
-        config_path, work, Layout(), pattern, "sliced", False, seed, runtime=runtime
+        config_path, work, Layout(cp=cp), pattern, "sliced", False, seed, runtime=runtime
     )
     budgets = step.sampler.budgets
     if budget not in budgets:

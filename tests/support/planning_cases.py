@@ -279,10 +279,12 @@ def activation_peak(
     seq_len: int,
     micro_batch: int,
     budget: float = 1.0,
+    cp: int = 1,
 ) -> dict[str, Any]:
     """Peak bytes one student forward + backward allocates (one micro-batch at ``budget``,
     sliced, FP32, the teacher's logits computed before and not counted), what autograd saved
-    per layer, and the router's choice; one rank (``tests.support.memory``)."""
+    per layer, and the router's choice; one rank, or ``cp`` context-parallel ranks
+    (``tests.support.memory``)."""
     from tests.support.memory import (
         clear_megatron_buffer,
         elastic_iteration,
@@ -290,7 +292,9 @@ def activation_peak(
         saved_activations,
     )
 
-    it = elastic_iteration(config_path, workdir, None, pattern, seq_len, micro_batch, 1, budget)
+    it = elastic_iteration(
+        config_path, workdir, None, pattern, seq_len, micro_batch, 1, budget, cp=cp
+    )
     it.teacher_pass()
     clear_megatron_buffer()
     with saved_activations(it.chunks[0].module) as layers:
