@@ -130,7 +130,6 @@ def measure_megatron(
     """fp32 budgets of the elastic checkpoint, and the same choices cut zero-shot from each
     reordered parent (``reordered``: order name -> checkpoint)."""
     from elastic_plugin.checkpoint.meta import budget_label, read_elastic_meta, stored_choice
-    from elastic_plugin.models.axes import model_for_choice
     from elastic_plugin.models.config import config_from_dict
     from elastic_plugin.models.counting import count_parameters
     from elastic_plugin.nested.model import load_nested_models, nested_model
@@ -150,8 +149,8 @@ def measure_megatron(
         out["zero_shot"][order] = {}
         for budget in budgets:
             label = budget_label(budget)
-            if model_for_choice(cfg.model, out["choices"][label]) == cfg.model:
-                continue  # the whole parent: nothing pruned
+            if out["params"][label] == count_parameters(cfg.model).total:
+                continue  # every width whole: the parent itself, nothing pruned
             model, _ = nested_model(full, cfg.model, out["choices"][label])
             out["zero_shot"][order][label] = window_stats(
                 megatron_logits(model), tokens, batch_size
