@@ -3,8 +3,8 @@ with PP and with TP + SP) reproduce one rank on the same tokens: the same budget
 same per-budget losses and the same model and router gradients, through the Mamba layers
 (Megatron's all-to-all between sequence and head shards), the attention layers (our SDPA
 attention over K/V gathered from the CP group, RoPE at the global positions) and the MoE / MLP
-layers; a heterogeneous (per-layer) choice included. The rank pools stop at 4 ranks, so CP x TP x
-PP on 8 is not here: CP x PP and CP x TP are each checked on 4."""
+layers; a heterogeneous (per-layer) choice included. CP x PP and CP x TP on 4 ranks, and all
+three (CP=2 x TP=2 x PP=2) on 8."""
 
 from __future__ import annotations
 
@@ -110,8 +110,7 @@ def test_context_parallel_pipeline_heterogeneous_rope(rank_pools, cp_references,
 
 
 def test_context_parallel_tensor_parallel(rank_pools, cp_references, four_group_config):
-    """CP=2 x TP=2 + SP on 4 ranks, every layer kind (the rank pools stop at 4 ranks, so not
-    CP x TP x PP on 8)."""
+    """CP=2 x TP=2 + SP on 4 ranks, every layer kind."""
     _check(
         rank_pools,
         cp_references,
@@ -119,5 +118,22 @@ def test_context_parallel_tensor_parallel(rank_pools, cp_references, four_group_
         config=four_group_config,
         cp=2,
         tp=2,
+        sequence_parallel=True,
+    )
+
+
+def test_context_tensor_and_pipeline_parallel_on_eight_ranks(
+    rank_pools, cp_references, four_group_config
+):
+    """CP=2 x TP=2 + SP x PP=2 on 8 ranks: every layer kind, each stage a Mamba, an attention,
+    an MoE and an MLP layer."""
+    _check(
+        rank_pools,
+        cp_references,
+        8,
+        config=four_group_config,
+        cp=2,
+        tp=2,
+        pp=2,
         sequence_parallel=True,
     )
