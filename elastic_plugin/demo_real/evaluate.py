@@ -23,9 +23,12 @@ PARENT = "parent"
 
 
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    from transformers.utils import logging as hf_logging
+
     from elastic_plugin.checkpoint.meta import budget_label, read_elastic_meta, trained_budgets
     from elastic_plugin.export.tokens import token_windows
 
+    hf_logging.disable_progress_bar()  # a bar per model load; our log lines say what loads
     out = Path(args.out)
     started = time.time()
 
