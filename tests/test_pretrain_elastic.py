@@ -90,10 +90,12 @@ LAYOUTS = {
     "ep2": (2, ["--expert-model-parallel-size", "2"]),  # world 2: DP=2 for the dense layers
     # the teacher inside the pipeline schedule (wrapped train_step: both hidden states per p2p)
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    # context parallelism: each rank holds two mirrored chunks of every sequence
+    "cp2": (2, ["--context-parallel-size", "2"]),
 }
 # Layouts that see the same micro-batches and budgets log the same losses (up to reduction
-# order): TP splits a micro-batch's computation only; EP=2 on 2 ranks has DP=2's data split.
-SAME_LOSSES = {"tp2-sp": "one-rank", "ep2": "dp2-distopt", "pp2": "one-rank"}
+# order): TP and CP split a micro-batch's computation only; EP=2 on 2 ranks has DP=2's data split.
+SAME_LOSSES = {"tp2-sp": "one-rank", "ep2": "dp2-distopt", "pp2": "one-rank", "cp2": "one-rank"}
 
 
 @dataclass

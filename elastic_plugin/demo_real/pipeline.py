@@ -47,6 +47,7 @@ class Settings:
     micro_batch: int | None
     global_batch: int | None
     eval_iters: int | None
+    eval_interval: int | None  # the report's perplexity-vs-tokens curve: one point per evaluation
     export_sequences: int
     calib_samples: int
     test_windows: int
@@ -58,8 +59,8 @@ class Settings:
     draft_tokens: int
 
 
-FULL = Settings(256, 128, 80, None, None, None, 4, 16, 32, 32, 128, 24, 32, 5, 12, 8)
-QUICK = Settings(8, 32, 2, 32, 2, 2, 1, 2, 2, 4, 32, 4, 4, 3, 2, 2)
+FULL = Settings(256, 128, 80, None, None, None, 4, 20, 16, 32, 32, 128, 24, 32, 5, 12, 8)
+QUICK = Settings(8, 32, 2, 32, 2, 2, 1, None, 2, 2, 4, 32, 4, 4, 3, 2, 2)
 
 
 def _cpu_seconds() -> float:
@@ -77,7 +78,13 @@ class Stages:
         self.env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         self.env.setdefault("PYTHONWARNINGS", "ignore")
 
-    def run(self, name: str, argv: list[str], **info: Any) -> None:
+    def run(self, name: str, argv: list[str], skip_if: Path | None = None, **info: Any) -> None:
+        """Run one stage; ``skip_if``: its output, whose presence means a rerun reuses it (a
+        scores file or a checkpoint is written whole: rename, or the pointer file last)."""
+        if skip_if is not None and skip_if.exists():
+            print(f"==> {name}: reusing {skip_if}", flush=True)
+            self.record(name, 0.0, 0.0, reused=True, **info)
+            return
         print(f"==> [{time.time() - self.started:7.1f}s] {name}: {' '.join(argv)}", flush=True)
         wall, cpu = time.time(), _cpu_seconds()
         proc = subprocess.run(argv, env=self.env)
@@ -132,6 +139,7 @@ def run(out: Path, quick: bool, cache: Path | None = None) -> dict[str, Any]:
             "--num-samples", s.importance_samples, "--seq-length", s.importance_seq,
             "--micro-batch-size", 4, "--data-path", train, "--tokenizer", tok, "--no-progress",
         ),
+        skip_if=out / "importance.pt",
         tokens=s.importance_samples * s.importance_seq,
     )  # fmt: skip
     for order, methods in (
@@ -145,6 +153,7 @@ def run(out: Path, quick: bool, cache: Path | None = None) -> dict[str, Any]:
             f"reorder ({order})",
             _cli("reorder", "--ckpt", parent, "--scores", out / "importance.pt",
                  "--out", ckpts / order, *methods),
+            skip_if=ckpts / order / "latest_checkpointed_iteration.txt",
         )  # fmt: skip
     import yaml
 
@@ -156,6 +165,7 @@ def run(out: Path, quick: bool, cache: Path | None = None) -> dict[str, Any]:
         ("--micro-batch-size", s.micro_batch),
         ("--global-batch-size", s.global_batch),
         ("--eval-iters", s.eval_iters),
+        ("--eval-interval", s.eval_interval),
     ):
         if value is not None:
             train_args += [flag, value]

@@ -200,7 +200,10 @@ def _elastic_log(model, step, resolved):
         step.take_flops,
         world=dist.get_world_size(),
         data_parallel=ps.get_data_parallel_world_size(),
-        group=ps.get_data_parallel_group(),
+        # the per-budget sums over every rank that holds tokens of the step: under context
+        # parallelism each sequence's tokens are spread over the CP ranks (as Megatron reduces
+        # its own losses)
+        group=ps.get_data_parallel_group(with_context_parallel=True),
     )
 
 
