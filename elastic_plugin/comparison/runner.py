@@ -81,6 +81,8 @@ class SizeSource:
     cost_fraction: float
     reordered: Path
     data: CompareData
+    # the elastic run's own schedule flags (e.g. --lr): a distillation alone trains with them
+    schedule_flags: tuple[str, ...] = ()
 
 
 def _command(spec: RunSpec, run_dir: Path, source: SizeSource) -> list[str]:
@@ -115,6 +117,7 @@ def _command(spec: RunSpec, run_dir: Path, source: SizeSource) -> list[str]:
             str(spec.iters),
             "--log-interval",
             str(min(10, spec.iters)),
+            *source.schedule_flags,
             *data_flags,
         )
     cfg = scratch_config(source.config, source.choice, spec.seed, spec.iters)

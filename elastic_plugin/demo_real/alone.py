@@ -26,13 +26,15 @@ def distil_alone(
     tokenizer: str,
     out: Path,
     batch: dict[str, int],
+    schedule_flags: tuple[str, ...] = (),
     seed: int = 1,
 ) -> dict[str, Any]:
     """Train every budget below 1.0 alone at equal cost; write and return ``out/alone.json``:
     label -> {checkpoint, budget (its cost fraction: the one budget it was trained for),
     iters, tokens, seconds (the steps' own), wall_s}. ``batch``: the elastic run's
     ``seq_length`` / ``micro_batch_size`` / ``global_batch_size`` as it ran (flags included;
-    its checkpoint's config holds the YAML's)."""
+    its checkpoint's config holds the YAML's); ``schedule_flags``: the elastic run's schedule
+    flags (its learning rate), so that both routes train alike."""
     from elastic_plugin.checkpoint.meta import (
         budget_label,
         read_elastic_meta,
@@ -68,7 +70,9 @@ def distil_alone(
             for k, v in stored_choice(meta, budget, elastic_ckpt).items()
         }
         spec = RunSpec("prune_distil", label, "equal_cost", seed, iters, tokens)
-        source = SizeSource(config, choice, float(fractions[label]), reordered, data)
+        source = SizeSource(
+            config, choice, float(fractions[label]), reordered, data, schedule_flags
+        )
         print(
             f"[demo-real alone {time.time() - started:6.1f}s] distilling the {label} architecture "
             f"alone: {iters} iterations ({tokens:,} tokens; the elastic run: {total:,})",
