@@ -149,7 +149,7 @@ def test_quick_demo_real_end_to_end(smollm2, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "elastic_plugin.demo_real", "--out", out, "--quick",
          "--cache", smollm2["cache"]],
-        capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=1800,
+        capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=3600,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     report = json.loads((out / "report.json").read_text())

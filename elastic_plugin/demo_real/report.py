@@ -158,7 +158,10 @@ def curve_table(curve: dict[str, Any] | None) -> list[dict[str, Any]]:
             goal = GOALS.get(label)
             if goal is not None and b < 0:
                 target = parent + math.log(goal)
-                row["tokens_to_goal"] = math.exp(mx + (target - my) / b)
+                predicted = math.exp(mx + (target - my) / b)
+                # a fit that puts the goal before the last point contradicts the data (a jump,
+                # e.g. the router's freeze, steepens it): no prediction then
+                row["tokens_to_goal"] = predicted if predicted > pts[-1][0] else None
         rows.append(row)
     return rows
 
