@@ -252,7 +252,8 @@ def test_plan_json_and_plot(tmp_path, capsys):
     assert layouts and all(entry["fits"] for entry in layouts)
     for entry in layouts:
         lay = entry["layout"]
-        assert lay["tp"] * lay["pp"] * lay["dp"] == 4 and lay["dp"] % lay["ep"] == 0
+        assert lay["tp"] * lay["pp"] * lay["cp"] * lay["dp"] == 4
+        assert (lay["dp"] * lay["cp"]) % lay["ep"] == 0  # EP divides data x context parallel
         assert lay["tp"] == 1 or lay["sequence_parallel"]  # MoE with TP needs SP
         assert [b["budget"] for b in entry["budgets"]] == [1.0, 0.77, 0.4]
     speeds = [entry["tokens_per_s"] for entry in layouts]
@@ -481,7 +482,9 @@ def test_sweep_dry_run_prints_the_job_array_and_each_layouts_command(tmp_path):
            "PYTHON": sys.executable}  # fmt: skip
     script = str(ROOT / "examples" / "slurm" / "sweep.sh")
     expected = [e["layout"] for e in plan["layouts"]
-                if e["fits"] and e["layout"]["sequence_parallel"] == (e["layout"]["tp"] > 1)][:3]  # fmt: skip
+                if e["fits"] and e["layout"]["cp"] == 1
+                and e["layout"]["sequence_parallel"] == (e["layout"]["tp"] > 1)][:3]  # fmt: skip
+    assert any(e["layout"]["cp"] > 1 for e in plan["layouts"])  # CP layouts exist, not swept
     for local in ("0", "1"):
         proc = subprocess.run(["bash", script], env={**env, "LOCAL": local}, capture_output=True,
                               text=True, cwd=ROOT, timeout=120)  # fmt: skip
@@ -520,7 +523,7 @@ def test_scaling_report_joins_measured_runs_with_the_plan(rank_pools, tmp_path, 
     runs = {"00_tp2_sp": {"tp": 2, "sequence_parallel": True, "per_budget": True},
             "01_pp2": {"pp": 2, "per_budget": False}}  # fmt: skip
     for name, kw in runs.items():
-        layout = {"tp": 1, "pp": 1, "ep": 1, "sequence_parallel": False,
+        layout = {"tp": 1, "pp": 1, "ep": 1, "cp": 1, "sequence_parallel": False,
                   "distributed_optimizer": False}  # fmt: skip
         layout.update((k, v) for k, v in kw.items() if k in layout)
         (entry,) = [e for e in plan["layouts"]

@@ -17,7 +17,8 @@
 #
 # Each run goes to SWEEP_DIR/NN_<layout>/ with sweep.json (layout, GPUs, the plan's estimate).
 # Layouts run as train_elastic.sbatch runs them (sequence parallel whenever TP > 1); plan entries
-# with TP > 1 and no sequence parallelism are skipped.
+# with TP > 1 and no sequence parallelism are skipped, and so are context-parallel ones
+# (train_elastic.sbatch sets no --context-parallel-size; plan with --context-parallel-size 1).
 
 set -euo pipefail
 
@@ -42,7 +43,7 @@ import json, sys
 from pathlib import Path
 plan_path, sweep, top, dry = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 plan = json.loads(Path(plan_path).read_text())
-chosen = [e for e in plan["layouts"] if e["fits"]
+chosen = [e for e in plan["layouts"] if e["fits"] and e["layout"].get("cp", 1) == 1
           and e["layout"]["sequence_parallel"] == (e["layout"]["tp"] > 1)][:top]
 if not chosen:
     sys.exit(f"sweep.sh: {plan_path} has no fitting layout to run")
