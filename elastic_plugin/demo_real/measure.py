@@ -161,29 +161,47 @@ def measure_megatron(
     return out
 
 
+def _load_fp32(path: Path) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _chat_ids(tok: Any, text: str) -> Any:
+    """``text`` as one user turn of the chat template, ready for the reply: ``[1, n]`` ids."""
+    ids: Any = tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
+    )
+    return ids["input_ids"] if hasattr(ids, "keys") else ids
+
+
+def _greedy(model: Any, tok: Any, ids: Any, max_new_tokens: int) -> Any:
+    """``ids`` followed by up to ``max_new_tokens`` greedy tokens (stock ``generate``)."""
+    import torch
+
+    with torch.no_grad():
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )
+
+
 def answer_prompts(
     path: Path, tokenizer_dir: Path, prompts: Sequence[str], max_new_tokens: int
 ) -> list[str]:
     """Greedy answers (chat template) of an HF directory in stock transformers."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tok: Any = AutoTokenizer.from_pretrained(tokenizer_dir)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = _load_fp32(path)
     answers = []
     for prompt in prompts:
-        ids: Any = tok.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt"
-        )
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=tok.pad_token_id,
-            )
+        ids = _chat_ids(tok, prompt)
+        out = _greedy(model, tok, ids, max_new_tokens)
         text: str = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         answers.append(text.strip())
     return answers
@@ -222,30 +240,14 @@ def budget_control(
     ``answer_tokens`` in all. Against: the parent alone and each small model alone. Per route:
     which answers are right (the reply holds an accepted spelling), the replies, the tokens
     each model read and wrote, and the wall seconds (cache on, fp32)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tok: Any = AutoTokenizer.from_pretrained(tokenizer_dir)
 
-    def load(path: Path) -> Any:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
     def greedy(model: Any, ids: Any, new: int) -> Any:
-        with torch.no_grad():
-            return model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new,
-                do_sample=False,
-                pad_token_id=tok.pad_token_id,
-            )
+        return _greedy(model, tok, ids, new)
 
-    prompts = []
-    for question, _ in questions:
-        ids: Any = tok.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt"
-        )
-        prompts.append(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    prompts = [_chat_ids(tok, question) for question, _ in questions]
 
     def record(route: str, runs: list[tuple[Any, Any, float]]) -> dict[str, Any]:
         replies = [tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True) for ids, out, _
@@ -278,10 +280,10 @@ def budget_control(
 
         return [timed(control, p) for p in prompts]
 
-    parent = load(parent_dir)
+    parent = _load_fp32(parent_dir)
     routes = [record("parent", alone(parent))]
     for label, path in small_dirs.items():
-        small = load(path)
+        small = _load_fp32(path)
         routes.append(record(label, alone(small)))
         routes.append(record(f"{label}->parent", switched(small, parent)))
     return {
@@ -297,9 +299,8 @@ def decode_speed(path: Path, batch_sizes: Sequence[int], new_tokens: int) -> dic
     """Greedy decode tokens/s (generated tokens per second, cache on, fp32) per batch size,
     from a fixed 16-token prompt, best of two runs."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = _load_fp32(path)
     speeds = {}
     for batch in batch_sizes:
         ids = torch.arange(100, 116).repeat(batch, 1)
