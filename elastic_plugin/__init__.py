@@ -18,4 +18,13 @@ def _maybe_enable_cpu_compat() -> None:
         maybe_enable_from_env()
 
 
+def _defer_megatron_compile() -> None:
+    """Megatron-Core's ``torch.compile`` decorations compile on first call instead of importing
+    the compiler at import time: ~2.7 s off every process's start-up (compat/deferred_compile.py)."""
+    from elastic_plugin.compat.deferred_compile import install
+
+    install()
+
+
+_defer_megatron_compile()
 _maybe_enable_cpu_compat()

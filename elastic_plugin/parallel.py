@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from elastic_plugin.compat.rendezvous import free_port
 from elastic_plugin.models.config import Layout, ModelConfig
 
 if TYPE_CHECKING:  # Megatron ships no types: this annotates Megatron model chunks
@@ -33,9 +32,9 @@ def collective_timeout_s() -> float:
 def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> None:
     """Join the default process group from torchrun-style env vars (or a 1-rank world).
 
-    A 1-rank world rendezvouses on a free local port passed to torch directly, not through
-    ``os.environ``: a rendezvous env left behind would be inherited by every subprocess this
-    process starts (a torchrun or CLI child would then try to listen on the taken port).
+    A 1-rank world rendezvouses through an in-process store: no port to pick (a port picked
+    "free" can be taken by another run before it is bound) and no rendezvous env left behind
+    for the subprocesses this process starts (a torchrun or CLI child would inherit it).
     ``timeout_s``: how long a collective waits for a peer (default 600 s), also for the
     model-parallel groups ``initialize_layout`` creates."""
     global _timeout_s
@@ -50,7 +49,7 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
         return
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{free_port()}",
+        store=dist.HashStore(),
         rank=0,
         world_size=1,
         timeout=timedelta(seconds=_timeout_s),

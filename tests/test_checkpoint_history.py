@@ -108,3 +108,23 @@ def test_megatron_lm_reads_the_pointer_and_finds_the_save(tmp_path, monkeypatch)
     assert (iteration, release) == (12, False)
     found = mlm.get_checkpoint_name(str(stage), iteration, release, return_base_dir=True)
     assert Path(found) == resolve_checkpoint(stage) == stage / "iter_0000012"
+
+
+def test_a_requested_budget_is_matched_to_a_trained_one_or_refused_naming_the_flag():
+    """``match_trained_budget``: the one check ``generate`` and ``load_nested_model`` share."""
+    from elastic_plugin.checkpoint.meta import match_trained_budget
+    from elastic_plugin.models.config import ConfigError
+
+    meta = {"elastic": {"budgets": [1.0, 0.77, 0.4]}}
+    assert match_trained_budget(0.77, meta) == 0.77
+    assert match_trained_budget(0.4 + 1e-12, meta, "--think-budget") == 0.4  # float noise
+    assert match_trained_budget(1, meta) == 1.0
+    with pytest.raises(
+        ConfigError, match=r"^--answer-budget 0.5 was not trained; trained budgets: 1, 0.77, 0.4$"
+    ):
+        match_trained_budget(0.5, meta, "--answer-budget")
+    for bad in (float("nan"), float("inf"), True, "0.4", None):
+        with pytest.raises(
+            ConfigError, match=r"^--budget .*: not a number; trained budgets: 1, 0.77, 0.4$"
+        ):
+            match_trained_budget(bad, meta)

@@ -134,7 +134,7 @@ def _reordered_checkpoint(path: Path) -> Path:
 def commands(tmp_path, monkeypatch):
     """``train`` / ``elastic-train`` argv into one --out, their training part recording whether
     it ran while the lock was held by this process."""
-    from elastic_plugin.elastic import cli as elastic_cli
+    from elastic_plugin.elastic import command as elastic_command
     from elastic_plugin.training import cli as training_cli
 
     out = tmp_path / "out"
@@ -145,7 +145,7 @@ def commands(tmp_path, monkeypatch):
         return 0
 
     monkeypatch.setattr(training_cli, "_train", fake_train)
-    monkeypatch.setattr(elastic_cli, "_train", fake_train)
+    monkeypatch.setattr(elastic_command, "train", fake_train)
     for key in ("WORLD_SIZE", "RANK"):
         monkeypatch.delenv(key, raising=False)
     ckpt = _reordered_checkpoint(tmp_path / "reordered")

@@ -16,7 +16,6 @@ import torch
 
 from elastic_plugin.checkpoint.history import resolve_checkpoint
 from elastic_plugin.checkpoint.meta import read_checkpoint_meta
-from elastic_plugin.compat.rendezvous import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "configs" / "tiny.yaml"
@@ -160,8 +159,7 @@ def test_train_under_torchrun_with_tensor_parallel(tmp_path, trained):
         "torch.distributed.run",
         "--nproc-per-node",
         "2",
-        "--master-port",
-        str(free_port()),
+        "--standalone",
         "-m",
         "elastic_plugin.cli",
         "train",
@@ -294,8 +292,7 @@ def test_importance_and_reorder_under_torchrun(trained, tmp_path, rank_pools):
             "torch.distributed.run",
             "--nproc-per-node",
             "2",
-            "--master-port",
-            str(free_port()),
+            "--standalone",
             "-m",
             "elastic_plugin.cli",
             *args,

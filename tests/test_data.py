@@ -7,7 +7,6 @@ import itertools
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -27,6 +26,7 @@ from elastic_plugin.data.indexed import (
 )
 from elastic_plugin.data.prepare import PreparedData, prepare_dataset
 from elastic_plugin.data.tokenizer import SPECIAL_TOKENS, JsonTokenizer, train_tokenizer
+from tests.support.rendezvous import client_env, serve_store
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ = 64
@@ -383,18 +383,13 @@ _RANK_SCRIPT = textwrap.dedent(
 def test_two_ranks_rank0_builds_others_wait(tmp_path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(_RANK_SCRIPT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = serve_store()  # both ranks join it as clients: no port picked, then raced for
     out = tmp_path / "shared"
     procs = []
     for rank in range(2):
         env = dict(
             os.environ,
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
+            **client_env(store, rank, 2),
             PYTHONPATH=REPO,
             OMP_NUM_THREADS="1",
         )

@@ -24,7 +24,6 @@ import pytest
 import yaml
 
 from elastic_plugin.checkpoint.meta import read_checkpoint_meta
-from elastic_plugin.compat.rendezvous import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "configs" / "tiny.yaml"
@@ -54,8 +53,7 @@ def torchrun(*args: str, nproc: int = 2, timeout: int = 600) -> subprocess.Compl
         "torch.distributed.run",
         "--nproc-per-node",
         str(nproc),
-        "--master-port",
-        str(free_port()),
+        "--standalone",
         "-m",
         "elastic_plugin.cli",
         *args,
@@ -116,12 +114,12 @@ def fake(tmp_path):
 @pytest.fixture()
 def no_training(monkeypatch):
     """In-process runs of the CLI: reaching the training part is a test failure."""
-    from elastic_plugin.elastic import cli
+    from elastic_plugin.elastic import command
 
     def refuse(*_args, **_kwargs):
         raise AssertionError("bad input reached the training part")
 
-    monkeypatch.setattr(cli, "_train", refuse)
+    monkeypatch.setattr(command, "train", refuse)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("RANK", raising=False)
 

