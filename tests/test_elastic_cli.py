@@ -271,6 +271,39 @@ def test_bad_input_exits_2_naming_the_flag_before_any_work(fake, no_training, mo
         assert not Path(fake["out"]).exists(), "nothing may be written for bad input"
 
 
+def test_a_curriculum_in_tokens_is_counted_in_the_runs_iterations(fake, monkeypatch, capsys):
+    """A stage of tokens lasts ceil(tokens / (global batch x its sequence length)) iterations of
+    this run: 16 x 64 x 1000 tokens at sequence length 64 are 1000 iterations, 16 x 128 x 300 at
+    the run's 128 are 300, so the stages cover 1300 iterations, more than the run's 300 (warned)."""
+    from elastic_plugin.cli import main
+    from elastic_plugin.elastic import command
+    from elastic_plugin.elastic.config import CurriculumStage
+
+    seen = []
+    monkeypatch.setattr(command, "train", lambda inputs, args: seen.append(inputs) or 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    stages = [{"tokens": 16 * 64 * 1000, "seq_length": 64}, {"tokens": 16 * 128 * 300}]
+    config = {**fake["config"], "elastic": {"curriculum": stages}}
+    path = _yaml(fake["tmp"] / "tokens.yaml", config)
+    rc = main(
+        ["elastic-train", "--ckpt", fake["reordered"], "--config", path, "--out", fake["out"]]
+    )
+    assert rc == 0, capsys.readouterr().err
+    ecfg, sched = seen[0].ecfg, seen[0].schedule
+    assert (sched["global_batch_size"], sched["seq_length"], sched["train_iters"]) == (
+        16,
+        128,
+        300,
+    )
+    assert ecfg.curriculum_in_iterations(16, 128) == (
+        CurriculumStage(1000, None, 64),
+        CurriculumStage(300),
+    )
+    err = capsys.readouterr().err
+    assert "elastic.curriculum covers 1300 iterations but the run has 300" in err
+
+
 @pytest.mark.integration
 def test_bad_input_in_a_fresh_process_imports_no_megatron(fake):
     """The exit code and message as a user sees them, and proof that no model code ran."""

@@ -103,6 +103,49 @@ def test_from_dict_to_dict_round_trip():
     assert again == cfg
 
 
+def test_curriculum_stages_in_tokens_count_iterations_of_the_batch():
+    """The published recipe states its stages in tokens: a stage of ``tokens`` lasts
+    ceil(tokens / (global batch x its sequence length)) iterations; configs in iterations keep
+    their layout (no ``tokens`` key)."""
+    raw = {
+        "budgets": [1.0, 0.6],
+        "curriculum": [{"tokens": 1000}, {"tokens": 2048, "seq_length": 256, "budget_probs": [0.8, 0.2]}],
+    }  # fmt: skip
+    cfg = ElasticConfig.from_dict(raw)
+    assert cfg.curriculum == (
+        CurriculumStage(tokens=1000.0),
+        CurriculumStage(budget_probs=(0.8, 0.2), seq_length=256, tokens=2048.0),
+    )
+    assert cfg.curriculum_in_iterations(4, 64) == (  # ceil(1000 / 256), 2048 / (4 x 256)
+        CurriculumStage(4),
+        CurriculumStage(2, (0.8, 0.2), 256),
+    )
+    assert [s.token_count(4, 64) for s in cfg.curriculum_in_iterations(4, 64)] == [1024, 2048]
+    assert cfg.to_dict()["curriculum"][0] == {
+        "iters": None, "budget_probs": None, "seq_length": None, "tokens": 1000.0,
+    }  # fmt: skip
+    assert ElasticConfig.from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict()))) == cfg
+    assert "tokens" not in ElasticConfig.from_dict(FULL).to_dict()["curriculum"][0]
+    iters_only = ElasticConfig.from_dict({"budgets": [1.0, 0.6], "curriculum": [{"iters": 7}]})
+    assert iters_only.curriculum_in_iterations(4, 64) == iters_only.curriculum
+
+
+@pytest.mark.parametrize(
+    "stage, message",
+    [
+        ({"iters": 5, "tokens": 100}, r"elastic.curriculum\[0\]: sets both of iters and tokens"),
+        ({"iters": None, "seq_length": 64}, r"elastic.curriculum\[0\]: sets neither"),
+        ({"seq_length": 64}, r"elastic.curriculum\[0\].iters: missing; allowed: a positive "
+                             r"integer \(or tokens"),
+        ({"tokens": 0}, r"elastic.curriculum\[0\].tokens=0; allowed: a number > 0"),
+        ({"tokens": "1e9"}, r"elastic.curriculum\[0\].tokens='1e9'; allowed: a number > 0"),
+    ],
+)  # fmt: skip
+def test_curriculum_stage_takes_iters_or_tokens(stage, message):
+    with pytest.raises(ConfigError, match=message):
+        ElasticConfig.from_dict({"budgets": [1.0, 0.6], "curriculum": [stage]})
+
+
 @pytest.mark.parametrize(
     "raw, field, allowed",
     [

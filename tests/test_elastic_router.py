@@ -321,6 +321,11 @@ def test_sampler_validation():
         BudgetSampler(BUDGETS, [CurriculumStage(0, None, None)], 0, 10)
     with pytest.raises(ConfigError, match="1-based"):
         BudgetSampler(BUDGETS, None, 0, 10).stage(0)
+    token_stage = CurriculumStage(tokens=512.0, seq_length=16)
+    with pytest.raises(ConfigError, match=r"curriculum\[0\] is given in tokens \(512\)"):
+        BudgetSampler(BUDGETS, [token_stage], 0, 10)
+    counted = BudgetSampler(BUDGETS, [token_stage.in_iterations(8, 64)], 0, 10)
+    assert counted.stage(4)[0] == 0 and counted.stages[0].iters == 4  # 512 / (8 x 16)
 
 
 def _opinionated_router(tiny):

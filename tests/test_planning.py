@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -26,7 +27,7 @@ import pytest
 import yaml
 
 from elastic_plugin.cli import build_parser, main
-from elastic_plugin.elastic.config import ElasticConfig
+from elastic_plugin.elastic.config import CurriculumStage, ElasticConfig
 from elastic_plugin.models.axes import model_for_choice
 from elastic_plugin.models.config import load_config
 from elastic_plugin.models.flops import forward_flops, training_flops
@@ -38,7 +39,7 @@ from elastic_plugin.planning.devices import load_device
 from elastic_plugin.planning.layouts import PlanLayout, check_layout
 from elastic_plugin.planning.memory import state_bytes, teacher_logit_bytes
 from elastic_plugin.planning.params import elastic_router_tensors, stage_params
-from elastic_plugin.planning.plan import PlanInputs, evaluate_layout
+from elastic_plugin.planning.plan import PlanInputs, evaluate_layout, make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "configs" / "tiny.yaml")
@@ -69,6 +70,31 @@ def test_plan_flops_are_the_nested_models_flops():
         assert plan.step_flops == (expected.total + teacher.total) * (8 // 4)
         assert run.nested == model_for_choice(model, run.choice)
     assert plans[2].run.train_flops.total < plans[0].run.train_flops.total
+
+
+def test_plan_curriculum_reads_the_training_stage_type_in_tokens_or_iterations():
+    """The planner's --stage is the training config's CurriculumStage: a stage of N iterations
+    costs what a stage of N x global batch x sequence length tokens does."""
+    model = load_config(TINY).model
+    elastic = ElasticConfig.from_dict({"budgets": [1.0, 0.77, 0.4]})
+    base = PlanInputs(model, "tiny", 2, load_device("h100"), 128, 4, 8, Runtime(), elastic)
+    by_tokens = dataclasses.replace(base, curriculum=(
+        CurriculumStage(tokens=8 * 128 * 300.0),
+        CurriculumStage(tokens=8 * 256 * 50.0, budget_probs=(0.5, 0.3, 0.2), seq_length=256),
+    ))  # fmt: skip
+    by_iters = dataclasses.replace(base, curriculum=(
+        CurriculumStage(iters=300),
+        CurriculumStage(iters=50, budget_probs=(0.5, 0.3, 0.2), seq_length=256),
+    ))  # fmt: skip
+    tokens_plan, iters_plan = make_plan(by_tokens)[0][0], make_plan(by_iters)[0][0]
+    stages = tokens_plan.curriculum["stages"]
+    assert [(s["tokens"], s["seq_length"], s["steps"]) for s in stages] == [
+        (8 * 128 * 300.0, 128, 300.0),
+        (8 * 256 * 50.0, 256, 50.0),
+    ]
+    assert stages[1]["budget_probs"] == [0.5, 0.3, 0.2]
+    assert tokens_plan.curriculum == iters_plan.curriculum
+    assert tokens_plan.curriculum["gpu_hours"] > 0
 
 
 def _megatron_args(model, tp: int, pp: int, ep: int, dp: int, dist_opt: bool):
@@ -142,7 +168,9 @@ def _run(argv: list[str], capsys) -> tuple[int, str, str]:
         (["--gpus", "2", "--teacher", "twin"], "--teacher 'twin'; allowed: frozen, self"),
         (["--gpus", "2", "--efficiency", "1.5"], "--efficiency=1.5; allowed: a number in (0, 1]"),
         (["--gpus", "2", "--stage", "1e9"], "--stage '1e9'; allowed: TOKENS:SEQ"),
-        (["--gpus", "2", "--stage", "1e9:128:0.5/0.5"], "allowed: 3 non-negative numbers"),
+        (["--gpus", "2", "--stage", "1e9:128:0.5/0.5"],
+         "--stage '1e9:128:0.5/0.5': budget_probs=[0.5, 0.5] has 2 entries; allowed: one per budget (3"),
+        (["--gpus", "2", "--stage", "0:128"], "--stage '0:128': tokens=0.0; allowed: a number > 0"),
         (["--gpus", "2", "--elastic-budgets", "0.4", "1.0"], "--elastic-budgets"),
         (["--gpus", "2", "--kd-chunk-tokens", "0"], "--kd-chunk-tokens"),
         (["--gpus", "2", "--recompute-granularity", "some"], "--recompute-granularity='some'"),

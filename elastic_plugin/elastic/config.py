@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from elastic_plugin.models.axes import ELASTIC_AXES, model_axes, multiple_name
@@ -149,19 +149,31 @@ class RouterConfig:
 
 @dataclass(frozen=True)
 class CurriculumStage:
-    """``iters`` iterations with budgets drawn from ``budget_probs`` (None: uniform), optionally
-    at another sequence length (docs/design.md, "Budget sampling and the curriculum": the
-    published recipe's stage 2 skews to the big model with longer sequences)."""
+    """One curriculum stage: ``iters`` iterations, or ``tokens`` tokens (the published recipe
+    states its stages in tokens), with budgets drawn from ``budget_probs`` (None: uniform),
+    optionally at another sequence length (docs/design.md, "Budget sampling and the curriculum":
+    stage 2 skews to the big model with longer sequences). Training and the planner share it:
+    training counts iterations (``in_iterations``), the planner tokens (``token_count``)."""
 
-    iters: int
+    iters: int | None = None
     budget_probs: tuple[float, ...] | None = None
     seq_length: int | None = None
+    tokens: float | None = None
 
     def __post_init__(self) -> None:
         self.check("curriculum[]")
 
     def check(self, prefix: str, num_budgets: int | None = None) -> None:
-        _positive_int(f"{prefix}.iters", self.iters)
+        if (self.iters is None) == (self.tokens is None):
+            given = "both" if self.iters is not None else "neither"
+            raise ElasticConfigError(
+                prefix,
+                f": sets {given} of iters and tokens; allowed: one of iters (a positive "
+                "integer) or tokens (a number > 0)",
+            )
+        _positive_int(f"{prefix}.iters", self.iters, allow_none=True)
+        if self.tokens is not None:
+            object.__setattr__(self, "tokens", _number(f"{prefix}.tokens", self.tokens, 0.0, True))
         _positive_int(f"{prefix}.seq_length", self.seq_length, allow_none=True)
         if self.budget_probs is None:
             return
@@ -180,6 +192,23 @@ class CurriculumStage:
                 f"={list(probs)} has {len(probs)} entries; allowed: one "
                 f"per budget ({num_budgets}, as in elastic.budgets)",
             )
+
+    def in_iterations(self, global_batch_size: int, seq_length: int) -> CurriculumStage:
+        """This stage counted in iterations: a stage of ``tokens`` lasts
+        ceil(tokens / (global_batch_size x its sequence length)) iterations, its sequence length
+        being ``seq_length`` (the run's) unless the stage sets one."""
+        if self.iters is not None:
+            return self
+        per_iteration = global_batch_size * (self.seq_length or seq_length)
+        iters = max(1, math.ceil(float(self.tokens or 0.0) / per_iteration))
+        return replace(self, iters=iters, tokens=None)
+
+    def token_count(self, global_batch_size: int, seq_length: int) -> float:
+        """Tokens this stage trains: ``tokens`` as given, or iterations x global batch x its
+        sequence length (``seq_length``, the run's, unless the stage sets one)."""
+        if self.tokens is not None:
+            return self.tokens
+        return float(self.iters or 0) * global_batch_size * (self.seq_length or seq_length)
 
 
 @dataclass(frozen=True)
@@ -292,7 +321,8 @@ class ElasticConfig:
             if not isinstance(stage, CurriculumStage):
                 raise ElasticConfigError(
                     f"curriculum[{i}]",
-                    f"={stage!r}; allowed: a mapping with iters, budget_probs, seq_length",
+                    f"={stage!r}; allowed: a mapping with iters or tokens, budget_probs, "
+                    "seq_length",
                 )
             stage.check(f"curriculum[{i}]", len(self.budgets))
         object.__setattr__(self, "curriculum", stages)
@@ -345,6 +375,7 @@ class ElasticConfig:
                     "iters": s.iters,
                     "budget_probs": None if s.budget_probs is None else list(s.budget_probs),
                     "seq_length": s.seq_length,
+                    **({"tokens": s.tokens} if s.tokens is not None else {}),
                 }
                 for s in self.curriculum
             ],
@@ -357,6 +388,14 @@ class ElasticConfig:
             "interpolate": self.interpolate,
             "fp8_gemm": self.fp8_gemm,
         }
+
+    def curriculum_in_iterations(
+        self, global_batch_size: int, seq_length: int
+    ) -> tuple[CurriculumStage, ...]:
+        """The curriculum counted in iterations of ``global_batch_size`` sequences of
+        ``seq_length`` tokens (a stage's own sequence length where it sets one): what the budget
+        sampler and the run's coverage check read."""
+        return tuple(s.in_iterations(global_batch_size, seq_length) for s in self.curriculum)
 
     # --------------------------------------------------------------------------------- resolve
     def resolve(self, model: ModelConfig, tp: int = 1, ep: int = 1) -> ResolvedElastic:
@@ -398,7 +437,7 @@ def parse_curriculum(raw: Any) -> tuple[CurriculumStage, ...]:
     if isinstance(raw, Mapping) or not isinstance(raw, Sequence):
         raise ElasticConfigError(
             "curriculum",
-            f"={raw!r}; allowed: a list of mappings with iters, budget_probs, seq_length",
+            f"={raw!r}; allowed: a list of mappings with iters or tokens, budget_probs, seq_length",
         )
     stages = []
     for i, item in enumerate(raw):
@@ -407,9 +446,10 @@ def parse_curriculum(raw: Any) -> tuple[CurriculumStage, ...]:
             continue
         values = _mapping(f"curriculum[{i}]", item)
         _unknown_keys(f"curriculum[{i}]", values, CurriculumStage)
-        if "iters" not in values:
+        if "iters" not in values and "tokens" not in values:
             raise ElasticConfigError(
-                f"curriculum[{i}].iters", ": missing; allowed: a positive integer"
+                f"curriculum[{i}].iters",
+                ": missing; allowed: a positive integer (or tokens: a number > 0)",
             )
         try:
             stages.append(CurriculumStage(**values))

@@ -350,7 +350,10 @@ def check_elastic_inputs(args: argparse.Namespace) -> ElasticInputs:
         raise ConfigError(f"--out {out}: exists and is not a directory")
     finished = _check_resume(args, out, ecfg, layout, sched, cfg)
     data = _data_source(args, meta) if finished is None else DataSource()
-    covered = sum(stage.iters for stage in ecfg.curriculum)
+    covered = sum(
+        stage.iters or 0
+        for stage in ecfg.curriculum_in_iterations(sched["global_batch_size"], sched["seq_length"])
+    )
     if covered > sched["train_iters"]:
         _warn(
             f"elastic.curriculum covers {covered} iterations but the run has "

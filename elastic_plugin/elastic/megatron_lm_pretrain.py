@@ -169,10 +169,10 @@ def _start_session(margs, model, teacher, teacher_dir, cfg, ecfg, resolved, sour
         teacher = Float16Module(teacher.config, teacher)
     total = margs.train_iters or max(1, (margs.train_samples or 1) // margs.global_batch_size)
     anneal = ecfg.router.anneal_iters or total
-    stages = list(ecfg.curriculum) or None
+    stages = ecfg.curriculum_in_iterations(margs.global_batch_size, margs.seq_length)
     step = ElasticStep(
         state=state,
-        sampler=BudgetSampler(resolved.budgets, stages, margs.seed, total),
+        sampler=BudgetSampler(resolved.budgets, list(stages) or None, margs.seed, total),
         cost=ElasticCost(cfg.model, resolved),
         temperature=AnnealSchedule(ecfg.router.temperature[0], ecfg.router.temperature[1], anneal),
         logit_scale=AnnealSchedule(ecfg.router.logit_scale[0], ecfg.router.logit_scale[1], anneal),

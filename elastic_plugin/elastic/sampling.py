@@ -54,7 +54,7 @@ class BudgetSampler:
         self._cumulative = [self._cdf(s) for s in self.stages]
         ends, total = [], 0
         for s in self.stages:
-            total += s.iters
+            total += s.iters or 0
             ends.append(total)
         self._stage_ends = ends
 
@@ -62,6 +62,11 @@ class BudgetSampler:
         """The stage (checked when it was made) against these budgets, its probabilities
         normalised to sum to exactly 1."""
         stage.check(f"curriculum[{index}]", len(self.budgets))
+        if stage.iters is None:  # the sampler counts iterations; tokens need the batch shape
+            raise ConfigError(
+                f"curriculum[{index}] is given in tokens ({stage.tokens:g}); allowed here: "
+                "iterations (CurriculumStage.in_iterations(global_batch_size, seq_length))"
+            )
         if stage.budget_probs is None:
             return stage
         total = sum(stage.budget_probs)

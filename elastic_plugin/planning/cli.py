@@ -15,12 +15,17 @@ import yaml
 
 from elastic_plugin.cli_args import add_runtime_args, runtime_from_args
 from elastic_plugin.cli_errors import report_bad_input
-from elastic_plugin.elastic.config import TEACHERS, ElasticConfig
+from elastic_plugin.elastic.config import (
+    TEACHERS,
+    CurriculumStage,
+    ElasticConfig,
+    ElasticConfigError,
+)
 from elastic_plugin.models.config import ConfigError, ModelConfig, TrainingConfig, load_config
 from elastic_plugin.models.runtime import Runtime
 from elastic_plugin.planning.activations import MAMBA_SCANS
 from elastic_plugin.planning.devices import BUILTIN_DEVICES, load_device
-from elastic_plugin.planning.plan import CurriculumStage, PlanInputs
+from elastic_plugin.planning.plan import PlanInputs
 
 PROG = "elastic-plugin plan"
 
@@ -150,6 +155,8 @@ def _fraction(flag: str, value: float) -> None:
 
 
 def _stage(text: str, budgets: int) -> CurriculumStage:
+    """``--stage TOKENS:SEQ[:P1/P2/...]`` as the training config's stage type; its values are
+    checked by that type (the same checks and messages as the config's ``elastic.curriculum``)."""
     parts = text.split(":")
     try:
         if len(parts) not in (2, 3):
@@ -160,16 +167,12 @@ def _stage(text: str, budgets: int) -> CurriculumStage:
         raise ConfigError(
             f"--stage {text!r}; allowed: TOKENS:SEQ[:P1/P2/...], e.g. 1e11:8192:0.5/0.3/0.2"
         ) from None
-    if not tokens > 0 or seq <= 0:
-        raise ConfigError(f"--stage {text!r}: tokens and sequence length must be > 0")
-    if probs is not None and (
-        len(probs) != budgets or any(p < 0 for p in probs) or abs(sum(probs) - 1) > 1e-6
-    ):
-        raise ConfigError(
-            f"--stage {text!r}: {len(probs)} probabilities; allowed: {budgets} "
-            f"non-negative numbers (one per budget) summing to 1"
-        )
-    return CurriculumStage(tokens, seq, probs)
+    try:
+        stage = CurriculumStage(tokens=tokens, seq_length=seq, budget_probs=probs)
+        stage.check("stage", budgets)
+    except ElasticConfigError as exc:
+        raise ConfigError(f"--stage {text!r}: {exc.field.split('.')[-1]}{exc.detail}") from None
+    return stage
 
 
 def _model(args: argparse.Namespace) -> tuple[ModelConfig, TrainingConfig, dict, str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic_plugin.elastic.config import ElasticConfig, ResolvedElastic
+from elastic_plugin.elastic.config import CurriculumStage, ElasticConfig, ResolvedElastic
 from elastic_plugin.models.axes import model_for_choice
 from elastic_plugin.models.config import ModelConfig
 from elastic_plugin.models.flops import training_flops
@@ -25,16 +25,7 @@ from elastic_plugin.planning.memory import RankMemory, rank_memory, state_bytes
 from elastic_plugin.planning.params import StageParams, elastic_router_tensors, stage_params
 from elastic_plugin.planning.timing import StepTime, step_time
 
-__all__ = ["CurriculumStage", "LayoutPlan", "PlanInputs", "evaluate_layout", "make_plan"]
-
-
-@dataclass(frozen=True)
-class CurriculumStage:
-    """``tokens`` trained at ``seq_length``, budgets drawn with ``probs`` (None: uniform)."""
-
-    tokens: float
-    seq_length: int
-    probs: tuple[float, ...] | None = None
+__all__ = ["LayoutPlan", "PlanInputs", "evaluate_layout", "make_plan"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +43,7 @@ class PlanInputs:
     efficiency: float = 0.4
     comm_efficiency: float = 0.7
     reserve_gb: float = 4.0
-    curriculum: tuple[CurriculumStage, ...] = ()
+    curriculum: tuple[CurriculumStage, ...] = ()  # the training config's stage type
     separate_tokens: float | None = None
     mamba_scan: str = "fused"  # activations.MAMBA_SCANS: mamba_ssm's kernels, or our torch scan
     context_parallel: tuple[int, ...] | None = None  # CP sizes to consider; None: every valid one
@@ -254,16 +245,18 @@ def curriculum_cost(inputs: PlanInputs, best: LayoutPlan) -> dict[str, Any]:
     stages = []
     seconds = 0.0
     for stage in inputs.curriculum:
-        ranked, _ = _rank(inputs, stage.seq_length, stage.probs)
+        seq_length = stage.seq_length or inputs.seq_length
+        tokens = stage.token_count(inputs.global_batch_size, inputs.seq_length)
+        ranked, _ = _rank(inputs, seq_length, stage.budget_probs)
         entry: dict[str, Any] = {
-            "tokens": stage.tokens,
-            "seq_length": stage.seq_length,
-            "budget_probs": list(stage.probs) if stage.probs else None,
+            "tokens": tokens,
+            "seq_length": seq_length,
+            "budget_probs": list(stage.budget_probs) if stage.budget_probs else None,
             "fits": bool(ranked) and ranked[0][0].fits,
         }
         if ranked:
             plan = ranked[0][0]
-            steps = stage.tokens / (inputs.global_batch_size * stage.seq_length)
+            steps = tokens / (inputs.global_batch_size * seq_length)
             t = steps * plan.step_seconds
             seconds += t
             entry.update(
@@ -274,7 +267,9 @@ def curriculum_cost(inputs: PlanInputs, best: LayoutPlan) -> dict[str, Any]:
                 memory_bytes=plan.memory.total,
             )
         stages.append(entry)
-    total_tokens = sum(s.tokens for s in inputs.curriculum)
+    total_tokens = sum(
+        s.token_count(inputs.global_batch_size, inputs.seq_length) for s in inputs.curriculum
+    )
     tokens = inputs.separate_tokens or total_tokens
     separate = {
         str(b.run.budget): _separate(inputs, best.layout, b.run, tokens) * inputs.gpus / 3600
@@ -294,7 +289,7 @@ def curriculum_cost(inputs: PlanInputs, best: LayoutPlan) -> dict[str, Any]:
 def make_plan(inputs: PlanInputs) -> tuple[list[LayoutPlan], dict[str, int]]:
     """Every valid layout at ``--seq-length``, ranked (``_rank``), budgets mixed by the first
     curriculum stage's probabilities; the best fitting one carries the curriculum's cost."""
-    probs = inputs.curriculum[0].probs if inputs.curriculum else None
+    probs = inputs.curriculum[0].budget_probs if inputs.curriculum else None
     ranked, rejected = _rank(inputs, inputs.seq_length, probs)
     plans = [p for p, _ in ranked]
     if inputs.curriculum and plans and plans[0].fits:
