@@ -172,7 +172,7 @@ def _start_session(margs, model, teacher, teacher_dir, cfg, ecfg, resolved, sour
     stages = ecfg.curriculum_in_iterations(margs.global_batch_size, margs.seq_length)
     step = ElasticStep(
         state=state,
-        sampler=BudgetSampler(resolved.budgets, list(stages) or None, margs.seed, total),
+        sampler=BudgetSampler(resolved.budgets, stages, margs.seed, total),
         cost=ElasticCost(cfg.model, resolved),
         temperature=AnnealSchedule(ecfg.router.temperature[0], ecfg.router.temperature[1], anneal),
         logit_scale=AnnealSchedule(ecfg.router.logit_scale[0], ecfg.router.logit_scale[1], anneal),

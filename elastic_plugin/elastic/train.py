@@ -222,10 +222,10 @@ def train_elastic(
         load_optimizer(chunks, optimizer, resumed)
         scheduler.load_state_dict(meta_src["scheduler"])
     anneal = ecfg.router.anneal_iters or sched.train_iters
-    stages = list(ecfg.curriculum_in_iterations(sched.global_batch_size, sched.seq_length))
+    stages = ecfg.curriculum_in_iterations(sched.global_batch_size, sched.seq_length)
     step = ElasticStep(
         state=state,
-        sampler=BudgetSampler(resolved.budgets, stages or None, sched.seed, sched.train_iters),
+        sampler=BudgetSampler(resolved.budgets, stages, sched.seed, sched.train_iters),
         cost=ElasticCost(model_cfg, resolved),
         temperature=AnnealSchedule(*ecfg.router.temperature, anneal),
         logit_scale=AnnealSchedule(*ecfg.router.logit_scale, anneal),

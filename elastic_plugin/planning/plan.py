@@ -267,9 +267,7 @@ def curriculum_cost(inputs: PlanInputs, best: LayoutPlan) -> dict[str, Any]:
                 memory_bytes=plan.memory.total,
             )
         stages.append(entry)
-    total_tokens = sum(
-        s.token_count(inputs.global_batch_size, inputs.seq_length) for s in inputs.curriculum
-    )
+    total_tokens = sum(entry["tokens"] for entry in stages)
     tokens = inputs.separate_tokens or total_tokens
     separate = {
         str(b.run.budget): _separate(inputs, best.layout, b.run, tokens) * inputs.gpus / 3600
