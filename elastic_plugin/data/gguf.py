@@ -170,10 +170,10 @@ def _write_plain_hf(path: str, out: str) -> dict[str, Any]:
     folder, name = os.path.split(path)
     gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config_dict = gguf_model.config.to_dict()
-    # the GGUF loader's extras: its quantization (refused by save_pretrained), the GGUF's
-    # general.name, and tokenizer ids that are no model field (the tokenizer keeps them)
-    for key in ("quantization_config", "_model_name_or_path", "unk_token_id"):
-        config_dict.pop(key, None)
+    # the GGUF loader's quantization is what save_pretrained refuses; its other extras
+    # (``_model_name_or_path``, ``unk_token_id``) are transformers' bookkeeping, kept as it
+    # writes them (``families/bookkeeping.py``: every import ignores them)
+    config_dict.pop("quantization_config", None)
     model_type = config_dict.pop("model_type")
     config = AutoConfig.for_model(model_type, **config_dict)
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -7,8 +7,10 @@ repeated. A family folder describes what differs in a :class:`GptSpec`: its tran
 defaults, the fields it knows, the ones it fixes (Qwen2's q/k/v bias, Qwen3's QK norm) and how
 it places MoE layers. Every field either maps onto ours, is checked against the value our
 Megatron model computes the same function with, or is known not to change the function
-(generation, tokenizer, initialisation, training-only settings); anything else is refused
-naming the field and its value, as for Nemotron-H (``families/nemotron_h/config.py``).
+(generation, initialisation, training-only settings); anything else is refused naming the field
+and its value, as for Nemotron-H (``families/nemotron_h/config.py``). transformers' bookkeeping
+(its base-class fields, leading-underscore fields, token ids) is dropped first, by
+``families/bookkeeping.py``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from elastic_plugin.families.base import refuse
+from elastic_plugin.families.bookkeeping import without_bookkeeping
 from elastic_plugin.models.config import ConfigError, ModelConfig
 
 __all__ = [
@@ -60,27 +63,10 @@ FEATURES = {
     "first_k_dense_replace": "dense-then-MoE layout of another architecture",
 }
 
-# Fields no GPT family's function depends on (what is read is listed per family)
+# Fields no GPT family's function depends on beyond transformers' bookkeeping (which
+# ``families/bookkeeping.py`` drops first); what is read is listed per family
 COMMON_NO_EFFECT = {
-    "architectures": "checked by the registry",
-    "model_type": "checked by the registry",
-    "transformers_version": "bookkeeping",
-    "torch_dtype": "storage dtype (the tensors carry theirs)",
-    "dtype": "storage dtype (the tensors carry theirs)",
-    "_name_or_path": "bookkeeping",
     "use_cache": "generation",
-    "pad_token_id": "tokenizer",
-    "bos_token_id": "tokenizer",
-    "eos_token_id": "tokenizer",
-    "tokenizer_class": "tokenizer",
-    "output_hidden_states": "output selection",
-    "output_attentions": "output selection",
-    "return_dict": "output selection",
-    "id2label": "classification heads",
-    "label2id": "classification heads",
-    "problem_type": "classification heads",
-    "is_encoder_decoder": "checked: must be false",
-    "chunk_size_feed_forward": "not read by decoder-only models",
     "initializer_range": "mapped to init_method_std (initialisation only)",
     "pretraining_tp": "sliced matmuls in Llama's reference code: the same function",
 }
@@ -115,6 +101,10 @@ class GptSpec:
         "num_experts_per_tok",
         "moe_intermediate_size",
     )
+    #: fields some released files carry (the authors' own code reads them; transformers does
+    #: not) that state a property this family always has: field -> (the only value accepted,
+    #: why); any other value is refused, since the checkpoint then means another function
+    declared: Mapping[str, tuple[Any, str]] = dataclasses.field(default_factory=dict)
 
 
 MAX_LAYERS = 10_000  # a declared depth beyond any model's: refused before a pattern is built
@@ -211,8 +201,13 @@ def _check_known(spec: GptSpec, raw: Mapping[str, Any], source: str) -> None:
     for field, what in FEATURES.items():
         if field in raw and raw[field] not in (None, False, 0, []):
             raise refuse(source, field, raw[field], "absent", f"{what} is not supported")
-    # layer_types is checked entry by entry (_check_attention) whatever the family
-    known = spec.read | set(COMMON_NO_EFFECT) | set(spec.extra_no_effect) | {"layer_types"}
+    for field, (value, why) in spec.declared.items():
+        if field in raw and raw[field] != value:
+            raise refuse(source, field, raw[field], repr(value), why)
+    known = spec.read | set(COMMON_NO_EFFECT) | set(spec.extra_no_effect) | set(spec.declared)
+    # layer_types is checked entry by entry (_check_attention) whatever the family; a feature
+    # field that switches its feature off (0, false, null, []) is the model without it
+    known |= {"layer_types", *FEATURES}
     if "sliding_window" not in known:  # a family without the field: named as the feature
         if raw.get("sliding_window") is not None:
             raise refuse(
@@ -234,8 +229,6 @@ def _check_known(spec: GptSpec, raw: Mapping[str, Any], source: str) -> None:
 
 
 def _check_attention(spec: GptSpec, c: Mapping[str, Any], n_layers: int, source: str) -> None:
-    if c.get("is_encoder_decoder"):
-        raise refuse(source, "is_encoder_decoder", True, "false", "decoder-only models")
     rules: list[tuple[str, bool, str, str]] = [
         ("hidden_act", c.get("hidden_act") == "silu", "'silu'", "SwiGLU MLPs and experts"),
         ("attention_bias", not c.get("attention_bias"), "false", "no bias on o_proj"),
@@ -271,7 +264,7 @@ def _check_attention(spec: GptSpec, c: Mapping[str, Any], n_layers: int, source:
 
 def gpt_model_config(spec: GptSpec, config_json: Mapping[str, Any], source: str) -> ModelConfig:
     """Our ModelConfig of a GPT-family ``config.json`` (see the module docstring)."""
-    config_json = dict(config_json)
+    config_json = without_bookkeeping(config_json, source)
     for alias, name in spec.aliases.items():
         if alias in config_json:
             value = config_json.pop(alias)

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from elastic_plugin.families.base import refuse as _refuse
+from elastic_plugin.families.bookkeeping import without_bookkeeping
 from elastic_plugin.models.config import ConfigError, ModelConfig
 
 __all__ = [
@@ -97,26 +98,19 @@ _DEFAULTS: dict[str, Any] = {
     "layer_norm_epsilon": 1e-5,
     "hidden_dropout": 0.0,
 }
-# Fields that do not change what the model computes from tokens: bookkeeping, generation and
-# cache settings, initialisation-only values, and settings transformers' NemotronH never reads.
+# Fields that do not change what the model computes from tokens beyond transformers' bookkeeping
+# (``families/bookkeeping.py`` drops that first): generation and cache settings,
+# initialisation-only values, and settings transformers' NemotronH never reads.
 _NO_EFFECT = {
-    "architectures": "checked separately",
-    "model_type": "checked separately",
-    "transformers_version": "bookkeeping",
-    "torch_dtype": "storage dtype (the tensors carry theirs)",
-    "dtype": "storage dtype (the tensors carry theirs)",
-    "_name_or_path": "bookkeeping",
     "auto_map": "remote code location; transformers' own NemotronH is the reference",
     "use_cache": "generation",
     "num_logits_to_keep": "generation",
-    "pad_token_id": "tokenizer",
-    "bos_token_id": "tokenizer",
-    "eos_token_id": "tokenizer",
     "use_mamba_kernels": "kernel choice (deprecated, no effect)",
     "mamba_ssm_cache_dtype": "generation cache",
     "time_step_min": "dt_bias initialisation (see hf_config_notes for transformers' prefill floor)",
     "time_step_max": "dt_bias initialisation",
     "time_step_floor": "dt_bias initialisation",
+    "time_step_rank": "Mamba-1's dt rank: not read by transformers' NemotronH (Mamba-2 has none)",
     "rescale_prenorm_residual": "initialisation",
     "residual_in_fp32": "not read by transformers' NemotronH",
     "expand": "not read: d_inner is mamba_num_heads * mamba_head_dim",
@@ -129,15 +123,6 @@ _NO_EFFECT = {
     "rope_scaling": "NemotronH has no position embedding",
     "rope_parameters": "NemotronH has no position embedding",
     "partial_rotary_factor": "NemotronH has no position embedding",
-    "output_hidden_states": "output selection",
-    "output_attentions": "output selection",
-    "return_dict": "output selection",
-    "chunk_size_feed_forward": "not read by NemotronH",
-    "is_encoder_decoder": "checked: must be false",
-    "id2label": "classification heads",
-    "label2id": "classification heads",
-    "problem_type": "classification heads",
-    "tokenizer_class": "tokenizer",
 }
 _MAPPED = {
     "vocab_size",
@@ -185,6 +170,7 @@ _CHECKED = {
     "sliding_window",
     "attention_dropout",
     "hidden_dropout",
+    "attention_head_dim",  # the released remote code's name: must equal head_dim
 }
 # Megatron's Mamba gated RMSNorm hard-codes this epsilon; NemotronH uses layer_norm_epsilon
 MAMBA_NORM_EPS = 1e-5
@@ -227,8 +213,6 @@ def _check_architecture(c: Mapping[str, Any], source: str) -> None:
             f"{source}: unsupported architecture model_type={c.get('model_type')!r}; "
             f"allowed: {HF_MODEL_TYPE!r}"
         )
-    if c.get("is_encoder_decoder"):
-        raise _refuse(source, "is_encoder_decoder", True, "false", "NemotronH is a decoder")
 
 
 def _layer_kinds(c: Mapping[str, Any], source: str) -> list[str]:
@@ -326,6 +310,17 @@ def _check_function(c: Mapping[str, Any], kinds: list[str], source: str) -> None
             ("topk_group", c["topk_group"] == 1, "1", "group-limited routing is not supported"),
             ("moe_latent_size", c["moe_latent_size"] is None, "null", "no latent MoE"),
         ]
+    legacy_head_dim = c.get("attention_head_dim")
+    if legacy_head_dim is not None and legacy_head_dim != c["head_dim"]:
+        rules.append(
+            (
+                "attention_head_dim",
+                False,
+                f"{c['head_dim']!r} (= head_dim)",
+                "transformers' NemotronH reads head_dim; a different attention_head_dim (the "
+                "remote code's name) would mean another model",
+            )
+        )
     for name in ("norm_eps", "rms_norm_eps"):
         if name in c and c[name] != c["layer_norm_epsilon"]:
             rules.append(
@@ -372,8 +367,8 @@ def model_config_from_hf(
     """Our ModelConfig of a NemotronH ``config.json`` dict (see the module docstring)."""
     if not isinstance(config_json, Mapping):
         raise ConfigError(f"{source}: the top level must be a JSON object")
-    c = _resolved(config_json, source)
-    _check_architecture(c, source)
+    _check_architecture(config_json, source)
+    c = _resolved(without_bookkeeping(config_json, source), source)
     kinds = _layer_kinds(c, source)
     _check_function(c, kinds, source)
     ints = {
@@ -444,7 +439,7 @@ def _map_moe(model: ModelConfig, c: Mapping[str, Any], source: str) -> None:
 def hf_config_notes(config_json: Mapping[str, Any]) -> list[str]:
     """Accepted differences worth recording with an import (for its metadata)."""
     c = {**_DEFAULTS, **{_LEGACY.get(k, k): v for k, v in config_json.items()}}
-    notes = []
+    notes: list[str] = []
     floor = float(c.get("time_step_min", 0.001))
     if floor >= 1e-12:  # the exporter writes float32's smallest normal: no floor in effect
         notes.append(

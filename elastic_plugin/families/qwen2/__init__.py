@@ -38,6 +38,8 @@ SPEC = GptSpec(
     },
     read=BASE_READ | {"use_sliding_window", "layer_types"},
     qkv_bias=True,
+    # Qwen2.5's base releases write it (transformers' Qwen2 does not read it)
+    declared={"use_mrope": (False, "multimodal RoPE (Qwen2-VL's) is not supported")},
 )
 
 

@@ -95,6 +95,11 @@ SPEC = GptSpec(
     mlp_kind=_mlp_kind,
     # transformers 5 writes num_local_experts (its attribute map), the released files num_experts
     aliases={"num_local_experts": "num_experts"},
+    # Qwen3-Coder's releases write these for their own code (transformers does not read them)
+    declared={
+        "qkv_bias": (False, "Qwen3-MoE has no q/k/v bias"),
+        "use_qk_norm": (True, "Qwen3-MoE always normalises queries and keys"),
+    },
 )
 
 
