@@ -280,11 +280,12 @@ def test_data_path_blends_are_checked_prefix_by_prefix(tmp_path):
 
 
 def test_demo_tokenizers_keep_eod_and_pad(tmp_path):
-    """The demo's tokenizers (no tokenizer_config.json) open as before: <eod> ends, <pad> pads."""
+    """The demo's tokenizers open as before: <eod> ends, <pad> pads, as their own
+    tokenizer_config.json says."""
     from elastic_plugin.data.jsonl import open_tokenizer, tokenizer_spec
     from elastic_plugin.data.tokenizer import JsonTokenizer, train_tokenizer
 
     path = train_tokenizer(["12+3=15", "4*5=20"]).save(tmp_path)
     before, after = JsonTokenizer.from_file(path), open_tokenizer(path)
     assert (after.eod, after.pad) == (before.eod, before.pad)
-    assert tokenizer_spec(path).eos_source == "the demo tokenizer's <eod>"
+    assert tokenizer_spec(path).eos_source == "tokenizer_config.json eos_token"

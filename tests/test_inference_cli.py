@@ -1,6 +1,6 @@
 """``elastic-plugin generate``: bad input exits 2 with a message naming the flag (before Megatron
 is imported), and on a briefly trained tiny elastic checkpoint the command generates exactly what
-the library calls give for the same eod-prefixed prompts: ``generate`` on the nested model of the
+the library calls give for the same prompts (the toy's tokenizer puts its <eod> in front): ``generate`` on the nested model of the
 budget, ``budget_control_generate`` with the think / answer budgets, ``capped_thinking_generate``,
 and the same tokens from the zero-shot extracted checkpoint of the budget."""
 
@@ -466,13 +466,14 @@ def test_bad_input_exits_2_with_clear_messages(fakes, no_loading, capsys):
         (
             ["--prompt", "1" * 300],
             (),
-            "--prompt 1 has 301 tokens with the <eod> prefix; "
+            "--prompt 1 has 301 tokens with the tokenizer's special tokens; "
             "the model's max_sequence_length is 256, so a prompt may have at most 255 tokens",
         ),
         (
             ["--prompt", "1" * 254, "--think-budget", "0.4", "--answer-budget", "1"],
             (),
-            "--prompt 1 has 255 tokens with the <eod> prefix; the model's max_sequence_length is "
+            "--prompt 1 has 255 tokens with the tokenizer's special tokens; the model's "
+            "max_sequence_length is "
             "256, so a prompt may have at most 253 tokens (budget control keeps 2 positions",
         ),
         (["--max-new-tokens", "0"], (), "--max-new-tokens 0: must be >= 1"),
@@ -520,7 +521,7 @@ def test_flags_resolve_to_a_plan(fakes):
     )
     assert (p.mode, p.budgets, p.kind) == ("generate", [0.4], "elastic")
     assert p.prompt_ids == [[tok.eod, *tok.tokenize(t)] for t in PROMPTS]
-    assert p.stop_tokens == ["<eod>"] and p.stop_ids == [tok.eod] and p.eod == tok.eod
+    assert p.stop_tokens == ["<eod>"] and p.stop_ids == [tok.eod] and p.eos == tok.eod
     assert p.sampling == {"greedy": True, "temperature": 1.0, "top_k": None, "top_p": None}
     assert p.max_new_tokens == 64 and p.max_think_tokens is None and p.max_sequence_length == 256
 

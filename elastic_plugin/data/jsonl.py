@@ -5,12 +5,10 @@ Hub ``tokenizer.json`` (an imported model's ``CKPT/iter_0000000/hf_tokenizer/tok
         --tokenizer teacher/iter_0000000/hf_tokenizer/tokenizer.json --out data
 
 writes ``data/train_text_document.{bin,idx}``, ``data/valid_text_document.{bin,idx}`` and
-``data/meta.json``; each document is the text followed by the tokenizer's EOS (Megatron's
-preprocess_data convention). The EOS is, in this order: ``eos_token`` of ``tokenizer_config.json``
-next to the tokenizer, ``eos_token_id`` of ``generation_config.json`` there, ``<eod>`` (the demo's
-tokenizers), one of the tokenizer's special tokens with a usual EOS name. :func:`open_tokenizer`
-applies the same rule wherever a stage opens a ``--tokenizer`` file. Every line is checked
-before anything is written.
+``data/meta.json``; each document is the text followed by the model's EOS (Megatron's
+preprocess_data convention), as ``data/token_rule.py`` reads it from the files beside the
+tokenizer. :func:`open_tokenizer` applies the same rule wherever a stage opens a ``--tokenizer``
+file. Every line is checked before anything is written.
 """
 
 from __future__ import annotations
@@ -28,9 +26,6 @@ if TYPE_CHECKING:
 TRAIN_PREFIX = "train_text_document"
 VALID_PREFIX = "valid_text_document"
 META_FILE = "meta.json"
-DEMO_EOD = "<eod>"
-# special tokens that end a document in common Hub tokenizers, tried in this order
-EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|im_end|>", "<|eot_id|>")
 
 
 class JsonlError(ValueError):
@@ -48,67 +43,19 @@ class TokenizerSpec:
     pad_token: str | None
 
 
-def _token_content(value: Any) -> str | None:
-    """``"</s>"`` or ``{"content": "</s>", ...}`` (tokenizer_config.json's two forms)."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise JsonlError(f"{path}: not readable JSON ({exc})") from None
-    return data if isinstance(data, dict) else None
-
-
 def tokenizer_spec(path: str | os.PathLike) -> TokenizerSpec:
-    """Read ``path`` (a ``tokenizer.json`` or a directory holding one) and find its EOS / pad."""
-    from tokenizers import Tokenizer
+    """The EOS / pad of ``path`` (a ``tokenizer.json`` or a directory holding one), by the one
+    rule of ``data/token_rule.py``."""
+    from .token_rule import TokenRuleError, read_token_rule
 
-    file = Path(path)
-    if file.is_dir():
-        file = file / "tokenizer.json"
-    if not file.is_file():
-        raise JsonlError(f"--tokenizer {path}: no such file (a tokenizer.json)")
     try:
-        tok = Tokenizer.from_file(str(file))
-    except Exception as exc:  # the Rust side raises plain Exceptions for bad files
-        raise JsonlError(f"--tokenizer {file}: not a readable tokenizer.json ({exc})") from None
-    config = _read_json(file.parent / "tokenizer_config.json") or {}
-    generation = _read_json(file.parent / "generation_config.json") or {}
-
-    eos, source = _token_content(config.get("eos_token")), "tokenizer_config.json eos_token"
-    if eos is None:
-        ids = generation.get("eos_token_id")
-        first = ids[0] if isinstance(ids, list) and ids else ids
-        if isinstance(first, int) and not isinstance(first, bool):
-            eos, source = tok.id_to_token(first), "generation_config.json eos_token_id"
-    if eos is None and tok.token_to_id(DEMO_EOD) is not None:
-        eos, source = DEMO_EOD, "the demo tokenizer's <eod>"
-    if eos is None:
-        specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
-        eos = next((name for name in EOS_NAMES if name in specials), None)
-        source = "the tokenizer's special tokens"
-    if eos is None:
-        raise JsonlError(
-            f"--tokenizer {file}: no EOS token found (no eos_token in tokenizer_config.json, no "
-            f"eos_token_id in generation_config.json, no special token among {', '.join(EOS_NAMES)})"
-        )
-    eos_id = tok.token_to_id(eos)
-    if eos_id is None:
-        raise JsonlError(f"--tokenizer {file}: its EOS {eos!r} ({source}) is not in the vocabulary")
-    pad = _token_content(config.get("pad_token"))
-    if pad is None and tok.token_to_id("<pad>") is not None:
-        pad = "<pad>"
-    if pad is not None and (pad == eos or tok.token_to_id(pad) is None):
+        rule = read_token_rule(path)
+    except TokenRuleError as exc:
+        raise JsonlError(str(exc)) from None
+    pad = rule.pad_token
+    if pad == rule.eos_token:
         pad = None  # GPTDataset masks pad labels: a pad equal to EOS would never train EOS
-    return TokenizerSpec(str(file), eos, eos_id, source, pad)
+    return TokenizerSpec(rule.path, rule.eos_token, rule.eos_id, rule.eos_source, pad)
 
 
 def open_tokenizer(path: str | os.PathLike) -> JsonTokenizer:

@@ -5,19 +5,26 @@ vocabulary (optionally with BPE merges up to ``vocab_size``) keeps the embedding
 :class:`JsonTokenizer` wraps any ``tokenizer.json`` (ours or a user's) behind the interface
 Megatron-Core's ``GPTDatasetConfig(tokenizer=...)`` uses: ``eod``, ``pad``, ``vocab_size``,
 ``unique_identifiers`` (part of the dataset cache key), ``tokenize``/``detokenize``.
+
+The toy's convention is stated in its own files, as a Hub model states its own
+(``data/token_rule.py`` reads both alike): training packs documents with ``<eod>`` separators, so
+a document always starts right after one; ``<eod>`` is therefore the BOS its ``tokenizer.json``
+post-processor adds in front of a prompt, and the EOS that ends a document and stops generation
+(``tokenizer_config.json``, ``generation_config.json`` beside it).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from megatron.core.tokenizers import MegatronTokenizerBase
-from tokenizers import Tokenizer, decoders, models, trainers
+from tokenizers import Tokenizer, decoders, models, processors, trainers
 
 from .tasks import THINK_CLOSE, THINK_OPEN
 
@@ -42,6 +49,7 @@ class JsonTokenizer(MegatronTokenizerBase):
         path: str | None = None,
         eod_token: str = EOD_TOKEN,
         pad_token: str | None = PAD_TOKEN,
+        files: Mapping[str, Mapping[str, object]] | None = None,
     ) -> None:
         if not isinstance(tokenizer, Tokenizer):
             raise TypeError(
@@ -58,6 +66,9 @@ class JsonTokenizer(MegatronTokenizerBase):
         pad = tokenizer.token_to_id(pad_token) if pad_token is not None else None
         self._pad = -1 if pad is None else pad
         self._hash = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:16]
+        # JSON files written beside tokenizer.json (the toy's tokenizer_config.json and
+        # generation_config.json: its own statement of BOS / EOS / pad)
+        self._files = dict(files or {})
 
     # ---- construction / persistence
     @classmethod
@@ -71,11 +82,15 @@ class JsonTokenizer(MegatronTokenizerBase):
         return cls(Tokenizer.from_file(path), path=path, **kwargs)
 
     def save(self, path: str | os.PathLike) -> str:
-        """Write ``tokenizer.json`` (``path`` may be a directory)."""
+        """Write ``tokenizer.json`` (``path`` may be a directory) and the files that go with it."""
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, "tokenizer.json")
         self._tok.save(path)
+        for name, payload in self._files.items():
+            with open(os.path.join(os.path.dirname(path) or ".", name), "w") as fh:
+                json.dump(payload, fh, indent=2)
+                fh.write("\n")
         return path
 
     @property
@@ -237,4 +252,37 @@ def train_tokenizer(
     for i, t in enumerate(special_tokens):
         if tok.token_to_id(t) != i:  # guards the fixed-id contract (pad == 0)
             raise RuntimeError(f"special token {t!r} got id {tok.token_to_id(t)}, expected {i}")
-    return JsonTokenizer(tok)
+    return JsonTokenizer(_with_toy_convention(tok), files=toy_tokenizer_files(tok))
+
+
+def _with_toy_convention(tok: Tokenizer) -> Tokenizer:
+    """``<eod>`` in front of every text encoded with special tokens (a prompt): a document
+    always starts right after an ``<eod>`` in the packed training data (on the demo teacher:
+    30% accuracy without it, 38% with it)."""
+    eod = tok.token_to_id(EOD_TOKEN)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{EOD_TOKEN} $A",
+        pair=f"{EOD_TOKEN} $A {EOD_TOKEN} $B",
+        special_tokens=[(EOD_TOKEN, eod)],
+    )
+    return tok
+
+
+def toy_tokenizer_files(tok: Tokenizer) -> dict[str, dict[str, object]]:
+    """The toy's ``tokenizer_config.json`` and ``generation_config.json``: ``<eod>`` is its BOS
+    and EOS (generation stops at it), ``<pad>`` pads."""
+    ids = {name: tok.token_to_id(token) for name, token in (("eod", EOD_TOKEN), ("pad", PAD_TOKEN))}
+    return {
+        "tokenizer_config.json": {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": EOD_TOKEN,
+            "eos_token": EOD_TOKEN,
+            "pad_token": PAD_TOKEN,
+            "unk_token": UNK_TOKEN,
+        },
+        "generation_config.json": {
+            "bos_token_id": ids["eod"],
+            "eos_token_id": ids["eod"],
+            "pad_token_id": ids["pad"],
+        },
+    }

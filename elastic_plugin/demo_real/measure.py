@@ -168,16 +168,17 @@ def _load_fp32(path: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def _chat_ids(tok: Any, text: str) -> Any:
-    """``text`` as one user turn of the chat template, ready for the reply: ``[1, n]`` ids."""
-    ids: Any = tok.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
-    )
-    return ids["input_ids"] if hasattr(ids, "keys") else ids
+def _chat_ids(rule: Any, text: str) -> Any:
+    """``text`` as one user turn of the model's chat template, ready for the reply: ``[1, n]``
+    ids, by the one tokenization rule of every command (``data/token_rule.py``)."""
+    import torch
+
+    return torch.tensor([rule.chat_ids(text)])
 
 
-def _greedy(model: Any, tok: Any, ids: Any, max_new_tokens: int) -> Any:
-    """``ids`` followed by up to ``max_new_tokens`` greedy tokens (stock ``generate``)."""
+def _greedy(model: Any, rule: Any, ids: Any, max_new_tokens: int) -> Any:
+    """``ids`` followed by up to ``max_new_tokens`` greedy tokens (stock ``generate``, stopping
+    at the rule's stop ids: generation_config.json's)."""
     import torch
 
     with torch.no_grad():
@@ -186,7 +187,8 @@ def _greedy(model: Any, tok: Any, ids: Any, max_new_tokens: int) -> Any:
             attention_mask=torch.ones_like(ids),
             max_new_tokens=max_new_tokens,
             do_sample=False,
-            pad_token_id=tok.pad_token_id,
+            eos_token_id=list(rule.stop_ids),
+            pad_token_id=rule.pad_id if rule.pad_id is not None else rule.eos_id,
         )
 
 
@@ -196,12 +198,15 @@ def answer_prompts(
     """Greedy answers (chat template) of an HF directory in stock transformers."""
     from transformers import AutoTokenizer
 
+    from elastic_plugin.data.token_rule import read_token_rule
+
     tok: Any = AutoTokenizer.from_pretrained(tokenizer_dir)
+    rule = read_token_rule(tokenizer_dir)
     model = _load_fp32(path)
     answers = []
     for prompt in prompts:
-        ids = _chat_ids(tok, prompt)
-        out = _greedy(model, tok, ids, max_new_tokens)
+        ids = _chat_ids(rule, prompt)
+        out = _greedy(model, rule, ids, max_new_tokens)
         text: str = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         answers.append(text.strip())
     return answers
@@ -242,12 +247,15 @@ def budget_control(
     each model read and wrote, and the wall seconds (cache on, fp32)."""
     from transformers import AutoTokenizer
 
+    from elastic_plugin.data.token_rule import read_token_rule
+
     tok: Any = AutoTokenizer.from_pretrained(tokenizer_dir)
+    rule = read_token_rule(tokenizer_dir)
 
     def greedy(model: Any, ids: Any, new: int) -> Any:
-        return _greedy(model, tok, ids, new)
+        return _greedy(model, rule, ids, new)
 
-    prompts = [_chat_ids(tok, question) for question, _ in questions]
+    prompts = [_chat_ids(rule, question) for question, _ in questions]
 
     def record(route: str, runs: list[tuple[Any, Any, float]]) -> dict[str, Any]:
         replies = [tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True) for ids, out, _

@@ -1,8 +1,10 @@
 """Held-out reasoning problems as generation prompts, and completions scored by reasoning-gym.
 
-A prompt is ``<eod>`` + the problem text: training packs documents with ``<eod>`` separators, so
-a document always starts right after one (measured on the products teacher: 30% accuracy
-without the separator, 38% with it). The model then writes ``<think>steps</think>answer<eod>``;
+A prompt is the problem text as the tokenizer's own files say to encode it (``data/token_rule.py``):
+the toy's tokenizer puts its ``<eod>`` in front, since training packs documents with ``<eod>``
+separators and a document always starts right after one (measured on the products teacher: 30%
+accuracy without the separator, 38% with it). The model then writes
+``<think>steps</think>answer<eod>``;
 the answer (text after ``</think>``) is scored by the task's own reasoning-gym scorer, correct
 meaning score 1.0.
 """
@@ -44,16 +46,18 @@ class Problems:
 def load_problems(prepared_dir: str, count: int) -> Problems:
     """The first ``count`` held-out problems of a prepared data directory."""
     from elastic_plugin.data.prepare import PreparedData
+    from elastic_plugin.data.token_rule import read_token_rule
 
     prepared = PreparedData.load(prepared_dir)
     tokenizer = prepared.load_tokenizer()
+    rule = read_token_rule(prepared.tokenizer_path)
     examples = prepared.load_heldout()[:count]
     if not examples:
         raise ValueError(f"{prepared_dir}: no held-out problems")
     if tokenizer.think_close is None:
         raise ValueError(f"{prepared.tokenizer_path}: the tokenizer has no </think> token")
-    prompts = [[tokenizer.eod, *tokenizer.tokenize(e.prompt)] for e in examples]
-    return Problems(examples, prompts, tokenizer.eod, tokenizer.think_close, tokenizer)
+    prompts = [rule.encode(e.prompt) for e in examples]
+    return Problems(examples, prompts, rule.eos_id, tokenizer.think_close, tokenizer)
 
 
 @dataclass

@@ -130,21 +130,7 @@ def write_hf_checkpoint(
         (out / HF_QUANT_CONFIG).write_text(json.dumps(quant_config, indent=2) + "\n")
         config["quantization_config"] = modelopt_quantization_config(quant_config)
     (out / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    (out / HF_GENERATION_CONFIG).write_text(json.dumps(generation_config(config), indent=2) + "\n")
-    if tokenizer_file is not None and Path(tokenizer_file).is_file():
-        shutil.copyfile(tokenizer_file, out / "tokenizer.json")
-        (out / "tokenizer_config.json").write_text(
-            json.dumps(
-                {
-                    "tokenizer_class": "PreTrainedTokenizerFast",
-                    "pad_token": "<pad>",
-                    "eos_token": "<eod>",
-                    "unk_token": "<unk>",
-                },
-                indent=2,
-            )
-            + "\n"
-        )
+    _write_tokenizer_files(out, config, tokenizer_file)
     extras = dict(extra_files or {})
     export_meta = extras.pop(EXPORT_META, None)
     for name, payload in extras.items():
@@ -166,12 +152,20 @@ def config_dtype(config: Mapping[str, Any]) -> str:
 
 
 def tokenizer_token_ids(tokenizer_file: str | Path | None) -> dict[str, int]:
-    """pad / eos ids of one of our tokenizers (fixed special tokens), for ``config.json``; {}
-    when there is no tokenizer file."""
+    """pad / bos / eos ids for ``config.json`` by the tokenizer's own files
+    (``data/token_rule.py``: its BOS token, its EOS, its pad); {} when there is no tokenizer."""
     if not tokenizer_file or not Path(tokenizer_file).is_file():
         return {}
-    vocab = json.loads(Path(tokenizer_file).read_text()).get("model", {}).get("vocab", {})
-    return {key: vocab[tok] for key, tok in (("pad", "<pad>"), ("eos", "<eod>")) if tok in vocab}
+    from elastic_plugin.data.token_rule import read_token_rule
+
+    rule = read_token_rule(tokenizer_file)
+    bos = rule.special_tokens.get("bos_token")
+    ids = {
+        "pad": rule.pad_id,
+        "bos": rule.backend.token_to_id(bos) if bos is not None else None,
+        "eos": rule.eos_id,
+    }
+    return {k: v for k, v in ids.items() if v is not None}
 
 
 def generation_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -185,6 +179,34 @@ def generation_config(config: Mapping[str, Any]) -> dict[str, Any]:
         **{k: v for k, v in ids.items() if v is not None},
         "transformers_version": transformers.__version__,
     }
+
+
+def _write_tokenizer_files(
+    out: Path, config: Mapping[str, Any], tokenizer_file: str | Path | None
+) -> None:
+    """The model's own tokenizer files beside the weights (``data/token_rule.TOKENIZER_FILES``
+    next to ``tokenizer_file``: its config, chat template and generation config, so transformers
+    tokenizes and stops as the source model did), and ``generation_config.json`` derived from
+    ``config`` where the tokenizer brings none. A bare ``tokenizer.json`` gets a
+    ``tokenizer_config.json`` naming the EOS / pad the rule found for it."""
+    from elastic_plugin.data.token_rule import TOKENIZER_FILES, read_token_rule
+
+    source = Path(tokenizer_file) if tokenizer_file is not None else None
+    if source is not None and source.is_file():
+        for name in TOKENIZER_FILES:
+            if (source.parent / name).is_file():
+                shutil.copyfile(source.parent / name, out / name)
+        if not (out / "tokenizer_config.json").is_file():
+            rule = read_token_rule(source)
+            named = {"eos_token": rule.eos_token, "pad_token": rule.pad_token}
+            payload = {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                **{k: v for k, v in named.items() if v is not None},
+            }
+            (out / "tokenizer_config.json").write_text(json.dumps(payload, indent=2) + "\n")
+    if not (out / HF_GENERATION_CONFIG).is_file():
+        payload = generation_config(config)
+        (out / HF_GENERATION_CONFIG).write_text(json.dumps(payload, indent=2) + "\n")
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_plugin.checkpoint.history import IMPORT_ITERATION, iteration_dir
+from elastic_plugin.data.token_rule import TOKENIZER_FILES as _RULE_FILES
 from elastic_plugin.families import family_for_config
 from elastic_plugin.families.base import Target
 from elastic_plugin.models.config import ConfigError, ExperimentConfig, ModelConfig
@@ -52,12 +53,8 @@ __all__ = [
 
 IMPORT_DTYPES = ("fp32", "bf16")
 TOKENIZER_DIR = "hf_tokenizer"  # inside the checkpoint directory
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-)
+# the model's own tokenizer files (tokenizer.json, its config, chat template, generation config)
+TOKENIZER_FILES = _RULE_FILES
 _INDEX = "model.safetensors.index.json"
 _SAFETENSORS_DTYPES = {"F32": 4, "BF16": 2, "F16": 2}  # floating tensors a model is made of
 _MAX_HEADER = 100 * 2**20
@@ -340,17 +337,29 @@ def _import_meta(plan: ImportPlan, tokenizer: Path | None) -> dict[str, Any]:
     }
 
 
-def _tokenizer_writer(source: Path) -> Callable[[Path], None] | None:
+def _tokenizer_writer(source: Path, config_json: dict[str, Any]) -> Callable[[Path], None] | None:
     """What copies the source's tokenizer files into the checkpoint (before its digests are
-    taken, so they are verified with the weights), or None when the source has none."""
+    taken, so they are verified with the weights), or None when the source has none. A source
+    without ``generation_config.json`` gets the one transformers derives from ``config.json``
+    (its special token ids: what its ``generate`` stops at), so the tokenizer directory states
+    the model's stop and pad ids as the source did (``data/token_rule.py``)."""
     files = [source / n for n in TOKENIZER_FILES if (source / n).is_file()]
     if not files:
         return None
+    derived = {
+        k: config_json[k]
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+        if config_json.get(k) is not None
+    }
 
     def write(ckpt: Path) -> None:
         (ckpt / TOKENIZER_DIR).mkdir()
         for file in files:
             shutil.copyfile(file, ckpt / TOKENIZER_DIR / file.name)
+        generation = ckpt / TOKENIZER_DIR / "generation_config.json"
+        if not generation.is_file() and derived:
+            payload = {"_from_model_config": True, **derived}
+            generation.write_text(json.dumps(payload, indent=2) + "\n")
 
     return write
 
@@ -383,7 +392,7 @@ def run_import(plan: ImportPlan, progress: bool = True) -> dict[str, Any]:
         final,
         _import_meta(plan, tokenizer),
         iteration=IMPORT_ITERATION,
-        extra_files=_tokenizer_writer(src.path),
+        extra_files=_tokenizer_writer(src.path, src.config_json),
     )
     params = sum(p.numel() for p in model.parameters())
     return {

@@ -8,9 +8,10 @@ Three modes: plain generation with one model (``--budget B`` of an elastic check
 extracted / plain checkpoint as it is); standard budget control (``--max-think-tokens N`` with one
 model: ``</think>`` is forced after N thinking tokens and the answer continues on the same cache);
 elastic budget control (``--think-budget B1 --answer-budget B2``: think with the nested model of
-B1, answer with that of B2). Every prompt is prefixed with the tokenizer's eod token, because
-training packs documents with eod separators and a document always starts right after one.
-This module parses; ``inference.request`` checks (bad input: flags, checkpoint metadata,
+B1, answer with that of B2). Prompts are tokenized by the model's own files
+(``data/token_rule.py``): its tokenizer's special tokens (a BOS exactly when it adds one; the
+toy's ``<eod>``), or with ``--chat`` its chat template with the generation prompt; generation
+stops at ``generation_config.json``'s EOS ids. This module parses; ``inference.request`` checks (bad input: flags, checkpoint metadata,
 budgets, tokenizer, prompts, exits 2 before torch or Megatron is imported) and
 ``inference.command`` runs; the summary goes to stdout (one JSON object with ``--json``).
 """
@@ -22,7 +23,7 @@ import json
 
 from elastic_plugin.cli_errors import EXIT_BAD_INPUT, report_bad_input
 from elastic_plugin.inference import command
-from elastic_plugin.inference.request import EOD_TOKEN, plan_generation
+from elastic_plugin.inference.request import plan_generation
 from elastic_plugin.models.config import ConfigError
 
 __all__ = ["EXIT_BAD_INPUT", "register_subcommand", "run_generate"]
@@ -35,11 +36,11 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "generate",
         help="generate text with a (nested) model; elastic budget control",
         description="Complete text prompts with the nested model of a trained budget of an elastic "
-        "checkpoint, or with an extracted / plain checkpoint. Every prompt is prefixed with the "
-        "tokenizer's eod token: training packs documents with eod separators, so a document "
-        "always starts right after one (on the demo teacher: 30% accuracy without the prefix, "
-        "38% with it). Elastic budget control thinks with a small nested model and answers with "
-        "a larger one.",
+        "checkpoint, or with an extracted / plain checkpoint. A prompt is tokenized as the "
+        "model's own tokenizer files say (the BOS exactly when its tokenizer adds one; with "
+        "--chat, its chat template with the generation prompt) and generation stops at its "
+        "generation_config.json EOS ids, as transformers' generate does. Elastic budget "
+        "control thinks with a small nested model and answers with a larger one.",
     )
     parser.add_argument(
         "--ckpt",
@@ -90,21 +91,28 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "continues on the same cache); with it: the thinking cap of elastic "
         "budget control (default: the model's context)",
     )
-    prompts = parser.add_argument_group("prompts (each gets the eod token prefixed)")
+    prompts = parser.add_argument_group(
+        "prompts (tokenized by the model's tokenizer, with its special tokens)"
+    )
     source = prompts.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "--prompt",
         action="append",
         default=None,
         metavar="TEXT",
-        help="a prompt (repeat for a batch); text, tokenized with the checkpoint's "
-        "tokenizer after an eod token",
+        help="a prompt (repeat for a batch); text, tokenized with the checkpoint's tokenizer",
     )
     source.add_argument(
         "--prompts-file",
         default=None,
         metavar="FILE",
         help="a text file with one prompt per line (blank lines are skipped)",
+    )
+    prompts.add_argument(
+        "--chat",
+        action="store_true",
+        help="each prompt is one user message of the model's chat template, with the "
+        "generation prompt (as apply_chat_template(..., add_generation_prompt=True))",
     )
     prompts.add_argument(
         "--allow-unknown-chars",
@@ -126,8 +134,8 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         nargs="+",
         default=None,
         metavar="TOKEN",
-        help=f"stop after any of these tokens (token strings of the checkpoint's "
-        f"tokenizer, e.g. {EOD_TOKEN}; default: the eod token)",
+        help="stop after any of these tokens (token strings of the checkpoint's tokenizer, "
+        "e.g. </s>; default: generation_config.json's eos_token_id, one id or a list)",
     )
     gen.add_argument(
         "--greedy",

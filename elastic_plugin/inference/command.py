@@ -179,8 +179,10 @@ def run_plan(plan: GeneratePlan) -> dict[str, Any]:
             "max_think_tokens": plan.max_think_tokens,
             **sampling,
             "stop": plan.stop_tokens,
-            "eod_prefix": True,
+            "stop_ids": plan.stop_ids,
+            "chat": plan.chat,
         },
+        "token_rule": plan.rule,
         "timings": timings,
         "results": records,
     }

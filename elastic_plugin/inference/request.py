@@ -2,9 +2,8 @@
 the prompts checked and resolved into a :class:`GeneratePlan`, before any model is loaded.
 
 Torch-free (the tokenizer is the ``tokenizers`` backend), so bad input fails in a second with a
-``ConfigError`` naming the flag; ``inference.command`` runs the plan. Every prompt is prefixed with
-the tokenizer's eod token, because training packs documents with eod separators and a document
-always starts right after one.
+``ConfigError`` naming the flag; ``inference.command`` runs the plan. Prompts and stop ids follow
+the model's own tokenizer files (``data/token_rule.py``), as transformers' ``generate`` reads them.
 """
 
 from __future__ import annotations
@@ -29,9 +28,8 @@ from elastic_plugin.data.tasks import THINK_CLOSE
 from elastic_plugin.models.config import ConfigError, config_from_dict
 from elastic_plugin.nested.choice import homogeneous_choice
 
-__all__ = ["EOD_TOKEN", "MODES", "GeneratePlan", "plan_generation", "unknown_chars"]
+__all__ = ["MODES", "GeneratePlan", "plan_generation", "unknown_chars"]
 
-EOD_TOKEN = "<eod>"  # = data.tokenizer.EOD_TOKEN (that module imports Megatron)
 MODES = ("generate", "capped_thinking", "budget_control")
 # room budget control keeps after the prompt: a forced </think> and at least one answer token
 _CONTROL_RESERVE = 2
@@ -51,16 +49,18 @@ class GeneratePlan:
     budgets: list[float | None]  # [one] for generate / capped_thinking, [think, answer]
     tokenizer_path: str
     prompts: list[str]
-    prompt_ids: list[list[int]]  # eod + the tokenized text
+    prompt_ids: list[list[int]]  # as the model's tokenizer (or chat template) encodes them
     stop_tokens: list[str]
     stop_ids: list[int]
-    eod: int
+    eos: int
     think_close: int | None
     max_new_tokens: int
     max_think_tokens: int | None
     sampling: dict[str, Any] = field(default_factory=dict)  # greedy, temperature, top_k, top_p
     seed: int = 0
     max_sequence_length: int = 0
+    chat: bool = False
+    rule: dict[str, Any] = field(default_factory=dict)  # what the token rule resolved to
 
 
 def _check_int(flag: str, value: int | None, low: int) -> None:
@@ -168,19 +168,14 @@ def _load_backend(path: str):
         raise ConfigError(f"--tokenizer {path}: not a readable tokenizer.json ({exc})") from None
 
 
-def _eod_token(path: str, backend) -> tuple[str, int]:
-    """The document separator prompts start with: data.jsonl.tokenizer_spec's EOS (<eod> for the
-    demo's tokenizers; tokenizer_config.json / generation_config.json for an imported one)."""
-    from elastic_plugin.data.jsonl import JsonlError, tokenizer_spec
+def _token_rule(path: str, backend):
+    """The model's tokenization rule (``data/token_rule.py``), or a ConfigError naming the file."""
+    from elastic_plugin.data.token_rule import TokenRuleError, read_token_rule
 
     try:
-        spec = tokenizer_spec(path)
-        return spec.eos_token, spec.eos_id
-    except JsonlError as exc:
-        raise ConfigError(
-            f"{exc} (every prompt is prefixed with it); special tokens: "
-            f"{', '.join(_special_tokens(backend))}"
-        ) from None
+        return read_token_rule(path)
+    except TokenRuleError as exc:
+        raise ConfigError(f"{exc}; special tokens: {', '.join(_special_tokens(backend))}") from None
 
 
 def _special_tokens(backend) -> list[str]:
@@ -290,14 +285,20 @@ def plan_generation(args: argparse.Namespace) -> GeneratePlan:
             f"--tokenizer {path}: {size} tokens, more than the model's vocabulary "
             f"({vocab}); is it the tokenizer this model was trained with?"
         )
-    eod_token, eod = _eod_token(path, backend)  # <eod>, or an imported (Hub) tokenizer's EOS
+    rule = _token_rule(path, backend)
+    chat = bool(getattr(args, "chat", False))
+    if chat and rule.chat_template is None:
+        raise ConfigError(
+            f"--chat: the tokenizer {path} has no chat template beside it (no "
+            f"chat_template.jinja, no chat_template in tokenizer_config.json)"
+        )
     think_close = backend.token_to_id(THINK_CLOSE)
     if mode != "generate" and think_close is None:
         flag = "--think-budget" if mode == "budget_control" else "--max-think-tokens"
         raise ConfigError(
             f"{flag}: budget control needs a {THINK_CLOSE} token, and the tokenizer {path} has none"
         )
-    stop_tokens = list(args.stop) if args.stop else [eod_token]
+    stop_tokens = list(args.stop) if args.stop else [backend.id_to_token(i) for i in rule.stop_ids]
     stop_ids = []
     for token in stop_tokens:
         ident = backend.token_to_id(token)
@@ -321,17 +322,17 @@ def plan_generation(args: argparse.Namespace) -> GeneratePlan:
                 f"would become its unknown token or vanish); rephrase the prompt, or pass "
                 f"--allow-unknown-chars to generate anyway"
             )
-        ids = [eod, *encoding.ids]
+        ids = rule.prompt_ids(text, chat=chat)
         if len(ids) > limit:
             why = (
                 " (budget control keeps 2 positions for </think> and the answer)"
                 if mode == "budget_control"
                 else ""
             )
+            how = "in the chat template" if chat else "with the tokenizer's special tokens"
             raise ConfigError(
-                f"{name} has {len(ids)} tokens with the {eod_token} prefix; the "
-                f"model's max_sequence_length is {context}, so a prompt may have at "
-                f"most {limit} tokens{why}"
+                f"{name} has {len(ids)} tokens {how}; the model's max_sequence_length is "
+                f"{context}, so a prompt may have at most {limit} tokens{why}"
             )
         prompt_ids.append(ids)
     return GeneratePlan(
@@ -344,11 +345,13 @@ def plan_generation(args: argparse.Namespace) -> GeneratePlan:
         prompt_ids,
         stop_tokens,
         stop_ids,
-        eod,
+        rule.eos_id,
         think_close,
         args.max_new_tokens,
         args.max_think_tokens,
         sampling,
         seed,
         context,
+        chat,
+        {**rule.summary(), "chat": chat},
     )
