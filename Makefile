@@ -17,6 +17,9 @@ PYTEST_ARGS ?=
 # the time (one-rank CLI runs, process start-up); every process runs one thread (OMP_NUM_THREADS=1),
 # so two workers do not oversubscribe the 2-core machine. 0: in this process, one test at a time.
 INTEGRATION_WORKERS ?= 2
+# GPU architectures the CUDA ops are compiled for (A100, H100/H200, B200): every `make install`,
+# CI's included, compiles all of them, and fails if one does not compile (scripts/build_extension.sh)
+CUDA_ARCHS ?= 8.0;9.0;10.0
 INTEGRATION := OMP_NUM_THREADS=1 $(PY) -m pytest -m integration $(if $(filter 0,$(INTEGRATION_WORKERS)),,-n $(INTEGRATION_WORKERS) --dist loadfile)
 STAMPS := $(VENV)/.stamps
 
@@ -36,9 +39,10 @@ $(STAMPS)/venv: requirements.txt scripts/bootstrap_venv.sh
 	@bash scripts/bootstrap_venv.sh $(VENV)
 	@mkdir -p $(STAMPS) && touch $@
 
-$(STAMPS)/install: $(STAMPS)/venv setup.py $(wildcard csrc/*.cpp csrc/*.cu csrc/*.h)
-	@echo "==> building the elastic_plugin extension (C++ always, CUDA when nvcc + a CUDA torch exist)"
-	MAX_JOBS=$${MAX_JOBS:-2} $(PY) -m pip install --no-build-isolation --no-deps -q -e .
+$(STAMPS)/install: $(STAMPS)/venv setup.py requirements-cuda.txt scripts/build_extension.sh \
+		scripts/cuda_toolkit.py scripts/check_extension.py $(wildcard csrc/*.cpp csrc/*.cu csrc/*.h)
+	@echo "==> building the elastic_plugin extension: C++ and CUDA ($(CUDA_ARCHS)); ELASTIC_PLUGIN_SKIP_CUDA=1: C++ only"
+	@bash scripts/build_extension.sh $(PY) "$(CUDA_ARCHS)"
 	@mkdir -p $(STAMPS) && touch $@
 
 venv: $(STAMPS)/venv

@@ -7,14 +7,18 @@ Install (editable, the way the Makefile does it; torch must already be installed
 An isolated build would pull a second torch from the index, so build isolation is off.
 
 The extension has a C++ part (CPU kernels, OpenMP) that is always built, and a CUDA part
-built when torch is a CUDA build and nvcc is found (``CUDA_HOME``, ``CUDA_PATH``,
-``/usr/local/cuda`` or ``nvcc`` on ``PATH``); no GPU is needed to compile it.
+built when torch is a CUDA build and nvcc of torch's CUDA major version is found (``CUDA_HOME``,
+``CUDA_PATH``, ``/usr/local/cuda`` or ``nvcc`` on ``PATH``; ``scripts/cuda_toolkit.py``); no GPU
+is needed to compile it. ``make install`` installs the registry's compiler where none is found
+(``requirements-cuda.txt``) and asserts the result (``scripts/check_extension.py``).
 Environment switches:
 
     ELASTIC_PLUGIN_NO_EXT=1        no extension at all (pure-PyTorch ops)
     ELASTIC_PLUGIN_SKIP_CUDA=1     C++ part only
     ELASTIC_PLUGIN_EXT_OPTIONAL=1  if compiling fails, warn and install without the extension
-    TORCH_CUDA_ARCH_LIST           GPU architectures; "8.0;9.0" when unset and no GPU is visible
+    ELASTIC_PLUGIN_REQUIRE_CUDA=1  fail unless the CUDA part is built (`make install` sets it)
+    TORCH_CUDA_ARCH_LIST           GPU architectures; "8.0;9.0;10.0" when unset and no GPU is
+                                   visible (A100, H100/H200, B200)
     MAX_JOBS                       parallel compile jobs (default: min(CPU count, 4))
 
 Without the extension every op still works through its PyTorch fallback;
@@ -26,7 +30,6 @@ from __future__ import annotations
 import glob
 import os
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -70,41 +73,20 @@ def _version() -> str:
     return match.group(1)
 
 
-def _find_cuda_home() -> str | None:
-    """First toolkit root with both nvcc and cuda_runtime.h.
+def _toolkit_finder():
+    """``scripts/cuda_toolkit.py`` (the one toolkit search, shared with ``make install``).
 
-    Checked before torch.utils.cpp_extension is imported, which freezes its CUDA_HOME at
+    Loaded before torch.utils.cpp_extension is imported, which freezes its CUDA_HOME at
     import time and may pick a wrapper's directory (e.g. /usr/local for /usr/local/bin/nvcc).
     """
-    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        candidates.append(str(Path(nvcc).resolve().parent.parent))
-    for root in candidates:
-        if (
-            root
-            and (Path(root) / "bin" / "nvcc").exists()
-            and (Path(root) / "include" / "cuda_runtime.h").exists()
-        ):
-            return root
-    return None
+    import importlib.util
 
-
-def _nvcc_release(cuda_home: str) -> str | None:
-    """'13.0' from `nvcc --version`, or None if it cannot be run."""
-    import subprocess
-
-    try:
-        text = subprocess.run(
-            [str(Path(cuda_home) / "bin" / "nvcc"), "--version"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    match = re.search(r"release (\d+\.\d+)", text)
-    return match.group(1) if match else None
+    spec = importlib.util.spec_from_file_location(
+        "elastic_plugin_cuda_toolkit", ROOT / "scripts" / "cuda_toolkit.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _remove_stale_extension() -> None:
@@ -131,34 +113,32 @@ def _extension_setup() -> tuple[list, dict]:
         )
         return [], {}
 
-    cuda_home = None
+    cuda_home, why_not = None, ""
     if _truthy("ELASTIC_PLUGIN_SKIP_CUDA"):
-        _loud("ELASTIC_PLUGIN_SKIP_CUDA=1: building the C++ (CPU) kernels only.")
+        why_not = "ELASTIC_PLUGIN_SKIP_CUDA=1: building the C++ (CPU) kernels only."
     elif torch.version.cuda is None:
-        _loud(
+        why_not = (
             f"torch {torch.__version__} is not a CUDA build: building the C++ (CPU) kernels only."
         )
     else:
-        cuda_home = _find_cuda_home()
+        cuda_home, note = _toolkit_finder().find_system_toolkit(torch.version.cuda)
         if cuda_home is None:
-            _loud(
-                "nvcc not found (CUDA_HOME, CUDA_PATH, /usr/local/cuda, PATH): C++ (CPU) kernels only."
+            # torch refuses to build across CUDA major versions; the CPU part still helps.
+            why_not = (
+                f"{note}: C++ (CPU) kernels only. Point CUDA_HOME at a CUDA "
+                f"{torch.version.cuda.split('.')[0]}.x toolkit, or run `make install`, which "
+                "installs the registry's compiler (requirements-cuda.txt)."
             )
-        else:
-            release = _nvcc_release(cuda_home)
-            if release is None or release.split(".")[0] != torch.version.cuda.split(".")[0]:
-                # torch refuses to build across CUDA major versions; the CPU part still helps.
-                _loud(
-                    f"nvcc in {cuda_home} is CUDA {release}, torch was built with CUDA {torch.version.cuda}: "
-                    "major versions differ, so building the C++ (CPU) kernels only. Point CUDA_HOME at a "
-                    f"CUDA {torch.version.cuda.split('.')[0]}.x toolkit to build the CUDA kernels."
-                )
-                cuda_home = None
+    if why_not:
+        if _truthy("ELASTIC_PLUGIN_REQUIRE_CUDA") and not _truthy("ELASTIC_PLUGIN_SKIP_CUDA"):
+            _loud(f"ELASTIC_PLUGIN_REQUIRE_CUDA=1, but the CUDA kernels cannot be built: {why_not}")
+            raise SystemExit(1)
+        _loud(why_not)
     if cuda_home is not None:
         os.environ["CUDA_HOME"] = cuda_home
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
-            # Without a visible GPU torch cannot pick the architecture: A100 and H100/H200.
-            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+            # Without a visible GPU torch cannot pick the architecture: A100, H100/H200, B200.
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0;10.0"
 
     # Ninja comes with the venv; make it findable when pip runs without an activated venv.
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
@@ -173,14 +153,17 @@ def _extension_setup() -> tuple[list, dict]:
     cxx_flags = ["-O3", "-fopenmp", f"-DELASTIC_PLUGIN_WITH_CUDA={int(with_cuda)}"]
     if re.fullmatch(r"[0-9A-Za-z.+]+", torch.__version__):
         cxx_flags.append(f"-DELASTIC_PLUGIN_TORCH_VERSION={torch.__version__}")
+    arch_tokens = "_".join(re.split(r"[;,\s]+", os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()))
+    if with_cuda and re.fullmatch(r"[0-9A-Za-z.+_]+", arch_tokens):
+        cxx_flags.append(f"-DELASTIC_PLUGIN_CUDA_ARCHS={arch_tokens}")  # ';' as '_' (no quoting)
     kwargs = dict(
         name="elastic_plugin._C",
         sources=sources,
         include_dirs=[str(ROOT / "csrc")],
         extra_compile_args={
             "cxx": cxx_flags,
-            "nvcc": ["-O3", "-lineinfo", "--threads", "2"],
-        },  # 2 GPU archs in parallel
+            "nvcc": ["-O3", "-lineinfo", "--threads", "3"],
+        },  # the GPU archs in parallel
         extra_link_args=["-fopenmp"],  # resolves to the libgomp torch already loaded
     )
     extension = CUDAExtension(**kwargs) if with_cuda else CppExtension(**kwargs)
@@ -194,10 +177,16 @@ def _extension_setup() -> tuple[list, dict]:
         """Compile the extension; on failure say so loudly, and go on only if allowed."""
 
         def run(self) -> None:
+            # Unlink the old library first: copying over it in place would change the file
+            # under processes that have it loaded (a test run beside the build), which can crash.
+            for path in (ROOT / "elastic_plugin").glob("_C*.so"):
+                path.unlink()
             try:
                 super().run()
             except Exception as exc:
-                if _truthy("ELASTIC_PLUGIN_EXT_OPTIONAL"):
+                if _truthy("ELASTIC_PLUGIN_EXT_OPTIONAL") and not _truthy(
+                    "ELASTIC_PLUGIN_REQUIRE_CUDA"
+                ):
                     _loud(
                         f"BUILDING THE EXTENSION FAILED ({type(exc).__name__}: {exc}). "
                         "ELASTIC_PLUGIN_EXT_OPTIONAL=1: installing the pure-PyTorch package instead."

@@ -16,6 +16,13 @@
 #else
 #define ELASTIC_PLUGIN_TORCH_VERSION_STR ""
 #endif
+// The TORCH_CUDA_ARCH_LIST the CUDA kernels were compiled for, ';' written as '_' (e.g.
+// 8.0_9.0_10.0); empty for a C++-only build.
+#ifdef ELASTIC_PLUGIN_CUDA_ARCHS
+#define ELASTIC_PLUGIN_CUDA_ARCHS_STR ELASTIC_PLUGIN_STR(ELASTIC_PLUGIN_CUDA_ARCHS)
+#else
+#define ELASTIC_PLUGIN_CUDA_ARCHS_STR ""
+#endif
 
 static struct PyModuleDef elastic_plugin_c_module = {
     PyModuleDef_HEAD_INIT,
@@ -30,8 +37,11 @@ PyMODINIT_FUNC PyInit__C(void) {
   if (module == nullptr) return nullptr;
   // WITH_CUDA: whether CUDA kernels were compiled in.  TORCH_VERSION: the torch this was
   // built against; the loader refuses a mismatch instead of risking an ABI crash.
+  // CUDA_ARCHS: the architectures the build asked for (the binary's own list is read from
+  // its fatbin, elastic_plugin/ops/_binary.py).
   if (PyModule_AddIntConstant(module, "WITH_CUDA", ELASTIC_PLUGIN_WITH_CUDA) < 0 ||
-      PyModule_AddStringConstant(module, "TORCH_VERSION", ELASTIC_PLUGIN_TORCH_VERSION_STR) < 0) {
+      PyModule_AddStringConstant(module, "TORCH_VERSION", ELASTIC_PLUGIN_TORCH_VERSION_STR) < 0 ||
+      PyModule_AddStringConstant(module, "CUDA_ARCHS", ELASTIC_PLUGIN_CUDA_ARCHS_STR) < 0) {
     Py_DECREF(module);
     return nullptr;
   }

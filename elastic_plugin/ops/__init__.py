@@ -8,6 +8,7 @@ The ops live in ``torch.ops.elastic_plugin``; the functions here add argument ch
 from __future__ import annotations
 
 from elastic_plugin.ops._batched_gather import ordered_gather_many, reference_ordered_gather_many
+from elastic_plugin.ops._binary import arch_targets, fatbin_targets, kernel_sources
 from elastic_plugin.ops._fp8 import (
     E4M3_MAX,
     AmaxReduce,
@@ -38,13 +39,18 @@ def backend() -> str:
 
 
 def backend_info() -> dict[str, object]:
-    """``backend`` plus ``reason`` (why this one, e.g. why the extension is not used) and build details."""
+    """``backend`` plus ``reason`` (why this one, e.g. why the extension is not used) and build
+    details: ``cuda_arch_list`` (the architectures the build asked for) and ``cuda_targets``
+    (the code objects the library's fatbin holds: ``sm_90`` cubins, ``compute_90`` PTX)."""
+    path = INFO.extension_path
     return {
         "backend": INFO.backend,
         "reason": INFO.reason,
-        "extension_path": INFO.extension_path,
+        "extension_path": path,
         "cuda_kernels": INFO.cuda_kernels,
         "built_for_torch": INFO.built_for_torch,
+        "cuda_arch_list": INFO.cuda_arch_list,
+        "cuda_targets": fatbin_targets(path) if INFO.cuda_kernels and path else [],
     }
 
 
@@ -57,11 +63,14 @@ __all__ = [
     "FP8_SCALINGS",
     "NVFP4_BLOCK",
     "AmaxReduce",
+    "arch_targets",
     "backend",
     "backend_info",
     "dequantize_e4m3",
+    "fatbin_targets",
     "fp8_prefix_linear",
     "fp8_quantize",
+    "kernel_sources",
     "nvfp4_quantize",
     "ordered_gather",
     "ordered_gather_many",

@@ -31,6 +31,7 @@ class BackendInfo:
     extension_path: str | None  # the loaded shared library, if any
     cuda_kernels: bool  # CUDA tensors run compiled CUDA kernels (else PyTorch ops)
     built_for_torch: str | None  # torch version the extension was compiled against
+    cuda_arch_list: str | None = None  # the TORCH_CUDA_ARCH_LIST its CUDA kernels were built for
 
     @property
     def uses_extension(self) -> bool:
@@ -44,6 +45,7 @@ def _env_disabled() -> bool:
 def _from_module(module: ModuleType, note: str = "") -> BackendInfo:
     with_cuda = bool(getattr(module, "WITH_CUDA", 0))
     built_for = getattr(module, "TORCH_VERSION", "") or None
+    arch_list = getattr(module, "CUDA_ARCHS", "").replace("_", ";") or None
     if with_cuda:
         reason = "compiled extension with CPU and CUDA kernels"
     else:
@@ -62,6 +64,7 @@ def _from_module(module: ModuleType, note: str = "") -> BackendInfo:
         extension_path=getattr(module, "__file__", None),
         cuda_kernels=with_cuda,
         built_for_torch=built_for,
+        cuda_arch_list=arch_list,
     )
 
 
