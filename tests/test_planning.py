@@ -502,42 +502,72 @@ def _plan_json(path: Path, *extra: str) -> dict:
     return json.loads(proc.stdout)
 
 
+def _sweep(env: dict[str, str], local: str) -> subprocess.CompletedProcess:
+    script = str(ROOT / "examples" / "slurm" / "sweep.sh")
+    return subprocess.run(["bash", script], env={**env, "LOCAL": local}, capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)  # fmt: skip
+
+
+def _check_sweep_commands(lines: list[str], expected: list[dict]) -> None:
+    """Each command line runs its layout (TP, PP, EP, CP as planned) as a profiled sweep run."""
+    assert len(lines) == len(expected)
+    for line, lay in zip(lines, expected):
+        words = shlex.split(line)
+        assert "elastic-train" in words and words[words.index("--ckpt") + 1] == "CK"
+        for flag, key in (("--tensor-model-parallel-size", "tp"),
+                          ("--pipeline-model-parallel-size", "pp"),
+                          ("--expert-model-parallel-size", "ep"),
+                          ("--context-parallel-size", "cp")):  # fmt: skip
+            assert words[words.index(flag) + 1] == str(lay[key])
+        assert ("--sequence-parallel" in words) == (lay["tp"] > 1)
+        assert ("--use-distributed-optimizer" in words) == lay["distributed_optimizer"]
+        assert words[words.index("--log-interval") + 1] == "1"
+        assert words[words.index("--global-batch-size") + 1] == "32"
+        args = build_parser().parse_args(words[words.index("elastic_plugin.cli") + 1 :])
+        assert args.command == "elastic-train" and args.log_interval == 1
+        assert args.context_parallel_size == lay["cp"]
+        # one curriculum stage of ITERS (10) iterations per budget
+        assert args.elastic_curriculum == "10:1/0/0,10:0/1/0,10:0/0/1"
+        assert args.train_iters == 30 and args.profile == 30  # profiled, no checkpoint
+
+
 @pytest.mark.integration
-def test_sweep_dry_run_prints_the_job_array_and_each_layouts_command(tmp_path):
+def test_sweep_dry_run_lists_every_fitting_layout_context_parallel_ones_too(tmp_path):
+    """TOP above the plan's size: every fitting layout the sbatch can run (SP whenever TP > 1),
+    CP layouts with --context-parallel-size; a plan where only CP layouts fit runs those."""
     plan = _plan_json(tmp_path / "plan.json", "--global-batch-size", "32")
     env = {**os.environ, "DRY_RUN": "1", "PLAN": str(tmp_path / "plan.json"), "CKPT": "CK",
-           "SWEEP_DIR": str(tmp_path / "sweep"), "TOP": "3", "GPUS_PER_NODE": "2",
+           "SWEEP_DIR": str(tmp_path / "sweep"), "TOP": "100", "GPUS_PER_NODE": "2",
            "PYTHON": sys.executable}  # fmt: skip
-    script = str(ROOT / "examples" / "slurm" / "sweep.sh")
-    expected = [e["layout"] for e in plan["layouts"]
-                if e["fits"] and e["layout"]["cp"] == 1
-                and e["layout"]["sequence_parallel"] == (e["layout"]["tp"] > 1)][:3]  # fmt: skip
-    assert any(e["layout"]["cp"] > 1 for e in plan["layouts"])  # CP layouts exist, not swept
+    expected = [
+        e["layout"]
+        for e in plan["layouts"]
+        if e["fits"] and e["layout"]["sequence_parallel"] == (e["layout"]["tp"] > 1)
+    ]
+    assert 0 < len(expected) <= len(plan["layouts"]) < 100  # TOP=100 takes them all
+    assert any(lay["cp"] > 1 for lay in expected) and any(lay["cp"] == 1 for lay in expected)
     for local in ("0", "1"):
-        proc = subprocess.run(["bash", script], env={**env, "LOCAL": local}, capture_output=True,
-                              text=True, cwd=ROOT, timeout=120)  # fmt: skip
+        proc = _sweep(env, local)
         assert proc.returncode == 0, proc.stderr
         lines = proc.stdout.strip().splitlines()
         if local == "0":
             submit = lines.pop(0).split()
             assert submit[:5] == ["sbatch", "--array", f"0-{len(expected) - 1}", "--nodes", "1"]
-        assert len(lines) == len(expected)
-        for line, lay in zip(lines, expected):
-            words = shlex.split(line)
-            assert "elastic-train" in words and words[words.index("--ckpt") + 1] == "CK"
-            for flag, key in (("--tensor-model-parallel-size", "tp"),
-                              ("--pipeline-model-parallel-size", "pp"),
-                              ("--expert-model-parallel-size", "ep")):  # fmt: skip
-                assert words[words.index(flag) + 1] == str(lay[key])
-            assert ("--use-distributed-optimizer" in words) == lay["distributed_optimizer"]
-            assert words[words.index("--log-interval") + 1] == "1"
-            assert words[words.index("--global-batch-size") + 1] == "32"
-            args = build_parser().parse_args(words[words.index("elastic_plugin.cli") + 1 :])
-            assert args.command == "elastic-train" and args.log_interval == 1
-            # one curriculum stage of ITERS (10) iterations per budget
-            assert args.elastic_curriculum == "10:1/0/0,10:0/1/0,10:0/0/1"
-            assert args.train_iters == 30 and args.profile == 30  # profiled, no checkpoint
+        _check_sweep_commands(lines, expected)
     assert not (tmp_path / "sweep").exists()  # a dry run writes nothing
+
+    # only the context-parallel layouts fit (as on a long-sequence stage): those run
+    only_cp = {**plan, "layouts": [{**e, "fits": e["fits"] and e["layout"]["cp"] > 1}
+                                   for e in plan["layouts"]]}  # fmt: skip
+    (tmp_path / "cp_plan.json").write_text(json.dumps(only_cp))
+    proc = _sweep({**env, "PLAN": str(tmp_path / "cp_plan.json")}, "1")
+    assert proc.returncode == 0, proc.stderr
+    _check_sweep_commands(proc.stdout.strip().splitlines(),
+                          [lay for lay in expected if lay["cp"] > 1])  # fmt: skip
+    none_fit = {**plan, "layouts": [{**e, "fits": False} for e in plan["layouts"]]}
+    (tmp_path / "none.json").write_text(json.dumps(none_fit))
+    proc = _sweep({**env, "PLAN": str(tmp_path / "none.json")}, "1")
+    assert proc.returncode != 0 and "has no fitting layout to run" in proc.stderr
 
 
 @pytest.mark.integration
@@ -549,7 +579,8 @@ def test_scaling_report_joins_measured_runs_with_the_plan(rank_pools, tmp_path, 
     sweep = tmp_path / "sweep"
     # the first trains each budget in its own stage (as sweep.sh does), the second mixes them
     runs = {"00_tp2_sp": {"tp": 2, "sequence_parallel": True, "per_budget": True},
-            "01_pp2": {"pp": 2, "per_budget": False}}  # fmt: skip
+            "01_pp2": {"pp": 2, "per_budget": False},
+            "02_cp2": {"cp": 2, "per_budget": False}}  # fmt: skip
     for name, kw in runs.items():
         layout = {"tp": 1, "pp": 1, "ep": 1, "cp": 1, "sequence_parallel": False,
                   "distributed_optimizer": False}  # fmt: skip
@@ -569,7 +600,7 @@ def test_scaling_report_joins_measured_runs_with_the_plan(rank_pools, tmp_path, 
     assert code == 0
     assert sorted(r["name"] for r in rows) == sorted(runs)
     for r in rows:
-        if r["name"] == "01_pp2":
+        if r["name"] in ("01_pp2", "02_cp2"):
             assert r["iterations"] == 1  # 2 logged, the first dropped as warm-up
         else:
             assert r["iterations"] == 5  # 2 per budget logged, the first dropped

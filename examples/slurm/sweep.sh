@@ -16,9 +16,9 @@
 #   elastic-plugin scaling-report /lustre/sweep
 #
 # Each run goes to SWEEP_DIR/NN_<layout>/ with sweep.json (layout, GPUs, the plan's estimate).
-# Layouts run as train_elastic.sbatch runs them (sequence parallel whenever TP > 1); plan entries
-# with TP > 1 and no sequence parallelism are skipped, and so are context-parallel ones
-# (train_elastic.sbatch sets no --context-parallel-size; plan with --context-parallel-size 1).
+# Layouts run as train_elastic.sbatch runs them: TP, PP, EP and context parallelism
+# (--context-parallel-size) as planned, sequence parallel whenever TP > 1 (so plan entries with
+# TP > 1 and no sequence parallelism, the same layout less SP, are skipped).
 
 set -euo pipefail
 
@@ -36,14 +36,14 @@ PYTHON=${PYTHON:-python}
 TORCHRUN=${TORCHRUN:-torchrun}
 EXTRA_ARGS=${EXTRA_ARGS:-}         # appended to every elastic-train command
 
-# NN_name tp pp ep distributed_optimizer gpus micro global seq budgets, one line per layout; writes
+# NN_name tp pp ep distributed_optimizer gpus micro global seq budgets cp, one line per layout; writes
 # SWEEP_DIR/NN_name/sweep.json unless DRY_RUN
 LAYOUTS=$("$PYTHON" - "$PLAN" "$SWEEP_DIR" "$TOP" "$DRY_RUN" <<'PY'
 import json, sys
 from pathlib import Path
 plan_path, sweep, top, dry = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 plan = json.loads(Path(plan_path).read_text())
-chosen = [e for e in plan["layouts"] if e["fits"] and e["layout"].get("cp", 1) == 1
+chosen = [e for e in plan["layouts"] if e["fits"]
           and e["layout"]["sequence_parallel"] == (e["layout"]["tp"] > 1)][:top]
 if not chosen:
     sys.exit(f"sweep.sh: {plan_path} has no fitting layout to run")
@@ -59,11 +59,11 @@ for i, entry in enumerate(chosen):
             {"layout": lay, "gpus": plan["gpus"], "planned": planned, "plan": plan_path}, indent=1))
     print(name, lay["tp"], lay["pp"], lay["ep"], int(lay["distributed_optimizer"]), plan["gpus"],
           plan["micro_batch_size"], plan["global_batch_size"], plan["seq_length"],
-          len(entry["budgets"]))
+          len(entry["budgets"]), lay.get("cp", 1))
 PY
 )
 COUNT=$(wc -l <<< "$LAYOUTS")
-read -r _ _ _ _ _ GPUS _ _ _ BUDGETS <<< "$(head -n 1 <<< "$LAYOUTS")"
+read -r _ _ _ _ _ GPUS _ _ _ BUDGETS _ <<< "$(head -n 1 <<< "$LAYOUTS")"
 PROFILE_ARGS=(--log-interval 1)
 TRAIN_ITERS=$ITERS
 if [[ "$PER_BUDGET" == 1 ]]; then  # "ITERS:1/0/0,ITERS:0/1/0,ITERS:0/0/1"
@@ -79,9 +79,9 @@ fi
 PROFILE_ARGS+=(--profile "$TRAIN_ITERS")
 
 run_env() {  # the environment train_elastic.sbatch reads, for one layouts line
-    local name tp pp ep dopt gpus mbs gbs seq
-    read -r name tp pp ep dopt gpus mbs gbs seq _ <<< "$1"
-    echo "OUT=$SWEEP_DIR/$name TP=$tp PP=$pp EP=$ep DISTRIBUTED_OPTIMIZER=$dopt" \
+    local name tp pp ep dopt gpus mbs gbs seq budgets cp
+    read -r name tp pp ep dopt gpus mbs gbs seq budgets cp <<< "$1"
+    echo "OUT=$SWEEP_DIR/$name TP=$tp PP=$pp EP=$ep CP=$cp DISTRIBUTED_OPTIMIZER=$dopt" \
          "TRAIN_ITERS=$TRAIN_ITERS MICRO_BATCH_SIZE=$mbs GLOBAL_BATCH_SIZE=$gbs SEQ_LENGTH=$seq"
 }
 

@@ -366,6 +366,7 @@ def profile_layout(
     micro_batch: int = 2,
     global_batch: int = 8,
     per_budget: bool = False,
+    cp: int = 1,
 ) -> None:
     """``train_elastic --profile`` of the tiny model under a layout for ``iters`` iterations on
     synthetic tokens (``SEQ_LEN`` long), logging every iteration to ``out/elastic_metrics.jsonl``
@@ -386,7 +387,7 @@ def profile_layout(
     cfg = _experiment(config_path, None)
     if not (work / "init" / "elastic_meta.json").is_file():
         write_init_checkpoint(cfg, work / "init")
-    layout = Layout(tp, pp, ep, sequence_parallel, distributed_optimizer)
+    layout = Layout(tp, pp, ep, sequence_parallel, distributed_optimizer, cp)
     ecfg = _elastic_config(cfg.model, "sliced", False)
     if per_budget:
         n = len(ecfg.budgets)
