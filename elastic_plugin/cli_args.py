@@ -8,16 +8,20 @@ Parsing and checking import no torch, so a bad command line fails in millisecond
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from elastic_plugin.models.config import ConfigError, Layout
 
 __all__ = [
+    "add_layer_spec_arg",
     "add_layout_args",
     "add_runtime_args",
     "blend_prefixes",
     "check_data_path_args",
+    "layer_spec_from_args",
     "layout_from_args",
     "runtime_from_args",
     "start_ranks",
@@ -71,6 +75,43 @@ def layout_from_args(args: argparse.Namespace, parallel: Layout) -> Layout:
 
 
 EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "none")
+
+
+def add_layer_spec_arg(parser: argparse.ArgumentParser, models: str) -> None:
+    """``--layer-spec``: which layer spec the command's models get (``models/spec_choice.py``)."""
+    from elastic_plugin.models.spec_choice import LAYER_SPEC_ENV, LAYER_SPECS
+
+    parser.add_argument(
+        "--layer-spec",
+        default=None,
+        metavar="|".join(LAYER_SPECS),
+        help=f"the layers of {models}: auto (default) = Transformer Engine's spec for a model "
+        "that only runs, where TE imports and a CUDA device is visible, else the local spec; "
+        "local = the local spec everywhere; te = TE's spec for every model that can take it "
+        "(an elastic student's layers are sliced, so it keeps the local spec); the log says "
+        f"which spec each model got and why (default: ${LAYER_SPEC_ENV}, else auto)",
+    )
+
+
+def layer_spec_from_args(args: argparse.Namespace, roles: list[str]) -> str:
+    """Check ``--layer-spec`` (else ``ELASTIC_PLUGIN_LAYER_SPEC``) for a command whose models
+    have ``roles`` (``spec_choice.MODEL_ROLES``) before any rank starts; a flag given is put in
+    this process's environment, which every model build reads (the frozen teacher's too)."""
+    from elastic_plugin.models.spec_choice import (
+        LAYER_SPEC_ENV,
+        check_layer_spec_request,
+        requested_layer_spec,
+    )
+
+    value = getattr(args, "layer_spec", None)
+    if value is None:
+        value = requested_layer_spec()
+        check_layer_spec_request(value, roles, LAYER_SPEC_ENV)
+        return value
+    check_layer_spec_request(value, roles, "--layer-spec")
+    value = value.strip().lower()
+    os.environ[LAYER_SPEC_ENV] = value
+    return value
 
 
 def add_exit_signal_arg(parser: argparse.ArgumentParser) -> None:
@@ -215,13 +256,20 @@ def start_ranks(
     ConfigError that starts with this text (e.g. "extraction runs as one process").
     ``timeout_minutes``: how long collectives wait (``--distributed-timeout-minutes``)."""
     from elastic_plugin.compat import enable_cpu_megatron
+    from elastic_plugin.compat.host import tune_host
 
     enable_cpu_megatron()
     import torch.distributed as dist
 
-    from elastic_plugin.parallel import init_distributed, initialize_layout
+    from elastic_plugin.parallel import init_distributed, initialize_layout, is_rank0
 
+    try:  # threads per rank and the allocator, before the first large tensor
+        host = tune_host()
+    except ValueError as exc:  # a bad ELASTIC_PLUGIN_THREADS
+        raise ConfigError(str(exc)) from None
     init_distributed(timeout_s=None if timeout_minutes is None else timeout_minutes * 60)
+    if is_rank0():
+        print(host.describe(), file=sys.stderr, flush=True)
     if one_process is not None and dist.get_world_size() != 1:
         raise ConfigError(
             f"{one_process}; got a world of {dist.get_world_size()} ranks (run it without torchrun)"

@@ -53,7 +53,8 @@ def collect_info() -> dict[str, Any]:
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "cuda_available": cuda,
         "distributed_backend": "nccl" if cuda else "gloo",
-        "layer_spec": "transformer_engine" if have_transformer_engine() else "local",
+        # per kind of model: the spec it gets here (ELASTIC_PLUGIN_LAYER_SPEC honoured) and why
+        "layer_spec": _layer_specs(),
         "mamba_ops": "mamba_ssm"
         if not mamba.get("installed") and mamba.get("mamba_ssm_available")
         else "pytorch (elastic_plugin.compat.mamba_ops)",
@@ -61,6 +62,20 @@ def collect_info() -> dict[str, Any]:
         "cpu_patches": len(patches),
         "megatron_training_patches": training_patches(),
     }
+
+
+def _layer_specs() -> dict[str, str]:
+    """The spec an elastic student and a frozen teacher get in this process, and why."""
+    from elastic_plugin.models.spec_choice import choose_layer_spec
+
+    specs = {}
+    for role in ("student", "teacher"):
+        try:
+            choice = choose_layer_spec(role)
+            specs[role] = f"{choice.backend} ({choice.reason})"
+        except Exception as exc:  # ELASTIC_PLUGIN_LAYER_SPEC asks for what cannot run here
+            specs[role] = f"error: {exc}"
+    return specs
 
 
 def run_info(args: argparse.Namespace) -> int:

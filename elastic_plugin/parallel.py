@@ -8,6 +8,7 @@ and the CLI, on CPU (gloo) and GPU (NCCL) alike.
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -15,12 +16,14 @@ import torch
 import torch.distributed as dist
 
 from elastic_plugin.models.config import Layout, ModelConfig
+from elastic_plugin.models.spec_choice import SpecChoice
 
 if TYPE_CHECKING:  # Megatron ships no types: this annotates Megatron model chunks
     from megatron.core.transformer.module import MegatronModule
 
 
 DEFAULT_TIMEOUT_S = 600.0
+_LOGGED_SPECS: set[str] = set()  # the layer-spec lines this process printed (once each)
 _timeout_s = DEFAULT_TIMEOUT_S  # what every collective of this process waits before it fails
 
 
@@ -111,27 +114,51 @@ def initialize_layout(layout: Layout, seed: int = 1234) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
+def layer_spec_of(role: str = "sliced", use_te: bool | None = None) -> SpecChoice:
+    """The layer spec of a model built for ``role`` (``spec_choice.MODEL_ROLES``), logged on
+    rank 0 once per process and role: ``use_te`` True / False forces TE's / the local spec."""
+    from elastic_plugin.models.spec_choice import choose_layer_spec
+
+    if use_te is None:
+        choice = choose_layer_spec(role)
+    else:
+        choice = SpecChoice("te" if use_te else "local", f"use_te={use_te} given", role)
+    line = choice.describe()
+    if line not in _LOGGED_SPECS and is_rank0():
+        print(line, file=sys.stderr, flush=True)
+    _LOGGED_SPECS.add(line)
+    return choice
+
+
 def build_model_chunks(
     model_cfg: ModelConfig,
     layout: Layout,
     params_dtype: torch.dtype = torch.float32,
     wrap_ddp: bool = True,
     use_te: bool | None = None,
+    role: str = "sliced",
     **config_overrides,
 ) -> tuple[list[MegatronModule], object]:
-    """This rank's model chunk (one; no virtual pipeline yet), DDP-wrapped for training."""
+    """This rank's model chunk (one; no virtual pipeline yet), DDP-wrapped for training.
+
+    ``role`` picks the layer spec (``layer_spec_of``): the default ``"sliced"`` is for a model
+    whose layers our code slices, hooks or permutes; ``"teacher"`` / ``"trained"`` only run, so
+    they get Transformer Engine's spec where it can run. The model records its choice
+    (``layer_spec``)."""
     from megatron.core import parallel_state
 
     from elastic_plugin.models.builder import build_hybrid_model, transformer_config
 
+    choice = layer_spec_of(role, use_te)
     tconf = transformer_config(model_cfg, layout, params_dtype, **config_overrides)
     model = build_hybrid_model(
         model_cfg,
         tconf,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        use_te=use_te,
+        use_te=choice.use_te,
     )
+    model.layer_spec = choice
     from megatron.core.tensor_parallel import (
         set_defaults_if_not_set_tensor_model_parallel_attributes,
     )

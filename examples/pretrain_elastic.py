@@ -89,9 +89,10 @@ def model_provider(
     config=None,
     pg_collection=None,
 ):
-    """The checkpoint's architecture (``--elastic-ckpt``) with the plugin's hybrid spec
-    (Megatron-Core's TE spec where Transformer Engine is installed, its plain parallel layers
-    otherwise); ``elastic.wrap_model_provider`` loads the weights and adds the router."""
+    """The checkpoint's architecture (``--elastic-ckpt``) with the plugin's hybrid spec (the
+    layers an elastic student needs: the local spec while Transformer Engine's linears are not
+    elastic, ``models/spec_choice.py``); ``elastic.wrap_model_provider`` loads the weights and
+    adds the router."""
     from megatron.training import get_args
 
     args = get_args()

@@ -213,14 +213,22 @@ def load_optimizer(chunks, optimizer, ckpt_dir: str | Path) -> None:
 
 
 def build_from_checkpoint(
-    ckpt_dir: str | Path, layout, wrap_ddp: bool = False, params_dtype=None, **config_overrides
+    ckpt_dir: str | Path,
+    layout,
+    wrap_ddp: bool = False,
+    params_dtype=None,
+    role: str = "sliced",
+    **config_overrides,
 ):
     """Build this rank's model chunk for ``layout`` from a checkpoint's own config and load it.
 
     ``params_dtype`` (default float32) need not be the dtype the checkpoint was written in: a
     BF16 run's checkpoint loads into FP32 tools and the other way round (each tensor is
-    converted on load). ``config_overrides``: ``TransformerConfig`` fields (recomputation).
-    Returns ``(chunks, experiment_config, meta)``; ``initialize_layout`` must have been called.
+    converted on load). ``role``: what the model is built for, which picks its layer spec
+    (``parallel.build_model_chunks``; ``"teacher"`` for a frozen teacher, which may run
+    Transformer Engine's layers). ``config_overrides``: ``TransformerConfig`` fields
+    (recomputation). Returns ``(chunks, experiment_config, meta)``; ``initialize_layout`` must
+    have been called.
     """
     from elastic_plugin.models.config import config_from_dict
     from elastic_plugin.parallel import build_model_chunks
@@ -236,6 +244,7 @@ def build_from_checkpoint(
         layout,
         params_dtype=params_dtype or torch.float32,
         wrap_ddp=wrap_ddp,
+        role=role,
         **config_overrides,
     )
     load_checkpoint(chunks, ckpt_dir)

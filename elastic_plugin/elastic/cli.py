@@ -19,7 +19,12 @@ import json
 import os
 
 from elastic_plugin.checkpoint.lock import acquire_out_lock, add_force_unlock_arg
-from elastic_plugin.cli_args import add_exit_signal_arg, add_layout_args, add_runtime_args
+from elastic_plugin.cli_args import (
+    add_exit_signal_arg,
+    add_layer_spec_arg,
+    add_layout_args,
+    add_runtime_args,
+)
 from elastic_plugin.cli_errors import report_bad_input
 from elastic_plugin.elastic import command
 from elastic_plugin.elastic.args import add_elastic_args
@@ -142,6 +147,7 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     add_force_unlock_arg(parser)
     add_layout_args(parser)
     add_runtime_args(parser)
+    add_layer_spec_arg(parser, "the frozen teacher and the elastic student")
     add_elastic_args(parser)
     parser.set_defaults(func=run_elastic_train)
 

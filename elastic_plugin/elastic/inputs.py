@@ -26,6 +26,7 @@ from elastic_plugin.checkpoint.meta import (
 from elastic_plugin.cli_args import (
     blend_prefixes,
     check_data_path_args,
+    layer_spec_from_args,
     layout_from_args,
     runtime_from_args,
 )
@@ -342,6 +343,8 @@ def check_elastic_inputs(args: argparse.Namespace) -> ElasticInputs:
             "--teacher-ckpt is unused with --elastic-teacher self (the model at full "
             "budget is its own teacher)"
         )
+    # the student's layers are sliced; a frozen teacher only runs (spec_choice.MODEL_ROLES)
+    layer_spec_from_args(args, ["student", "teacher"] if teacher is not None else ["student"])
     sched = _schedule(args, cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     _check_schedule(sched, cfg, ecfg, layout, world)

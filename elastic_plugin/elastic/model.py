@@ -169,6 +169,7 @@ def build_elastic_chunks(
         layout,
         wrap_ddp=False,
         params_dtype=runtime.params_dtype,
+        role="student",
         **runtime.transformer_overrides(),
     )
     model = chunks[0]

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from elastic_plugin.models.config import ConfigError, Layout, ModelConfig
 from elastic_plugin.models.context_parallel import check_context_parallel
 from elastic_plugin.models.megatron_fields import architecture_fields
-from elastic_plugin.models.specs import add_head_norms, have_transformer_engine, hybrid_stack_spec
+from elastic_plugin.models.spec_choice import choose_layer_spec
+from elastic_plugin.models.specs import add_head_norms, hybrid_stack_spec
 
 
 def _activation(name: str) -> tuple[Any, bool]:
@@ -83,9 +84,10 @@ def mamba_mixer_params(model: ModelConfig) -> dict[str, Any]:
 
 
 def stack_spec_for(model: ModelConfig, use_te: bool | None = None):
-    """The hybrid stack spec with this model's Mamba settings filled in."""
+    """The hybrid stack spec with this model's Mamba settings filled in (``use_te`` None: the
+    spec of a model whose layers are sliced, ``spec_choice.choose_layer_spec``)."""
     if use_te is None:
-        use_te = have_transformer_engine()
+        use_te = choose_layer_spec("sliced").use_te
     spec = copy.deepcopy(hybrid_stack_spec(use_te))
     mixer = spec.submodules.mamba_layer.submodules.mixer
     mixer.params = {**(mixer.params or {}), **mamba_mixer_params(model)}
@@ -126,7 +128,10 @@ def build_hybrid_model(
     use_te: bool | None = None,
     pg_collection=None,
 ):
-    """Build the (local stage of the) HybridModel; call after ``initialize_model_parallel``."""
+    """Build the (local stage of the) HybridModel; call after ``initialize_model_parallel``.
+
+    ``use_te``: TE's spec (True) or the local one (False); None: the spec of a model whose layers
+    are sliced (``spec_choice``; a Megatron-LM script's elastic student and its teacher)."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     kwargs: dict[str, Any] = {}

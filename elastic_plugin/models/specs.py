@@ -1,5 +1,5 @@
-"""Layer specs for hybrid models: Megatron-Core's own TE spec when Transformer Engine is present,
-and a local (non-TE) spec built from Megatron-Core's plain parallel layers otherwise.
+"""Layer specs for hybrid models: Megatron-Core's own TE spec, and a local (non-TE) spec built
+from Megatron-Core's plain parallel layers. Which one a model gets is ``models/spec_choice.py``.
 
 Upstream only ships a TE hybrid spec. The local one mirrors it module for module, with the norms
 that TE fuses into the following linear (``TELayerNormColumnParallelLinear``) as separate
@@ -42,7 +42,8 @@ CORE_ATTENTIONS = {"sdpa": SDPAAttention, "unfused": DotProductAttention}
 
 
 def have_transformer_engine() -> bool:
-    """True when TE imports; the TE spec is then the one Megatron users expect."""
+    """True when TE imports (which alone does not make its layers run: they need a CUDA device,
+    ``spec_choice.transformer_engine_missing``)."""
     try:
         import transformer_engine  # noqa: F401
     except Exception:  # ImportError, or a broken CUDA install
@@ -50,16 +51,23 @@ def have_transformer_engine() -> bool:
     return True
 
 
-def _use_torch_final_norm_without_te() -> None:
-    """``HybridStack`` hard-codes ``TENorm`` for its final norm, which raises without TE.
+class LocalHybridStack(HybridStack):
+    """``HybridStack`` whose final norm is ``LocalRMSNorm`` (same ``final_norm.weight`` key).
 
-    Without TE that name can never work, so point it at ``LocalRMSNorm`` (same ``weight``
-    parameter, same checkpoint key). With TE present nothing is changed.
-    """
-    from megatron.core.models.hybrid import hybrid_block
+    Megatron-Core's ``HybridStack`` hard-codes TE's ``TENorm`` for its final norm: without TE
+    that raises, and with TE importable but no GPU, TE refuses to build it. The stack is built
+    without Megatron's final norm and given the local one, so the local spec never touches TE
+    (no process-wide patch: a TE-spec teacher may be built beside it)."""
 
-    if not have_transformer_engine() and hybrid_block.TENorm is not LocalRMSNorm:
-        hybrid_block.TENorm = LocalRMSNorm
+    def __init__(self, *args, post_layer_norm: bool = True, **kwargs) -> None:
+        super().__init__(*args, post_layer_norm=False, **kwargs)
+        self.post_layer_norm = post_layer_norm
+        if self.post_process and post_layer_norm:
+            self.final_norm = LocalRMSNorm(
+                config=self.config,
+                hidden_size=self.config.hidden_size,
+                eps=self.config.layernorm_epsilon,
+            )
 
 
 def _core_attention(name: str) -> type:
@@ -78,13 +86,12 @@ def local_hybrid_stack_spec(core_attention: str = "sdpa") -> ModuleSpec:
     ``"unfused"`` (Megatron's ``DotProductAttention``).
     """
     attention = _core_attention(core_attention)
-    _use_torch_final_norm_without_te()
     norm = LocalRMSNorm
     moe = get_moe_module_spec_for_backend(
         backend=LocalSpecProvider(), num_experts=8, moe_grouped_gemm=False
     )
     return ModuleSpec(
-        module=HybridStack,
+        module=LocalHybridStack,
         submodules=HybridStackSubmodules(
             mamba_layer=ModuleSpec(
                 module=MambaLayer,
@@ -146,23 +153,18 @@ def local_hybrid_stack_spec(core_attention: str = "sdpa") -> ModuleSpec:
 
 
 def hybrid_stack_spec(use_te: bool | None = None, core_attention: str | None = None) -> ModuleSpec:
-    """The spec to build with: TE's when present (or asked for), else the local one.
+    """The spec to build with: TE's (``use_te=True``), the local one (``False``), or, by default,
+    the one ``spec_choice.choose_layer_spec`` gives a model whose layers are sliced (the local
+    spec while TE's linears are not elastic: an elastic student in a Megatron-LM script).
 
     ``core_attention`` picks the local spec's core attention (default ``"sdpa"``); TE's spec has
     its own (``TEDotProductAttention``), so naming one together with TE is an error.
     """
-    if use_te is None:
-        use_te = have_transformer_engine()
-    if use_te:
-        if core_attention is not None:
-            raise ConfigError(
-                f"core_attention={core_attention!r} selects the local (non-TE) spec's attention; "
-                "the Transformer Engine spec uses TEDotProductAttention (pass use_te=False)"
-            )
-        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as te_spec
+    from elastic_plugin.models.spec_choice import SPEC_BACKENDS, choose_layer_spec
 
-        return te_spec
-    return local_hybrid_stack_spec(core_attention or "sdpa")
+    if use_te is None:
+        use_te = choose_layer_spec("sliced").use_te
+    return SPEC_BACKENDS["te" if use_te else "local"].stack_spec(core_attention)
 
 
 def add_head_norms(spec: ModuleSpec) -> ModuleSpec:

@@ -19,10 +19,12 @@ from elastic_plugin.checkpoint.lock import acquire_out_lock, add_force_unlock_ar
 from elastic_plugin.checkpoint.meta import TEACHER_SUBDIR, has_saves, newest_readable_meta
 from elastic_plugin.cli_args import (
     add_exit_signal_arg,
+    add_layer_spec_arg,
     add_layout_args,
     add_runtime_args,
     check_data_path_args,
     exit_signal_from_args,
+    layer_spec_from_args,
     layout_from_args,
     runtime_from_args,
     start_ranks,
@@ -100,6 +102,7 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     add_force_unlock_arg(parser)
     add_layout_args(parser)
     add_runtime_args(parser)
+    add_layer_spec_arg(parser, "the trained model")
     parser.set_defaults(func=run_train)
 
 
@@ -139,6 +142,7 @@ def _checked_inputs(args: argparse.Namespace):
     )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layout.check_world(world)
+    layer_spec_from_args(args, ["trained"])
     for flag, value, least in (
         ("--save-interval", args.save_interval, 0),
         ("--keep-last", args.keep_last, 0),

@@ -142,8 +142,8 @@ def train_teacher(
         start_iter = int(resumed_meta["iteration"]) + 1
         consumed = int(resumed_meta.get("consumed_samples", 0))
     initialize_layout(layout, seed=t.seed)
-    chunks, _ = build_model_chunks(
-        model_cfg, layout, runtime.params_dtype, **runtime.transformer_overrides()
+    chunks, _ = build_model_chunks(  # only run: Transformer Engine's layers where they can run
+        model_cfg, layout, runtime.params_dtype, role="trained", **runtime.transformer_overrides()
     )
     optimizer, scheduler = optimizer_and_scheduler(chunks, t, layout)
     if resumed is not None:

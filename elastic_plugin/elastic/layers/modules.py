@@ -360,7 +360,8 @@ def _bind_linear(module, kind: str, io: Callable[[], LinearActive | None], state
         raise ConfigError(
             f"elastic widths support Megatron-Core's {base.__name__} (local spec); got "
             f"{type(module).__name__} (Transformer Engine linears are not elastic yet: build "
-            "the model with the local spec, use_te=False)"
+            "the student with the local spec: use_te=False, or a builder's default role "
+            "'sliced' / 'student', models/spec_choice.py)"
         )
     _swap(module, kind, _elastic_io=io, _elastic_state=state)
 
