@@ -40,13 +40,47 @@ def _active(group) -> bool:
     return group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-class _VocabParallelKL(torch.autograd.Function):
-    """Per-token ``T² · KL(p_t ‖ p_s)`` over vocab shards, with an exact, local backward.
+def _kl_and_lse(student, teacher, temperature: float, group, chunk: int):
+    """Per-token ``KL(p_t || p_s)`` of the scaled logits (before the T² factor) and the
+    log-normalisers ``lse [2, tokens]`` (student, teacher), over every vocab shard of ``group``.
 
     With ``s, t`` the logits divided by T, ``Z`` the global exp-sums after subtracting the global
     max ``m``, and ``A = Σ_v e^{t_v - m_t} (t_v - s_v)`` (summed over all shards):
-    ``KL = A / Z_t - (m_t + log Z_t) + (m_s + log Z_s)``. Two collectives per call (one MAX,
-    one SUM of ``[Z_s, Z_t, A]``); no rank ever holds more than its vocab shard.
+    ``KL = A / Z_t - (m_t + log Z_t) + (m_s + log Z_s)``. Each shard's row statistics come from
+    ``ops.kd_row_stats`` (one read of the logits per pass; ``csrc/kd_loss_cpu.cpp`` on CPU),
+    ``chunk`` rows at a time; then two collectives: one MAX of the maxima, one SUM of
+    ``[Z_s, Z_t, A]`` rescaled to the global maxima. No rank ever holds more than its shard.
+    """
+    from elastic_plugin.ops import kd_row_stats
+
+    vocab = student.shape[-1]
+    s_all, t_all = student.reshape(-1, vocab), teacher.reshape(-1, vocab)
+    n = s_all.shape[0]
+    # rows: max s, sum e^(s - max s), max t, sum e^(t - max t), A (this shard's)
+    parts = [
+        kd_row_stats(s_all[a : a + chunk], t_all[a : a + chunk], temperature)
+        for a in range(0, n, chunk)
+    ]
+    stats = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    maxima = stats[[0, 2]]
+    if _active(group):
+        local = maxima.clone()
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+        shift = torch.exp(local - maxima)  # this shard's sums, to the global maxima
+        sums = torch.stack([stats[1] * shift[0], stats[3] * shift[1], stats[4] * shift[1]])
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    else:
+        sums = stats[[1, 3, 4]]
+    z_s, z_t, a = sums[0], sums[1], sums[2]
+    lse = torch.stack([maxima[0] + torch.log(z_s), maxima[1] + torch.log(z_t)])  # FP64
+    kl = a / z_t + (maxima[0] - maxima[1]) + (torch.log(z_s) - torch.log(z_t))
+    return kl.float(), lse.float()
+
+
+class _VocabParallelKL(torch.autograd.Function):
+    """Per-token ``T² · KL(p_t ‖ p_s)`` over vocab shards (``_kl_and_lse``), with an exact, local
+    backward that keeps ``p_s - p_t`` in FP32 from the forward.
+
     ``d(T² KL)/d student_logit_v = T (p_s,v - p_t,v)`` needs only the local shard and the global
     normalisers, so backward is communication-free and each rank gets exactly its shard's gradient
     (the loss is replicated across TP, so no reduction of grad_output is needed either).
@@ -54,28 +88,21 @@ class _VocabParallelKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, student: torch.Tensor, teacher: torch.Tensor, temperature: float, group):
-        s = student.float() / temperature
-        t = teacher.float() / temperature
-        maxima = torch.stack([s.max(dim=-1).values, t.max(dim=-1).values])  # [2, *lead]
-        if _active(group):
-            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
-        m_s, m_t = maxima[0].unsqueeze(-1), maxima[1].unsqueeze(-1)
-        e_s = torch.exp(s - m_s)
-        e_t = torch.exp(t - m_t)
-        # e_t == 0 (teacher logit -inf) contributes 0, not 0 * inf = nan
-        cross = torch.where(e_t > 0, e_t * (t - s), torch.zeros_like(e_t))
-        sums = torch.stack([e_s.sum(-1), e_t.sum(-1), cross.sum(-1)])  # [3, *lead]
-        if _active(group):
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-        z_s, z_t, a = sums[0], sums[1], sums[2]
-        kl = a / z_t - (maxima[1] + torch.log(z_t)) + (maxima[0] + torch.log(z_s))
+        from elastic_plugin.ops import kd_grad
+
+        rows = student[..., 0].numel()
+        kl, lse = _kl_and_lse(student, teacher, temperature, group, max(rows, 1))
         if ctx.needs_input_grad[0]:
-            # d KL / d s_v = p_s,v - p_t,v ; chain rule through s = logits / T gives 1/T; times T²
-            diff = e_s.div_(z_s.unsqueeze(-1)).sub_(e_t.div_(z_t.unsqueeze(-1)))
-            ctx.save_for_backward(diff)
+            vocab = student.shape[-1]
+            ones = torch.ones(rows, dtype=torch.float32, device=student.device)
+            diff = kd_grad(
+                student.reshape(-1, vocab).float(), teacher.reshape(-1, vocab).float(),
+                lse, ones, temperature,
+            )  # fmt: skip
+            ctx.save_for_backward(diff.reshape(student.shape))
         ctx.temperature = temperature
         ctx.student_dtype = student.dtype
-        return kl * (temperature**2)
+        return (kl * (temperature**2)).reshape(student.shape[:-1])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -94,74 +121,34 @@ def check_chunk_tokens(chunk_tokens: object, name: str = "kd_chunk_tokens") -> i
     return chunk_tokens
 
 
-def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``x`` in FP32 divided by T, always a new tensor (callers modify it in place)."""
-    return torch.div(x.float(), temperature)
-
-
 class _ChunkedVocabParallelKL(torch.autograd.Function):
     """``_VocabParallelKL`` computed ``chunk`` tokens at a time, forward and backward.
 
-    The same formula and the same two collectives (the per-token maxima of every chunk in one
-    MAX, then ``[Z_s, Z_t, A]`` of every chunk in one SUM), but no ``[tokens, V/tp]`` FP32 tensor
-    ever exists: the forward keeps four FP32 numbers per token (maxima, log-normalisers) and
-    references to the logits; the backward recomputes ``p_s - p_t`` chunk by chunk into a gradient
-    in the student's dtype. Peak extra memory: one chunk's temporaries plus that gradient.
+    The same formula and the same two collectives (``_kl_and_lse``), but no FP32
+    ``[tokens, V/tp]`` tensor is kept: the forward keeps the two log-normalisers per token and
+    references to the logits; the backward writes ``T (p_s - p_t)`` straight into a gradient in
+    the student's dtype (``ops.kd_grad``; the PyTorch fallback works a chunk at a time).
     """
 
     @staticmethod
     def forward(ctx, student, teacher, temperature: float, group, chunk: int):
-        vocab = student.shape[-1]
-        s_all = student.reshape(-1, vocab)
-        t_all = teacher.reshape(-1, vocab)
-        n = s_all.shape[0]
-        spans = [slice(a, min(a + chunk, n)) for a in range(0, n, chunk)]
-        maxima = torch.empty(2, n, dtype=torch.float32, device=student.device)
-        for sl in spans:
-            maxima[0, sl] = _scaled(s_all[sl], temperature).amax(-1)
-            maxima[1, sl] = _scaled(t_all[sl], temperature).amax(-1)
-        if _active(group):
-            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
-        sums = torch.empty(3, n, dtype=torch.float32, device=student.device)
-        for sl in spans:
-            s = _scaled(s_all[sl], temperature)
-            t = _scaled(t_all[sl], temperature)
-            cross = torch.sub(t, s)
-            e_s = s.sub_(maxima[0, sl].unsqueeze(-1)).exp_()
-            e_t = t.sub_(maxima[1, sl].unsqueeze(-1)).exp_()
-            # e_t == 0 (teacher logit -inf) contributes 0, not 0 * inf = nan
-            cross.mul_(e_t).masked_fill_(e_t == 0, 0.0)
-            sums[0, sl] = e_s.sum(-1)
-            sums[1, sl] = e_t.sum(-1)
-            sums[2, sl] = cross.sum(-1)
-            del s, t, cross, e_s, e_t
-        if _active(group):
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-        z_s, z_t, a = sums[0], sums[1], sums[2]
-        kl = a / z_t - (maxima[1] + torch.log(z_t)) + (maxima[0] + torch.log(z_s))
+        kl, lse = _kl_and_lse(student, teacher, temperature, group, chunk)
         if ctx.needs_input_grad[0]:
-            ctx.save_for_backward(student, teacher, maxima, sums[:2].clone())
+            ctx.save_for_backward(student, teacher, lse)
         ctx.temperature = temperature
         ctx.chunk = chunk
         return (kl * (temperature**2)).reshape(student.shape[:-1])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        student, teacher, maxima, norms = ctx.saved_tensors
-        temperature = ctx.temperature
+        from elastic_plugin.ops import kd_grad
+
+        student, teacher, lse = ctx.saved_tensors
         vocab = student.shape[-1]
-        s_all = student.reshape(-1, vocab)
-        t_all = teacher.reshape(-1, vocab)
-        scale = grad_out.float().reshape(-1) * temperature
-        grad = torch.empty_like(s_all)
-        for a in range(0, s_all.shape[0], ctx.chunk):
-            sl = slice(a, a + ctx.chunk)
-            p_s = _scaled(s_all[sl], temperature).sub_(maxima[0, sl].unsqueeze(-1)).exp_()
-            p_s.div_(norms[0, sl].unsqueeze(-1))
-            p_t = _scaled(t_all[sl], temperature).sub_(maxima[1, sl].unsqueeze(-1)).exp_()
-            p_t.div_(norms[1, sl].unsqueeze(-1))
-            grad[sl] = p_s.sub_(p_t).mul_(scale[sl].unsqueeze(-1))
-            del p_s, p_t
+        scale = grad_out.float().reshape(-1) * ctx.temperature
+        grad = kd_grad(
+            student.reshape(-1, vocab), teacher.reshape(-1, vocab), lse, scale, ctx.temperature
+        )
         return grad.reshape(student.shape), None, None, None, None
 
 

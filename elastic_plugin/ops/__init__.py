@@ -19,6 +19,12 @@ from elastic_plugin.ops._fp8 import (
 from elastic_plugin.ops._fp8 import METHODS as FP8_METHODS
 from elastic_plugin.ops._fp8 import SCALINGS as FP8_SCALINGS
 from elastic_plugin.ops._gather import ordered_gather, reference_ordered_gather
+from elastic_plugin.ops._kd_loss import (
+    kd_grad,
+    kd_row_stats,
+    reference_kd_grad,
+    reference_kd_row_stats,
+)
 from elastic_plugin.ops._loader import BACKENDS, DISABLE_ENV, INFO
 from elastic_plugin.ops._masked_gemm import prefix_linear, reference_prefix_linear
 from elastic_plugin.ops._quantize import BLOCK as NVFP4_BLOCK
@@ -70,6 +76,8 @@ __all__ = [
     "fatbin_targets",
     "fp8_prefix_linear",
     "fp8_quantize",
+    "kd_grad",
+    "kd_row_stats",
     "kernel_sources",
     "nvfp4_quantize",
     "ordered_gather",
@@ -77,6 +85,8 @@ __all__ = [
     "pack_e2m1",
     "prefix_linear",
     "quantize_e4m3",
+    "reference_kd_grad",
+    "reference_kd_row_stats",
     "reference_ordered_gather",
     "reference_ordered_gather_many",
     "reference_fp8_quantize",
