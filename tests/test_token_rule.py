@@ -10,7 +10,8 @@ add_generation_prompt=True)`` does, and stops where transformers' ``generate`` s
 model of every family, ``import --hf`` then ``generate`` (plain and ``--chat``) gives the greedy
 tokens of transformers' ``generate`` on the same directory (same text, greedy, same
 ``max_new_tokens``, its own stopping); on an elastic checkpoint, every budget's ``generate``
-gives what transformers gives on that budget's export. The toy states its ``<eod>`` convention in
+gives what transformers gives on that budget's export, and llama.cpp (``xllamacpp``) on that
+budget's ``export --gguf`` file gives transformers' tokens on the export it was written from. The toy states its ``<eod>`` convention in
 its own tokenizer files and reads through the same rule.
 """
 
@@ -25,6 +26,7 @@ from tests.support.token_rule_cases import (
     BOS,
     EOS,
     FAMILIES,
+    SPLIT,
     our_greedy,
     transformers_greedy,
     write_model,
@@ -32,7 +34,7 @@ from tests.support.token_rule_cases import (
 )
 
 TEXTS = ["What is the capital of France?", " sea blue\n", "Name three primary colours."]
-PROMPT = "What is the capital of France?"
+PROMPT = "What is the capital of France? 12345 sea"
 NEW_TOKENS = 10
 
 
@@ -89,7 +91,7 @@ def _family_dir(work: Path, family: str) -> tuple[Path, bool]:
     from tokenizers import Tokenizer
 
     bos = sorted(FAMILIES).index(family) % 2 == 0
-    tokenizer = write_tokenizer(work / f"{family}_tok", bos=bos, chat=True)
+    tokenizer = write_tokenizer(work / f"{family}_tok", bos=bos, chat=True, split=SPLIT[family])
     model_dir = write_model(work / f"{family}_hf", family, tokenizer.parent)
     free = transformers_greedy(model_dir, PROMPT, False, NEW_TOKENS, stop=False)
     generation = json.loads((model_dir / "generation_config.json").read_text())
@@ -125,7 +127,7 @@ def test_every_budgets_export_generates_as_transformers(work, family, rank_pools
         "tests.support.token_rule_cases:budgets_case", workdir=str(work / f"{family}_budgets"),
         family=family,
     )  # fmt: skip
-    assert sorted(result) == ["0.4", "0.77", "1"]
+    assert sorted(result) == ["0.4", "0.77", "1", "gguf 0.4", "gguf 0.77", "gguf 1"]
     for budget, runs in result.items():
         for mode, (ours, expected) in runs.items():
             assert ours == expected, (family, budget, mode)

@@ -14,8 +14,8 @@ it; per-layer widths too, through ``elastic_plugin.export.hf.load_hf_model``), o
 FP8 / NVFP4 weights in ModelOpt's unified layout (``--quantize``).
 
 ``export`` writes, per trained budget, the plain Megatron checkpoint and Hugging Face NemotronH
-exports in BF16 / FP8 / NVFP4, measures each export's validation loss, and writes
-``exports.json``, ``exports.md`` and ``exports.png`` (size vs loss).
+exports in BF16 / FP8 / NVFP4 (``--gguf``: and GGUF files for llama.cpp), measures each export's
+validation loss, and writes ``exports.json``, ``exports.md`` and ``exports.png`` (size vs loss).
 
 Bad input (incomplete checkpoint, untrained or out-of-range budget, a target layout that does not
 divide, an --out that already holds something) exits 2 before Megatron is imported.
@@ -223,6 +223,15 @@ def _register_export(subparsers: argparse._SubParsersAction) -> None:
         "`elastic-plugin slice` / load_nested build any budget (quantized ones with each "
         "budget's own activation scales)",
     )
+    parser.add_argument(
+        "--gguf",
+        nargs="+",
+        default=(),
+        metavar="TYPE",
+        help="also write each budget's BF16 export as a GGUF file for llama.cpp, "
+        "OUT/gguf/<budget>.<TYPE>.gguf, for each TYPE of f32, bf16, q8_0 (GPT families; "
+        "budgets with one size per axis)",
+    )
     _add_quant_args(parser)
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=run_export)
@@ -245,6 +254,7 @@ def run_export(args: argparse.Namespace) -> int:
             max_shard_size=args.max_shard_size,
             nested=args.nested,
             quant=_quant_options(args),
+            gguf=args.gguf,
         )
     except ConfigError as exc:
         return report_bad_input("elastic-plugin export", exc)

@@ -159,6 +159,7 @@ def export_all(
     max_shard_size: str | int | None = None,
     nested: bool = False,
     quant: QuantOptions | None = None,
+    gguf: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Export every trained budget (see the module docstring); returns the report dict.
     ``max_shard_size``: of the HF exports' safetensors shards (default 5GB). ``quant``: how the
@@ -168,6 +169,7 @@ def export_all(
     sliced from it equals that budget's own export, and measure the sliced budgets."""
     ckpt, out = Path(ckpt_dir), Path(out_dir)
     precisions = list(precisions)
+    _check_gguf(gguf, precisions)
     jobs = _plans(ckpt, out, precisions, megatron, max_shard_size, quant)
     meta = jobs[0].plan.meta
     out.mkdir(parents=True, exist_ok=True)
@@ -207,6 +209,7 @@ def export_all(
         else None
     )
     del source
+    gguf_rows = _gguf(out, rows, gguf, progress)
     report = {
         "source": str(ckpt),
         "eval": {"sequences": 0 if tokens is None else len(tokens), "seq_length": seq_length},
@@ -215,12 +218,52 @@ def export_all(
         "recovery": _recovery(rows),
         "sizes": _sizes(rows, ckpt),
         **({"nested": nested_report} if nested_report is not None else {}),
+        **({"gguf": gguf_rows} if gguf else {}),
         "seconds": round(time.time() - start, 2),
     }
     (out / REPORT_JSON).write_text(json.dumps(report, indent=2) + "\n")
     (out / REPORT_MD).write_text(markdown(report))
     plot_exports(report, out / REPORT_PNG)
     return report
+
+
+def _check_gguf(types: Sequence[str], precisions: Sequence[str]) -> None:
+    """``--gguf`` types are known and have the BF16 exports they are written from."""
+    from elastic_plugin.export.gguf import GGUF_TYPES
+
+    bad = [t for t in types if t not in GGUF_TYPES]
+    if bad:
+        raise ConfigError(f"--gguf {' '.join(types)}: allowed: {', '.join(GGUF_TYPES)}")
+    if types and "bf16" not in precisions:
+        raise ConfigError(
+            f"--gguf is written from the BF16 exports: add bf16 to --precisions "
+            f"{','.join(precisions)}"
+        )
+
+
+def _gguf(out: Path, rows: list[dict[str, Any]], types: Sequence[str], progress: bool) -> list:
+    """Each budget's BF16 export as GGUF files (``OUT/gguf/<budget>.<type>.gguf``)."""
+    from elastic_plugin.export.gguf import write_gguf
+
+    written: list[dict[str, Any]] = []
+    for row in rows:
+        if row["precision"] != "bf16":
+            continue
+        config = json.loads((Path(row["path"]) / "config.json").read_text())
+        if config.get("layer_overrides"):  # llama.cpp builds every layer of a kind alike
+            reason = "per-layer widths (layer_overrides): no llama.cpp form"
+            written.append({"budget": row["budget"], "skipped": reason})
+            continue
+        for ggml_type in types:
+            label = budget_label(row["budget"])
+            target = out / "gguf" / f"{label}.{ggml_type}.gguf"
+            summary = write_gguf(row["path"], target, ggml_type)
+            written.append({"budget": row["budget"], **summary})
+            if progress:
+                print(
+                    f"gguf budget {label} {ggml_type}: {summary['bytes'] / 1e6:.2f} MB", flush=True
+                )
+    return written
 
 
 def nested_dir_name(precision: str) -> str:

@@ -180,6 +180,15 @@ class Family(abc.ABC):
     ) -> dict[str, Any]:
         """``config.json`` for the converted tensors (sizes read from the tensors)."""
 
+    def gguf_tensors(self, config_json: Mapping[str, Any], tensors: Mapping[str, Any]) -> Any:
+        """llama.cpp's architecture and this family's tensors in its names and layouts
+        (``export --gguf``; numpy arrays in transformers' in-memory names); a family llama.cpp
+        is not given here refuses, naming its architecture."""
+        raise ConfigError(
+            f"--gguf: {self.architecture} is not written as GGUF here (llama.cpp's "
+            "architectures: the GPT families Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral)"
+        )
+
     @abc.abstractmethod
     def build_hf_model(
         self, config_json: Mapping[str, Any], state: Mapping[str, Any], dtype: Any, source: str

@@ -27,19 +27,37 @@ TEXTS = [
 
 
 def write_tokenizer(
-    directory: Path, *, bos: bool, chat: bool, stop: tuple[str, ...] = (EOS, END_TURN)
+    directory: Path,
+    *,
+    bos: bool,
+    chat: bool,
+    stop: tuple[str, ...] = (EOS, END_TURN),
+    split: str = "gpt2",
 ) -> Path:
-    """tokenizer.json (+ a BOS post-processor when ``bos``), tokenizer_config.json,
-    chat_template.jinja when ``chat``, generation_config.json with the ``stop`` ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    """tokenizer.json (+ a BOS post-processor when ``bos``; ``split``: gpt2, llama3 or qwen2),
+    tokenizer_config.json, chat_template.jinja when ``chat``, generation_config.json with the
+    ``stop`` ids."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+    from elastic_plugin.export.gguf import LLAMA3_SPLIT, QWEN2_SPLIT
+
+    splits = {"llama3": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT}  # released tokenizers' Split regex
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split == "gpt2":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(splits[split]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB - 4,  # room for the model's padded rows
         special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:100],
+        # printable ASCII (and byte-level's space and newline): every token is whole UTF-8
+        initial_alphabet=[chr(b) for b in range(33, 127)] + ["\u0120", "\u010a"],
         show_progress=False,
     )
     tok.train_from_iterator(TEXTS, trainer)
@@ -103,9 +121,23 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def write_model(directory: Path, family: str, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """save_pretrained of a random ``family`` model (weights perturbed, so ties are unlikely)
-    with the tokenizer files of ``tokenizer_dir`` beside it; config.json names its ids."""
+# each family's tokenizer splits text as its released tokenizers do (transformers 5's
+# Qwen2Tokenizer puts Qwen's split in place of a GPT-2 byte-level one; the rule reads the file)
+SPLIT = {
+    "llama": "llama3",
+    "mixtral": "gpt2",
+    "qwen2": "qwen2",
+    "qwen3": "qwen2",
+    "qwen3_moe": "qwen2",
+}
+
+
+def write_model(
+    directory: Path, family: str, tokenizer_dir: Path, seed: int = 0, **sizes: Any
+) -> Path:
+    """save_pretrained of a random ``family`` model (weights perturbed, so ties are unlikely;
+    ``sizes`` override the config's) with the tokenizer files of ``tokenizer_dir`` beside it;
+    config.json names its ids."""
     import shutil
 
     import torch
@@ -116,7 +148,7 @@ def write_model(directory: Path, family: str, tokenizer_dir: Path, seed: int = 0
     cls = getattr(transformers, architecture)
     torch.manual_seed(seed)
     config = cls.config_class(
-        **kwargs,
+        **{**kwargs, **sizes},
         bos_token_id=rule_files["bos_token_id"],
         eos_token_id=rule_files["eos_token_id"],
         pad_token_id=rule_files["pad_token_id"],
@@ -207,7 +239,7 @@ def budgets_case(workdir: str, family: str) -> dict:
     from elastic_plugin.export.extract import extract_nested
 
     work = Path(workdir)
-    tokenizer = write_tokenizer(work / "tok", bos=True, chat=True)
+    tokenizer = write_tokenizer(work / "tok", bos=True, chat=True, split=SPLIT[family])
     model_dir = write_model(work / "hf", family, tokenizer.parent)
     ckpt = elastic_checkpoint(work / "elastic", model_dir, tokenizer)
     out: dict = {}
@@ -221,4 +253,24 @@ def budgets_case(workdir: str, family: str) -> dict:
             ours = our_greedy(ckpt, "What is the capital of France?", chat, 10, "--budget", label)
             expected = transformers_greedy(export, "What is the capital of France?", chat, 10)
             out[label]["chat" if chat else "plain"] = (ours["results"][0]["tokens"], expected)
+    out.update(_gguf_runs(ckpt, work / "exports"))
     return out
+
+
+def _gguf_runs(ckpt: Path, out_dir: Path) -> dict:
+    """``export --precisions bf16 --gguf f32`` of every budget: llama.cpp's greedy tokens on each
+    GGUF against transformers' on the BF16 export it was written from (the same weights)."""
+    from elastic_plugin.checkpoint.meta import budget_label
+    from elastic_plugin.export.report import export_all
+    from tests.support.gguf_cases import llama_cpp_greedy
+
+    report = export_all(ckpt, out_dir, ["bf16"], megatron=False, eval_sequences=0,
+                        progress=False, gguf=["f32"])  # fmt: skip
+    exports = {row["budget"]: row["path"] for row in report["exports"]}
+    runs = {}
+    for entry in report["gguf"]:
+        text = "What is the capital of France? 12345 sea"
+        ours = llama_cpp_greedy(Path(entry["out"]), text, 8)["tokens"]
+        expected = transformers_greedy(Path(exports[entry["budget"]]), text, False, 8, stop=False)
+        runs[f"gguf {budget_label(entry['budget'])}"] = {"llama.cpp": (ours, expected)}
+    return runs

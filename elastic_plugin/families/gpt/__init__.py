@@ -126,6 +126,11 @@ class GptFamily(Family):
     def hub_name(self, name: str) -> str:
         return self.keys.hub_name(name)
 
+    def gguf_tensors(self, config_json: Mapping[str, Any], tensors: Mapping[str, Any]) -> Any:
+        from elastic_plugin.families.gpt.gguf import gguf_tensors
+
+        return gguf_tensors(self.architecture, config_json, tensors)
+
     def memory_name(self, name: str) -> str:
         return self.keys.memory_name(name)
 
