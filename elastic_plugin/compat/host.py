@@ -98,7 +98,7 @@ def fast_bf16(info: CpuInfo | None = None) -> tuple[bool, str]:
     found = [f for f in BF16_FLAGS if f in info.flags]
     if found:
         return True, f"the CPU has {' and '.join(found)}"
-    return False, f"the CPU has no {' or '.join(BF16_FLAGS)} (BF16 GEMMs would be emulated)"
+    return False, f"the CPU has no {' or '.join(BF16_FLAGS)}"
 
 
 def rank_threads(local_ranks: int, info: CpuInfo | None = None) -> tuple[int, str]:

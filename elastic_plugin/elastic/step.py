@@ -32,6 +32,7 @@ from elastic_plugin.elastic.model import finalize_router_grads, router_of
 from elastic_plugin.elastic.router import AnnealSchedule, budget_encoding, expected_sizes
 from elastic_plugin.elastic.sampling import BudgetSampler
 from elastic_plugin.models.context_parallel import loss_scale as cp_loss_scale
+from elastic_plugin.models.logits import batch_major_logits
 from elastic_plugin.training.step import get_batch, run_schedule, train_step
 
 
@@ -173,7 +174,8 @@ class ElasticStep:
     def _teacher_forward_step(self, data_iterator, model):
         batch = get_batch(data_iterator)
         tokens = batch.get("tokens")
-        output = model(tokens, batch.get("position_ids"), batch.get("attention_mask"))
+        with batch_major_logits(model):
+            output = model(tokens, batch.get("position_ids"), batch.get("attention_mask"))
 
         def keep(output_tensor):
             self._teacher_logits.append(output_tensor.detach())
@@ -221,7 +223,10 @@ class ElasticStep:
             teacher = self.teacher_chunks[0]
         if _pipeline_size() > 1:
             set_model_input(teacher, teacher_input)
-        out = teacher(batch.get("tokens"), batch.get("position_ids"), batch.get("attention_mask"))
+        with batch_major_logits(teacher):
+            out = teacher(
+                batch.get("tokens"), batch.get("position_ids"), batch.get("attention_mask")
+            )
         return out.detach()
 
     @contextmanager
@@ -339,7 +344,8 @@ class ElasticStep:
         index, probs = self.route(model, local)
         if torch.is_grad_enabled():  # a training micro-batch (not a forward-only evaluation)
             self.flops += self.choice_flops(None if not self.state.is_active else probs)
-        with fp8_gemm(self.cfg.fp8_gemm):  # the backward keeps the recipe it was traced with
+        # fp8: the backward keeps the recipe it was traced with
+        with fp8_gemm(self.cfg.fp8_gemm), batch_major_logits(model):
             output = model(
                 batch.get("tokens"), batch.get("position_ids"), batch.get("attention_mask")
             )
