@@ -50,26 +50,12 @@ def interleaved_medians(
 
 
 def keep_freed_memory() -> bool:
-    """Ask glibc to reuse freed heap memory instead of returning it to the OS.
+    """glibc keeps freed memory for reuse (``elastic_plugin.compat.host``, what every command
+    sets at start-up): big outputs would otherwise come fresh from the kernel on every call, and
+    the page faults swamp what is measured. False where glibc's mallopt is unavailable."""
+    from elastic_plugin.compat.host import keep_freed_memory as keep
 
-    Big outputs (> the malloc mmap threshold) otherwise come fresh from the kernel on every
-    call, and the page faults (several ms per 32 MB, varying with allocation history) swamp
-    the copy being measured.  Returns False where glibc's mallopt is unavailable.
-    """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(
-            libc.mallopt(m_trim_threshold, 1 << 40)
-        )
-    except (OSError, AttributeError):
-        return False
+    return keep()
 
 
 def copy_floor(work: Path, nbytes: int) -> Callable[[], None]:

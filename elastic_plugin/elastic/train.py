@@ -138,6 +138,71 @@ def _save(chunks, optimizer, scheduler, stage: Path, meta: dict[str, Any], keep_
     )
 
 
+@dataclass
+class ElasticTrainer:
+    """What one elastic run trains with: the student chunks (elastic, in Megatron DDP), their
+    elastic state, the frozen teacher (None: the student at full budget), Megatron's optimizer
+    and LR schedule, and the per-micro-batch step. ``train_elastic`` drives it through the
+    training loop; ``bench/bench_train.py`` times its ``step.train_step`` as it is."""
+
+    chunks: list
+    state: ElasticState
+    teacher_chunks: list | None
+    optimizer: Any
+    scheduler: Any
+    step: ElasticStep
+    meta_src: dict[str, Any]
+
+
+def build_elastic_trainer(
+    cfg,
+    ecfg: ElasticConfig,
+    layout: Layout,
+    resolved: ResolvedElastic,
+    source: str | Path,
+    sched: TrainingConfig,
+    num_microbatches: int,
+    teacher_ckpt: str | Path | None = None,
+) -> ElasticTrainer:
+    """Load ``source`` as the elastic student and ``teacher_ckpt`` (default ``source``) as the
+    frozen teacher (unless ``ecfg.teacher == "self"``), and build the optimizer and the step.
+    ``initialize_layout(layout)`` must have been called."""
+    from elastic_plugin.checkpoint.io import build_from_checkpoint
+
+    runtime = Runtime.of(cfg.training)
+    chunks, state, meta_src = build_elastic_chunks(
+        source, layout, resolved, router_seed=sched.seed, runtime=runtime
+    )
+    teacher_chunks = None
+    if ecfg.teacher == "frozen":
+        # forward only: the model dtype, no recomputation, no DDP (no gradient buffers), no
+        # optimizer state
+        teacher_chunks, _, _ = build_from_checkpoint(
+            teacher_ckpt or source, layout, params_dtype=runtime.params_dtype
+        )
+        for chunk in teacher_chunks:
+            chunk.requires_grad_(False)
+    optimizer, scheduler = optimizer_and_scheduler(
+        chunks,
+        sched,
+        layout,
+        config_overrides=router_param_groups(sched.lr, sched.min_lr, ecfg.router.lr_mult),
+    )
+    anneal = ecfg.router.anneal_iters or sched.train_iters
+    stages = ecfg.curriculum_in_iterations(sched.global_batch_size, sched.seq_length)
+    step = ElasticStep(
+        state=state,
+        sampler=BudgetSampler(resolved.budgets, stages, sched.seed, sched.train_iters),
+        cost=ElasticCost(cfg.model, resolved),
+        temperature=AnnealSchedule(*ecfg.router.temperature, anneal),
+        logit_scale=AnnealSchedule(*ecfg.router.logit_scale, anneal),
+        num_microbatches=num_microbatches,
+        teacher_chunks=teacher_chunks,
+        recompute=runtime.full_recompute,
+    )
+    return ElasticTrainer(chunks, state, teacher_chunks, optimizer, scheduler, step, meta_src)
+
+
 def train_elastic(
     cfg,
     ecfg: ElasticConfig,
@@ -167,7 +232,7 @@ def train_elastic(
     rank), with no evaluation and no checkpoint. ``exit_signal``: the preemption signal that
     makes the run save at the next step boundary and stop (``training.loop``; None: none).
     """
-    from elastic_plugin.checkpoint.io import build_from_checkpoint, load_optimizer, resume_source
+    from elastic_plugin.checkpoint.io import load_optimizer, resume_source
     from elastic_plugin.checkpoint.meta import read_checkpoint_meta
     from elastic_plugin.elastic.metrics import ElasticMetrics
 
@@ -198,41 +263,17 @@ def train_elastic(
         check_resumable_state(meta, Runtime.of(cfg.training), layout, f"resume: {resumed}")
         source, start_iter = resumed, int(meta["iteration"]) + 1
         consumed = int(meta["consumed_samples"])
-    runtime = Runtime.of(cfg.training)
     initialize_layout(layout, seed=sched.seed)
-    chunks, state, meta_src = build_elastic_chunks(
-        source, layout, resolved, router_seed=sched.seed, runtime=runtime
-    )
-    teacher_chunks = None
-    if ecfg.teacher == "frozen":
-        # forward only: the model dtype, no recomputation, no DDP (no gradient buffers), no
-        # optimizer state
-        teacher_chunks, _, _ = build_from_checkpoint(
-            teacher_ckpt or student_ckpt, layout, params_dtype=runtime.params_dtype
-        )
-        for chunk in teacher_chunks:
-            chunk.requires_grad_(False)
-    optimizer, scheduler = optimizer_and_scheduler(
-        chunks,
-        sched,
-        layout,
-        config_overrides=router_param_groups(sched.lr, sched.min_lr, ecfg.router.lr_mult),
-    )
+    trainer = build_elastic_trainer(
+        cfg, ecfg, layout, resolved, source, sched, num_microbatches,
+        teacher_ckpt=teacher_ckpt or student_ckpt,
+    )  # fmt: skip
+    chunks, state, step = trainer.chunks, trainer.state, trainer.step
+    optimizer, scheduler, meta_src = trainer.optimizer, trainer.scheduler, trainer.meta_src
     if resumed is not None:
         load_optimizer(chunks, optimizer, resumed)
         scheduler.load_state_dict(meta_src["scheduler"])
-    anneal = ecfg.router.anneal_iters or sched.train_iters
-    stages = ecfg.curriculum_in_iterations(sched.global_batch_size, sched.seq_length)
-    step = ElasticStep(
-        state=state,
-        sampler=BudgetSampler(resolved.budgets, stages, sched.seed, sched.train_iters),
-        cost=ElasticCost(model_cfg, resolved),
-        temperature=AnnealSchedule(*ecfg.router.temperature, anneal),
-        logit_scale=AnnealSchedule(*ecfg.router.logit_scale, anneal),
-        num_microbatches=num_microbatches,
-        teacher_chunks=teacher_chunks,
-        recompute=runtime.full_recompute,
-    )
+    teacher_chunks = trainer.teacher_chunks
     router = router_of(chunks[0])
     elastic_src = (meta_src.get("elastic") or {}) if start_iter > 1 else {}
     frozen_table = elastic_src.get("frozen_choices")

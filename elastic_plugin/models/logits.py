@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ __all__ = ["batch_major_logits", "output_layer_of"]
 def output_layer_of(chunk: torch.nn.Module) -> torch.nn.Module | None:
     """The output layer of a model chunk (inside DDP / Float16Module wrappers), or None on a
     pipeline stage without one."""
-    module = chunk
+    module: Any = chunk
     while not hasattr(module, "output_layer") and hasattr(module, "module"):
         module = module.module
     if not getattr(module, "post_process", False):
