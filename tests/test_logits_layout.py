@@ -66,3 +66,25 @@ def test_batch_major_logits_equal_megatrons_and_skip_the_copy(tiny_model):
     again, _ = _forward_backward(tiny_model, tokens, upstream)
     assert torch.equal(again, ref_logits)
     assert not layer._forward_hooks and not layer._forward_pre_hooks
+
+
+def test_without_logits_returns_the_final_hidden_states_and_skips_the_output_layer(tiny_model):
+    from elastic_plugin.models.logits import without_logits
+
+    tokens = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(7).expand_as(tokens)
+    layer = output_layer_of(tiny_model)
+    seen = []
+    handle = layer.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach()))
+    try:
+        with torch.no_grad():
+            logits = tiny_model(tokens, positions, None)  # the output layer runs: seen[0]
+            with without_logits(tiny_model):
+                hidden = tiny_model(tokens, positions, None)
+            again = tiny_model(tokens, positions, None)
+    finally:
+        handle.remove()
+    assert len(seen) == 2  # not called inside the block
+    assert hidden.shape == (2, 7, 32)
+    assert torch.equal(hidden, seen[0].transpose(0, 1))  # the output layer's input, [b, s, h]
+    assert output_layer_of(tiny_model) is layer and torch.equal(again, logits)

@@ -24,6 +24,7 @@ from elastic_plugin.checkpoint.tensor_file import (
 from elastic_plugin.importance.hooks import AXES, ImportanceHooks, LocalStats
 from elastic_plugin.importance.magnitude import weight_magnitudes
 from elastic_plugin.importance.scores import ImportanceScores, reduce_local_stats
+from elastic_plugin.models.logits import without_logits
 
 if TYPE_CHECKING:  # Megatron ships no types: this annotates the model inside a wrapper
     from megatron.core.models.hybrid.hybrid_model import HybridModel
@@ -153,7 +154,11 @@ def collect_importance(
             for chunk in chunks:
                 chunk.eval()
             for index in range(done, num_batches):
-                run_schedule(chunks, batches, 1, seq_length, micro_batch_size, forward_only=True)
+                with without_logits(*chunks):  # the statistics read hidden states only
+                    run_schedule(
+                        chunks, batches, 1, seq_length, micro_batch_size, forward_only=True,
+                        forward_step_func=_statistics_forward_step,
+                    )  # fmt: skip
                 # this rank's tokens (under CP its share of each sequence), summed over DP x CP
                 stats.tokens_seen += micro_batch_size * seq_length // cp_size()
                 if bar is not None:
@@ -179,6 +184,20 @@ def collect_importance(
     if partial is not None and partial.exists():
         partial.unlink()
     return scores
+
+
+def _statistics_forward_step(data_iterator, model):
+    """Megatron's forward step for a pass whose hooks are the result: the model without
+    labels (no loss, and under ``without_logits`` no logits), a zero loss for the schedule."""
+    from elastic_plugin.training.step import get_batch
+
+    batch = get_batch(data_iterator)
+    tokens = batch.get("tokens")
+    position_ids = batch.get("position_ids")
+    if tokens is not None and position_ids is None:
+        position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    output = model(tokens, position_ids, batch.get("attention_mask"))
+    return output, lambda out: (out.sum() * 0.0, {})
 
 
 def _check_axes(axes: Iterable[str] | None, present: set[str]) -> None:

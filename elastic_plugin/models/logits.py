@@ -1,4 +1,6 @@
-"""Logits computed batch-major, so that Megatron's ``[s, b, V] -> [b, s, V]`` copy costs nothing.
+"""What a model does at its output layer: logits computed batch-major, so that Megatron's
+``[s, b, V] -> [b, s, V]`` copy costs nothing (``batch_major_logits``), or no logits at all for a
+pass that only reads the hidden states (``without_logits``).
 
 A ``HybridModel`` called without labels returns ``logits.transpose(0, 1).contiguous()``: with a
 micro-batch above one that is a copy of the whole ``[tokens, V/tp]`` tensor, and its gradient
@@ -23,15 +25,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["batch_major_logits", "output_layer_of"]
+__all__ = ["batch_major_logits", "output_layer_of", "without_logits"]
+
+
+def _model(chunk: torch.nn.Module) -> Any:
+    """The Megatron model inside DDP / Float16Module wrappers."""
+    module: Any = chunk
+    while not hasattr(module, "output_layer") and hasattr(module, "module"):
+        module = module.module
+    return module
 
 
 def output_layer_of(chunk: torch.nn.Module) -> torch.nn.Module | None:
     """The output layer of a model chunk (inside DDP / Float16Module wrappers), or None on a
     pipeline stage without one."""
-    module: Any = chunk
-    while not hasattr(module, "output_layer") and hasattr(module, "module"):
-        module = module.module
+    module = _model(chunk)
     if not getattr(module, "post_process", False):
         return None
     return getattr(module, "output_layer", None)
@@ -63,3 +71,30 @@ def batch_major_logits(*chunks: torch.nn.Module) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+class _HiddenStates(torch.nn.Module):
+    """Stands in for the output layer: hands its input on, as ``(output, bias)``."""
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        return hidden, None
+
+
+@contextmanager
+def without_logits(*chunks: torch.nn.Module) -> Iterator[None]:
+    """Within this block, forwards of ``chunks`` stop before the output layer: the model
+    returns its final hidden states (``[b, s, h]``) instead of logits. For passes that only read
+    activations (importance statistics): the logits GEMM is ``2 h V`` FLOPs a token, a fifth of
+    SmolLM2-135M's forward, and its ``[tokens, V]`` result is never used there."""
+    swapped = []
+    try:
+        for chunk in chunks:
+            if output_layer_of(chunk) is None:
+                continue
+            module = _model(chunk)
+            swapped.append((module, module.output_layer))
+            module.output_layer = _HiddenStates()
+        yield
+    finally:
+        for module, layer in swapped:
+            module.output_layer = layer
