@@ -94,8 +94,10 @@ def attach_elastic(
         groups={"attention_heads": mcfg.query_groups, "mamba_heads": mcfg.mamba_num_groups},
     )
     elastify(model, state)
-    router = RouterModule(make_router(resolved, router_seed))  # initialised in FP32
-    model.add_module(ROUTER_ATTR, router.to(model.config.params_dtype))
+    router = RouterModule(make_router(resolved, router_seed))  # initialised in FP32 on the CPU
+    # beside the model's weights (on a GPU, Megatron's DDP buffers and the step expect it there)
+    device = next(model.parameters()).device
+    model.add_module(ROUTER_ATTR, router.to(device=device, dtype=model.config.params_dtype))
     first_stage = ps.is_pipeline_first_stage()
     for param in model.get_submodule(ROUTER_ATTR).parameters():
         param.elastic_router = True  # noqa: B010  (Megatron ParamKey(attr=...) matches on it)
