@@ -15,6 +15,10 @@ import pytest
 from tests.support.multirank import PoolCache
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
+# The suite computes the same numbers on every machine: an automatic precision (training.bf16
+# unset) is FP32 here even where the CPU has BF16 units (compat.host.fast_bf16); tests of the
+# detection set their own value. Ranks and commands the tests start inherit it.
+os.environ.setdefault("ELASTIC_PLUGIN_CPU_BF16", "0")
 
 
 @pytest.fixture(scope="session")

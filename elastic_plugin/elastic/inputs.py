@@ -39,7 +39,7 @@ from elastic_plugin.models.config import (
     load_config,
 )
 from elastic_plugin.models.context_parallel import check_context_parallel
-from elastic_plugin.models.runtime import Runtime
+from elastic_plugin.models.runtime import Runtime, with_saved_precision
 from elastic_plugin.training.batching import microbatches_per_step
 from elastic_plugin.training.recovery import check_resumable_state
 
@@ -281,7 +281,8 @@ def _check_resume(
             f"to continue it, or choose another --out"
         )
     _, meta = newest_readable_meta(ckpt)
-    check_resumable_state(meta, Runtime.of(cfg.training), layout, f"--resume: {ckpt}")
+    training = with_saved_precision(cfg.training, meta)
+    check_resumable_state(meta, Runtime.of(training), layout, f"--resume: {ckpt}")
     saved_elastic = (meta.get("config") or {}).get("elastic")
     if saved_elastic != ecfg.to_dict():
         changed = sorted(

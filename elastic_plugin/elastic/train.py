@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from elastic_plugin.elastic.router import AnnealSchedule
 from elastic_plugin.elastic.sampling import BudgetSampler
 from elastic_plugin.elastic.step import ElasticStep
 from elastic_plugin.models.config import ConfigError, TrainingConfig
-from elastic_plugin.models.runtime import Runtime
+from elastic_plugin.models.runtime import Runtime, precision_note, with_saved_precision
 from elastic_plugin.parallel import Layout, initialize_layout, is_rank0
 from elastic_plugin.training.batching import microbatches_per_step
 from elastic_plugin.training.loop import Cadence, run_iterations
@@ -260,10 +261,13 @@ def train_elastic(
     resumed = resume_source(ckpt_dir) if resume else None
     if resumed is not None:
         meta = read_checkpoint_meta(resumed)
+        cfg = replace(cfg, training=with_saved_precision(cfg.training, meta))
         check_resumable_state(meta, Runtime.of(cfg.training), layout, f"resume: {resumed}")
         source, start_iter = resumed, int(meta["iteration"]) + 1
         consumed = int(meta["consumed_samples"])
     initialize_layout(layout, seed=sched.seed)
+    if is_rank0():
+        print(precision_note(cfg.training), file=sys.stderr, flush=True)
     trainer = build_elastic_trainer(
         cfg, ecfg, layout, resolved, source, sched, num_microbatches,
         teacher_ckpt=teacher_ckpt or student_ckpt,

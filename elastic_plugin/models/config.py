@@ -338,8 +338,9 @@ class TrainingConfig:
     # order, as Megatron-LM's default ``--dataloader-type single`` reads (GPTDataset has already
     # shuffled its samples), so a run here and one in Megatron-LM's loop see the same batches
     dataloader_type: str = "shuffled"
-    # precision and activation recomputation (``models.runtime``; Megatron-LM's flags)
-    bf16: bool = False
+    # precision and activation recomputation (``models.runtime``; Megatron-LM's flags). bf16:
+    # None (``auto`` in YAML) = BF16 where the machine does BF16 matmuls in hardware, else FP32
+    bf16: bool | None = None
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None

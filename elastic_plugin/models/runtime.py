@@ -10,13 +10,23 @@ contradictory command line fails before any model is built.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from elastic_plugin.models.config import ConfigError, ModelConfig
 
-__all__ = ["DTYPE_NAMES", "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS", "Runtime"]
+__all__ = [
+    "DTYPE_NAMES",
+    "RECOMPUTE_GRANULARITIES",
+    "RECOMPUTE_METHODS",
+    "Runtime",
+    "auto_bf16",
+    "is_auto",
+    "precision_note",
+    "with_saved_precision",
+]
 
 RECOMPUTE_GRANULARITIES: tuple[str, ...] = ("full", "selective")
 RECOMPUTE_METHODS: tuple[str, ...] = ("uniform", "block")
@@ -37,6 +47,48 @@ FLAG_NAMES: dict[str, str] = {
 }
 
 
+def is_auto(bf16: Any) -> bool:
+    """``training.bf16`` left to the machine: unset (None) or ``auto``."""
+    return bf16 is None or bf16 == "auto"
+
+
+def auto_bf16() -> tuple[bool, str]:
+    """(BF16 for an automatic precision, why): BF16 where matmuls run in BF16 hardware (a
+    CUDA device that supports it; a CPU with AMX or AVX-512-BF16, ``compat.host.fast_bf16``),
+    else FP32 (BF16 would be emulated, e.g. ~1% of FP32's GEMM speed on an AVX2 CPU)."""
+    from elastic_plugin.compat.host import fast_bf16
+
+    torch = sys.modules.get("torch")  # parsing a command line imports no torch: CPU flags then
+    if torch is not None and torch.cuda.is_available():
+        if torch.cuda.is_bf16_supported():
+            return True, "the GPU does BF16 matmuls"
+        return False, "the GPU has no BF16 matmuls"
+    return fast_bf16()
+
+
+def with_saved_precision(training: Any, meta: Mapping[str, Any]) -> Any:
+    """``training`` to resume a save: an automatic precision continues in the precision the save
+    was written in (its optimizer state has FP32 main weights after BF16, none after FP32);
+    an explicit one is kept (and ``check_resumable`` refuses a mismatch)."""
+    import dataclasses
+
+    saved = meta.get("params_dtype")
+    if not is_auto(getattr(training, "bf16", None)) or saved not in DTYPE_NAMES:
+        return training
+    return dataclasses.replace(training, bf16=saved == "bfloat16")
+
+
+def precision_note(training: Any) -> str:
+    """One log line: the precision a run trains in, and why (the flag, the YAML, or auto)."""
+    bf16 = getattr(training, "bf16", None)
+    if is_auto(bf16):
+        value, why = auto_bf16()
+        source = f"auto: {why}"
+    else:
+        value, source = bool(bf16), "--bf16 / training.bf16"
+    return f"precision: {'BF16 mixed precision' if value else 'FP32'} ({source})"
+
+
 @dataclass(frozen=True)
 class Runtime:
     """Precision and recomputation of one training run (defaults: FP32, no recomputation)."""
@@ -48,9 +100,11 @@ class Runtime:
 
     @classmethod
     def of(cls, training: Any) -> Runtime:
-        """The runtime a ``TrainingConfig`` (or anything with these fields) asks for."""
+        """The runtime a ``TrainingConfig`` (or anything with these fields) asks for; an
+        automatic precision (``bf16`` None or ``"auto"``) is decided here (``auto_bf16``)."""
+        bf16: Any = getattr(training, "bf16", None)
         return cls(
-            bool(getattr(training, "bf16", False)),
+            auto_bf16()[0] if is_auto(bf16) else bf16,
             getattr(training, "recompute_granularity", None),
             getattr(training, "recompute_method", None),
             getattr(training, "recompute_num_layers", None),
@@ -98,7 +152,7 @@ class Runtime:
             self.recompute_num_layers,
         )
         if not isinstance(self.bf16, bool):
-            raise ConfigError(f"{names['bf16']}={self.bf16!r}; allowed: true, false")
+            raise ConfigError(f"{names['bf16']}={self.bf16!r}; allowed: true, false, auto")
         if gran is not None and gran not in RECOMPUTE_GRANULARITIES:
             raise ConfigError(
                 f"{names['recompute_granularity']}={gran!r}; allowed: "

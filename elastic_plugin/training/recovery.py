@@ -16,7 +16,7 @@ from typing import Any
 
 from elastic_plugin.checkpoint.history import LATEST_FILE
 from elastic_plugin.models.config import ConfigError, ExperimentConfig
-from elastic_plugin.models.runtime import Runtime
+from elastic_plugin.models.runtime import Runtime, with_saved_precision
 
 __all__ = [
     "SCHEDULE_KEYS",
@@ -63,7 +63,7 @@ def check_resumable_training(
 ) -> None:
     """A save continues only as the run that wrote it: the same layout and precision
     (``check_resumable_state``), model and schedule. The error names what differs."""
-    check_resumable_state(meta, Runtime.of(cfg.training), layout, where)
+    check_resumable_state(meta, Runtime.of(with_saved_precision(cfg.training, meta)), layout, where)
     saved = meta.get("config") or {}
     for section, current, why in (
         ("model", cfg.model, "is another model"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import signal
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -28,7 +29,7 @@ from elastic_plugin.checkpoint.io import (
 from elastic_plugin.checkpoint.meta import TEACHER_SUBDIR, read_checkpoint_meta
 from elastic_plugin.models.config import ExperimentConfig
 from elastic_plugin.models.flops import training_flops
-from elastic_plugin.models.runtime import Runtime
+from elastic_plugin.models.runtime import Runtime, precision_note, with_saved_precision
 from elastic_plugin.parallel import (
     Layout,
     build_model_chunks,
@@ -133,15 +134,18 @@ def train_teacher(
         dp,
         names=("training.global_batch_size", "training.micro_batch_size"),
     )
-    runtime = Runtime.of(t)
     resumed = resume_source(stage) if saves.resume else None
     start_iter, consumed, resumed_meta = 1, 0, {}
     if resumed is not None:
         resumed_meta = read_checkpoint_meta(resumed)
         check_resumable_training(resumed_meta, cfg, layout, f"resume: {resumed}")
+        t = with_saved_precision(t, resumed_meta)
         start_iter = int(resumed_meta["iteration"]) + 1
         consumed = int(resumed_meta.get("consumed_samples", 0))
+    runtime = Runtime.of(t)
     initialize_layout(layout, seed=t.seed)
+    if is_rank0():
+        print(precision_note(t), file=sys.stderr, flush=True)
     chunks, _ = build_model_chunks(  # only run: Transformer Engine's layers where they can run
         model_cfg, layout, runtime.params_dtype, role="trained", **runtime.transformer_overrides()
     )
