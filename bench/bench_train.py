@@ -40,7 +40,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,43 +72,15 @@ GOALS = {"ours_1.0": 1.0, "ours_mix": 1.0, "importance": 0.8, "decode": 1.0}
 
 
 # ------------------------------------------------------------------------------ the machine
-def matmul_peak(dtype: torch.dtype, n: int, seconds: float) -> float | None:
-    """GFLOP/s (GOP/s for int8) of an ``n x n x n`` product, best of 3 windows; None without a
-    CPU kernel for the dtype."""
-    gen = torch.Generator().manual_seed(0)
-    if dtype == torch.int8:
-        if not hasattr(torch, "_int_mm"):
-            return None
-        a = torch.randint(-8, 8, (n, n), dtype=torch.int8, generator=gen)
-        b = torch.randint(-8, 8, (n, n), dtype=torch.int8, generator=gen)
-        run: Callable[[], Any] = lambda: torch._int_mm(a, b)  # noqa: E731
-    else:
-        a = torch.randn(n, n, generator=gen).to(dtype)
-        b = torch.randn(n, n, generator=gen).to(dtype)
-        run = lambda: a @ b  # noqa: E731
-    try:
-        run()
-    except RuntimeError:
-        return None
-    best = 0.0
-    for _ in range(3):
-        count, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < seconds / 3 or count == 0:
-            run()
-            count += 1
-        best = max(best, 2 * n**3 * count / elapsed / 1e9)
-    return best
-
-
 def machine(quick: bool) -> dict[str, Any]:
-    from elastic_plugin.compat.host import tune_host
+    from elastic_plugin.compat.host import gemm_peak_gflops, tune_host
 
     host = tune_host()
     n, seconds = (256, 0.3) if quick else (2048, 3.0)
-    peaks = {
-        "fp32": matmul_peak(torch.float32, n, seconds),
-        "bf16": matmul_peak(torch.bfloat16, n if host.bf16 else min(n, 512), seconds),
-        "int8": matmul_peak(torch.int8, n, seconds),
+    peaks = {  # emulated BF16 is ~100x slower: a smaller product says as much
+        "fp32": gemm_peak_gflops("float32", n, seconds),
+        "bf16": gemm_peak_gflops("bfloat16", n if host.bf16 else min(n, 512), seconds),
+        "int8": gemm_peak_gflops("int8", n, seconds),
         "fp8": None,  # no FP8 GEMM kernels on a CPU (torch._scaled_mm emulates, ~300x slower)
     }
     return {

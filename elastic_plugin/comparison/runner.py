@@ -138,15 +138,15 @@ def run_totals(metrics: Path) -> dict[str, float] | None:
     of those steps, ``models.flops``: teacher forward passes included for distillation). The
     same measure for the elastic run, a distillation and a from-scratch run; FLOPs do not
     depend on how loaded the machine was."""
+    from elastic_plugin.compat.host import throughput_totals
+
     if not metrics.is_file():
         return None
-    seconds, tflop = 0.0, 0.0
-    for line in metrics.read_text().splitlines():
-        window = json.loads(line).get("throughput") if line.strip() else None
-        if window:
-            seconds += float(window.get("seconds") or 0.0)
-            tflop += float(window.get("model_tflops") or 0.0)
-    return {"seconds": seconds, "tflop": tflop}
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    totals = throughput_totals(records)
+    if totals is None:
+        return {"seconds": 0.0, "tflop": 0.0}
+    return {"seconds": totals["seconds"], "tflop": totals["model_flops"] / 1e12}
 
 
 def train_run(

@@ -28,6 +28,7 @@ import os
 import platform
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 __all__ = [
     "BF16_FLAGS",
@@ -35,8 +36,11 @@ __all__ = [
     "HostSettings",
     "cpu_info",
     "fast_bf16",
+    "gemm_peak_gflops",
     "keep_freed_memory",
+    "machine_use",
     "rank_threads",
+    "throughput_totals",
     "tune_host",
 ]
 
@@ -171,3 +175,69 @@ def tune_host(local_ranks: int | None = None) -> HostSettings:
     bf16, bf16_why = fast_bf16(info)
     _SETTINGS = HostSettings(info, threads, why, bf16, bf16_why, keep_freed_memory())
     return _SETTINGS
+
+
+# ------------------------------------------------------------------ how much of the machine
+def gemm_peak_gflops(dtype_name: str = "float32", n: int = 1024, seconds: float = 1.0):
+    """The machine's matmul peak for ``dtype_name`` (float32, bfloat16, int8): GFLOP/s (GOP/s)
+    of an ``n x n x n`` product with this process's threads, the best of three windows; None
+    where torch has no CPU kernel for it. What a stage's model FLOP/s is set against
+    (``bench/bench_train.py`` measures it at n = 2048)."""
+    import time
+
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    mm: Any
+    if dtype_name == "int8":
+        mm = getattr(torch, "_int_mm", None)
+        if mm is None:
+            return None
+        a = torch.randint(-8, 8, (n, n), dtype=torch.int8, generator=gen)
+        b = torch.randint(-8, 8, (n, n), dtype=torch.int8, generator=gen)
+    else:
+        mm = torch.mm
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+        a = torch.randn(n, n, generator=gen).to(dtype)
+        b = torch.randn(n, n, generator=gen).to(dtype)
+    try:
+        mm(a, b)  # first call: allocation and kernel choice
+    except (RuntimeError, TypeError):
+        return None
+    best = 0.0
+    for _ in range(3):
+        count, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds / 3 or count == 0:
+            mm(a, b)
+            count += 1
+        best = max(best, 2 * n**3 * count / elapsed / 1e9)
+    return best
+
+
+def throughput_totals(records) -> dict[str, float] | None:
+    """Summed over a run's metrics records (the ``throughput`` field the training loop logs per
+    interval): ``tokens`` (all ranks), ``model_flops`` (all ranks), ``model_flops_per_rank`` and
+    ``seconds`` (the steps' own time: no start-up, evaluation or save); None if no record has
+    one."""
+    out = dict.fromkeys(("tokens", "model_flops", "model_flops_per_rank", "seconds"), 0.0)
+    for record in records:
+        rate = record.get("throughput") if isinstance(record, dict) else None
+        if not rate:
+            continue
+        seconds = float(rate.get("seconds") or 0.0)
+        out["tokens"] += float(rate.get("tokens_per_s") or 0.0) * seconds
+        out["model_flops"] += float(rate.get("model_tflops") or 0.0) * 1e12
+        out["model_flops_per_rank"] += float(rate.get("tflops_per_rank") or 0.0) * seconds * 1e12
+        out["seconds"] += seconds
+    return out if out["seconds"] > 0 else None
+
+
+def machine_use(tokens: float, model_flops: float, seconds: float, peak_gflops: float | None):
+    """A stage's tokens/s, model GFLOP/s per rank and its share of one rank's peak (None
+    without a peak); ``model_flops`` per rank."""
+    gflops = model_flops / seconds / 1e9 if seconds > 0 else 0.0
+    return {
+        "tokens_per_s": round(tokens / seconds, 2) if seconds > 0 else None,
+        "model_gflops": round(gflops, 2),
+        "share_of_peak": round(gflops / peak_gflops, 4) if peak_gflops else None,
+    }

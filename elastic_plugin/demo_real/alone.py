@@ -85,6 +85,7 @@ def distil_alone(
             "iters": iters,
             "tokens": iters * int(training["global_batch_size"]) * int(training["seq_length"]),
             "seconds": result["seconds"],
+            "tflop": result.get("tflop"),
             "wall_s": result["wall_s"],
         }
     summary = {"elastic_tokens": total, "token_budget": "equal_cost", "sizes": results}

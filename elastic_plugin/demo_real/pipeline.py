@@ -38,6 +38,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "smollm2
 # in 20 iterations): the elastic run and each size distilled alone train with these
 SCHEDULE_FLAGS = ("--lr", "2e-4", "--min-lr", "2e-5")
 STAGES_FILE = "stages.json"
+MACHINE_FILE = "machine.json"
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class Stages:
         self.out = out
         self.records: list[dict[str, Any]] = []
         self.started = time.time()
-        self.env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        self.env = {**os.environ}  # threads: every core a one-process stage sees (compat.host)
         self.env.setdefault("PYTHONWARNINGS", "ignore")
 
     def run(self, name: str, argv: list[str], skip_if: Path | None = None, **info: Any) -> None:
@@ -96,12 +97,67 @@ class Stages:
             raise SystemExit(f"demo-real: stage {name!r} failed (exit {proc.returncode})")
         self.record(name, time.time() - wall, _cpu_seconds() - cpu, **info)
 
+    def add_use(self, name: str, tokens: float, flops: float, seconds: float, peak) -> None:
+        """``name``'s tokens/s, model GFLOP/s and share of the machine's peak (its steps' own
+        ``seconds``: training time without start-up or evaluation, else the stage's wall)."""
+        from elastic_plugin.compat.host import machine_use
+
+        record = next(r for r in self.records if r["stage"] == name)
+        if record.get("reused"):
+            return
+        record["use"] = {"tokens": int(tokens), "seconds": round(seconds, 1),
+                         **machine_use(tokens, flops, seconds, peak)}  # fmt: skip
+        (self.out / STAGES_FILE).write_text(json.dumps(self.records, indent=2) + "\n")
+
     def record(self, name: str, wall: float, cpu: float, **info: Any) -> None:
         self.records.append(
             {"stage": name, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), **info}
         )
         print(f"    {name}: {wall:.1f} s wall, {cpu:.1f} s CPU", flush=True)
         (self.out / STAGES_FILE).write_text(json.dumps(self.records, indent=2) + "\n")
+
+
+def _machine(out: Path) -> dict[str, Any]:
+    """The machine the run used: CPU, threads, precision and the GEMM peak every stage's model
+    FLOP/s is set against (measured here, in the precision the elastic run trains in)."""
+    import yaml
+
+    from elastic_plugin.compat.host import gemm_peak_gflops, tune_host
+    from elastic_plugin.models.config import TrainingConfig
+    from elastic_plugin.models.runtime import Runtime, precision_note
+
+    host = tune_host()
+    training = TrainingConfig(**{k: v for k, v in yaml.safe_load(CONFIG.read_text())["training"].items()
+                                 if k in ("bf16",)})  # fmt: skip
+    dtype = Runtime.of(training).dtype_name
+    machine = {
+        "cpu": host.cpu.describe(), "threads": host.threads, "precision": precision_note(training),
+        "dtype": dtype, "peak_gflops": round(gemm_peak_gflops(dtype), 1),
+    }  # fmt: skip
+    (out / MACHINE_FILE).write_text(json.dumps(machine, indent=2) + "\n")
+    print(f"==> {host.describe()}; {machine['precision']}; {dtype} GEMM peak "
+          f"{machine['peak_gflops']} GFLOP/s", flush=True)  # fmt: skip
+    return machine
+
+
+def _statistics_flops(parent: Path, seq: int, samples: int) -> float:
+    """Model FLOPs of importance's calibration pass: the forward up to the output layer."""
+    from elastic_plugin.checkpoint.meta import read_checkpoint_meta
+    from elastic_plugin.models.config import config_from_dict
+    from elastic_plugin.models.flops import forward_flops
+
+    model = config_from_dict(read_checkpoint_meta(parent)["config"]).model
+    count = forward_flops(model, seq, samples)
+    return float(count.total - count.breakdown["output_layer"])
+
+
+def _metrics_totals(path: Path) -> dict[str, float] | None:
+    from elastic_plugin.compat.host import throughput_totals
+
+    if not path.is_file():
+        return None
+    lines = path.read_text().splitlines()
+    return throughput_totals(json.loads(line) for line in lines if line.strip())
 
 
 def _cli(*args: Any) -> list[str]:
@@ -115,6 +171,7 @@ def run(out: Path, quick: bool, cache: Path | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     cache = (cache or out / "cache").resolve()
     stages = Stages(out)
+    machine = _machine(out)
     hf_dir, parent = cache / "smollm2_hf", cache / "smollm2_parent"
 
     from elastic_plugin.data.gguf import convert_gguf, smollm2_gguf_path
@@ -145,6 +202,12 @@ def run(out: Path, quick: bool, cache: Path | None = None) -> dict[str, Any]:
         ),
         skip_if=out / "importance.pt",
         tokens=s.importance_samples * s.importance_seq,
+    )  # fmt: skip
+    importance = next(r for r in stages.records if r["stage"] == "importance")
+    stages.add_use(
+        "importance", s.importance_samples * s.importance_seq,
+        _statistics_flops(parent, s.importance_seq, s.importance_samples),
+        importance["wall_s"], machine["peak_gflops"],
     )  # fmt: skip
     for order, methods in (
         ("reordered", []),
@@ -181,6 +244,10 @@ def run(out: Path, quick: bool, cache: Path | None = None) -> dict[str, Any]:
             "--valid-data-path", valid, "--tokenizer", tok, "--no-progress", "--resume",
         ),
     )  # fmt: skip
+    elastic = _metrics_totals(out / "elastic_metrics.jsonl")
+    if elastic is not None:
+        stages.add_use("elastic-train", elastic["tokens"], elastic["model_flops_per_rank"],
+                       elastic["seconds"], machine["peak_gflops"])  # fmt: skip
     from elastic_plugin.demo_real.alone import distil_alone
 
     wall, cpu = time.time(), _cpu_seconds()
@@ -197,6 +264,13 @@ def run(out: Path, quick: bool, cache: Path | None = None) -> dict[str, Any]:
         _cpu_seconds() - cpu,
         tokens={label: r["tokens"] for label, r in alone["sizes"].items()},
     )
+    sizes = alone["sizes"].values()
+    if sizes and all(r.get("tflop") is not None for r in sizes):
+        stages.add_use(
+            "distil alone (equal cost)", sum(r["tokens"] for r in sizes),
+            sum(r["tflop"] for r in sizes) * 1e12, sum(r["seconds"] for r in sizes),
+            machine["peak_gflops"],
+        )  # fmt: skip
     stages.run(
         "export",
         _cli(
@@ -219,6 +293,7 @@ def run(out: Path, quick: bool, cache: Path | None = None) -> dict[str, Any]:
     )  # fmt: skip
     report = json.loads((out / "report.json").read_text())
     report["stages"] = stages.records
+    report["machine"] = machine
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     from elastic_plugin.demo_real.report import write_markdown
 

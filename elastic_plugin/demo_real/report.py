@@ -340,10 +340,32 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"- {model}: {answers[i]!r}")
         lines.append("")
     if report.get("stages"):
-        lines += ["## Stage times", "", "| stage | wall s | CPU s |", "|---|---|---|"]
-        for s in report["stages"]:
-            lines.append(f"| {s['stage']} | {s['wall_s']} | {s['cpu_s']} |")
+        lines += _stage_lines(report["stages"], report.get("machine"))
     return "\n".join(lines) + "\n"
+
+
+def _stage_lines(stages: list[dict[str, Any]], machine: dict[str, Any] | None) -> list[str]:
+    """Each stage's time and, where it runs the model, how much of the machine it used."""
+    lines = ["## Stage times and machine use", ""]
+    if machine:
+        lines += [
+            f"{machine['cpu']}; {machine['threads']} threads; {machine['precision']}; "
+            f"{machine['dtype']} GEMM peak {machine['peak_gflops']} GFLOP/s (measured in the run).",
+            "",
+        ]
+    lines += [
+        "| stage | wall s | CPU s | tokens | tokens/s | model GFLOP/s | % of peak |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in stages:
+        use = s.get("use") or {}
+        share = use.get("share_of_peak")
+        lines.append(
+            f"| {s['stage']} | {s['wall_s']} | {s['cpu_s']} | {use.get('tokens', '')} | "
+            f"{use.get('tokens_per_s', '')} | {use.get('model_gflops', '')} | "
+            f"{'' if share is None else f'{100 * share:.1f}'} |"
+        )
+    return lines
 
 
 def write_markdown(report: dict[str, Any], path: Path) -> Path:

@@ -19,6 +19,7 @@ from typing import Any
 from elastic_plugin.checkpoint.history import run_dir
 from elastic_plugin.checkpoint.meta import (
     budget_label,
+    read_checkpoint_meta,
     read_elastic_meta,
     stored_choices,
     trained_budgets,
@@ -194,6 +195,7 @@ def evaluate_demo(
     )
     report["plots"] = [str(p) for p in draw_report_plots(report, ckpt, out)]
     report["comparison"] = _comparison(out / COMPARE_JSON, ckpt)
+    report["machine_use"] = training_machine_use(ckpt)
     report["seconds"] = round(time.time() - started, 1)
     (out / REPORT_JSON).write_text(json.dumps(report, indent=2) + "\n")
     (out / REPORT_MD).write_text(markdown(report))
@@ -245,6 +247,57 @@ def _assemble(
         "budget_control": [_strip(c) for c in control],
         "targets": _targets(rows, control),
     }
+
+
+TRAINING_METRICS = (
+    ("train (teacher)", "teacher_metrics.jsonl"),
+    ("elastic-train", "elastic_metrics.jsonl"),
+)
+
+
+def training_machine_use(ckpt: Path) -> dict[str, Any] | None:
+    """How much of the machine the demo's training stages used: their tokens/s and model GFLOP/s
+    (from the throughput their metrics log, ``OUT/*_metrics.jsonl`` beside ``OUT/checkpoints``)
+    against the FP32 / BF16 GEMM peak measured here, in the dtype each checkpoint records."""
+    from elastic_plugin.compat.host import (
+        gemm_peak_gflops,
+        machine_use,
+        throughput_totals,
+        tune_host,
+    )
+
+    root = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+    stages, peaks = [], {}
+    for stage, name in TRAINING_METRICS:
+        path = root / name
+        if not path.is_file():
+            continue
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        totals = throughput_totals(records)
+        if totals is None:
+            continue
+        dtype = _trained_dtype(root, name)
+        if dtype not in peaks:
+            peaks[dtype] = gemm_peak_gflops(dtype)
+        use = machine_use(totals["tokens"], totals["model_flops_per_rank"], totals["seconds"],
+                          peaks[dtype])  # fmt: skip
+        stages.append({"stage": stage, "dtype": dtype, "tokens": int(totals["tokens"]),
+                       "seconds": round(totals["seconds"], 1), **use})  # fmt: skip
+    if not stages:
+        return None
+    host = tune_host()
+    return {"cpu": host.cpu.describe(), "threads": host.threads,
+            "peak_gflops": {k: round(v, 1) for k, v in peaks.items() if v}, "stages": stages}  # fmt: skip
+
+
+def _trained_dtype(root: Path, metrics_name: str) -> str:
+    """The parameters' dtype the stage's checkpoint records (FP32 if it says nothing)."""
+    stage = "teacher" if metrics_name.startswith("teacher") else "elastic"
+    try:
+        meta = read_checkpoint_meta(root / "checkpoints" / stage)
+    except ConfigError:  # no checkpoint there: the metrics alone
+        return "float32"
+    return str(meta.get("params_dtype", "float32"))
 
 
 def _comparison(path: Path, ckpt: Path) -> dict[str, Any] | None:
@@ -404,5 +457,21 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"- {name}: {body}{verdict}")
     if report.get("comparison"):
         lines += ["", "## Does the method pay?", "", *report["comparison"]["markdown"]]
+    use = report.get("machine_use")
+    if use:
+        peaks = ", ".join(f"{k} {v} GFLOP/s" for k, v in use["peak_gflops"].items())
+        lines += [
+            "", "## Machine use (training)", "",
+            f"{use['cpu']}; {use['threads']} threads; GEMM peak measured here: {peaks}.", "",
+            "| stage | dtype | tokens | steps' seconds | tokens/s | model GFLOP/s | % of peak |",
+            "|---|---|---|---|---|---|---|",
+        ]  # fmt: skip
+        for st in use["stages"]:
+            share = st["share_of_peak"]
+            lines.append(
+                f"| {st['stage']} | {st['dtype']} | {st['tokens']:,} | {st['seconds']} | "
+                f"{st['tokens_per_s']} | {st['model_gflops']} | "
+                f"{'-' if share is None else f'{100 * share:.1f}'} |"
+            )
     lines += ["", *[f"![{Path(p).stem}]({Path(p).name})" for p in report.get("plots", [])], ""]
     return "\n".join(lines)
