@@ -23,7 +23,7 @@ CUDA_ARCHS ?= 8.0;9.0;10.0
 INTEGRATION := OMP_NUM_THREADS=1 $(PY) -m pytest -m integration $(if $(filter 0,$(INTEGRATION_WORKERS)),,-n $(INTEGRATION_WORKERS) --dist loadfile)
 STAMPS := $(VENV)/.stamps
 
-.PHONY: demo demo-real compare test test-unit test-integration lint bench venv install clean help
+.PHONY: demo demo-real compare test test-unit test-integration lint bench gpu-wheels venv install clean help
 
 help:
 	@echo "make demo [QUICK=1] [OUT=dir]  - tiny teacher -> importance -> reorder -> elastic training of 3 budgets -> exports -> report"
@@ -34,6 +34,7 @@ help:
 	@echo "make test-integration          - the integration scenarios (torchrun, rank pools, the CLI)"
 	@echo "make lint                      - ruff (lint + format check), import contracts, mypy"
 	@echo "make bench                     - run the benchmarks (ratios, side by side)"
+	@echo "make gpu-wheels                - .whl/: the wheels and data scripts/gpu_check.sh takes to a GPU machine"
 
 $(STAMPS)/venv: requirements.txt scripts/bootstrap_venv.sh
 	@bash scripts/bootstrap_venv.sh $(VENV)
@@ -101,6 +102,11 @@ test-integration: $(STAMPS)/install
 
 bench: $(STAMPS)/install
 	$(PY) bench/run_all.py
+
+# what the GPU acceptance run (scripts/gpu_check.sh, docs/benchmarks.md) carries to a GPU machine
+# without network: requirements-gpu.txt's wheels and the tiny model's data, size-checked
+gpu-wheels: $(STAMPS)/install
+	$(PY) scripts/gpu_wheels.py
 
 clean:
 	rm -rf $(STAMPS) build *.egg-info elastic_plugin/_C*.so
