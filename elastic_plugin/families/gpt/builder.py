@@ -123,16 +123,18 @@ def build_hf_model(
     """The transformers ``architecture`` model of ``config_json`` holding ``state``; layers in
     ``layer_overrides`` are built from a config copy with their own sizes."""
     import transformers
+    from transformers.initialization import no_init_weights
 
     cls = getattr(transformers, architecture)
     config = cls.config_class(**{k: v for k, v in config_json.items() if k not in _NOT_KWARGS})
-    model = cls(config)
-    for index, fields in (config_json.get("layer_overrides") or {}).items():
-        layer_config = copy.deepcopy(config)
-        for key, value in fields.items():
-            setattr(layer_config, key, value)
-        layer = model.model.layers[int(index)]
-        model.model.layers[int(index)] = type(layer)(layer_config, int(index))
+    with no_init_weights():  # every weight comes from ``state`` (checked below): no random init
+        model = cls(config)
+        for index, fields in (config_json.get("layer_overrides") or {}).items():
+            layer_config = copy.deepcopy(config)
+            for key, value in fields.items():
+                setattr(layer_config, key, value)
+            layer = model.model.layers[int(index)]
+            model.model.layers[int(index)] = type(layer)(layer_config, int(index))
     missing, unexpected = model.load_state_dict(dict(state), strict=False)
     tied = bool(config.tie_word_embeddings)
     if unexpected or [k for k in missing if k != "lm_head.weight" or not tied]:

@@ -139,6 +139,7 @@ def build_hf_model(
     names): each layer in ``layer_overrides`` is built from a copy of the config with its own
     fields, since stock transformers builds every layer of a kind alike."""
     from transformers import NemotronHConfig, NemotronHForCausalLM
+    from transformers.initialization import no_init_weights
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHBlock
 
     raw = dict(config_json)
@@ -150,12 +151,13 @@ def build_hf_model(
             if k not in ("architectures", "model_type", "torch_dtype", "quantization_config")
         }
     )
-    model = NemotronHForCausalLM(config)
-    for index, fields in overrides.items():
-        layer_config = copy.deepcopy(config)
-        for key, value in fields.items():
-            setattr(layer_config, key, value)
-        model.model.layers[int(index)] = NemotronHBlock(layer_config, int(index))
+    with no_init_weights():  # every weight comes from ``state`` (checked below): no random init
+        model = NemotronHForCausalLM(config)
+        for index, fields in overrides.items():
+            layer_config = copy.deepcopy(config)
+            for key, value in fields.items():
+                setattr(layer_config, key, value)
+            model.model.layers[int(index)] = NemotronHBlock(layer_config, int(index))
     missing, unexpected = model.load_state_dict(dict(state), strict=False)
     if unexpected or [
         k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings
