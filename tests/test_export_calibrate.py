@@ -400,3 +400,27 @@ def test_bad_inputs_raise_config_errors_naming_the_flags(model, batches, monkeyp
         calibrate_input_amax(model, batches, "fp8")
     with pytest.raises(ConfigError, match=r"needs nvidia-modelopt"):
         activation_fake_quant(model, {}, "nvfp4")
+
+
+def test_e2m1_magnitude_rounding_keeps_modelopts_boundaries():
+    """The rounding of NVFP4 fake quant against ModelOpt's kernel's decision boundaries
+    (``fp4_round_magnitude``: <= 0.25 -> 0, < 0.75 -> 0.5, <= 1.25 -> 1, < 1.75 -> 1.5,
+    <= 2.5 -> 2, < 3.5 -> 3, <= 5 -> 4, else 6) at every boundary, just beside it, and inside."""
+    import torch
+
+    from elastic_plugin.export.calibrate import _round_e2m1_magnitude
+
+    bounds = [(0.25, True, 0.0), (0.75, False, 0.5), (1.25, True, 1.0), (1.75, False, 1.5),
+              (2.5, True, 2.0), (3.5, False, 3.0), (5.0, True, 4.0)]  # fmt: skip
+
+    def expected(v: float) -> float:
+        for bound, inclusive, value in bounds:
+            if v < bound or (inclusive and v == bound):
+                return value
+        return 6.0
+
+    points = torch.tensor([b for b, _, _ in bounds] + [0.0, 6.0, 7.5, 1e6])
+    points = torch.cat([points, torch.nextafter(points, points + 1),
+                        torch.nextafter(points, points - 1).clamp(min=0), torch.rand(4096) * 8])  # fmt: skip
+    got = _round_e2m1_magnitude(points)
+    assert got.tolist() == [expected(v) for v in points.tolist()]
