@@ -23,7 +23,7 @@ CUDA_ARCHS ?= 8.0;9.0;10.0
 INTEGRATION := OMP_NUM_THREADS=1 $(PY) -m pytest -m integration $(if $(filter 0,$(INTEGRATION_WORKERS)),,-n $(INTEGRATION_WORKERS) --dist loadfile)
 STAMPS := $(VENV)/.stamps
 
-.PHONY: demo demo-real compare test test-unit test-integration lint bench gpu-wheels venv install clean help
+.PHONY: demo demo-real compare test test-unit test-integration lint bench bench-train gpu-wheels venv install clean help
 
 help:
 	@echo "make demo [QUICK=1] [OUT=dir]  - tiny teacher -> importance -> reorder -> elastic training of 3 budgets -> exports -> report"
@@ -34,6 +34,7 @@ help:
 	@echo "make test-integration          - the integration scenarios (torchrun, rank pools, the CLI)"
 	@echo "make lint                      - ruff (lint + format check), import contracts, mypy"
 	@echo "make bench                     - run the benchmarks (ratios, side by side)"
+	@echo "make bench-train [QUICK=1]     - every training stage vs its plain PyTorch twin and the machine's peak"
 	@echo "make gpu-wheels                - .whl/: the wheels and data scripts/gpu_check.sh takes to a GPU machine"
 
 $(STAMPS)/venv: requirements.txt scripts/bootstrap_venv.sh
@@ -74,7 +75,7 @@ demo: $(STAMPS)/install
 # -> elastic training of 3 budgets -> export BF16/FP8/NVFP4 -> held-out report (OUT/report.md)
 demo-real: $(STAMPS)/install
 	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m elastic_plugin.demo_real \
+	$(PY) -m elastic_plugin.demo_real \
 		--out $(if $(filter demo_out,$(OUT)),demo_real_out,$(OUT)) $(if $(QUICK),--quick,)
 
 # does the method pay? every route for every size (docs/compare.md; after make demo)
@@ -102,6 +103,12 @@ test-integration: $(STAMPS)/install
 
 bench: $(STAMPS)/install
 	$(PY) bench/run_all.py
+
+# training at the machine's speed (docs/benchmarks.md): SmolLM2-135M's architecture, every stage
+# against its plain PyTorch twin and the machine's GEMM peak, interleaved in one run (~40 min; QUICK=1: a toy)
+bench-train: $(STAMPS)/install
+	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
+	mkdir -p bench_out && $(PY) bench/bench_train.py $(if $(QUICK),--quick,) --json bench_out/bench_train.json
 
 # what the GPU acceptance run (scripts/gpu_check.sh, docs/benchmarks.md) carries to a GPU machine
 # without network: requirements-gpu.txt's wheels and the tiny model's data, size-checked

@@ -31,7 +31,7 @@ plain_train >= 1.0``, model FLOP/s >= 25% of the BF16 peak with AMX (else >= 40%
 peak), ``importance / plain_fwd >= 0.8``, decode of every budget >= 1.0x transformers.
 
 Run: ``python bench/bench_train.py [--quick] [--seq 128 512] [--micro-batch 4] [--reps 3]
-[--json PATH] [--cache DIR]``, or ``make bench-train``.
+[--json PATH] [--cache DIR]``, or ``make bench-train [QUICK=1]`` (``bench_out/bench_train.json``).
 """
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ def decode_pair(ours: OurRoutes, label: str, prompt: list[int], new_tokens: int)
 
 
 # ------------------------------------------------------------------------------ the run
-def run(
+def measure(
     quick: bool = False,
     seqs: tuple[int, ...] = (128, 512),
     micro_batch: int = 4,
@@ -353,6 +353,16 @@ def run(
             "goals": GOALS}  # fmt: skip
 
 
+def run(reps: int = 3, quick: bool = False) -> list[dict[str, Any]]:
+    """``bench/run_all.py``'s form: one row per route (``name``), the rates and ratios."""
+    result = measure(quick=quick, reps=reps)
+    return [
+        {"name": f"train {r['route']} s{r['seq']} [{result['dtype']}]",
+         **{k: r[k] for k in ("tokens_per_s", "model_gflops", "share_of_peak", "vs") if k in r}}
+        for r in result["rows"]
+    ]  # fmt: skip
+
+
 def rows_for(rows: list[dict[str, Any]], route: str, seq: int) -> dict[str, Any]:
     return next(r for r in rows if r["route"] == route and r["seq"] == seq)
 
@@ -425,8 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=None, help=f"default {DEFAULT_CACHE}")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    result = run(args.quick, tuple(args.seq), args.micro_batch, args.reps, args.cache,
-                 args.decode_tokens)  # fmt: skip
+    result = measure(args.quick, tuple(args.seq), args.micro_batch, args.reps, args.cache,
+                     args.decode_tokens)  # fmt: skip
     print_table(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

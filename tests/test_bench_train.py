@@ -9,7 +9,7 @@ import math
 
 
 def test_quick_run_has_every_row(rank_pools, tmp_path):
-    (result,) = rank_pools.get(1).run("bench.bench_train:run", quick=True, cache=str(tmp_path))
+    (result,) = rank_pools.get(1).run("bench.bench_train:measure", quick=True, cache=str(tmp_path))
     machine = result["machine"]
     assert machine["cores"] >= 1 and machine["threads"] >= 1
     assert machine["peak_gflops"]["fp32"] > 0 and machine["peak_gflops"]["fp8"] is None
