@@ -1,8 +1,9 @@
 """Run Megatron-Core 0.19.2 on CPU with the gloo backend.
 
 Megatron-Core assumes CUDA in a few narrow places: its RNG tracker, default devices of buffers,
-CUDA streams/events in the MoE dispatcher, type-string checks in the optimizer, and collectives
-gloo does not implement (uneven all-gather, list reduce-scatter). Each patch below targets one
+CUDA streams/events in the MoE dispatcher, type-string checks in the optimizer, collectives
+gloo does not implement (uneven all-gather, list reduce-scatter), and, where Transformer Engine is
+installed on a machine without a GPU, TE's CUDA kernels it calls whatever the layer spec. Each patch below targets one
 such place, is applied once, and is recorded in ``applied_patches()`` so ``elastic-plugin info``
 can say what was changed. Nothing is patched when CUDA is available.
 """
@@ -313,6 +314,59 @@ def _run_fusions_eagerly() -> None:
     _APPLIED.append("megatron fused functions: uncompiled")
 
 
+# --------------------------------------------------------------------------- TE without a GPU
+_MOE_TE_KERNELS = (  # megatron.core.transformer.moe.moe_utils: each None falls back to torch
+    "te_general_gemm",
+    "fused_compute_score_for_moe_aux_loss",
+    "fused_moe_aux_loss",
+    "fused_permute",
+    "fused_permute_and_pad_with_probs",
+    "fused_permute_with_probs",
+    "fused_sort_chunks_by_index",
+    "fused_sort_chunks_by_index_with_probs",
+    "fused_topk_with_score_function",
+    "fused_unpermute",
+)
+
+
+def _from_te(value: Any) -> bool:
+    return (getattr(value, "__module__", "") or "").startswith("transformer_engine")
+
+
+def _patch_te_kernels() -> None:
+    """Transformer Engine importable but no GPU (TE installed on a CPU node): Megatron decides at
+    import that TE is there and routes math through TE's CUDA kernels whatever the layer spec:
+    the MoE router's gating GEMM and fused permute / top-k / aux loss, the optimizer's FusedAdam
+    and multi-tensor helpers ("Found no NVIDIA driver" on the first call). Each is pointed at the
+    implementation Megatron itself uses without TE; nothing changes where TE was not imported."""
+    from megatron.core import utils as mutils
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in _MOE_TE_KERNELS:
+        if getattr(moe_utils, name, None) is not None:
+            _patch(moe_utils, name, None, f"moe_utils.{name} -> torch (TE without a GPU)")
+    from megatron.core import optimizer as mopt
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as mopt_base
+
+    if _from_te(getattr(mopt, "Adam", None)):
+        _patch(mopt, "Adam", torch.optim.AdamW, "optimizer.Adam -> torch AdamW (TE without a GPU)")
+        _patch(mopt, "SGD", torch.optim.SGD)
+        _patch(mopt, "USING_PYTORCH_OPTIMIZER", True)
+    if _from_te(getattr(distrib_optimizer, "Adam", None)):
+        _patch(distrib_optimizer, "Adam", torch.optim.Adam, "distrib_optimizer.Adam -> torch")
+        _patch(distrib_optimizer, "HAVE_APEX_OR_TE", False)
+        _patch(distrib_optimizer, "USING_TE_OPTIMIZER", False)
+    if _from_te(getattr(mopt_base, "multi_tensor_applier", None)):
+        _patch(mopt_base, "multi_tensor_applier", mutils.local_multi_tensor_applier)
+        _patch(mopt_base, "multi_tensor_scale_impl", mutils.local_multi_tensor_scale)
+    if _from_te(getattr(clip_grads, "multi_tensor_applier", None)):
+        _patch(clip_grads, "multi_tensor_applier", mutils.local_multi_tensor_applier)
+        _patch(clip_grads, "l2_norm_impl", mutils.local_multi_tensor_l2_norm)
+        _patch(clip_grads, "multi_tensor_scale_impl", mutils.local_multi_tensor_scale)
+        _patch(clip_grads, "multi_tensor_scale_tensor_impl", None)
+
+
 def enable_cpu_megatron(force: bool = False) -> list[str]:
     """Make Megatron-Core run on CPU + gloo; a no-op when CUDA is available (unless ``force``).
 
@@ -326,6 +380,7 @@ def enable_cpu_megatron(force: bool = False) -> list[str]:
     _patch_devices()
     _patch_streams()
     _patch_collectives()
+    _patch_te_kernels()
     _run_fusions_eagerly()
     from elastic_plugin.compat.mamba_install import install_mamba_fallbacks
 
