@@ -16,7 +16,8 @@ On the machine it runs on, with the threads a training process uses (``compat.ho
   ``ours_1.0``     our ``elastic-train`` step (``elastic.train.build_elastic_trainer``: the frozen
                    teacher, the elastic student, Megatron's optimizer) at budget 1.0, and
   ``ours_<b>``     at each smaller budget's nested model (the choice the router freezes to);
-  ``ours_mix``     the configured mix (the curriculum's first stage), from the per-budget times:
+  ``ours_mix``     the configured mix (each budget's share of the run's micro-batches: the
+                   curriculum's stages weighted by their iterations), from the per-budget times:
                    tokens / sum(p_b t_b);
   ``importance``   ``importance``'s calibration forward (hooks on) against ``plain_fwd``
                    (transformers' forward without grad);
@@ -188,7 +189,7 @@ class OurRoutes:
     parent: list  # the plain parent's chunks (importance)
     seq: int
     micro_batch: int
-    mix: Any  # the configured curriculum's first stage (its budget probabilities)
+    mix: list[float]  # each budget's share of the configured run's micro-batches
 
     @classmethod
     def build(cls, ckpt: Path, batch: dict[str, torch.Tensor], seq: int, micro_batch: int):
@@ -217,7 +218,7 @@ class OurRoutes:
         table = constrained_table(router_of(trainer.chunks[0]), resolved, trainer.step.cost)
         trainer.step.freeze(table)
         parent, _, _ = build_from_checkpoint(ckpt, layout, wrap_ddp=False)
-        mix = trainer.step.sampler.stages[0]
+        mix = _mix_probs(trainer.step.sampler.stages, len(resolved.budgets))
         return cls(trainer, table, batch, parent, seq, micro_batch, mix)
 
     def budget_step(self, label: str) -> Callable[[], None]:
@@ -332,7 +333,7 @@ def measure(
         }  # fmt: skip
         full = f"ours_{budget_label(max(budgets))}"
         twin = {"plain_kd": full, "plain_train": "ours_mix", "plain_fwd": "importance"}
-        probs = _mix_probs(ours.mix, len(labels))
+        probs = ours.mix
         seconds["ours_mix"] = sum(p * seconds[f"ours_{label}"] for p, label in zip(probs, labels))
         flops["ours_mix"] = sum(p * flops[f"ours_{label}"] for p, label in zip(probs, labels))
         for name, secs in seconds.items():
@@ -371,10 +372,17 @@ def hf_model_vocab(hf_dir: Path) -> int:
     return int(json.loads((hf_dir / "config.json").read_text())["vocab_size"])
 
 
-def _mix_probs(stage, n: int) -> list[float]:
-    probs = list(stage.budget_probs) if stage is not None and stage.budget_probs else [1.0] * n
-    total = sum(probs)
-    return [p / total for p in probs]
+def _mix_probs(stages, n: int) -> list[float]:
+    """Each budget's share of the configured run's micro-batches: every curriculum stage's
+    probabilities (uniform where it gives none) weighted by its iterations."""
+    shares, total = [0.0] * n, 0.0
+    for stage in stages:
+        probs = list(stage.budget_probs) if stage.budget_probs else [1.0] * n
+        weight = float(stage.iters or 1)
+        for i, p in enumerate(probs):
+            shares[i] += weight * p / sum(probs)
+        total += weight
+    return [s / total for s in shares] if total else [1.0 / n] * n
 
 
 def _row(route: str, seq: int, seconds: float, tokens: int, flops: float, peak: float | None):

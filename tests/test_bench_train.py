@@ -32,6 +32,8 @@ def test_quick_run_has_every_row(rank_pools, tmp_path):
         )
     for b in budgets:
         assert rows[f"decode_{b}"]["twin"] == f"hf_decode_{b}" and rows[f"decode_{b}"]["vs"] > 0
-    # the mix is the budgets' times weighted by the configured first stage (uniform)
-    mix = sum(rows[f"ours_{b}"]["seconds"] for b in budgets) / 3
+    # the mix: the budgets' times weighted by the configured curriculum (smollm2_elastic.yaml:
+    # 40 iterations uniform, then 40 at 0.2 / 0.3 / 0.5)
+    shares = {"1": (1 / 3 + 0.2) / 2, "0.7": (1 / 3 + 0.3) / 2, "0.5": (1 / 3 + 0.5) / 2}
+    mix = sum(shares[b] * rows[f"ours_{b}"]["seconds"] for b in budgets)
     assert math.isclose(rows["ours_mix"]["seconds"], mix)

@@ -215,7 +215,7 @@ def test_every_model_builds_with_the_local_spec_and_trains_a_step(
     assert (ckpt / "elastic_meta.json").is_file()
 
     roles = [role for role, _ in built if role != "model"]
-    assert {"trained", "sliced", "student"} <= set(roles)
+    assert {"trained", "sliced", "student", "teacher"} <= set(roles)
     for role, item in built:
         if role == "model":
             assert isinstance(item.decoder, LocalHybridStack) and item.layer_spec.backend == "local"

@@ -179,7 +179,7 @@ def build_elastic_trainer(
         # forward only: the model dtype, no recomputation, no DDP (no gradient buffers), no
         # optimizer state
         teacher_chunks, _, _ = build_from_checkpoint(
-            teacher_ckpt or source, layout, params_dtype=runtime.params_dtype
+            teacher_ckpt or source, layout, params_dtype=runtime.params_dtype, role="teacher"
         )
         for chunk in teacher_chunks:
             chunk.requires_grad_(False)
