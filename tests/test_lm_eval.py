@@ -296,3 +296,36 @@ def test_the_packages_request_documents_rebuild_exactly():
             assert " ".join(text.split(" ")[:-1]) == request["context"]
             assert " " + text.split(" ")[-1] == request["continuation"]
     assert len(request_documents(root, "gsm8k/gold_bpb_5shot")) == 1319
+
+
+def test_demo_real_benchmark_table_retention_and_errors(tmp_path):
+    """demo_real.benchmarks: the average, raw and above-chance retention and their delta-method
+    errors, from rows as ``evaluate --tasks`` writes them; the report section and the plot."""
+    import math
+
+    from elastic_plugin.demo_real.benchmarks import benchmark_table, markdown_section, plot_average
+
+    def rows(values, errors, chances):
+        return [{"task": t, "metric": "acc,none", "value": v, "stderr": e, "n": 100, "chance": c}
+                for t, v, e, c in zip(("a", "b"), values, errors, chances)]  # fmt: skip
+
+    chances = (0.25, 0.5)
+    results = {
+        "parent": {"route": "parent", "budget": "1", "tasks": rows((0.65, 0.75), (0.03, 0.04), chances)},
+        "elastic_0.5": {"route": "elastic", "budget": "0.5",
+                        "tasks": rows((0.45, 0.55), (0.03, 0.04), chances)},
+    }  # fmt: skip
+    bench = benchmark_table(results, {"parent": 100, "0.5": 50})
+    assert bench["chance"] == pytest.approx(0.375)
+    parent, small = bench["rows"]
+    assert parent["average"] == pytest.approx(0.7) and parent["retention"] == 1
+    assert parent["average_stderr"] == pytest.approx(math.sqrt(0.03**2 + 0.04**2) / 2)
+    assert small["average"] == pytest.approx(0.5)
+    assert small["retention"] == pytest.approx(0.5 / 0.7)
+    assert small["retention_above_chance"] == pytest.approx((0.5 - 0.375) / (0.7 - 0.375))
+    se = small["average_stderr"]
+    assert small["retention_stderr"] == pytest.approx((0.5 / 0.7) * math.hypot(se / 0.5, se / 0.7))
+    bench.update(limit=100, limit_note="first 100 documents", contamination="none", plot=None)
+    text = markdown_section(bench)
+    assert "| elastic | 0.5 | 0.0M | 45.0 ± 3.0 | 55.0 ± 4.0 | 50.0 ± 2.5 |" in text
+    assert plot_average(bench, tmp_path / "p.png").stat().st_size > 0

@@ -339,6 +339,10 @@ def markdown(report: dict[str, Any]) -> str:
         for model, answers in report["answers"].items():
             lines.append(f"- {model}: {answers[i]!r}")
         lines.append("")
+    if report.get("benchmarks"):  # demo_real.benchmarks: lm-evaluation-harness per budget
+        from elastic_plugin.demo_real.benchmarks import markdown_section
+
+        lines.append(markdown_section(report["benchmarks"]))
     if report.get("stages"):
         lines += _stage_lines(report["stages"], report.get("machine"))
     return "\n".join(lines) + "\n"
