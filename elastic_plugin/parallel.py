@@ -234,4 +234,32 @@ def build_optimizer(
         from megatron.core.optimizer import get_standard_config_overrides
 
         config_overrides = {**get_standard_config_overrides(opt_config), **config_overrides}
-    return get_megatron_optimizer(opt_config, chunks, config_overrides=config_overrides)
+    optimizer = get_megatron_optimizer(opt_config, chunks, config_overrides=config_overrides)
+    if not distributed_optimizer:
+        fuse_cpu_adam(optimizer)
+    return optimizer
+
+
+def fuse_cpu_adam(optimizer) -> int:
+    """Switch the torch Adam(W) inside Megatron's optimizer to torch's fused CPU kernel where
+    every parameter it updates is a floating CPU tensor; returns how many were switched.
+
+    Without Transformer Engine or apex Megatron falls back to ``torch.optim.AdamW``, which on a
+    CPU runs one tensor at a time, op by op: measured on SmolLM2-135M (2 cores) its step took
+    0.89 s, half of it in ``sqrt``, against 0.07 s for the fused kernel (the same update to the
+    last bits; 13% of an elastic step at 4 x 128 tokens). Not with the distributed optimizer:
+    the fused kernel's results depend on where a shard starts (its vector and scalar tails), and
+    a checkpoint must train the same in every layout; TP shards start at whole rows."""
+    switched = 0
+    for inner in (
+        getattr(o, "optimizer", None) for o in getattr(optimizer, "chained_optimizers", [optimizer])
+    ):
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        params = [p for group in inner.param_groups for p in group["params"]]
+        if not params or not all(p.device.type == "cpu" and p.is_floating_point() for p in params):
+            continue
+        for group in inner.param_groups:
+            group["fused"], group["foreach"] = True, False
+        switched += 1
+    return switched

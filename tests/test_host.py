@@ -115,3 +115,47 @@ def test_freed_large_blocks_stay_in_the_heap():
     freed = libc.mallinfo2()
     assert held.hblkhd - before.hblkhd < 2**20  # not a separate mapping
     assert freed.fordblks - held.fordblks >= 60 * 2**20  # kept, free for reuse
+
+
+def test_megatrons_cpu_adam_runs_torchs_fused_kernel():
+    """``parallel.build_optimizer`` switches the torch AdamW inside Megatron's optimizer to the
+    fused CPU kernel (not with the distributed optimizer, whose shards start anywhere): the
+    update equals the unfused AdamW's to rounding."""
+    from elastic_plugin.compat import enable_cpu_megatron
+    from elastic_plugin.models.config import load_config
+    from elastic_plugin.parallel import (
+        Layout,
+        build_model_chunks,
+        build_optimizer,
+        init_distributed,
+        initialize_layout,
+    )
+
+    enable_cpu_megatron()
+    init_distributed()
+    initialize_layout(Layout(), seed=3)
+    model_cfg = load_config("examples/configs/tiny.yaml").model
+    chunks, _ = build_model_chunks(model_cfg, Layout())
+    params = list(chunks[0].parameters())
+    initial = [p.detach().clone() for p in params]
+    results = []
+    for fused in (True, False):
+        with torch.no_grad():
+            for p, value in zip(params, initial):
+                p.copy_(value)
+        optimizer = build_optimizer(chunks, lr=1e-2)
+        inner = optimizer.chained_optimizers[0].optimizer
+        assert all(g["fused"] for g in inner.param_groups)
+        if not fused:  # the op-by-op AdamW Megatron would run
+            for group in inner.param_groups:
+                group["fused"], group["foreach"] = None, False
+        for step in range(3):
+            for param in params:  # Megatron reads the DDP gradient buffer
+                param.main_grad = torch.full_like(param, 0.01 * (step + 1))
+                param.grad = param.main_grad
+            optimizer.step()
+        results.append([p.detach().clone() for p in params])
+    moved = sum(float((a - b).abs().sum()) for a, b in zip(results[0], initial))
+    assert moved > 0
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -209,7 +209,20 @@ def load_optimizer(chunks, optimizer, ckpt_dir: str | Path) -> None:
     model = getattr(chunks[0], "module", chunks[0])
     sharded = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=True)
     state = dist_checkpointing.load({"optimizer": sharded}, str(ckpt_dir))
+    fused = _fused_groups(optimizer)
     optimizer.load_state_dict(state["optimizer"])
+    if fused and not _fused_groups(optimizer):  # a save from before the fused CPU Adam
+        from elastic_plugin.parallel import fuse_cpu_adam
+
+        fuse_cpu_adam(optimizer)
+
+
+def _fused_groups(optimizer) -> bool:
+    """Whether Megatron's optimizer runs torch's fused Adam (``parallel.fuse_cpu_adam``)."""
+    inner = [
+        getattr(o, "optimizer", None) for o in getattr(optimizer, "chained_optimizers", [optimizer])
+    ]
+    return any(g.get("fused") for o in inner if o is not None for g in o.param_groups)
 
 
 def build_from_checkpoint(
