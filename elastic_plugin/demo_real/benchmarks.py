@@ -181,8 +181,8 @@ def markdown_section(bench: Mapping[str, Any]) -> str:
         ours.append(f"ARC average {arc:.1f} (card {card['arc (average of easy and challenge)']})")
     if "piqa" in parent:
         ours.append(f"PIQA {parent['piqa'] * 100:.1f} (card {card['piqa']})")
-    lines += ["", f"Parent vs its model card ({card['source']}): " + "; ".join(ours) + ".",
-              CARD_GAP, ""]  # fmt: skip
+    compared = "; ".join(ours) if ours else "no task the card reports was evaluated"
+    lines += ["", f"Parent vs its model card ({card['source']}): {compared}.", CARD_GAP, ""]
     if bench.get("plot"):
         lines.append(f"![average accuracy vs parameters]({Path(bench['plot']).name})")
     return "\n".join(lines) + "\n"

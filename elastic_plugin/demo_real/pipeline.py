@@ -164,7 +164,9 @@ def _cli(*args: Any) -> list[str]:
     return [sys.executable, "-m", "elastic_plugin.cli", *map(str, args)]
 
 
-def run(out: Path, quick: bool, cache: Path | None = None) -> dict[str, Any]:
+def run(
+    out: Path, quick: bool, cache: Path | None = None, bench_full: bool = False
+) -> dict[str, Any]:
     """The whole pipeline into ``out`` (see the module docstring)."""
     s = QUICK if quick else FULL
     out = out.resolve()
@@ -298,6 +300,10 @@ def run(out: Path, quick: bool, cache: Path | None = None) -> dict[str, Any]:
     from elastic_plugin.demo_real.report import write_markdown
 
     write_markdown(report, out / "report.md")
+    from elastic_plugin.demo_real.benchmarks import benchmark_stage
+
+    # standard benchmarks per budget and route (lm-evaluation-harness): report.json/.md gain a section
+    benchmark_stage(stages, report, out, hf_dir, train, tok, quick, full=bench_full)
     print(f"==> report: {out / 'report.md'}", flush=True)
     return report
 
@@ -306,6 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m elastic_plugin.demo_real", description=__doc__)
     parser.add_argument("--out", default="demo_real_out", type=Path)
     parser.add_argument("--quick", action="store_true", help="a few tokens end to end (the test)")
+    parser.add_argument(
+        "--bench-full",
+        action="store_true",
+        help="standard benchmarks on every document (default: 200 per task)",
+    )
     parser.add_argument(
         "--cache",
         default=None,
@@ -316,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     from elastic_plugin.data.gguf import GGUFError
 
     try:
-        run(args.out, args.quick, args.cache)
+        run(args.out, args.quick, args.cache, bench_full=args.bench_full)
     except GGUFError as err:
         print(f"demo-real: {err}", file=sys.stderr)
         return 2

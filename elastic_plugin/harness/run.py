@@ -44,10 +44,13 @@ HEADLINE = {
 
 
 def offline() -> None:
-    """No hub access from datasets / transformers / lm-eval: everything is local."""
+    """No hub access from datasets / transformers / lm-eval: everything is local. lm-eval's
+    bootstrapped standard errors (perplexity, F1) run in this process, not in a pool forked from
+    a process holding torch and a process group (``DISABLE_MULTIPROC``)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("DISABLE_MULTIPROC", "1")
 
 
 def open_model(
