@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from elastic_plugin.ops._loader import INFO
+from elastic_plugin.ops._loader import cpu_kernel_serves, register_cpu_ops
 
 STATS_OP = "elastic_plugin::kd_row_stats"
 STATS_SCHEMA = "(Tensor student, Tensor teacher, float temperature) -> Tensor"
@@ -89,29 +89,19 @@ def _fake_grad(student, teacher, lse, scale, temperature):
     return torch.empty_like(student)
 
 
-def _register() -> None:
-    for name, schema, reference, fake in (
+_LIB = register_cpu_ops(  # kept alive for the life of the process
+    [
         (STATS_OP, STATS_SCHEMA, reference_kd_row_stats, _fake_stats),
         (GRAD_OP, GRAD_SCHEMA, reference_kd_grad, _fake_grad),
-    ):
-        if not INFO.uses_extension:
-            torch.library.custom_op(name, reference, mutates_args=(), schema=schema)
-        torch.library.register_fake(name, fake, lib=_LIB)
-
-
-_LIB = torch.library.Library("elastic_plugin", "FRAGMENT")
-_register()
-
-
-def _kernel_serves(x: torch.Tensor) -> bool:
-    return INFO.uses_extension and x.device.type == "cpu"
+    ]
+)
 
 
 def kd_row_stats(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
     """``[5, rows]`` FP64 row statistics of ``student`` / ``teacher`` logits ``[rows, vocab]``
     divided by ``temperature`` (see the module docstring)."""
     check_logits("kd_row_stats", student, teacher)
-    if _kernel_serves(student):
+    if cpu_kernel_serves(student):
         return torch.ops.elastic_plugin.kd_row_stats.default(student, teacher, temperature)
     return reference_kd_row_stats(student, teacher, temperature)
 
@@ -126,6 +116,6 @@ def kd_grad(
     """``scale_r (softmax(s) - softmax(t))`` row by row, in the student's dtype, from the
     log-normalisers ``lse [2, rows]`` (student, teacher) of the scaled logits."""
     check_logits("kd_grad", student, teacher)
-    if _kernel_serves(student):
+    if cpu_kernel_serves(student):
         return torch.ops.elastic_plugin.kd_grad.default(student, teacher, lse, scale, temperature)
     return reference_kd_grad(student, teacher, lse, scale, temperature)

@@ -97,3 +97,20 @@ def load() -> BackendInfo:
 
 
 INFO: BackendInfo = load()
+
+
+def register_cpu_ops(entries) -> torch.library.Library:
+    """Register ops whose compiled kernels are CPU ones: ``entries`` of (qualified name, schema,
+    reference, fake). Without the extension the PyTorch reference is the op; the fake (meta)
+    rule is registered either way. Returns the library, which the caller keeps alive."""
+    lib = torch.library.Library("elastic_plugin", "FRAGMENT")
+    for name, schema, reference, fake in entries:
+        if not INFO.uses_extension:
+            torch.library.custom_op(name, reference, mutates_args=(), schema=schema)
+        torch.library.register_fake(name, fake, lib=lib)
+    return lib
+
+
+def cpu_kernel_serves(x: torch.Tensor) -> bool:
+    """The compiled CPU kernel runs for ``x``; elsewhere (CUDA, or no extension) the reference."""
+    return INFO.uses_extension and x.device.type == "cpu"

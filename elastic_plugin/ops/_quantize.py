@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from elastic_plugin.ops._fp8 import E4M3_MAX
-from elastic_plugin.ops._loader import INFO
+from elastic_plugin.ops._loader import cpu_kernel_serves, register_cpu_ops
 
 NVFP4_OP, NVFP4_SCHEMA = (
     "elastic_plugin::nvfp4_quantize",
@@ -106,31 +106,20 @@ def _fake_fp8(w: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
     return w.new_empty(w.shape, dtype=torch.float8_e4m3fn)
 
 
-def _register() -> None:
-    for name, schema, reference, fake in (
+# Keeps the Python registrations alive for the life of the process.
+_LIB = register_cpu_ops(
+    [
         (NVFP4_OP, NVFP4_SCHEMA, reference_nvfp4_quantize, _fake_nvfp4),
         (FP8_OP, FP8_SCHEMA, reference_fp8_quantize, _fake_fp8),
-    ):
-        if not INFO.uses_extension:
-            torch.library.custom_op(name, reference, mutates_args=(), schema=schema)
-        torch.library.register_fake(name, fake, lib=_LIB)
-
-
-# Keeps the Python registrations alive for the life of the process.
-_LIB = torch.library.Library("elastic_plugin", "FRAGMENT")
-_register()
-
-
-def _kernel_serves(w: torch.Tensor) -> bool:
-    """The C++ kernels are CPU ones; elsewhere (CUDA, or no extension) the reference runs."""
-    return INFO.uses_extension and w.device.type == "cpu"
+    ]
+)
 
 
 def fp8_quantize(w: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
     """FP8 E4M3 codes ``clamp(w / row_scale[r], -448, 448)`` of the rows of ``w`` ([rows, cols],
     float32 or bfloat16); the C++ kernel and the reference give the same bytes."""
     check_args("fp8_quantize", w, row_scale)
-    if _kernel_serves(w):
+    if cpu_kernel_serves(w):
         return torch.ops.elastic_plugin.fp8_quantize.default(w, row_scale)
     return reference_fp8_quantize(w, row_scale)
 
@@ -140,6 +129,6 @@ def nvfp4_quantize(w: torch.Tensor, row_scale: torch.Tensor) -> tuple[torch.Tens
     or bfloat16, cols divisible by 16) with global scale ``row_scale[r]`` for row r; the C++
     kernel and the reference give the same bytes."""
     check_args("nvfp4_quantize", w, row_scale, BLOCK)
-    if _kernel_serves(w):
+    if cpu_kernel_serves(w):
         return torch.ops.elastic_plugin.nvfp4_quantize.default(w, row_scale)
     return reference_nvfp4_quantize(w, row_scale)
