@@ -40,7 +40,9 @@ class InferenceCache:
     layer ``i`` (index into ``model.decoder.layers``); ``conv[i]``: ``[batch, conv_channels,
     conv_kernel - 1]`` and ``ssm[i]``: ``[batch, heads, head_dim, state]`` (float32) of Mamba
     layer ``i``; ``lengths``: tokens already in the cache per row; ``rope``: the rotary angle
-    table ``[max_length, rot_dim]`` of a RoPE model (None otherwise).
+    table ``[max_length, rot_dim]`` of a RoPE model (None otherwise); ``step_rope``: the cos and
+    sin of the rows' current positions while a decode step runs (``inference.fast_decode``:
+    every attention layer rotates with the same ones).
     """
 
     batch: int
@@ -51,6 +53,7 @@ class InferenceCache:
     conv: dict[int, torch.Tensor] = field(default_factory=dict)
     ssm: dict[int, torch.Tensor] = field(default_factory=dict)
     rope: torch.Tensor | None = None
+    step_rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def allocate(cls, model: HybridModel, batch: int, max_length: int) -> InferenceCache:

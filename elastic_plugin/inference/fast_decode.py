@@ -228,13 +228,17 @@ def _attention_step(layer, index: int) -> Step | None:
     if attn.config.apply_query_key_layer_scaling:
         scale = scale * core.layer_number  # Megatron's softmax multiplies it back
     config = attn.config
+    # Megatron's unfused RoPE (rotate-half, no MLA interleaving): the step's shared cos / sin
+    plain_rope = not config.apply_rope_fusion and not config.multi_latent_attention
 
     def step(hidden, cache, rows, positions):
         b = hidden.shape[0]
         qkv = F.linear(norm(hidden), wqkv, bqkv).view(b, groups, (per_group + 2) * dim)
         query, key, value = torch.split(qkv, [per_group * dim, dim, dim], dim=-1)
         query = query.reshape(b, heads, dim)
-        if cache.rope is not None:
+        if cache.step_rope is not None and plain_rope:
+            query, key = _rotate(query, cache.step_rope), _rotate(key, cache.step_rope)
+        elif cache.rope is not None:
             freqs = cache.rope[positions][None, :, None]  # [1, b, 1, rot_dim]
             query = apply_rotary_pos_emb(query[None], freqs, config=config)[0]
             key = apply_rotary_pos_emb(key[None], freqs, config=config)[0]
@@ -263,6 +267,26 @@ def _attention_step(layer, index: int) -> Step | None:
         return hidden if after is None else after(hidden, cache, rows, positions)
 
     return step
+
+
+def _step_rope(rope: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos and sin of the rows' positions, ``[b, 1, rot_dim]`` in the activations' dtype, as
+    Megatron's ``_apply_rotary_pos_emb_bshd`` makes them in every call (``mscale`` 1): made once
+    per decode step instead of twice per attention layer (their cos, sin and casts were a sixth
+    of a 30-layer model's decode ops)."""
+    freqs = rope[positions][:, None]
+    return torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+
+
+def _rotate(t: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Megatron's rotate-half RoPE of ``t`` ``[b, heads, dim]`` with given cos / sin: the same
+    operations, so the same values."""
+    cos, sin = cos_sin
+    rot = cos.shape[-1]
+    head, rest = t[..., :rot], t[..., rot:]
+    first, second = torch.chunk(head, 2, dim=-1)
+    out = head * cos + torch.cat((-second, first), dim=-1) * sin
+    return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
 
 
 def _is_identity(module) -> bool:
@@ -411,8 +435,13 @@ class DecodePlan:
             raise RuntimeError("DecodePlan: its model no longer exists")
         positions = cache.lengths if rows is None else cache.lengths[rows]
         hidden = model.embedding(input_ids=tokens[:, None], position_ids=positions[:, None])[0]
-        for step in self.steps:
-            hidden = step(hidden, cache, rows, positions)
+        if cache.rope is not None:
+            cache.step_rope = _step_rope(cache.rope, positions, hidden.dtype)
+        try:
+            for step in self.steps:
+                hidden = step(hidden, cache, rows, positions)
+        finally:
+            cache.step_rope = None
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
         shared = model.share_embeddings_and_output_weights
