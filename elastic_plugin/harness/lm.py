@@ -283,9 +283,12 @@ class ElasticLM(TemplateLM):
                     text = self.tok_decode(generated)
                     return any(term and term in text for term in until)
 
+                batch = [prompts[i] for i in chunk]
+                # the cache holds what this batch can reach, not the model's whole length
+                reach = min(max(len(p) for p in batch) + max_gen + 1, self.max_length)
                 result = generate(
-                    self.model, [prompts[i] for i in chunk], max_gen,
-                    stop_tokens=self.rule.stop_ids, finished=stop_text,
+                    self.model, batch, max_gen, stop_tokens=self.rule.stop_ids,
+                    finished=stop_text, max_length=reach,
                 )  # fmt: skip
                 for i, tokens in zip(chunk, result.tokens):
                     text = postprocess_generated_text(self.tok_decode(tokens), until, None)

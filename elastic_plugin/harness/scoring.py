@@ -9,18 +9,28 @@ that predict a continuation token go through the output layer and the log-softma
 4-way multiple-choice question thus costs the vocabulary GEMM of its answer tokens, not of every
 prompt token (the output layer is a fifth of SmolLM2-135M's forward, and lm-eval's ``hf`` model
 computes it for every position). Log-softmax in FP32 whatever the model's dtype.
+
+Rows that share a context (a multiple-choice question's answers) go through the inference cache
+instead: each distinct context is prefilled once (``inference.steps.extend``), its keys, values
+and Mamba states are copied to one cache row per continuation, and only the continuations' tokens
+are fed after it, so the question's prompt costs one forward, not one per answer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from elastic_plugin.inference.steps import check_model, eval_mode
+from elastic_plugin.inference.cache import InferenceCache
+from elastic_plugin.inference.steps import check_model, eval_mode, extend
 from elastic_plugin.models.config import ConfigError
 from elastic_plugin.models.logits import without_logits
+
+if TYPE_CHECKING:
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
 
 __all__ = ["Scored", "score_continuations"]
 
@@ -57,13 +67,86 @@ def _check(sequences: Sequence[Sequence[int]], starts: Sequence[int], limit: int
 def score_continuations(
     model: torch.nn.Module, sequences: Sequence[Sequence[int]], starts: Sequence[int]
 ) -> list[Scored]:
-    """Score ``sequences[i][starts[i]:]`` given ``sequences[i][:starts[i]]``, all rows in one
-    forward (the caller chooses the batch). A sequence may be one token longer than the model's
+    """Score ``sequences[i][starts[i]:]`` given ``sequences[i][:starts[i]]`` (the caller chooses
+    the batch): rows sharing a context through the cache (see the module docstring), else all
+    rows in one forward. A sequence may be one token longer than the model's
     ``max_sequence_length``: its last token is only predicted, never fed."""
     inner = check_model(model)
     if getattr(inner.config, "use_mup", False):  # without_logits would scale hidden states
         raise ConfigError("model: muP logit scaling is not supported by continuation scoring")
     _check(sequences, starts, int(inner.max_sequence_length))
+    contexts = {tuple(seq[:start]) for seq, start in zip(sequences, starts)}
+    # the branched cache holds the longest context and the longest fed tail (padding included)
+    room = max(starts) + max(len(seq) - start - 1 for seq, start in zip(sequences, starts))
+    if len(contexts) < len(sequences) and room <= int(inner.max_sequence_length):
+        return _score_shared(inner, sequences, starts)
+    return _score_forward(inner, sequences, starts)
+
+
+def _branch(source: InferenceCache, rows: list[int], cache: InferenceCache) -> None:
+    """Copy the states of ``source``'s ``rows`` into ``cache``'s rows 0.. in order."""
+    index = torch.tensor(rows, device=source.lengths.device)
+    width = min(source.max_length, cache.max_length)  # each copied row holds fewer tokens
+    for mine, theirs in ((cache.keys, source.keys), (cache.values, source.values)):
+        for layer, tensor in theirs.items():
+            mine[layer][:, :width] = tensor[index, :width]
+    for mine, theirs in ((cache.conv, source.conv), (cache.ssm, source.ssm)):
+        for layer, tensor in theirs.items():
+            mine[layer][:] = tensor[index]
+    cache.lengths[:] = source.lengths[index]
+
+
+def _logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[list[float], list[bool]]:
+    logits = logits.float()
+    chosen = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
+    return chosen.tolist(), (logits.argmax(dim=-1) == targets).tolist()
+
+
+def _score_shared(
+    inner: HybridModel, sequences: Sequence[Sequence[int]], starts: Sequence[int]
+) -> list[Scored]:
+    """Each distinct context prefilled once; its cache branched to its continuations."""
+    device = next(inner.parameters()).device
+    order: dict[tuple[int, ...], int] = {}
+    owner = [
+        order.setdefault(tuple(seq[:start]), len(order)) for seq, start in zip(sequences, starts)
+    ]
+    contexts = list(order)
+    widest = max(len(c) for c in contexts)
+    prefix = InferenceCache.allocate(inner, len(contexts), widest)
+    feed = torch.tensor([list(c) + [0] * (widest - len(c)) for c in contexts], device=device)
+    with eval_mode(inner):
+        last = extend(inner, prefix, feed, last_only=True, real_tokens=[len(c) for c in contexts],
+                      fast=True)[:, -1]  # fmt: skip
+    first = torch.tensor([seq[start] for seq, start in zip(sequences, starts)], device=device)
+    values, hits = _logprobs(last[torch.tensor(owner, device=device)], first)
+    out = [[v] for v in values]
+    greedy = [bool(h) for h in hits]
+    longer = [i for i, (seq, start) in enumerate(zip(sequences, starts)) if len(seq) - start > 1]
+    if longer:
+        tails = [list(sequences[i][starts[i] : -1]) for i in longer]  # fed; the last is predicted
+        width = max(len(t) for t in tails)
+        # room for each row's context and the padded tail fed after it
+        cache = InferenceCache.allocate(inner, len(longer), max(starts[i] for i in longer) + width)
+        _branch(prefix, [owner[i] for i in longer], cache)
+        feed = torch.tensor([t + [0] * (width - len(t)) for t in tails], device=device)
+        with eval_mode(inner):
+            logits = extend(inner, cache, feed, real_tokens=[len(t) for t in tails], fast=True)
+        rows = [r for r, t in enumerate(tails) for _ in t]
+        cols = [c for t in tails for c in range(len(t))]
+        targets = torch.tensor([tok for i in longer for tok in sequences[i][starts[i] + 1 :]],
+                               device=device)  # fmt: skip
+        values, hits = _logprobs(logits[torch.tensor(rows), torch.tensor(cols)], targets)
+        for r, value, hit in zip(rows, values, hits):
+            out[longer[r]].append(value)
+            greedy[longer[r]] = greedy[longer[r]] and bool(hit)
+    return [Scored(v, g) for v, g in zip(out, greedy)]
+
+
+def _score_forward(
+    inner: HybridModel, sequences: Sequence[Sequence[int]], starts: Sequence[int]
+) -> list[Scored]:
+    """All rows right-padded through one forward, the output layer at continuation positions."""
     device = next(inner.parameters()).device
     width = max(len(s) for s in sequences) - 1  # the last token is never an input
     tokens = torch.zeros(len(sequences), width, dtype=torch.long)
