@@ -43,6 +43,7 @@ def run(
     import torch
 
     from elastic_plugin.elastic.losses import vocab_parallel_kl
+    from elastic_plugin.ops._loader import INFO
     from elastic_plugin.planning.activations import kd_loss_peak_bytes
     from tests.support.memory import peak_bytes
 
@@ -70,7 +71,7 @@ def run(
     seconds = interleaved_medians(fns, reps=reps, warmup=0 if quick else 1)
     rows = []
     for name, chunk in variants.items():
-        predicted = kd_loss_peak_bytes(tokens, vocab_shard, 2, chunk)
+        predicted = kd_loss_peak_bytes(tokens, vocab_shard, 2, chunk, INFO.uses_extension)
         rows.append(
             {
                 "name": f"kd_loss {name}",

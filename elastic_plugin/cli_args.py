@@ -268,7 +268,7 @@ def start_ranks(
     except ValueError as exc:  # a bad ELASTIC_PLUGIN_THREADS
         raise ConfigError(str(exc)) from None
     init_distributed(timeout_s=None if timeout_minutes is None else timeout_minutes * 60)
-    if is_rank0():
+    if is_rank0() and one_process is None:  # a job on ranks says how it uses the host
         print(host.describe(), file=sys.stderr, flush=True)
     if one_process is not None and dist.get_world_size() != 1:
         raise ConfigError(

@@ -567,7 +567,9 @@ def test_generate_refuses_a_crafted_metadata_whose_digest_matches(tmp_path):
     (ckpt / CHECKPOINT_META).write_text(json.dumps(meta))
     tokenizer = tmp_path / "tokenizer.json"
     vocab = {"<unk>": 0, "<eod>": 1, "a": 2}
-    Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(str(tokenizer))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.add_special_tokens(["<eod>"])  # the token rule's end of document
+    tok.save(str(tokenizer))
     cli = Path(sys.executable).parent / "elastic-plugin"
     argv = ["generate", "--ckpt", str(ckpt), "--tokenizer", str(tokenizer), "--prompt", "a"]
     proc = subprocess.run([str(cli), *argv], capture_output=True, text=True, timeout=600)

@@ -37,16 +37,16 @@ Measured on the tiny model (CPU, FP32, saved-tensor hooks, weights excluded): at
 MLP and MoE layers keep what the first three items say to within 2%.
 
 The first stage adds the embedding output ``h / sp``; the last stage the output layer's input
-``h / sp`` and the distillation loss (``kd_loss_bytes``). Chunked (the default,
+``h / sp`` and the distillation loss (``kd_loss_bytes``), whose row passes are
+``ops.kd_row_stats`` / ``ops.kd_grad``: compiled kernels on CPU (no temporary the size of the
+logits), PyTorch compositions elsewhere (CUDA), ``1024`` rows at a time. Chunked (the default,
 ``elastic.losses._ChunkedVocabParallelKL``): it keeps the student's logits (``V / t``, model
-dtype) and four FP32 numbers per token; while it runs, a chunk of ``c`` tokens holds three FP32
-``[c, V / t]`` tensors and a mask (forward), or the logits' gradient (``V / t`` per token, model
-dtype) and two FP32 chunks plus a BF16 -> FP32 conversion (backward). Unchunked
-(``_VocabParallelKL``): the saved ``p_s - p_t`` (``V / t``, FP32) and a transient of
-``[tokens, V / t]`` tensors: the student's logits and seven FP32 ones at once (the scaled logits
-``s``, ``t``, their exponentials, ``e_t (t - s)``, the zeros and the result of ``where``) and
-its boolean mask, ``a + 29`` bytes per element (measured: 8.4 FP32 copies on the tiny model with
-a 2048 vocabulary). ``bench/bench_kd_loss.py`` measures both at 8K tokens against this model.
+dtype) and the two FP32 log-normalisers per token; its backward writes the logits' gradient
+(``V / t`` per token, model dtype, whole). The compositions add, per ``r = min(c, 1024)`` rows,
+three FP32 ``[r, V / t]`` tensors and a mask (forward) or two FP32 ones plus a BF16 -> FP32
+conversion (backward). Unchunked (``_VocabParallelKL``): the saved ``p_s - p_t`` (``V / t``,
+FP32), FP32 copies of BF16 logits while it is made, and in backward its scaled FP32 copy (and
+that copy in BF16). ``bench/bench_kd_loss.py`` measures both at 8K tokens against this model.
 Recomputation: ``full`` keeps each
 recomputed chunk's input (``h / sp``) and re-creates one chunk's activations at a time;
 ``selective`` recomputes core attention, which SDPA does not store anyway: no change.
@@ -57,6 +57,7 @@ from __future__ import annotations
 from elastic_plugin.elastic.config import DEFAULT_KD_CHUNK_TOKENS
 from elastic_plugin.models.config import ModelConfig
 from elastic_plugin.models.runtime import Runtime
+from elastic_plugin.ops import KD_REFERENCE_CHUNK_ROWS
 
 __all__ = [
     "MAMBA_SCANS",
@@ -119,36 +120,46 @@ def _mlp(model: ModelConfig, ffn: int) -> float:
 
 
 def kd_loss_bytes(
-    tokens: int, vocab_shard: float, dtype_bytes: int, chunk_tokens: int | None
+    tokens: int,
+    vocab_shard: float,
+    dtype_bytes: int,
+    chunk_tokens: int | None,
+    cpu_kernels: bool = False,
 ) -> dict[str, float]:
     """The distillation loss's own bytes on the last stage for one micro-batch (logits given):
     ``stored`` from its forward to its backward, ``transient`` on top of that while it runs.
-
-    Unchunked (``chunk_tokens`` None, ``_VocabParallelKL``): stores ``p_s - p_t`` in FP32; its
-    forward holds seven FP32 ``[tokens, V / t]`` tensors and a boolean mask at once.
-    Chunked (``_ChunkedVocabParallelKL``): stores the student's logits (model dtype; the output
-    layer's result, which the unchunked loss lets go) and four FP32 numbers per token; a chunk's
-    forward holds three FP32 tensors and a mask, its backward two FP32 ones and a conversion
-    copy, next to the logits' gradient (model dtype, whole).
+    ``cpu_kernels``: the compiled row passes run (CPU with the extension built); False: the
+    PyTorch compositions (CUDA). See the module docstring for what each keeps.
     """
     elements = tokens * vocab_shard
+    converted = FP32 if dtype_bytes != FP32 else 0  # an FP32 copy of BF16 logits
+    stats = 5 * 8 * tokens  # the forward's FP64 row statistics
+    rows = min(chunk_tokens or tokens, KD_REFERENCE_CHUNK_ROWS, tokens) * vocab_shard
+    row_passes = 0.0 if cpu_kernels else max((3 * FP32 + 1) * rows, (2 * FP32 + converted) * rows)
     if chunk_tokens is None:
-        return {"stored": FP32 * elements, "transient": (dtype_bytes + 7 * FP32 + 1) * elements}
-    chunk = min(chunk_tokens, tokens) * vocab_shard
-    stored = dtype_bytes * elements + 4 * FP32 * tokens
-    converted = FP32 if dtype_bytes != FP32 else 0  # .float() of a BF16 chunk before / T
-    backward = dtype_bytes * elements + (2 * FP32 + converted) * chunk
-    return {"stored": stored, "transient": max((3 * FP32 + 1) * chunk, backward)}
+        forward = 2 * converted * elements + stats + row_passes  # diff itself is stored
+        backward = (FP32 + (dtype_bytes if converted else 0)) * elements
+        return {"stored": FP32 * elements, "transient": max(forward, backward)}
+    stored = dtype_bytes * elements + 2 * FP32 * tokens
+    if cpu_kernels:
+        return {"stored": stored, "transient": max(stats, dtype_bytes * elements)}
+    forward = (3 * FP32 + 1) * rows + stats
+    backward = dtype_bytes * elements + (2 * FP32 + converted) * rows
+    return {"stored": stored, "transient": max(forward, backward)}
 
 
 def kd_loss_peak_bytes(
-    tokens: int, vocab_shard: float, dtype_bytes: int, chunk_tokens: int | None
+    tokens: int,
+    vocab_shard: float,
+    dtype_bytes: int,
+    chunk_tokens: int | None,
+    cpu_kernels: bool = False,
 ) -> float:
     """Peak bytes the loss's forward + backward allocate beyond the logits it is given (what
     ``bench/bench_kd_loss.py`` measures): its stored bytes plus its transient."""
-    loss = kd_loss_bytes(tokens, vocab_shard, dtype_bytes, chunk_tokens)
-    if chunk_tokens is None:  # the stored p_s - p_t is one of the forward's seven, made in place;
-        return loss["transient"] - dtype_bytes * tokens * vocab_shard  # the logits are given
+    loss = kd_loss_bytes(tokens, vocab_shard, dtype_bytes, chunk_tokens, cpu_kernels)
+    if chunk_tokens is None:
+        return loss["stored"] + loss["transient"]
     # the student's logits it stores are the caller's, not allocated here
     return loss["stored"] - dtype_bytes * tokens * vocab_shard + loss["transient"]
 
@@ -165,12 +176,13 @@ def stage_activation_bytes(
     mamba_scan: str = "fused",
     kd_chunk_tokens: int | None = DEFAULT_KD_CHUNK_TOKENS,
     cp: int = 1,
+    cpu_kernels: bool = False,
 ) -> dict[str, float]:
     """Bytes of one micro-batch on one rank of a stage with layers ``kinds``: ``stored`` (kept
     until its backward), ``transient`` (the largest short-lived extra: one recomputed chunk,
     the loss) for the ``tokens`` the rank holds (``micro_batch_size x seq_length / cp``);
     ``kd_chunk_tokens``: the KD loss's chunk (``elastic.kd_chunk_tokens``; None: the
-    unchunked loss)."""
+    unchunked loss); ``cpu_kernels``: the loss's compiled CPU row passes run (``kd_loss_bytes``)."""
     dtype_bytes = 2 if runtime.bf16 else 4
     sp = tp if sequence_parallel and tp > 1 else 1
     h = model.hidden_size
@@ -196,7 +208,9 @@ def stage_activation_bytes(
     if first:
         stored += h / sp * tokens * dtype_bytes
     if last:
-        loss = kd_loss_bytes(tokens, model.vocab_size / tp, dtype_bytes, kd_chunk_tokens)
+        loss = kd_loss_bytes(
+            tokens, model.vocab_size / tp, dtype_bytes, kd_chunk_tokens, cpu_kernels
+        )
         stored += h / sp * tokens * dtype_bytes + loss["stored"]
         transient = max(transient, loss["transient"])
     return {"stored": stored, "transient": transient}

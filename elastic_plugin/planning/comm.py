@@ -176,7 +176,7 @@ def step_comm_bytes(
             if tp * ep > 1 and not backward:  # the tokens per expert, over TP x EP
                 _add(out, "tp_ep", "all_gather", moe * 8 * model.num_moe_experts * tp * ep)
     if tp > 1 and last:
-        _add(out, "tp", "all_reduce", m * 5 * 4 * tokens)  # the distillation loss
+        _add(out, "tp", "all_reduce", m * 5 * 8 * tokens)  # the distillation loss (FP64 row stats)
     if pp > 1:
         p2p = tokens // (tp if sp else 1) * model.hidden_size * a
         # [student; teacher] stacked forward, and its gradient backward
