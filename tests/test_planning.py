@@ -223,8 +223,11 @@ def test_context_parallel_layouts_split_the_tokens_and_keep_the_checks():
 def test_teacher_and_loss_memory_as_built():
     """The teacher's logits are those of the in-flight micro-batches (one on the last stage),
     whatever the global batch; the chunked loss's transient scales with the chunk, not the tokens."""
-    from elastic_plugin.planning.activations import kd_loss_bytes
+    from elastic_plugin.ops._kd_loss import REFERENCE_CHUNK_ROWS
+    from elastic_plugin.planning.activations import KD_REFERENCE_CHUNK_ROWS, kd_loss_bytes
     from elastic_plugin.planning.memory import rank_memory
+
+    assert KD_REFERENCE_CHUNK_ROWS == REFERENCE_CHUNK_ROWS  # the planner's copy (no torch)
     from tests.support.elastic_cases import tiny_model
 
     model = tiny_model(TINY, "*E-*E-")

@@ -20,9 +20,6 @@ from elastic_plugin.ops._fp8 import METHODS as FP8_METHODS
 from elastic_plugin.ops._fp8 import SCALINGS as FP8_SCALINGS
 from elastic_plugin.ops._gather import ordered_gather, reference_ordered_gather
 from elastic_plugin.ops._kd_loss import (
-    REFERENCE_CHUNK_ROWS as KD_REFERENCE_CHUNK_ROWS,
-)
-from elastic_plugin.ops._kd_loss import (
     kd_grad,
     kd_row_stats,
     reference_kd_grad,
@@ -79,7 +76,6 @@ __all__ = [
     "fatbin_targets",
     "fp8_prefix_linear",
     "fp8_quantize",
-    "KD_REFERENCE_CHUNK_ROWS",
     "kd_grad",
     "kd_row_stats",
     "kernel_sources",

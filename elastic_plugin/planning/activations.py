@@ -57,7 +57,6 @@ from __future__ import annotations
 from elastic_plugin.elastic.config import DEFAULT_KD_CHUNK_TOKENS
 from elastic_plugin.models.config import ModelConfig
 from elastic_plugin.models.runtime import Runtime
-from elastic_plugin.ops import KD_REFERENCE_CHUNK_ROWS
 
 __all__ = [
     "MAMBA_SCANS",
@@ -68,6 +67,9 @@ __all__ = [
 ]
 
 FP32 = 4
+# rows per step of the loss's PyTorch compositions (ops._kd_loss.REFERENCE_CHUNK_ROWS; the
+# planner imports no torch, tests/test_planning.py checks the two agree)
+KD_REFERENCE_CHUNK_ROWS = 1024
 
 
 MAMBA_SCANS = ("fused", "torch")
