@@ -40,6 +40,7 @@ Run: ``python bench/bench_train.py [--quick] [--seq 128 512] [--micro-batch 4] [
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -218,6 +219,8 @@ class OurRoutes:
 
         layout = Layout()
         cfg = config_from_dict(read_checkpoint_meta(ckpt)["config"])
+        # the precision asked for, not the machine's automatic one (Runtime.of(cfg.training))
+        cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, bf16=bf16))
         ecfg = ElasticConfig.from_dict(yaml.safe_load(ELASTIC_CONFIG.read_text())["elastic"])
         resolved = ecfg.resolve(cfg.model, 1, 1)
         sched = TrainingConfig(
@@ -229,6 +232,9 @@ class OurRoutes:
         # each budget trains the nested model the router would freeze to (no router noise)
         table = constrained_table(router_of(trainer.chunks[0]), resolved, trainer.step.cost)
         trainer.step.freeze(table)
+        built = next(trainer.chunks[0].parameters()).dtype
+        if built != (torch.bfloat16 if bf16 else torch.float32):
+            raise RuntimeError(f"bench_train: the elastic student was built in {built}")
         parent, _, _ = build_from_checkpoint(ckpt, layout, wrap_ddp=False)
         mix = _mix_probs(trainer.step.sampler.stages, len(resolved.budgets))
         return cls(trainer, table, batch, parent, seq, micro_batch, mix)
