@@ -308,6 +308,8 @@ def measure(
     from elastic_plugin.models.flops import forward_flops, training_flops
     from elastic_plugin.parallel import init_distributed
 
+    if dtype not in DTYPES:
+        raise SystemExit(f"bench_train: --dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
     enable_cpu_megatron()
     info = machine(quick)
     init_distributed()
@@ -315,8 +317,6 @@ def measure(
     cache.mkdir(parents=True, exist_ok=True)
     hf_dir, weights = model_dir(cache, quick)
     ckpt = our_checkpoint(hf_dir, cache)
-    if dtype not in DTYPES:
-        raise SystemExit(f"bench_train: --dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
     bf16 = dtype == "bfloat16" or (dtype == "auto" and info["bf16_in_hardware"])
     train_dtype = "bfloat16" if bf16 else "float32"
     peaks = {"bfloat16": info["peak_gflops"]["bf16"], "float32": info["peak_gflops"]["fp32"]}

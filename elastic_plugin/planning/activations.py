@@ -137,16 +137,16 @@ def kd_loss_bytes(
     converted = FP32 if dtype_bytes != FP32 else 0  # an FP32 copy of BF16 logits
     stats = 5 * 8 * tokens  # the forward's FP64 row statistics
     rows = min(chunk_tokens or tokens, KD_REFERENCE_CHUNK_ROWS, tokens) * vocab_shard
-    row_passes = 0.0 if cpu_kernels else max((3 * FP32 + 1) * rows, (2 * FP32 + converted) * rows)
-    if chunk_tokens is None:
-        forward = 2 * converted * elements + stats + row_passes  # diff itself is stored
+    # what the PyTorch compositions hold per block of rows (the compiled passes: nothing)
+    stats_rows = 0.0 if cpu_kernels else (3 * FP32 + 1) * rows
+    grad_rows = 0.0 if cpu_kernels else (2 * FP32 + converted) * rows
+    if chunk_tokens is None:  # both passes in the forward; p_s - p_t itself is stored
+        forward = 2 * converted * elements + stats + max(stats_rows, grad_rows)
         backward = (FP32 + (dtype_bytes if converted else 0)) * elements
         return {"stored": FP32 * elements, "transient": max(forward, backward)}
     stored = dtype_bytes * elements + 2 * FP32 * tokens
-    if cpu_kernels:
-        return {"stored": stored, "transient": max(stats, dtype_bytes * elements)}
-    forward = (3 * FP32 + 1) * rows + stats
-    backward = dtype_bytes * elements + (2 * FP32 + converted) * rows
+    forward = stats_rows + stats
+    backward = dtype_bytes * elements + grad_rows
     return {"stored": stored, "transient": max(forward, backward)}
 
 
