@@ -172,11 +172,8 @@ def _score_forward(
             else None
         )
         logits, _ = inner.output_layer(picked[:, None], weight=weight, runtime_gather_output=True)
-        logits = inner._scale_logits(logits)[:, 0].float()
-        logprobs = torch.log_softmax(logits, dim=-1)
-        target = torch.tensor(targets, device=device)
-        chosen = logprobs.gather(1, target[:, None])[:, 0].tolist()
-        greedy = (logits.argmax(dim=-1) == target).tolist()
+        logits = inner._scale_logits(logits)[:, 0]
+        chosen, greedy = _logprobs(logits, torch.tensor(targets, device=device))
     out: list[list[float]] = [[] for _ in sequences]
     hits: list[bool] = [True] * len(sequences)
     for i, value, hit in zip(owner, chosen, greedy):
