@@ -329,3 +329,24 @@ def test_demo_real_benchmark_table_retention_and_errors(tmp_path):
     text = markdown_section(bench)
     assert "| elastic | 0.5 | 0.0M | 45.0 ± 3.0 | 55.0 ± 4.0 | 50.0 ± 2.5 |" in text
     assert plot_average(bench, tmp_path / "p.png").stat().st_size > 0
+
+
+def test_loglikelihood_batches_keep_a_questions_answers_together():
+    # sorted by length alone, a question's answers (one context, continuations of other lengths)
+    # fall into different batches and the scorer's shared prefill has nothing to share
+    from elastic_plugin.harness.lm import _batches_by_context
+
+    rows = []
+    for question, length in enumerate((5, 9, 7, 3, 8)):
+        context = [100 + question] * length
+        rows += [(context + [1] * answer, length) for answer in (1, 4, 2, 3)]
+    batches = _batches_by_context(rows, batch_size=8)
+    assert sorted(i for b in batches for i in b) == list(range(len(rows)))
+    assert all(len(b) <= 8 for b in batches)
+    for batch in batches:  # whole questions only: each answer beside its siblings
+        assert len({tuple(rows[i][0][: rows[i][1]]) for i in batch}) * 4 == len(batch)
+    longest = [max(len(rows[i][0]) for i in b) for b in batches]
+    assert longest == sorted(longest, reverse=True)
+    # a context with more answers than a batch holds is split, never dropped
+    wide = [([7, 7, 7] + [1] * k, 3) for k in range(1, 12)]
+    assert [len(b) for b in _batches_by_context(wide, batch_size=4)] == [4, 4, 3]

@@ -73,6 +73,26 @@ def tokenizer_of_checkpoint(ckpt: str | Path, tokenizer: str | None = None) -> s
     return str(resolve(Path(recorded)))
 
 
+def _batches_by_context(rows: list[tuple[list[int], int]], batch_size: int) -> list[list[int]]:
+    """Row indices in batches of at most ``batch_size``, the rows of one context (a question's
+    answers) kept together and the longest groups first. Sorting rows by length alone, as a plain
+    padded forward wants, scatters a question's answers over several batches, so the scorer's
+    shared-context prefill (``harness.scoring``) would find nothing to share."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (seq, start) in enumerate(rows):
+        groups.setdefault(tuple(seq[:start]), []).append(i)
+    ordered = sorted(groups.values(), key=lambda g: (-max(len(rows[i][0]) for i in g), g[0]))
+    batches: list[list[int]] = []
+    for group in ordered:
+        members = sorted(group, key=lambda i: -len(rows[i][0]))
+        if batches and len(batches[-1]) + len(members) <= batch_size:
+            batches[-1].extend(members)
+            continue
+        for begin in range(0, len(members), batch_size):
+            batches.append(members[begin : begin + batch_size])
+    return batches
+
+
 def _clean_up(rule: TokenRule) -> bool:
     """Whether transformers cleans decoded text up for this tokenizer (``tokenizer_config.json``
     asks for it; transformers 5 never does it for BPE models)."""
@@ -214,11 +234,9 @@ class ElasticLM(TemplateLM):
                 raise ConfigError("a request with an empty continuation (nothing to score)")
             seq = (list(context) + list(continuation))[-(limit + 1) :]
             rows.append((seq, len(seq) - len(continuation)))
-        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
         results: list[tuple[float, bool] | None] = [None] * len(rows)
         bar = tqdm(total=len(rows), disable=disable_tqdm, desc="log-likelihoods")
-        for begin in range(0, len(order), self.batch_size):
-            chunk = order[begin : begin + self.batch_size]
+        for chunk in _batches_by_context(rows, self.batch_size):
             scored = score_continuations(
                 self.model, [rows[i][0] for i in chunk], [max(rows[i][1], 1) for i in chunk]
             )

@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 
 __all__ = ["Scored", "score_continuations"]
 
+# the shared-context path runs when it feeds at most this share of the one-forward path's padded
+# positions (bench/bench_lm_eval.py: its second pass and cache copies cost the rest)
+SHARED_SAVING = 0.75
+
 
 @dataclass(frozen=True)
 class Scored:
@@ -76,9 +80,16 @@ def score_continuations(
         raise ConfigError("model: muP logit scaling is not supported by continuation scoring")
     _check(sequences, starts, int(inner.max_sequence_length))
     contexts = {tuple(seq[:start]) for seq, start in zip(sequences, starts)}
+    tails = [len(seq) - start - 1 for seq, start in zip(sequences, starts)]
     # the branched cache holds the longest context and the longest fed tail (padding included)
-    room = max(starts) + max(len(seq) - start - 1 for seq, start in zip(sequences, starts))
-    if len(contexts) < len(sequences) and room <= int(inner.max_sequence_length):
+    room = max(starts) + max(tails)
+    # padded positions each path feeds: one forward of every row, or each context once and then
+    # the rows' tails; sharing pays only when it feeds clearly fewer (it runs two passes and
+    # copies the cache between them)
+    forward = len(sequences) * (max(len(seq) for seq in sequences) - 1)
+    longer = sum(1 for t in tails if t > 0)
+    shared = len(contexts) * max(len(c) for c in contexts) + longer * max(tails)
+    if shared <= SHARED_SAVING * forward and room <= int(inner.max_sequence_length):
         return _score_shared(inner, sequences, starts)
     return _score_forward(inner, sequences, starts)
 
