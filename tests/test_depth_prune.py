@@ -130,3 +130,18 @@ def test_written_checkpoint_loads_back_pruned(parent, tmp_path):
     )
     assert torch.equal(_logits(loaded, tokens), _logits(expected, tokens))
     assert write_depth_pruned(tmp_path / "parent", tmp_path / "pruned", [3, 4]) == out  # reused
+
+
+def test_elastic_train_accepts_a_depth_pruned_student_of_its_teacher():
+    """elastic-train's teacher check: the parent may teach a depth-pruned student (only the
+    pattern differs, a subsequence of the teacher's); any other difference is refused."""
+    import dataclasses
+
+    from elastic_plugin.elastic.inputs import _depth_pruned_of
+    from elastic_plugin.nested.depth import depth_pruned_config
+
+    parent = load_config(LLAMA).model
+    assert _depth_pruned_of(depth_pruned_config(parent, [3, 4]), parent)
+    assert not _depth_pruned_of(dataclasses.replace(parent, hybrid_layer_pattern="*-" * 5), parent)
+    wider = dataclasses.replace(depth_pruned_config(parent, [3, 4]), ffn_hidden_size=128)
+    assert not _depth_pruned_of(wider, parent)

@@ -12,10 +12,60 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 ALONE_FILE = "alone.json"
+
+
+def elastic_run_config(
+    elastic_ckpt: Path, batch: Mapping[str, int]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """``(meta, config, training)`` of the elastic run as it ran: its checkpoint's experiment
+    config with ``batch`` (the run's ``seq_length`` / ``micro_batch_size`` /
+    ``global_batch_size`` flags; the checkpoint's config holds the YAML's) over ``training``."""
+    from elastic_plugin.checkpoint.meta import read_elastic_meta
+
+    meta = read_elastic_meta(elastic_ckpt)
+    training = {**meta["config"]["training"], **batch}
+    return meta, {**meta["config"], "training": training}, training
+
+
+def distil_run(
+    spec: Any,
+    runs_dir: Path,
+    config: Mapping[str, Any],
+    choice: Mapping[str, int],
+    fraction: float,
+    source_ckpt: Path,
+    data: Any,
+    flags: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """One fixed architecture (``choice``, cost fraction ``fraction`` of ``source_ckpt``'s
+    model) distilled for ``spec.iters`` iterations by ``comparison.runner.train_run`` (an
+    ``elastic-train`` process on a one-candidate config): the record every route keeps of a run
+    (checkpoint, budget, iters, tokens, seconds, tflop, wall_s, valid_loss). ``flags``: extra
+    ``elastic-train`` flags (the schedule; ``--teacher-ckpt`` where the student's source is not
+    the parent)."""
+    from elastic_plugin.comparison.runner import SizeSource, train_run
+
+    training = config["training"]
+    source = SizeSource(config, dict(choice), float(fraction), source_ckpt, data, tuple(flags))
+    result = train_run(spec, runs_dir, source)
+    valid = result.get("train_valid_loss")
+    if isinstance(valid, Mapping):
+        valid = next(iter(valid.values()), None)
+    return {
+        "checkpoint": result["checkpoint"],
+        "budget": float(fraction),
+        "iters": spec.iters,
+        "tokens": spec.iters * int(training["global_batch_size"]) * int(training["seq_length"]),
+        "seconds": result["seconds"],
+        "tflop": result.get("tflop"),
+        "wall_s": result["wall_s"],
+        "valid_loss": valid,
+    }
 
 
 def distil_alone(
@@ -35,23 +85,16 @@ def distil_alone(
     ``seq_length`` / ``micro_batch_size`` / ``global_batch_size`` as it ran (flags included;
     its checkpoint's config holds the YAML's); ``schedule_flags``: the elastic run's schedule
     flags (its learning rate), so that both routes train alike."""
-    from elastic_plugin.checkpoint.meta import (
-        budget_label,
-        read_elastic_meta,
-        stored_choice,
-        trained_budgets,
-    )
+    from elastic_plugin.checkpoint.meta import budget_label, stored_choice, trained_budgets
     from elastic_plugin.comparison.plan import (
         RunSpec,
         elastic_tokens,
         iters_for_tokens,
         route_tokens,
     )
-    from elastic_plugin.comparison.runner import CompareData, SizeSource, train_run
+    from elastic_plugin.comparison.runner import CompareData
 
-    meta = read_elastic_meta(elastic_ckpt)
-    training = {**meta["config"]["training"], **batch}
-    config = {**meta["config"], "training": training}
+    meta, config, training = elastic_run_config(elastic_ckpt, batch)
     smaller = sorted((b for b in trained_budgets(meta) if b < 1.0), reverse=True)
     total = elastic_tokens(config, int(meta["iteration"]))
     tokens = route_tokens("equal_cost", total, len(smaller))
@@ -70,24 +113,16 @@ def distil_alone(
             for k, v in stored_choice(meta, budget, elastic_ckpt).items()
         }
         spec = RunSpec("prune_distil", label, "equal_cost", seed, iters, tokens)
-        source = SizeSource(
-            config, choice, float(fractions[label]), reordered, data, schedule_flags
-        )
         print(
             f"[demo-real alone {time.time() - started:6.1f}s] distilling the {label} architecture "
             f"alone: {iters} iterations ({tokens:,} tokens; the elastic run: {total:,})",
             flush=True,
         )
-        result = train_run(spec, out / "runs", source)
-        results[label] = {
-            "checkpoint": result["checkpoint"],
-            "budget": float(fractions[label]),
-            "iters": iters,
-            "tokens": iters * int(training["global_batch_size"]) * int(training["seq_length"]),
-            "seconds": result["seconds"],
-            "tflop": result.get("tflop"),
-            "wall_s": result["wall_s"],
-        }
+        results[label] = distil_run(
+            spec, out / "runs", config, choice, float(fractions[label]), reordered, data,
+            schedule_flags,
+        )  # fmt: skip
+        results[label]["choice"] = choice
     summary = {"elastic_tokens": total, "token_budget": "equal_cost", "sizes": results}
     (out / ALONE_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return summary

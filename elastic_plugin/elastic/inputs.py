@@ -110,6 +110,16 @@ def _model_difference(a, b) -> str | None:
     return None
 
 
+def _depth_pruned_of(student, teacher) -> bool:
+    """Whether ``student`` is ``teacher`` with whole layers removed (only the pattern differs,
+    and the student's is a subsequence of the teacher's)."""
+    same = dataclasses.replace(student, hybrid_layer_pattern=teacher.hybrid_layer_pattern)
+    if _model_difference(teacher, same) is not None:
+        return False
+    rest = iter(teacher.hybrid_layer_pattern)
+    return all(symbol in rest for symbol in student.hybrid_layer_pattern)
+
+
 def _experiment_config(
     args: argparse.Namespace, meta: dict[str, Any]
 ) -> tuple[ExperimentConfig, dict[str, Any], str]:
@@ -335,6 +345,8 @@ def check_elastic_inputs(args: argparse.Namespace) -> ElasticInputs:
             tmeta["config"], source=f"--teacher-ckpt {teacher}/{CHECKPOINT_META}"
         )
         diff = _model_difference(tcfg.model, cfg.model)
+        if diff and layout.pp == 1 and _depth_pruned_of(cfg.model, tcfg.model):
+            diff = None  # a depth-pruned student (nested/depth.py) of this teacher: same logits
         if diff:
             raise ConfigError(
                 f"--teacher-ckpt {teacher}: another architecture than --ckpt ({diff})"
