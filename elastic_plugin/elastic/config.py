@@ -28,6 +28,18 @@ MODES: tuple[str, ...] = ("sliced", "masked")
 TEACHERS: tuple[str, ...] = ("frozen", "self")
 FREEZE_SELECTS: tuple[str, ...] = ("likelihood", "loss")
 FP8_GEMMS: tuple[str, ...] = ("off", "tensor", "row")  # elastic.fp8: off, or the scale granularity
+# router.init: "prior" (the output layer solved toward the candidate closest to each budget's
+# fraction, router.make_router) or "screened" (toward each budget's lowest zero-shot-loss
+# candidate, measured before training: elastic/screening.py)
+ROUTER_INITS: tuple[str, ...] = ("prior", "screened")
+DEFAULT_SCREEN_TOKENS = 4096
+# router keys to_dict writes only when they differ from their default (configs written before
+# they existed read back equal)
+_OPTIONAL_ROUTER_KEYS: dict[str, Any] = {
+    "init": "prior",
+    "screen_tokens": DEFAULT_SCREEN_TOKENS,
+    "lr": None,
+}
 _REL_TOL = 1e-9
 
 
@@ -123,7 +135,9 @@ def _mapping(section: str, raw: Any) -> dict[str, Any]:
 class RouterConfig:
     """Budget router settings (docs/design.md, "Router": Gumbel-Softmax, temperature 1 -> 0.05,
     logit scale 1 -> 10;
-    router lr ~1e-2 vs model ~1e-4, hence ``lr_mult`` 100)."""
+    router lr ~1e-2 vs model ~1e-4, hence ``lr_mult`` 100, or ``lr`` as an absolute value).
+    ``init``/``screen_tokens``: where the router starts (``ROUTER_INITS``; ``screened`` measures
+    every candidate's zero-shot loss on ``screen_tokens`` validation tokens first)."""
 
     hidden_size: int = 256
     temperature: tuple[float, float] = (1.0, 0.05)  # (start, end)
@@ -134,6 +148,11 @@ class RouterConfig:
     freeze_candidates: int | None = None  # loss: the router's top-N per budget (None: all)
     hard: bool = True  # straight-through hard masks; False: soft
     lr_mult: float = 100.0  # router lr / model lr
+    init: str = "prior"  # ROUTER_INITS
+    screen_tokens: int = (
+        DEFAULT_SCREEN_TOKENS  # init=screened: validation tokens each candidate is measured on
+    )
+    lr: float | None = None  # the router's peak LR, absolute; when set, lr_mult is not used
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "temperature", _pair("router.temperature", self.temperature))
@@ -145,6 +164,21 @@ class RouterConfig:
         _positive_int("router.freeze_candidates", self.freeze_candidates, allow_none=True)
         _bool("router.hard", self.hard)
         object.__setattr__(self, "lr_mult", _number("router.lr_mult", self.lr_mult, 0.0, True))
+        _choice("router.init", self.init, ROUTER_INITS)
+        _positive_int("router.screen_tokens", self.screen_tokens)
+        if self.lr is not None:
+            object.__setattr__(self, "lr", _number("router.lr", self.lr, 0.0, True))
+
+    def lr_multiplier(self, model_lr: float) -> float:
+        """Router peak LR / model peak LR: ``lr / model_lr`` when ``lr`` is set, else ``lr_mult``
+        (the router's LR follows the model's schedule, warm-up and decay, at this ratio)."""
+        if self.lr is None:
+            return self.lr_mult
+        if not model_lr > 0:
+            raise ElasticConfigError(
+                "router.lr", f"={self.lr!r} needs a model LR > 0 to scale from, got {model_lr!r}"
+            )
+        return self.lr / model_lr
 
 
 @dataclass(frozen=True)
@@ -369,6 +403,7 @@ class ElasticConfig:
                 f.name: (list(v) if isinstance(v, tuple) else v)
                 for f in fields(RouterConfig)
                 for v in [getattr(self.router, f.name)]
+                if f.name not in _OPTIONAL_ROUTER_KEYS or v != _OPTIONAL_ROUTER_KEYS[f.name]
             },
             "curriculum": [
                 {

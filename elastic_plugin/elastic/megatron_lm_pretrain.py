@@ -529,7 +529,7 @@ def with_router_param_group(get_optimizer_config, lr_mult_of):
 
 @exit_on_config_error  # Megatron-LM asks while it parses, before anything is initialised
 def _router_lr_mult(args) -> float:
-    return elastic_setup(args)[1].router.lr_mult
+    return elastic_setup(args)[1].router.lr_multiplier(args.lr)
 
 
 def install() -> None:

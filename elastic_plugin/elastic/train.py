@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -164,16 +165,21 @@ def build_elastic_trainer(
     sched: TrainingConfig,
     num_microbatches: int,
     teacher_ckpt: str | Path | None = None,
+    prepare_router: Callable[[list, ElasticState, dict[str, Any]], None] | None = None,
 ) -> ElasticTrainer:
     """Load ``source`` as the elastic student and ``teacher_ckpt`` (default ``source``) as the
     frozen teacher (unless ``ecfg.teacher == "self"``), and build the optimizer and the step.
-    ``initialize_layout(layout)`` must have been called."""
+    ``prepare_router(chunks, state, meta)`` runs on the student before the optimizer copies its
+    weights (the zero-shot screening sets the router's start there). ``initialize_layout(layout)``
+    must have been called."""
     from elastic_plugin.checkpoint.io import build_from_checkpoint
 
     runtime = Runtime.of(cfg.training)
     chunks, state, meta_src = build_elastic_chunks(
         source, layout, resolved, router_seed=sched.seed, runtime=runtime
     )
+    if prepare_router is not None:
+        prepare_router(chunks, state, meta_src)
     teacher_chunks = None
     if ecfg.teacher == "frozen":
         # forward only: the model dtype, no recomputation, no DDP (no gradient buffers), no
@@ -187,7 +193,9 @@ def build_elastic_trainer(
         chunks,
         sched,
         layout,
-        config_overrides=router_param_groups(sched.lr, sched.min_lr, ecfg.router.lr_mult),
+        config_overrides=router_param_groups(
+            sched.lr, sched.min_lr, ecfg.router.lr_multiplier(sched.lr)
+        ),
     )
     anneal = ecfg.router.anneal_iters or sched.train_iters
     stages = ecfg.curriculum_in_iterations(sched.global_batch_size, sched.seq_length)
@@ -246,6 +254,11 @@ def train_elastic(
             "data; give validation data (--valid-data-path, or a prepared task) or "
             "use freeze_select=likelihood"
         )
+    if ecfg.router.init == "screened" and valid_factory is None:
+        raise ConfigError(
+            "elastic.router.init=screened measures every candidate on validation data; give "
+            "validation data (--valid-data-path, or a prepared task) or use init=prior"
+        )
     if ecfg.mode == "sliced" and not ecfg.router.hard:
         raise ConfigError(
             "elastic.mode=sliced needs hard router choices (elastic.router.hard=true); "
@@ -268,9 +281,15 @@ def train_elastic(
     initialize_layout(layout, seed=sched.seed)
     if is_rank0():
         print(precision_note(cfg.training), file=sys.stderr, flush=True)
+    screen = None
+    if ecfg.router.init == "screened" and resumed is None and profile is None:
+        screen = partial(
+            _screen_router, ecfg=ecfg, resolved=resolved, sched=sched, dp=dp, out_dir=out_dir,
+            valid_factory=valid_factory,
+        )  # fmt: skip
     trainer = build_elastic_trainer(
         cfg, ecfg, layout, resolved, source, sched, num_microbatches,
-        teacher_ckpt=teacher_ckpt or student_ckpt,
+        teacher_ckpt=teacher_ckpt or student_ckpt, prepare_router=screen,
     )  # fmt: skip
     chunks, state, step = trainer.chunks, trainer.state, trainer.step
     optimizer, scheduler, meta_src = trainer.optimizer, trainer.scheduler, trainer.meta_src
@@ -526,6 +545,40 @@ class _ElasticIterations:
         return _save(
             self.chunks, self.optimizer, self.scheduler, self.save_to, meta, self.sched.keep_last
         )
+
+
+def _screen_router(
+    chunks,
+    state: ElasticState,
+    meta: dict[str, Any],
+    *,
+    ecfg: ElasticConfig,
+    resolved: ResolvedElastic,
+    sched: TrainingConfig,
+    dp: int,
+    out_dir: Path,
+    valid_factory: Callable[[], Iterator[dict] | None] | None,
+) -> None:
+    """``router.init=screened``: measure every candidate zero-shot and start the router on each
+    budget's pick (``elastic/screening.py``; writes ``OUT/screening.json``)."""
+    from elastic_plugin.elastic.screening import depth_importance, grid_choices, screen_router
+
+    assert valid_factory is not None  # init=screened: checked at the start
+    log = _rank0_log
+    if len(grid_choices(resolved)) == 1:
+        log("screening: one candidate per axis, nothing to choose (router.init=screened skipped)")
+        return
+    scores, source = depth_importance(chunks, meta, valid_factory, sched)
+    screen_router(
+        chunks, state, router_of(chunks[0]), resolved, ElasticCost(resolved.model, resolved),
+        evaluate_budgets, valid_factory, sched, data_parallel=dp, depth_scores=scores,
+        depth_source=source, logit_scale=ecfg.router.logit_scale[0], out_dir=out_dir, log=log,
+    )  # fmt: skip
+
+
+def _rank0_log(line: str) -> None:
+    if is_rank0():
+        print(line, file=sys.stderr, flush=True)
 
 
 def _freeze_table(
