@@ -32,6 +32,7 @@ from elastic_plugin.data.english import (
     overlap_groups,
     prefix,
     prepare_corpus,
+    shared_sentence_chars,
     split_by_document,
     split_tokens,
 )
@@ -553,6 +554,24 @@ def test_overlap_groups_join_documents_that_share_a_paragraph():
         "c/1": "a/1",
         "c/2": "c/2",
     }
+
+
+def test_overlap_groups_join_documents_that_quote_three_long_sentences():
+    quoted = [_sentence(900 + i, n=14) for i in range(3)]
+    docs = {
+        "sotu/1960": " ".join([_sentence(1), *quoted, _sentence(2)]),
+        "brown/cg35": " ".join([_sentence(3), *quoted]),
+        "brown/cg36": " ".join([_sentence(4), *quoted[:2]]),  # two: not a quotation yet
+        "bible/kings": _sentence(5),
+    }
+    groups = overlap_groups(docs)
+    assert groups == {
+        "sotu/1960": "sotu/1960", "brown/cg35": "sotu/1960",
+        "brown/cg36": "brown/cg36", "bible/kings": "bible/kings",
+    }  # fmt: skip
+    split = {"train": ["sotu/1960", "brown/cg35"], "valid": ["bible/kings"], "test": ["brown/cg36"]}
+    shared = shared_sentence_chars(docs, split)
+    assert shared["test"] == sum(len(q) for q in quoted[:2]) and shared["valid"] == 0
 
 
 def _synthetic_docs(n_sources: int = 3, per_source: int = 40):

@@ -11,7 +11,8 @@ about 33M characters) and how each becomes documents. This module
    ``apt-get download``) into a cache folder, checking the archive's SHA-256 (a second run
    downloads nothing; a failed download is an error naming the package and the command);
 2. drops exact duplicate documents, and joins documents that share a paragraph of at least
-   ``MIN_SHARED_CHARS`` characters into one group, so repeated text never straddles two splits;
+   ``MIN_SHARED_CHARS`` characters, or ``MIN_SHARED_SENTENCES`` long sentences, into one group,
+   so quoted or repeated text does not straddle two splits;
 3. splits by whole group, deterministically and per source: groups in the order of a hash of
    their id take test, then validation, until each holds its fraction of the source's
    characters (a group more than twice the target is left to training), the rest trains;
@@ -30,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -55,6 +57,7 @@ __all__ = [
     "overlap_groups",
     "prefix",
     "prepare_corpus",
+    "shared_sentence_chars",
     "split_by_document",
     "split_tokens",
 ]
@@ -64,6 +67,10 @@ META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
 MIN_SHARED_CHARS = 80  # a shared paragraph this long puts two documents in one group
+MIN_SENTENCE_CHARS = 60  # ... and so do MIN_SHARED_SENTENCES shared sentences this long
+MIN_SHARED_SENTENCES = 3
+_MAX_SENTENCE_OWNERS = 50
+_SENTENCE_END = re.compile(r"(?<=[.!?;:])\s+")
 CACHE_ENV = "ELASTIC_PLUGIN_TEXT_CACHE"
 _IDX_HEAD = struct.Struct("<9sQBQQ")  # Megatron's .idx: magic, version, dtype, sequences, docs
 FETCH_TIMEOUT_S = 900
@@ -238,9 +245,23 @@ def _paragraphs(text: str, min_chars: int) -> set[str]:
     return out
 
 
+def _sentences(text: str, min_chars: int = MIN_SENTENCE_CHARS) -> set[str]:
+    """Sentences (split after . ! ? ; :) of at least ``min_chars`` characters, whitespace
+    collapsed: the unit quoted text shares when its paragraphs differ."""
+    out = set()
+    for piece in _SENTENCE_END.split(text):
+        flat = " ".join(piece.split())
+        if len(flat) >= min_chars:
+            out.add(flat)
+    return out
+
+
 def overlap_groups(docs: dict[str, str], min_chars: int = MIN_SHARED_CHARS) -> dict[str, str]:
-    """Document id -> its group's id (the group's first id in ``docs`` order): documents that
-    share a long paragraph, directly or through others, are one group."""
+    """Document id -> its group's id (the group's first id in ``docs`` order). Two documents are
+    one group when they share a paragraph of ``min_chars`` or more, or at least
+    ``MIN_SHARED_SENTENCES`` sentences of ``MIN_SENTENCE_CHARS`` or more (the Brown corpus
+    samples a State of the Union address, 1 Kings retells 2 Chronicles, one president repeats
+    himself), directly or through others."""
     root = {d: d for d in docs}
 
     def find(d: str) -> str:
@@ -249,19 +270,46 @@ def overlap_groups(docs: dict[str, str], min_chars: int = MIN_SHARED_CHARS) -> d
             d = root[d]
         return d
 
+    def join(a: str, b: str) -> None:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            root[rb] = ra
+
     first_owner: dict[str, str] = {}
+    holders: dict[str, list[str]] = {}
     for doc_id, text in docs.items():
         for par in _paragraphs(text, min_chars):
             other = first_owner.setdefault(par, doc_id)
             if other != doc_id:
-                a, b = find(other), find(doc_id)
-                if a != b:
-                    root[b] = a  # ``a`` came first in ``docs``: roots stay first ids
+                join(other, doc_id)
+        for sentence in _sentences(text):
+            holders.setdefault(sentence, []).append(doc_id)
+    shared: dict[tuple[str, str], int] = {}
+    for owners in holders.values():
+        if 1 < len(owners) <= _MAX_SENTENCE_OWNERS:  # a stock phrase in many is no quotation
+            for i, a in enumerate(owners):
+                for b in owners[i + 1 :]:
+                    shared[a, b] = shared.get((a, b), 0) + 1
+    for (a, b), count in shared.items():
+        if count >= MIN_SHARED_SENTENCES:
+            join(a, b)
     order = {d: i for i, d in enumerate(docs)}
     groups: dict[str, list[str]] = {}
     for d in docs:
         groups.setdefault(find(d), []).append(d)
     return {d: min(members, key=order.__getitem__) for members in groups.values() for d in members}
+
+
+def shared_sentence_chars(docs: dict[str, str], split: dict[str, list[str]]) -> dict[str, int]:
+    """Per held-out split: characters of its long sentences that training text also holds (what
+    the grouping leaves: sentences shared by fewer than ``MIN_SHARED_SENTENCES`` per pair)."""
+    train: set[str] = set().union(*(_sentences(docs[d]) for d in split["train"]))
+    out = {}
+    for held in ("valid", "test"):
+        mine: set[str] = set().union(*(_sentences(docs[d]) for d in split[held]))
+        out[held] = sum(len(x) for x in mine & train)
+        out[f"{held}_sentence_chars"] = sum(len(x) for x in mine)
+    return out
 
 
 def _rank(group_id: str, seed: int) -> str:
@@ -342,6 +390,7 @@ def _settings(spec_path: str, sources: Sequence[Source], **values: Any) -> dict[
         "tokenizer": str(Path(spec_path).resolve()),
         "tokenizer_size": os.path.getsize(spec_path),
         "min_shared_chars": MIN_SHARED_CHARS,
+        "shared_sentences": [MIN_SHARED_SENTENCES, MIN_SENTENCE_CHARS],
         **values,
     }
 
@@ -474,6 +523,7 @@ def prepare_corpus(
         manifest = _manifest(sources, docs, owner, split, tokens)
         manifest["dropped_duplicates"] = dropped
         manifest["groups"] = _multi_groups(groups)
+        manifest["heldout_sentences_in_train"] = shared_sentence_chars(docs, split)
         manifest["archives"] = {k: {"bytes": v["bytes"]} for k, v in fetched.items()}
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
         meta = {
