@@ -355,11 +355,11 @@ def test_brown_tags_are_stripped_and_punctuation_attached():
     tagged = (
         "\n\n\tThe/at Fulton/np-tl County/nn-tl said/vbd ``/`` no/at evidence/nn ''/'' ,/, "
         "a/at 1-1/2/cd inch/nn rise/nn ;/. ;/.\nit/pps passed/vbd (/( again/rb )/) ./.\n\n\n"
-        "\tMayor/nn-tl Allen/np Jr./np ./.\n"
+        "\tMayor/nn-tl Allen/np Jr./np ./.\n\n\tWhy/wrb ?/. ?/.\n\n\tNo/rb !/. !/.\n"
     )
     assert brown_text(tagged) == (
         'The Fulton County said "no evidence", a 1-1/2 inch rise; it passed (again).'
-        "\n\nMayor Allen Jr."
+        "\n\nMayor Allen Jr.\n\nWhy?\n\nNo!"
     )
 
 

@@ -84,6 +84,7 @@ def sotu_documents(members: Members) -> dict[str, str]:
 _BROWN_FILE = re.compile(r"c[a-r]\d\d")
 _NO_SPACE_BEFORE = {".", ",", ";", ":", "?", "!", ")", "]", "}", "''", "'"}
 _NO_SPACE_AFTER = {"(", "[", "{", "``"}
+_REPEATED = {";", "?", "!", "."}
 
 
 def _brown_word(token: str) -> str:
@@ -94,15 +95,18 @@ def _brown_word(token: str) -> str:
 
 def brown_text(tagged: str) -> str:
     """A Form C sample as prose: tags stripped, a sentence a line joined into paragraphs (blank
-    lines between them), quotes and punctuation attached as printed (`` and '' -> ")."""
+    lines between them), quotes and punctuation attached as printed (`` and '' -> "), the
+    sentence-splitting artefacts (a repeated end mark) removed."""
     paragraphs = []
     for block in re.split(r"\n\s*\n", tagged):
         words = [_brown_word(t) for t in block.split()]
         out: list[str] = []
         glue = True  # no space before the next word
         for word in words:
-            if out and word in (";", ".") and out[-1].endswith(word):
-                continue  # ";" ending a line repeats as the next line's first token; "Jr." "."
+            # a ";", "?" or "!" ending a line repeats as the next one's first token (5,900
+            # times), and "Jr./np ./." ends a sentence on an abbreviation: kept once
+            if out and word in _REPEATED and out[-1].endswith(word):
+                continue
             if out and not glue and word not in _NO_SPACE_BEFORE:
                 out.append(" ")
             out.append('"' if word in ("``", "''") else word)
