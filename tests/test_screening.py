@@ -142,6 +142,7 @@ def screened(setup):
 def test_broken_candidates_rank_last(screened):
     rows = screened["candidates"]
     assert len(rows) == 8 and screened["tokens_per_candidate"] == 3 * SEQ * MBS
+    assert screened["passes"] == {"candidates": 8, "ablation": 8}  # 2 budgets x 4 cuts
     for row in rows:
         assert set(row) >= {"sizes", "cost_fraction", "loss", "perplexity", "rank"}
         assert row["perplexity"] == pytest.approx(math.exp(row["loss"]))
@@ -149,6 +150,21 @@ def test_broken_candidates_rank_last(screened):
     intact = [r for r in rows if r["sizes"]["ffn"] != BROKEN_FFN]
     assert max(r["rank"] for r in intact) < min(r["rank"] for r in broken)
     assert min(r["loss"] for r in broken) > max(r["loss"] for r in intact) + 1.0
+
+
+def test_flops_are_every_forward(setup, screened):
+    from elastic_plugin.models.flops import forward_flops
+
+    model, flops = setup["resolved"].model, screened["flops"]
+    grid = sum(
+        forward_flops(model, SEQ, MBS, r["sizes"], full_router=True).total
+        for r in screened["candidates"]
+    )
+    assert flops["candidates"] == 3 * grid  # 3 micro-batches each
+    full = forward_flops(model, SEQ, MBS, full_router=True)
+    assert flops["depth_importance"] == 9 * full.total - sum(full.per_layer)
+    assert flops["total"] == flops["candidates"] + flops["ablation"] + flops["depth_importance"]
+    assert 0 < flops["ablation"] < 8 * 3 * full.total
 
 
 def test_each_budget_picks_its_lowest_loss_valid_candidate(setup, screened):
@@ -296,3 +312,44 @@ def test_screened_init_without_validation_data_is_refused(tmp_path):
         train_elastic(
             cfg, ecfg, Layout(), tmp_path / "none", tmp_path, lambda n: None, None, TrainingConfig()
         )
+    # one candidate per axis (a size distilled alone): nothing to screen, nothing refused; the
+    # run goes on to load its (missing) checkpoint
+    one = ElasticConfig.from_dict(
+        {"budgets": [1.0], "sizes": {a: [1.0] for a in SIZES}, "router": {"init": "screened"}}
+    )
+    with pytest.raises(Exception) as err:
+        train_elastic(
+            cfg, one, Layout(), tmp_path / "none", tmp_path, lambda n: None, None, TrainingConfig()
+        )
+    assert "no such checkpoint directory" in str(err.value)
+
+
+def test_router_flags(tmp_path):
+    """``--elastic-router-init / -screen-tokens / -lr`` over the YAML; a bad value names its flag."""
+    import argparse
+
+    import yaml
+
+    from elastic_plugin.elastic.args import add_elastic_args, elastic_config_from_args
+    from elastic_plugin.models.config import ConfigError
+
+    def parse(argv):
+        return add_elastic_args(argparse.ArgumentParser(allow_abbrev=False)).parse_args(argv)
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"elastic": {"router": {"init": "screened", "lr": 1e-2}}}))
+    cfg = elastic_config_from_args(
+        parse(["--elastic-config", str(path), "--elastic-router-screen-tokens", "64"])
+    )
+    assert (cfg.router.init, cfg.router.screen_tokens, cfg.router.lr) == ("screened", 64, 1e-2)
+    cfg = elastic_config_from_args(
+        parse(["--elastic-router-init", "prior", "--elastic-router-lr", "0.02"])
+    )
+    assert cfg.router.init == "prior" and cfg.router.lr == 0.02
+    for argv, allowed in (
+        (["--elastic-router-init", "best"], "allowed: prior, screened"),
+        (["--elastic-router-screen-tokens", "0"], "a positive integer"),
+        (["--elastic-router-lr", "0"], "a number > 0"),
+    ):
+        with pytest.raises(ConfigError, match=f"^{argv[0]}: .*{allowed}"):
+            elastic_config_from_args(parse(argv))

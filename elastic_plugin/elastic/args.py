@@ -21,6 +21,7 @@ from elastic_plugin.elastic.config import (
     FREEZE_SELECTS,
     MODES,
     PRECISIONS,
+    ROUTER_INITS,
     TEACHERS,
     ElasticConfig,
     parse_curriculum,
@@ -103,6 +104,27 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "--elastic-router-lr-mult",
         "router.lr_mult",
         dict(type=float, metavar="X", help="router lr / model lr"),
+    ),
+    (
+        "--elastic-router-lr",
+        "router.lr",
+        dict(type=float, metavar="LR", help="router peak lr, absolute (instead of the lr-mult)"),
+    ),
+    (
+        "--elastic-router-init",
+        "router.init",
+        dict(
+            metavar="|".join(ROUTER_INITS),
+            help="where the router starts: the size prior, or each budget's lowest zero-shot "
+            "loss candidate measured before training (elastic/screening.py)",
+        ),
+    ),
+    (
+        "--elastic-router-screen-tokens",
+        "router.screen_tokens",
+        dict(
+            type=int, metavar="N", help="validation tokens each screened candidate is measured on"
+        ),
     ),
     (
         "--elastic-temperature",

@@ -277,6 +277,19 @@ def elastic_setup(args: argparse.Namespace):
         )
         router = dataclasses.replace(ecfg.router, freeze_after=None, freeze_select="likelihood")
         ecfg = dataclasses.replace(ecfg, router=router)
+    if getattr(args, "elastic_router_init", None) == "screened":
+        raise ConfigError(
+            "--elastic-router-init screened: the zero-shot screening before training runs in "
+            "`elastic-plugin elastic-train` only; inside megatron.training.pretrain the router "
+            "starts from its size prior"
+        )
+    if ecfg.router.init == "screened":  # the checkpoint's elastic: section asks for it
+        _note_once(
+            "elastic: note: --elastic-ckpt's elastic.router.init=screened is not applied inside "
+            "megatron.training.pretrain (the router starts from its size prior; `elastic-plugin "
+            "elastic-train` screens)"
+        )
+        ecfg = dataclasses.replace(ecfg, router=dataclasses.replace(ecfg.router, init="prior"))
     resolved = ecfg.resolve(cfg.model, tp, ep)
     for i, stage in enumerate(ecfg.curriculum):
         if cp > 1 and stage.seq_length and stage.seq_length != args.seq_length:

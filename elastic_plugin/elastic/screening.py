@@ -274,26 +274,34 @@ def depth_cut(
 
 
 def depth_importance(
-    chunks, meta: Mapping[str, Any], valid_factory: Callable[[], Any], sched
-) -> tuple[dict[int, float], str]:
-    """Layer number -> depth importance, and where it came from: the reordered checkpoint's
-    scores file when it holds depth scores (``importance --depth``), else measured here by
-    ``importance.depth.depth_scores`` on one validation micro-batch (layers + 1 forwards)."""
+    chunks,
+    meta: Mapping[str, Any],
+    valid_factory: Callable[[], Any],
+    sched,
+    model,
+    data_parallel: int = 1,
+) -> tuple[dict[int, float], str, int]:
+    """Layer number -> depth importance, where it came from, and the FLOPs spent on it: the
+    reordered checkpoint's scores file when it holds depth scores (``importance --depth``; 0),
+    else measured here by ``importance.depth.depth_scores`` on one validation micro-batch per
+    data-parallel rank (the full forward, then one per skipped layer)."""
     from elastic_plugin.importance.depth import depth_scores
     from elastic_plugin.importance.scores import ImportanceScores
+    from elastic_plugin.models.flops import forward_flops
 
     path = meta.get("scores")
     if path and Path(path).is_file():
         scores = ImportanceScores.load(path, "the reordered checkpoint's scores")
         if scores.depth:
-            return dict(scores.depth), f"scores file {path}"
+            return dict(scores.depth), f"scores file {path}", 0
     batches = valid_factory()
     first = [] if batches is None else [next(batches)]
     measured = depth_scores(chunks, first, sched.seq_length, sched.micro_batch_size)
+    full = forward_flops(model, sched.seq_length, sched.micro_batch_size, full_router=True)
+    flops = ((len(measured) + 1) * full.total - sum(full.per_layer)) * max(data_parallel, 1)
     tokens = sched.seq_length * sched.micro_batch_size
-    return measured, (
-        f"measured (importance.depth: {len(measured) + 1} forwards of {tokens} tokens)"
-    )
+    source = f"measured (importance.depth: {len(measured) + 1} forwards of {tokens} tokens)"
+    return measured, source, flops
 
 
 def _skip_layer(_module, _args, kwargs, output):
@@ -335,6 +343,7 @@ def screen_router(
     data_parallel: int = 1,
     depth_scores: Mapping[int, float] | None = None,
     depth_source: str = "",
+    depth_flops: int = 0,
     logit_scale: float = 1.0,
     out_dir: str | Path | None = None,
     log: Callable[[str], None] | None = None,
@@ -345,18 +354,28 @@ def screen_router(
     ``evaluate(chunks, state, table, valid_factory, sched)`` is ``elastic.train.
     evaluate_budgets``: ``sched.eval_iters`` micro-batches per candidate, here as many as
     ``router.screen_tokens`` needs. ``depth_scores``: layer number -> importance (None: the
-    last layers go first in the depth cut)."""
+    last layers go first in the depth cut); ``depth_flops``: what measuring them cost. The
+    record counts the model FLOPs of every forward (``models.flops``, as training counts its
+    steps), for a route's total cost."""
+    from elastic_plugin.models.flops import forward_flops
+
     screen_tokens = resolved.config.router.screen_tokens
     per_microbatch = sched.seq_length * sched.micro_batch_size * max(data_parallel, 1)
     microbatches = max(1, math.ceil(screen_tokens / per_microbatch))
     screen_sched = replace(sched, eval_iters=microbatches)
-    forwards = 0
+    passes = {"candidates": 0, "ablation": 0}
+    flops = {"candidates": 0, "ablation": 0, "depth_importance": depth_flops}
 
     def measure(
-        table: Mapping[str, Choice], skip: Sequence[int] = ()
+        table: Mapping[str, Choice], skip: Sequence[int] = (), phase: str = "candidates"
     ) -> Mapping[str, float | None]:
-        nonlocal forwards
-        forwards += len(table)
+        for choice in table.values():
+            count = forward_flops(
+                resolved.model, sched.seq_length, sched.micro_batch_size, choice, full_router=True
+            )
+            skipped = sum(count.per_layer[n - 1] for n in skip)
+            flops[phase] += (count.total - skipped) * microbatches * max(data_parallel, 1)
+        passes[phase] += len(table)
         with skipped_layers(chunks, skip):
             return evaluate(chunks, state, dict(table), valid_factory, screen_sched)
 
@@ -374,7 +393,8 @@ def screen_router(
         "seq_length": sched.seq_length,
         "micro_batch_size": sched.micro_batch_size,
         "data_parallel": data_parallel,
-        "forwards": forwards,
+        "passes": passes,  # candidates measured, each over tokens_per_candidate
+        "flops": {**flops, "total": sum(flops.values())},
         "budget_metric": resolved.config.budget_metric,
         "tolerance": FREEZE_TOLERANCE,
         "candidates": rows,
@@ -414,7 +434,7 @@ def _ablation(
             continue
         label = budget_label(budget)
         cuts = ablation_cuts(resolved, cost, budget)
-        losses = measure({name: cut["sizes"] for name, cut in cuts.items()})
+        losses = measure({name: cut["sizes"] for name, cut in cuts.items()}, phase="ablation")
         screened = choices[label]
         rows = [
             {
@@ -428,7 +448,9 @@ def _ablation(
             rows.append({"cut": AXIS_WORDS.get(name, name), "reaches": cut["reaches"], **row})
         if per_layer is not None:
             depth = depth_cut(per_layer, cost.full, budget, depth_scores)
-            loss = measure({"depth": resolved.full_choice()}, skip=depth["dropped_layers"])
+            loss = measure(
+                {"depth": resolved.full_choice()}, skip=depth["dropped_layers"], phase="ablation"
+            )
             rows.append(
                 {
                     "cut": "depth",
@@ -450,7 +472,8 @@ def _is_rank0() -> bool:
 
 # ----------------------------------------------------------------------------- reading it
 def summary_lines(record: Mapping[str, Any]) -> list[str]:
-    """One line per budget: how many candidates fit, the pick, its loss and start probability."""
+    """One line per budget: how many candidates fit, the pick, its loss and start probability;
+    then what the screening cost."""
     lines = []
     for label, row in record["choices"].items():
         p = row.get("start_probability")
@@ -460,6 +483,12 @@ def summary_lines(record: Mapping[str, Any]) -> list[str]:
             f"{row['cost_fraction']:.3f} loss {_fmt(row['loss'])} (ppl {_fmt(row['perplexity'], 1)})"
             + (f"; the router starts on it with p={p:.3f}" if p is not None else "")
         )
+    passes, flops = record["passes"], record["flops"]
+    lines.append(
+        f"screening cost: {passes['candidates']} candidates + {passes['ablation']} ablation cuts "
+        f"x {record['tokens_per_candidate']} tokens, {flops['total'] / 1e12:.3f} TFLOP (model "
+        f"FLOPs, depth importance {flops['depth_importance'] / 1e12:.3f})"
+    )
     return lines
 
 

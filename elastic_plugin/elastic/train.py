@@ -254,7 +254,8 @@ def train_elastic(
             "data; give validation data (--valid-data-path, or a prepared task) or "
             "use freeze_select=likelihood"
         )
-    if ecfg.router.init == "screened" and valid_factory is None:
+    grid_size = math.prod(len(spec.candidates) for spec in resolved.axes.values())
+    if ecfg.router.init == "screened" and valid_factory is None and grid_size > 1:
         raise ConfigError(
             "elastic.router.init=screened measures every candidate on validation data; give "
             "validation data (--valid-data-path, or a prepared task) or use init=prior"
@@ -568,11 +569,12 @@ def _screen_router(
     if len(grid_choices(resolved)) == 1:
         log("screening: one candidate per axis, nothing to choose (router.init=screened skipped)")
         return
-    scores, source = depth_importance(chunks, meta, valid_factory, sched)
+    scores, source, flops = depth_importance(chunks, meta, valid_factory, sched, resolved.model, dp)
     screen_router(
         chunks, state, router_of(chunks[0]), resolved, ElasticCost(resolved.model, resolved),
         evaluate_budgets, valid_factory, sched, data_parallel=dp, depth_scores=scores,
-        depth_source=source, logit_scale=ecfg.router.logit_scale[0], out_dir=out_dir, log=log,
+        depth_source=source, depth_flops=flops, logit_scale=ecfg.router.logit_scale[0],
+        out_dir=out_dir, log=log,
     )  # fmt: skip
 
 
