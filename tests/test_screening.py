@@ -353,3 +353,75 @@ def test_router_flags(tmp_path):
     ):
         with pytest.raises(ConfigError, match=f"^{argv[0]}: .*{allowed}"):
             elastic_config_from_args(parse(argv))
+
+
+# ------------------------------------------------------------------------------ multi-rank
+def train_screened_case(workdir: str, tp: int = 1, pp: int = 1) -> dict:
+    """Rank case: ``train_elastic`` with ``router.init=screened`` (one iteration) on the tiny
+    Llama under ``tp`` x ``pp``; returns rank 0's screening record and first logged choices."""
+    import torch.distributed as dist
+
+    from elastic_plugin.elastic.config import ElasticConfig
+    from elastic_plugin.elastic.train import train_elastic
+    from elastic_plugin.parallel import Layout
+    from tests.support import elastic_cases as ec
+
+    work = Path(workdir)
+    cfg = ec._experiment(str(CONFIG), None)
+    if dist.get_rank() == 0 and not (work / "init" / "elastic_meta.json").is_file():
+        ec.write_init_checkpoint(cfg, work / "init")
+    dist.barrier()
+    ecfg = ElasticConfig.from_dict(
+        {
+            "budgets": BUDGETS,
+            "sizes": SIZES,
+            # a router LR of ~0: the first logged choice (after one step) is where it started
+            "router": {"init": "screened", "screen_tokens": 2 * ec.SEQ_LEN * 4, "lr": 1e-12},
+        }
+    )
+    vocab = cfg.model.vocab_size
+    out = work / f"tp{tp}_pp{pp}"
+    train_elastic(
+        cfg,
+        ecfg,
+        Layout(tp=tp, pp=pp),
+        work / "init",
+        out,
+        lambda consumed: ec._synthetic_iterator(vocab, 4, consumed),
+        lambda: ec._synthetic_iterator(vocab, 4, 10**6),
+        ec.tiny_schedule(1, 1e-3),
+        progress=False,
+    )
+    if dist.get_rank() != 0:
+        return {}
+    first = json.loads((out / "elastic_metrics.jsonl").read_text().splitlines()[0])
+    return {"screening": json.loads((out / "screening.json").read_text()), "first": first}
+
+
+@pytest.mark.integration
+def test_screening_under_tensor_and_pipeline_parallel(rank_pools, tmp_path):
+    """The screening inside ``train_elastic`` measures the same losses at TP=2 and PP=2 as on
+    one rank (the same sliced evaluation, layer skips on the stage that holds the layer), each
+    layout picks its lowest-loss valid candidate, and its first iteration trains on it."""
+    target = f"{__name__}:train_screened_case"
+    (one,) = rank_pools.get(1).run(target, workdir=str(tmp_path))
+    for layout in ({"tp": 2}, {"pp": 2}):
+        got = rank_pools.get(2).run(target, workdir=str(tmp_path), **layout)[0]
+        for a, b in zip(one["screening"]["candidates"], got["screening"]["candidates"]):
+            assert a["sizes"] == b["sizes"]
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        for budget in ("0.7", "0.5"):
+            for a, b in zip(
+                one["screening"]["ablation"][budget], got["screening"]["ablation"][budget]
+            ):
+                assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (layout, a["cut"])
+    for run in (one, got):
+        screening = run["screening"]
+        assert screening["passes"] == {"candidates": 8, "ablation": 8}
+        for label, pick in screening["choices"].items():
+            feasible = [
+                r for r in screening["candidates"]
+                if abs(r["cost_fraction"] / float(label) - 1) <= 0.05
+            ]  # fmt: skip
+            assert pick["loss"] == min(r["loss"] for r in feasible)
+            assert run["first"]["choices"][label] == pick["sizes"]
