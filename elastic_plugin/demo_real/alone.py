@@ -2,8 +2,10 @@
 
 The same architecture the elastic run chose for a budget, cut from the same importance-ordered
 parent and distilled from the same frozen parent on the same data, at *equal cost*: the elastic
-run's training tokens split over the sizes below 1.0 (all of them together cost one elastic run;
-``comparison.plan.route_tokens``). Each run is ``comparison.runner.train_run``, the
+route's FLOPs less the importance pass split equally over the sizes below 1.0, each share whole
+iterations of that size's own cost (``demo_real.routes``; all of them together cost one elastic
+route), or, without those FLOPs, the elastic run's training tokens split
+(``comparison.plan.route_tokens``). Each run is ``comparison.runner.train_run``, the
 ``elastic-train`` command on a one-candidate config (``comparison.configs.distil_config``), so the
 route is the one ``compare`` measures on the synthetic task.
 """
@@ -78,13 +80,17 @@ def distil_alone(
     batch: dict[str, int],
     schedule_flags: tuple[str, ...] = (),
     seed: int = 1,
+    size_flops: float | None = None,
 ) -> dict[str, Any]:
     """Train every budget below 1.0 alone at equal cost; write and return ``out/alone.json``:
     label -> {checkpoint, budget (its cost fraction: the one budget it was trained for),
     iters, tokens, seconds (the steps' own), wall_s}. ``batch``: the elastic run's
     ``seq_length`` / ``micro_batch_size`` / ``global_batch_size`` as it ran (flags included;
     its checkpoint's config holds the YAML's); ``schedule_flags``: the elastic run's schedule
-    flags (its learning rate), so that both routes train alike."""
+    flags (its learning rate), so that both routes train alike. ``size_flops``: each size's
+    share of the elastic route's FLOPs (``demo_real.routes``), turned into whole iterations of
+    that size's own cost (student training + the parent's forward): equal FLOPs, not tokens;
+    None splits the elastic run's tokens instead."""
     from elastic_plugin.checkpoint.meta import budget_label, stored_choice, trained_budgets
     from elastic_plugin.comparison.plan import (
         RunSpec,
@@ -112,6 +118,9 @@ def distil_alone(
             k: int(v[0] if isinstance(v, list) else v)
             for k, v in stored_choice(meta, budget, elastic_ckpt).items()
         }
+        if size_flops is not None:
+            iters = _iters_for_flops(config, choice, size_flops)
+            tokens = iters * int(training["global_batch_size"]) * int(training["seq_length"])
         spec = RunSpec("prune_distil", label, "equal_cost", seed, iters, tokens)
         print(
             f"[demo-real alone {time.time() - started:6.1f}s] distilling the {label} architecture "
@@ -123,6 +132,21 @@ def distil_alone(
             schedule_flags,
         )  # fmt: skip
         results[label]["choice"] = choice
-    summary = {"elastic_tokens": total, "token_budget": "equal_cost", "sizes": results}
+    summary = {"elastic_tokens": total, "token_budget": "equal_cost", "sizes": results,
+               "split": "flops" if size_flops is not None else "tokens"}  # fmt: skip
     (out / ALONE_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _iters_for_flops(config: Mapping[str, Any], choice: Mapping[str, int], flops: float) -> int:
+    """Whole iterations (at least one) of ``choice`` distilled from the parent that cost
+    ``flops``."""
+    from elastic_plugin.demo_real.routes import distil_iteration_flops
+    from elastic_plugin.models.config import config_from_dict
+
+    parent = config_from_dict(config).model
+    training = config["training"]
+    per_iter = distil_iteration_flops(
+        parent, choice, parent, int(training["seq_length"]), int(training["global_batch_size"])
+    )
+    return max(1, round(flops / per_iter))

@@ -70,7 +70,8 @@ CARD_GAP = (
 
 def _models(out: Path, hf_dir: Path) -> list[dict[str, Any]]:
     """Every model the table rows: the parent (HF), each elastic budget, each size distilled
-    alone (out/alone/alone.json), in that order."""
+    alone (out/alone/alone.json), each size of Minitron's route (out/routes/minitron), in that
+    order."""
     from elastic_plugin.checkpoint.meta import budget_label, read_elastic_meta, trained_budgets
     from elastic_plugin.demo_real.alone import ALONE_FILE
 
@@ -85,6 +86,13 @@ def _models(out: Path, hf_dir: Path) -> list[dict[str, Any]]:
         for label, run in json.loads(alone_file.read_text())["sizes"].items():
             models.append({"route": "distil_alone", "budget": label, "key": f"alone_{label}",
                            "open": {"ckpt": run["checkpoint"], "budget": run["budget"]}})  # fmt: skip
+    minitron = out / "routes" / "minitron" / "route.json"
+    if minitron.is_file():  # Minitron's route: each size's searched and distilled winner
+        for label, size in json.loads(minitron.read_text())["sizes"].items():
+            if label != "1":
+                fraction = size["architecture"]["source_fraction"]
+                models.append({"route": "minitron", "budget": label, "key": f"minitron_{label}",
+                               "open": {"ckpt": size["checkpoint"], "budget": fraction}})  # fmt: skip
     return models
 
 
@@ -196,7 +204,7 @@ def plot_average(bench: Mapping[str, Any], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for route in ("elastic", "distil_alone"):
+    for route in ("elastic", "distil_alone", "minitron"):
         pts = sorted((r for r in bench["rows"] if r["route"] == route and r["params"]),
                      key=lambda r: r["params"])  # fmt: skip
         if pts:

@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastic_plugin.demo_real import measure
+from elastic_plugin.demo_real import measure, method_report
 from elastic_plugin.demo_real.alone import ALONE_FILE
 from elastic_plugin.demo_real.report import build_report, plot, write_markdown
+from elastic_plugin.demo_real.route_stage import ROUTES_DIR
 
 PARENT = "parent"
 
@@ -64,6 +65,19 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         windows[key] = measure.measure_checkpoint(Path(run["checkpoint"]), run["budget"], tokens,
                                                   args.batch_size)  # fmt: skip
         log(f"{key} ({run['tokens']:,} tokens): {measure.summarize(windows[key])}")
+    routes_dir = out / ROUTES_DIR
+    costs = method_report.route_costs(routes_dir)
+    minitron = json.loads((routes_dir / "minitron" / "route.json").read_text()) if (
+        "minitron" in costs) else {"sizes": {}}  # fmt: skip
+    for label, size in minitron["sizes"].items():
+        if label == "1":  # the parent itself
+            continue
+        key = f"minitron/{label}"
+        windows[key] = measure.measure_checkpoint(
+            Path(size["checkpoint"]), size["architecture"]["source_fraction"], tokens,
+            args.batch_size,
+        )  # fmt: skip
+        log(f"{key} ({size['architecture']['winner']}): {measure.summarize(windows[key])}")
     exports = json.loads((out / "exports" / "exports.json").read_text())["exports"]
     bf16_dirs: dict[str, Path] = {}
     for row in exports:
@@ -125,6 +139,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         },  # fmt: skip
         curve=_curve(out, meta, args.train_global_batch, args.train_seq_length),
         budget_control=control,
+        route_costs=costs,
+        route_curves=method_report.route_curves(routes_dir, out / "elastic_metrics.jsonl"),
     )
     report["seconds"] = round(time.time() - started, 1)
     report["plots"] = [str(p) for p in plot(report, out)]

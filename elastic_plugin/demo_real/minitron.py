@@ -43,6 +43,7 @@ from elastic_plugin.models.config import ConfigError, ModelConfig
 
 __all__ = [
     "MIXES",
+    "QUICK_MIXES",
     "SEARCH_SHARE",
     "Candidate",
     "candidates",
@@ -58,6 +59,8 @@ MIXES: dict[str, dict[str, float]] = {
     "hidden+ffn": {"embedding": 0.875},
     "depth+ffn": {"depth": 0.2},
 }
+# --quick: one width mix and the depth mix, enough to take every step of the route once
+QUICK_MIXES = {mix: MIXES[mix] for mix in ("ffn", "depth+ffn")}
 SEARCH_SHARE = (
     480 / 750
 )  # Nemotron Elastic's cost table: Minitron-SSM 480B exploratory + 270B final
@@ -171,9 +174,10 @@ def candidates(
     mixes: Mapping[str, Mapping[str, float]] = MIXES,
     ffn_multiple: int = FFN_MULTIPLE,
     tolerance: float = TOLERANCE,
+    min_candidates: int = MIN_CANDIDATES,
 ) -> list[Candidate]:
     """Every mix's candidate at ``budget`` x the parent's total parameters (module docstring);
-    a ConfigError when fewer than :data:`MIN_CANDIDATES` can be solved, or none prunes depth."""
+    a ConfigError when fewer than ``min_candidates`` can be solved, or none prunes depth."""
     from elastic_plugin.models.counting import count_parameters
 
     if not 0.0 < budget < 1.0:
@@ -185,10 +189,10 @@ def candidates(
         if (c := _solve(parent, target, mix, cuts, layer_scores, ffn_multiple, tolerance))
         is not None
     ]
-    if len(found) < MIN_CANDIDATES or not any(c.dropped_layers for c in found):
+    if len(found) < min_candidates or not any(c.dropped_layers for c in found):
         raise ConfigError(
             f"budget {budget:g}: {len(found)} candidates solved ({[c.mix for c in found]}); "
-            f"Minitron's search here needs at least {MIN_CANDIDATES}, one of them pruning depth "
+            f"Minitron's search here needs at least {min_candidates}, one of them pruning depth "
             "(mixes: MIXES; smaller fixed cuts, or a larger --tolerance)"
         )
     return found
@@ -204,14 +208,24 @@ def pick_best(losses: Mapping[str, float | None]) -> str:
 
 
 def split_budget(
-    total_flops: float, importance_flops: float, sizes: int, search_share: float = SEARCH_SHARE
+    total_flops: float,
+    importance_flops: float,
+    sizes: int,
+    search_share: float = SEARCH_SHARE,
+    over_budget: bool = False,
 ) -> tuple[float, float]:
-    """``(per size, of it the search's)`` FLOPs under the equal-cost rule (module docstring)."""
+    """``(per size, of it the search's)`` FLOPs under the equal-cost rule (module docstring).
+    ``over_budget``: when the importance pass alone costs more than the total (a run of a few
+    tokens: ``--quick``), ``(0, 0)``, so every run trains its minimum of one iteration and the
+    route costs more than the elastic one (its ``route.json`` says by how much), instead of
+    an error."""
     if not 0.0 < search_share < 1.0:
         raise ConfigError(f"search_share={search_share!r}; allowed: 0 < share < 1")
     if sizes < 1:
         raise ConfigError("no size below 1.0 to search for")
     per_size = (total_flops - importance_flops) / sizes
+    if per_size <= 0 and over_budget:
+        return 0.0, 0.0
     if per_size <= 0:
         raise ConfigError(
             f"the route's importance ({importance_flops:.3g} FLOPs) costs more than the "
@@ -240,13 +254,17 @@ def run_minitron(
     mixes: Mapping[str, Mapping[str, float]] = MIXES,
     parent_hf: Path | None = None,
     seed: int = 1,
+    over_budget: bool = False,
+    only_smallest: bool = False,
 ) -> dict[str, Any]:
     """The whole route into ``out`` (``OUT/routes/minitron``): depth-pruned sources under
     ``out/sources``, runs under ``out/runs``, each size's final model as a BF16 HF directory
     ``out/<label>``, and ``out/route.json`` (returned). ``elastic_total_flops``: the elastic
     route's ``total_flops``; ``importance``: the importance stage's ``samples``,
     ``seq_length``, ``depth_batches``, ``micro_batch_size``; ``batch``: the elastic run's
-    ``seq_length`` / ``micro_batch_size`` / ``global_batch_size`` / ``eval_iters``."""
+    ``seq_length`` / ``micro_batch_size`` / ``global_batch_size`` / ``eval_iters``.
+    ``only_smallest`` and fewer ``mixes`` (at least one pruning depth): the ``--quick`` run,
+    which only has to take every step once."""
     from elastic_plugin.checkpoint.meta import budget_label, trained_budgets
     from elastic_plugin.comparison.plan import RunSpec
     from elastic_plugin.comparison.runner import CompareData
@@ -270,7 +288,10 @@ def run_minitron(
     parent = config_from_dict(meta["config"]).model
     depth = ImportanceScores.load(scores_file, "--scores").depth or None
     labels = sorted((b for b in trained_budgets(meta) if b < 1.0), reverse=True)
-    per_size = {budget_label(b): candidates(parent, b, depth, mixes) for b in labels}
+    labels = labels[-1:] if only_smallest else labels
+    fewest = min(MIN_CANDIDATES, len(mixes))
+    per_size = {budget_label(b): candidates(parent, b, depth, mixes, min_candidates=fewest)
+                for b in labels}  # fmt: skip
     seq, gbs = int(training["seq_length"]), int(training["global_batch_size"])
     eval_sequences = int(training.get("eval_iters") or 0) * int(training["micro_batch_size"])
     imp_seq, mbs = int(importance["seq_length"]), int(importance["micro_batch_size"])
@@ -282,7 +303,7 @@ def run_minitron(
              float(depth_importance_flops(parent, imp_seq, int(importance["depth_batches"]), mbs))),
     ]  # fmt: skip
     size_flops, search_flops = split_budget(
-        elastic_total_flops, sum(c.flops for c in costs), len(labels), search_share
+        elastic_total_flops, sum(c.flops for c in costs), len(labels), search_share, over_budget
     )
     data = CompareData(train_prefix, valid_prefix, tokenizer, str(Path(train_prefix).parent))
     teacher_flag = ("--teacher-ckpt", str(reordered))
@@ -357,6 +378,7 @@ def run_minitron(
                         mix: {
                             **asdict(r["candidate"]),
                             "valid_loss": r["run"]["valid_loss"],
+                            "checkpoint": r["run"]["checkpoint"],
                             "iters": r["cost"].detail["iters"],
                             "tokens": r["cost"].tokens,
                             "flops": r["cost"].flops + r["validation_flops"],
@@ -375,4 +397,5 @@ def run_minitron(
         out, ROUTE, sizes, costs, elastic_total_flops=float(elastic_total_flops),
         search_share=search_share, mixes={k: dict(v) for k, v in mixes.items()},
         tolerance=TOLERANCE, budget_1="the parent itself (no route trains it)",
+        over_budget_allowed=over_budget,
     )  # fmt: skip

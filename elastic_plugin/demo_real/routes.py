@@ -52,6 +52,7 @@ __all__ = [
     "elastic_run_cost",
     "export_hf",
     "importance_cost",
+    "link_dir",
     "logged_windows",
     "run_cost",
     "statistics_flops",
@@ -316,6 +317,20 @@ def export_hf(ckpt: str | Path, budget: float, out: Path) -> Path:
     return out
 
 
+def link_dir(target: Path, link: Path) -> Path:
+    """``link`` -> ``target`` as a relative symlink (the output folder stays movable); an
+    existing link is replaced."""
+    import os
+
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink():
+        link.unlink()
+    elif link.exists():
+        raise ConfigError(f"{link} exists and is not a link; remove it to rebuild the route")
+    link.symlink_to(os.path.relpath(target.resolve(), link.parent.resolve()))
+    return link
+
+
 def write_route(
     out_dir: Path, route: str, sizes: Sequence[RouteSize], costs: Sequence[Cost], **extra: Any
 ) -> dict[str, Any]:
@@ -371,11 +386,14 @@ def elastic_route(
     importance: Cost,
     extra: Sequence[Cost] = (),
     parent_hf: Path | None = None,
+    exported: Mapping[str, Path] | None = None,
 ) -> dict[str, Any]:
     """Route (a): the elastic run's cost (``importance``, its training and freeze search, and
     ``extra``: e.g. a zero-shot screening of candidates) and every trained budget exported
     from the one checkpoint under ``out/<label>`` (1.0 included: the elastic run trains the
-    full model too). Writes and returns ``out/route.json``."""
+    full model too). ``exported``: label -> a BF16 HF directory ``export`` already wrote for
+    that budget, linked (relative symlink) instead of written again. Writes and returns
+    ``out/route.json``."""
     from elastic_plugin.checkpoint.meta import budget_label, read_elastic_meta, trained_budgets
     from elastic_plugin.models.config import config_from_dict
 
@@ -385,7 +403,10 @@ def elastic_route(
     sizes = []
     for budget in sorted(trained_budgets(meta), reverse=True):
         label = budget_label(budget)
-        hf_dir = export_hf(elastic_ckpt, budget, out / label)
+        if exported and label in exported:
+            hf_dir = link_dir(Path(exported[label]), out / label)
+        else:
+            hf_dir = export_hf(elastic_ckpt, budget, out / label)
         sizes.append(
             RouteSize(
                 label,

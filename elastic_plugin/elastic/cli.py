@@ -110,6 +110,12 @@ def register_subcommand(subparsers: argparse._SubParsersAction) -> None:
         "(re)submission of a job",
     )
     parser.add_argument(
+        "--no-save-optim",
+        action="store_true",
+        help="save the model without the optimizer state (Megatron-LM's flag; a third of the "
+        "bytes): for a checkpoint that only seeds another run (a --resume from it is refused)",
+    )
+    parser.add_argument(
         "--stop-after",
         type=int,
         default=None,

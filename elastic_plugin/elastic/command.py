@@ -154,6 +154,7 @@ def train(inputs: ElasticInputs, args: argparse.Namespace) -> int:
             exit_signal=exit_signal_from_args(args),
             profile=args.profile,
             extra_meta={"data": feed.describe(), "tokenizer": feed.tokenizer_path},
+            save_optimizer=not args.no_save_optim,
         )
     except ConfigError as exc:  # found after start-up; every rank finds it alike
         dist.destroy_process_group()

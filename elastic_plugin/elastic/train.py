@@ -228,6 +228,7 @@ def train_elastic(
     extra_meta: dict[str, Any] | None = None,
     profile: int | None = None,
     exit_signal: signal.Signals | None = signal.SIGTERM,
+    save_optimizer: bool = True,
 ) -> ElasticRun:
     """Train all budgets of ``ecfg`` from ``student_ckpt`` (importance-reordered).
 
@@ -240,6 +241,9 @@ def train_elastic(
     iterations for a scaling measurement (``training.profile``: one record per iteration and
     rank), with no evaluation and no checkpoint. ``exit_signal``: the preemption signal that
     makes the run save at the next step boundary and stop (``training.loop``; None: none).
+    ``save_optimizer=False`` (``--no-save-optim``, Megatron-LM's flag) saves the model without
+    the optimizer state (a third of the bytes), for a checkpoint that only seeds another run; a
+    ``--resume`` from such a save is refused.
     """
     from elastic_plugin.checkpoint.io import load_optimizer, resume_source
     from elastic_plugin.checkpoint.meta import read_checkpoint_meta
@@ -275,6 +279,11 @@ def train_elastic(
     resumed = resume_source(ckpt_dir) if resume else None
     if resumed is not None:
         meta = read_checkpoint_meta(resumed)
+        if meta.get("optimizer_saved") is False:
+            raise ConfigError(
+                f"--resume: {resumed} was saved with --no-save-optim (no optimizer state to "
+                "continue from); start a new run from it with --ckpt instead"
+            )
         cfg = replace(cfg, training=with_saved_precision(cfg.training, meta))
         check_resumable_state(meta, Runtime.of(cfg.training), layout, f"resume: {resumed}")
         source, start_iter = resumed, int(meta["iteration"]) + 1
@@ -354,6 +363,7 @@ def train_elastic(
             else None
         ),
         save_to=ckpt_dir,
+        save_optimizer=save_optimizer,
         meta=lambda iteration, consumed, table, frozen, search: (
             checkpoint_meta(
                 cfg,
@@ -435,6 +445,7 @@ class _ElasticIterations:
     freeze_search: dict[str, Any] | None
     profiler: StepProfile | None
     save_to: Path
+    save_optimizer: bool
     meta: Callable[..., dict[str, Any]]
     name: str = "elastic"
     valid: dict[str, float | None] = field(default_factory=dict)
@@ -543,9 +554,12 @@ class _ElasticIterations:
         meta = self.meta(
             iteration, self.consumed, self.table(), bool(self.frozen_table), self.freeze_search
         )
+        if not self.save_optimizer:
+            meta = {**meta, "optimizer_saved": False}
         return _save(
-            self.chunks, self.optimizer, self.scheduler, self.save_to, meta, self.sched.keep_last
-        )
+            self.chunks, self.optimizer if self.save_optimizer else None, self.scheduler,
+            self.save_to, meta, self.sched.keep_last,
+        )  # fmt: skip
 
 
 def _screen_router(

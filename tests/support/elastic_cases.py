@@ -784,3 +784,42 @@ def flops_of_a_step(config_path: str, workdir: str) -> dict[str, Any]:
         "full": resolved.full_choice(),
         "after_take": step.flops,
     }
+
+
+def save_without_optimizer(config_path: str, workdir: str) -> dict[str, Any]:
+    """Two iterations saved with and without the optimizer state (``save_optimizer``,
+    ``--no-save-optim``): the bytes each save holds, the flag its metadata keeps, and what a
+    ``--resume`` from the model-only save raises."""
+    from elastic_plugin.checkpoint.history import iteration_dirs
+    from elastic_plugin.checkpoint.meta import read_checkpoint_meta
+    from elastic_plugin.elastic.train import train_elastic
+    from elastic_plugin.models.config import ConfigError
+    from elastic_plugin.parallel import Layout
+
+    work = Path(workdir)
+    cfg = _experiment(config_path, None)
+    if not (work / "init" / "elastic_meta.json").is_file():
+        write_init_checkpoint(cfg, work / "init")
+    ecfg = _elastic_config(cfg.model, "sliced", False, "off")
+    sched = tiny_schedule(2, 2e-3, warmup=1)
+    make_iter = lambda consumed: _synthetic_iterator(cfg.model.vocab_size, 4, consumed)  # noqa: E731
+    out: dict[str, Any] = {}
+    for name, keep in (("with", True), ("without", False)):
+        train_elastic(
+            cfg, ecfg, Layout(), work / "init", work / name, make_iter, None, sched,
+            progress=False, save_optimizer=keep,
+        )  # fmt: skip
+        ((_, save),) = iteration_dirs(work / name / "checkpoints" / "elastic")
+        out[name] = {
+            "bytes": sum(f.stat().st_size for f in save.rglob("*") if f.is_file()),
+            "optimizer_saved": read_checkpoint_meta(save).get("optimizer_saved"),
+        }
+    try:
+        train_elastic(
+            cfg, ecfg, Layout(), work / "init", work / "without", make_iter, None,
+            tiny_schedule(3, 2e-3, warmup=1), progress=False, resume=True,
+        )  # fmt: skip
+        out["resume_error"] = None
+    except ConfigError as exc:
+        out["resume_error"] = str(exc)
+    return out
