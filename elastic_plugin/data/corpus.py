@@ -25,6 +25,8 @@ import random
 import shutil
 import sys
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -167,9 +169,7 @@ def prepare_corpus(
 
     tok = open_tokenizer(spec.path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with staged_corpus(out) as (tmp, publish):
         counts: dict[str, dict[str, int]] = {}
         for name in SPLITS:
             texts = [docs[d] for d in split[name]]
@@ -191,14 +191,30 @@ def prepare_corpus(
             "eos": {"token": spec.eos_token, "id": spec.eos_id},
             "vocab_size": tok.vocab_size,
         }
+        publish(meta)
+    return {**meta, "reused": False}
+
+
+@contextmanager
+def staged_corpus(out: Path) -> Iterator[tuple[Path, Callable[[dict[str, Any]], None]]]:
+    """``(a fresh folder beside out, publish)``: the block writes the corpus into the folder and
+    calls ``publish(meta)``, which writes ``meta.json`` and puts the folder in ``out``'s place
+    whole; on an error, or without ``publish``, the folder is removed and ``out`` is untouched
+    (a reader never sees half a corpus)."""
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+
+    def publish(meta: dict[str, Any]) -> None:
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
+
+    try:
+        yield tmp, publish
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-    return {**meta, "reused": False}
 
 
 def prefix(out_dir: str | os.PathLike, split: str) -> str:

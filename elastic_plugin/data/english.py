@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from .archives import read_members
+from .corpus import staged_corpus
 from .english_sources import SOURCES, Source
 
 __all__ = [
@@ -492,9 +493,7 @@ def prepare_corpus(
 
     tok = open_tokenizer(spec.path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with staged_corpus(out) as (tmp, publish):
         counts: dict[str, dict[str, int]] = {}
         tokens: dict[str, int] = {}
         for name in SPLITS:
@@ -535,13 +534,7 @@ def prepare_corpus(
             "eos": {"token": spec.eos_token, "id": spec.eos_id},
             "vocab_size": tok.vocab_size,
         }
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        publish(meta)
     return {**meta, "reused": False, "fetched": fetched}
 
 

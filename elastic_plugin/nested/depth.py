@@ -127,22 +127,12 @@ def depth_pruned_state_dict(
 def depth_pruned_model(model, model_cfg: ModelConfig, drop: Sequence[int]):
     """``(plain pruned model, its config)`` from ``model`` (plain, TP=PP=EP=1), left unchanged.
     Call after Megatron's parallel state is initialized (as for building ``model``)."""
-    import torch
-
-    from elastic_plugin.parallel import Layout, build_model_chunks
+    from elastic_plugin.nested.model import plain_model
 
     small = depth_pruned_config(model_cfg, drop)
     inner = getattr(model, "module", model)
     state = depth_pruned_state_dict(inner.state_dict(), model_cfg.num_layers, drop)
-    dtype = next(inner.parameters()).dtype
-    rng = torch.get_rng_state()  # building draws init weights; keep the caller's RNG stream
-    try:
-        plain = build_model_chunks(small, Layout(), params_dtype=dtype, wrap_ddp=False)[0][0]
-    finally:
-        torch.set_rng_state(rng)
-    plain.load_state_dict(state, strict=True)
-    plain.to(next(inner.parameters()).device)
-    return plain, small
+    return plain_model(small, state, inner), small
 
 
 def write_depth_pruned(ckpt: str | Path, out: str | Path, drop: Sequence[int]) -> Path:

@@ -40,21 +40,29 @@ def nested_model(
     model is left unchanged; call after Megatron's parallel state is initialized (as for
     building ``model``)."""
     from elastic_plugin.nested.slicing import nested_state_dict
-    from elastic_plugin.parallel import Layout, build_model_chunks
 
     choice = homogeneous_choice(choice)
     small = model_for_choice(model_cfg, choice)
-    state = nested_state_dict(model, model_cfg, choice)
-    dtype = next(model.parameters()).dtype
-    rng = torch.get_rng_state()  # building draws init weights; keep the caller's RNG stream
+    plain = plain_model(small, nested_state_dict(model, model_cfg, choice), model)
+    plain.eval()
+    return plain, small
+
+
+def plain_model(config, state: dict, like) -> Any:
+    """A plain single-rank ``HybridModel`` of ``config`` holding ``state`` (strict), in ``like``'s
+    dtype and on its device; building draws init weights, so the caller's RNG stream is kept."""
+    from elastic_plugin.parallel import Layout, build_model_chunks
+
+    reference = next(like.parameters())
+    rng = torch.get_rng_state()
     try:
-        plain = build_model_chunks(small, Layout(), params_dtype=dtype, wrap_ddp=False)[0][0]
+        plain = build_model_chunks(config, Layout(), params_dtype=reference.dtype, wrap_ddp=False)[
+            0
+        ][0]
     finally:
         torch.set_rng_state(rng)
     plain.load_state_dict(state, strict=True)
-    plain.to(next(model.parameters()).device)
-    plain.eval()
-    return plain, small
+    return plain.to(reference.device)
 
 
 def _checked_choices(
