@@ -424,3 +424,22 @@ def test_e2m1_magnitude_rounding_keeps_modelopts_boundaries():
                         torch.nextafter(points, points - 1).clamp(min=0), torch.rand(4096) * 8])  # fmt: skip
     got = _round_e2m1_magnitude(points)
     assert got.tolist() == [expected(v) for v in points.tolist()]
+
+
+def test_seq_length_flag_sets_calibration_and_validation_sequences() -> None:
+    # export's --seq-length: the run's sequence length where the checkpoint's config holds the
+    # YAML's (a run trained with --seq-length keeps the YAML's in its training section)
+    import argparse
+
+    from elastic_plugin.export.cli import _add_quant_args, _quant_options
+    from elastic_plugin.export.extract import QuantOptions
+
+    meta = {"config": {"training": {"seq_length": 512}}}
+    assert QuantOptions().sequence_length(meta) == 512
+    assert QuantOptions(seq_length=32).sequence_length(meta) == 32
+    assert QuantOptions().sequence_length({"config": {}}) == 128
+    parser = argparse.ArgumentParser()
+    _add_quant_args(parser)
+    assert _quant_options(parser.parse_args(["--seq-length", "64"])).sequence_length(meta) == 64
+    with pytest.raises(ConfigError, match=r"--seq-length 0: must be >= 1"):
+        _quant_options(parser.parse_args(["--seq-length", "0"]))

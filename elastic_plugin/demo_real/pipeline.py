@@ -287,6 +287,7 @@ def run(
         _cli(
             "export", "--ckpt", ckpts / "elastic", "--out", out / "exports", "--nested",
             "--eval-sequences", s.export_sequences, "--calib-samples", s.calib_samples,
+            "--seq-length", s.train_seq or train_cfg["seq_length"],
             "--nvfp4-unaligned", "high-precision", "--no-progress",
             # the report reads the HF exports; a plain Megatron checkpoint per budget (1.2 GB in
             # FP32) is `elastic-plugin extract`'s job when a user wants one

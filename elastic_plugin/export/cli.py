@@ -56,6 +56,14 @@ def _add_quant_args(parser: argparse.ArgumentParser) -> None:
         "(default: the checkpoint's training data)",
     )
     group.add_argument(
+        "--seq-length",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens per calibration (and, for export, validation) sequence (default: the "
+        "checkpoint's training seq_length)",
+    )
+    group.add_argument(
         "--nvfp4-unaligned",
         default="error",
         metavar="{error,high-precision}",
@@ -65,7 +73,9 @@ def _add_quant_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _quant_options(args: argparse.Namespace) -> QuantOptions:
-    return QuantOptions(args.nvfp4_unaligned, args.calib_samples, args.calib_data)
+    if args.seq_length is not None and args.seq_length < 1:
+        raise ConfigError(f"--seq-length {args.seq_length}: must be >= 1")
+    return QuantOptions(args.nvfp4_unaligned, args.calib_samples, args.calib_data, args.seq_length)
 
 
 def register_subcommand(subparsers: argparse._SubParsersAction) -> None:

@@ -120,6 +120,13 @@ class QuantOptions:
     nvfp4_unaligned: str = "error"
     calib_samples: int = 0
     calib_data: str | None = None
+    seq_length: int | None = None  # tokens per sequence; None: the checkpoint's training one
+
+    def sequence_length(self, meta: dict[str, Any]) -> int:
+        """``seq_length``, else the checkpoint's training ``seq_length`` (128 when it has none)."""
+        if self.seq_length is not None:
+            return self.seq_length
+        return int((meta["config"].get("training") or {}).get("seq_length", 128))
 
 
 @dataclass
@@ -395,10 +402,10 @@ def calibrated_amax(
     from elastic_plugin.export.tokens import calibration_tokens
 
     assert plan.quantize is not None
-    seq_length = int((plan.meta["config"].get("training") or {}).get("seq_length", 128))
     tokens = calibration_tokens(
-        plan.meta, plan.quant.calib_samples, seq_length, plan.quant.calib_data
-    )
+        plan.meta, plan.quant.calib_samples, plan.quant.sequence_length(plan.meta),
+        plan.quant.calib_data,
+    )  # fmt: skip
     model = build_hf_model(config, plain, torch.float32, "the budget's model")
     return calibrate_input_amax(model, tokens[:, :-1].split(CALIB_BATCH), plan.quantize)
 

@@ -173,7 +173,7 @@ def export_all(
     jobs = _plans(ckpt, out, precisions, megatron, max_shard_size, quant)
     meta = jobs[0].plan.meta
     out.mkdir(parents=True, exist_ok=True)
-    seq_length = int((meta["config"].get("training") or {}).get("seq_length", 128))
+    seq_length = (quant or QuantOptions()).sequence_length(meta)
     tokens = validation_tokens(meta, eval_sequences, seq_length) if eval_sequences else None
     start = time.time()
     source = load_source(jobs[0].plan)
