@@ -155,15 +155,9 @@ def prepare_corpus(
         "max_train_documents": max_train_documents,
     }
     out = Path(out_dir).resolve()
-    meta_path = out / META_FILE
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        if meta.get("settings") == settings and all(
-            (out / f"{s}_text_document.{ext}").is_file() for s in SPLITS for ext in ("bin", "idx")
-        ):
-            return {**meta, "reused": True}
-    if out.exists() and any(out.iterdir()) and not meta_path.is_file():
-        raise CorpusError(f"{out} is a non-empty directory that is not a prepared corpus")
+    reused = prepared_corpus(out, settings, CorpusError)
+    if reused is not None:
+        return reused
 
     from .indexed import write_text_documents
 
@@ -193,6 +187,24 @@ def prepare_corpus(
         }
         publish(meta)
     return {**meta, "reused": False}
+
+
+def prepared_corpus(
+    out: Path, settings: dict[str, Any], error: type[Exception]
+) -> dict[str, Any] | None:
+    """The meta of the corpus already in ``out`` when it was made with ``settings`` and every
+    split's files are there (``reused``: True), else None; ``error`` when ``out`` holds other
+    files (nothing is overwritten that is not a corpus)."""
+    meta_path = out / META_FILE
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("settings") == settings and all(
+            (out / f"{s}_text_document.{ext}").is_file() for s in SPLITS for ext in ("bin", "idx")
+        ):
+            return {**meta, "reused": True}
+    if out.exists() and any(out.iterdir()) and not meta_path.is_file():
+        raise error(f"{out} is a non-empty directory that is not a prepared corpus")
+    return None
 
 
 @contextmanager

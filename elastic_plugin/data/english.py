@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from .archives import read_members
-from .corpus import staged_corpus
+from .corpus import prepared_corpus, staged_corpus
 from .english_sources import SOURCES, Source
 
 __all__ = [
@@ -469,15 +469,9 @@ def prepare_corpus(
             f"test_fraction={test_fraction}, valid_fraction={valid_fraction}: each must be in (0, 0.5)"
         )
     out = Path(out_dir).resolve()
-    meta_path = out / META_FILE
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        if meta.get("settings") == settings and all(
-            (out / f"{s}_text_document.{ext}").is_file() for s in SPLITS for ext in ("bin", "idx")
-        ):
-            return {**meta, "reused": True}
-    if out.exists() and any(out.iterdir()) and not meta_path.is_file():
-        raise EnglishCorpusError(f"{out} is a non-empty directory that is not a prepared corpus")
+    reused = prepared_corpus(out, settings, EnglishCorpusError)
+    if reused is not None:
+        return reused
 
     folder = Path(cache) if cache is not None else default_cache()
     fetched = fetch_sources(folder, sources, run=run)
